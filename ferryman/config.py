@@ -1,0 +1,214 @@
+"""Frozen configuration dataclasses.
+
+`ModelConfig` is the engine's normalised view of a Hugging Face `config.json`: every architecture
+file in `ferryman/models/` turns its own config dialect into this one shape, so layers and the
+engine never read raw HF keys.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ferryman.errors import ConfigError
+
+RouterKind = Literal["softmax_topk", "topk_softmax"]
+ExpertAct = Literal["silu", "swiglu_oai"]
+QKNorm = Literal["none", "head", "full"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: Literal["default", "yarn", "linear"] = "default"
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # e.g. "mxfp4"
+    modules_to_not_convert: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # routed experts
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    router_kind: RouterKind
+    router_bias: bool
+    expert_act: ExpertAct
+    expert_bias: bool
+    # dense FFN, for layers listed in dense_layers
+    intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # attention
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    qk_norm: QKNorm = "none"
+    clip_qkv: float | None = None
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 4096
+    # misc
+    rms_norm_eps: float = 1e-6
+    norm_weight_fp32: bool = False  # gpt-oss multiplies the norm weight before casting back
+    tie_word_embeddings: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    torch_dtype: str = "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    quant: QuantConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.num_experts > 0 and not 0 < self.top_k <= self.num_experts:
+            raise ConfigError(f"top-k {self.top_k} is not in 1..num_experts ({self.num_experts})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+
+    # ---- derived views -------------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def window_of(self, layer: int) -> int | None:
+        """Sliding window of a layer, or None for full attention."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window
+
+    @property
+    def expert_format(self) -> str:
+        return self.quant.method if self.quant is not None else "dense"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype_from_str(self.torch_dtype)
+
+    @staticmethod
+    def from_hf(source: str | Path | dict[str, Any]) -> "ModelConfig":
+        """Build from a model folder, a config.json path, or an already-parsed dict."""
+        from ferryman.models.registry import get_architecture
+
+        hf = source if isinstance(source, dict) else read_config_json(source)
+        model_type = hf.get("model_type")
+        if not model_type:
+            raise ConfigError("config.json has no 'model_type'")
+        return get_architecture(model_type).parse_config(hf)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def dtype_from_str(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {name!r}; choose one of float32, bfloat16, float16")
+    return _DTYPES[key]
+
+
+def read_config_json(source: str | Path) -> dict[str, Any]:
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.parent.exists():
+        raise ConfigError(f"model folder {path.parent} does not exist")
+    if not path.exists():
+        raise ConfigError(f"no config.json in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+    """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ("default", "yarn", "linear"):
+        raise ConfigError(f"unsupported rope type {kind!r} (supported: default, yarn, linear)")
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(merged.get("factor") or 1.0),
+        original_max_position=int(
+            merged.get("original_max_position_embeddings")
+            or hf.get("original_max_position_embeddings")
+            or max_pos
+        ),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=merged.get("attention_factor"),
+        partial_rotary_factor=float(
+            merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        ),
+    )
+
+
+def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig | None:
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "?")
+    if method not in supported:
+        raise ConfigError(
+            f"unsupported quantization_config.quant_method {method!r} for "
+            f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
+        )
+    return QuantConfig(method=method, modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -1,0 +1,51 @@
+"""Expert banks: every routed expert of every MoE layer, in its checkpoint format.
+
+Banks are `[E, ...]` tensors per layer, one per name of the format (`w13`, `w2`, `w13_blocks`, ...),
+so expert e of layer l is `banks[l][name][e]` for every name. Today the store lives on one device
+(resident mode); the offload path keeps it in pinned host memory and caches slots on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferryman.config import ModelConfig
+from ferryman.errors import WeightError
+from ferryman.models.base import Target
+from ferryman.quant.base import get_format
+
+
+class ExpertStore:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.cfg = cfg
+        self.format = get_format(cfg.expert_format)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        specs = self.format.bank_specs(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype
+        )
+        # banks[layer][name]: [E, ...]
+        self.banks: dict[int, dict[str, torch.Tensor]] = {
+            layer: {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
+            for layer in cfg.moe_layers
+        }
+
+    def write(self, target: Target, tensor: torch.Tensor, source_name: str, file: str) -> None:
+        """Copy one checkpoint tensor into the bank slice named by `target`."""
+        bank = self.banks[target.layer][target.name]
+        dst = bank if target.expert is None else bank[target.expert]
+        if target.rows is not None:
+            dst = dst[:, target.rows[0] : target.rows[1]] if target.expert is None else dst[target.rows[0] : target.rows[1]]
+        src = tensor.transpose(-1, -2) if target.transpose else tensor
+        if tuple(src.shape) != tuple(dst.shape):
+            raise WeightError(source_name, file, expected=dst.shape, actual=src.shape)
+        dst.copy_(src.to(dst.dtype) if dst.dtype != torch.uint8 else src)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for b in self.banks.values() for t in b.values())
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert of one layer, all banks together."""
+        return self.format.expert_bytes(
+            self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.cfg.expert_bias, self.dtype
+        )

@@ -1,0 +1,59 @@
+"""Self-attention block: fused QKV projection, optional q/k norms, RoPE, paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferryman.config import ModelConfig
+from ferryman.layers.norms import RMSNorm
+from ferryman.layers.paged_attention import AttnMetadata, paged_attention, write_kv
+from ferryman.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """One attention layer. The runner binds `k_cache`/`v_cache` ([N, S, Hkv, D]) before use."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
+        self.window = cfg.window_of(layer)
+        self.scale = cfg.head_dim**-0.5
+        self.rotary = rotary
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # x: [T, H]; positions: [T]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(T, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # k: [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q, k = self.rotary(positions, q, k)
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("attention layer used before the KV cache was allocated")
+        write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        sinks = self.sinks.float() if self.sinks is not None else None
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.window, sinks)
+        return self.o_proj(o.reshape(T, self.q_size))

@@ -1,0 +1,70 @@
+"""MoE block: the router lives here, the expert weights do not.
+
+The block computes top-k routing and hands (x, expert ids, weights) to an `ExpertBackend`, which owns
+the banks and maps expert ids to the slots that hold them. Resident, cached and streamed experts
+all go through the same call.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferryman.config import ModelConfig
+
+
+class ExpertBackend(Protocol):
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+    ) -> torch.Tensor:
+        """x: [T, H], topk_ids: [T, K] expert ids, topk_w: [T, K] -> [T, H]."""
+        ...
+
+
+def route(
+    logits: torch.Tensor, top_k: int, kind: str, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router math of each family (see shared/notes/formats.md). logits: [T, E] -> ids, weights [T, K]."""
+    if kind == "topk_softmax":  # gpt-oss: top-k on raw logits, softmax over the k
+        top_v, top_i = torch.topk(logits, top_k, dim=-1)
+        return top_i, torch.softmax(top_v, dim=-1, dtype=top_v.dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    top_v, top_i = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top_v = top_v / top_v.sum(dim=-1, keepdim=True)
+    return top_i, top_v
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.top_k = cfg.top_k
+        self.kind = cfg.router_kind
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        self.experts: ExpertBackend | None = None  # bound by the model runner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        if self.experts is None:
+            raise RuntimeError(f"MoE layer {self.layer} has no expert backend bound")
+        topk_ids, topk_w = route(self.gate(x), self.top_k, self.kind, self.renormalize)
+        return self.experts.forward(self.layer, x, topk_ids, topk_w)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP for the dense layers of mixed models: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,68 @@
+"""The decoder shared by every supported MoE architecture.
+
+Architecture files only translate configs and checkpoint names; the module tree is this one:
+embed -> N x (norm, attention, residual, norm, MoE or dense MLP, residual) -> norm -> lm_head.
+Routed-expert weights are not part of this tree (see `ferryman.experts`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferryman.config import ModelConfig
+from ferryman.layers.attention import Attention
+from ferryman.layers.moe import DenseMLP, SparseMoE
+from ferryman.layers.norms import RMSNorm
+from ferryman.layers.paged_attention import AttnMetadata
+from ferryman.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        fp32 = cfg.norm_weight_fp32
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
+        self.self_attn = Attention(cfg, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
+        self.mlp: nn.Module = (
+            SparseMoE(cfg, layer)
+            if cfg.is_moe_layer(layer)
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # x: [T, H]
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # one rotary table shared by all layers (it is a buffer, not a parameter)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, H] (final norm applied)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H] -> logits: [B, V] fp32
+        return self.lm_head(hidden).float()
+
+    def moe_blocks(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]

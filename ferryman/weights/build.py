@@ -1,0 +1,91 @@
+"""Resolve a model argument (folder or preset), build the module tree and the expert store, load weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ferryman.config import ModelConfig, dtype_from_str, read_config_json
+from ferryman.errors import ConfigError, ModelLoadError
+from ferryman.experts.store import ExpertStore
+from ferryman.models.registry import get_architecture
+from ferryman.models.transformer import MoETransformer
+from ferryman.weights.loader import load_weights
+from ferryman.weights.presets import get_preset, is_preset
+from ferryman.weights.sources import DummySource, SafetensorsSource, TensorSource
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    model: MoETransformer
+    store: ExpertStore
+    folder: Path | None  # None for presets (no tokenizer files)
+
+
+def resolve_hf_config(model: str, load_format: str) -> tuple[dict, Path | None]:
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{path} is not a folder; pass the model folder holding config.json")
+        return read_config_json(path), path
+    if is_preset(model):
+        if load_format != "dummy":
+            raise ModelLoadError(
+                f"{model!r} is a built-in preset without weights; add --load-format dummy "
+                f"to run it with random weights, or pass a model folder"
+            )
+        return dict(get_preset(model)), None
+    raise ModelLoadError(f"model folder {path} does not exist (and {model!r} is not a built-in preset)")
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
+    return cfg.dtype if dtype == "auto" else dtype_from_str(dtype)
+
+
+def build_model(
+    model: str,
+    device: torch.device,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    max_positions: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> LoadedModel:
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
+    hf, folder = resolve_hf_config(model, load_format)
+    cfg = ModelConfig.from_hf(hf)
+    arch = get_architecture(cfg.model_type)
+    torch_dtype = resolve_dtype(dtype, cfg)
+    positions = max_positions or cfg.max_position_embeddings
+    net = _instantiate(cfg, torch_dtype, device, positions)
+    store = ExpertStore(cfg, torch_dtype, device)
+    source: TensorSource
+    if load_format == "dummy":
+        source = DummySource(arch.checkpoint_tensors(cfg), cfg.hidden_size, seed, device)
+    else:
+        assert folder is not None  # presets were rejected above without dummy weights
+        source = SafetensorsSource(folder)
+    load_weights(net, store, arch, cfg, source, progress=progress)
+    return LoadedModel(cfg, net.eval(), store, folder)
+
+
+def _instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, positions: int) -> MoETransformer:
+    """Build on the meta device (no init cost), then allocate uninitialised storage on `device`."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            net = MoETransformer(cfg, positions)
+    finally:
+        torch.set_default_dtype(previous)
+    net = net.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty unties shared parameters
+        net.lm_head.weight = net.embed_tokens.weight
+    net.rotary.build(device)
+    return net

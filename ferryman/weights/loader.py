@@ -1,0 +1,88 @@
+"""Fill a `MoETransformer` and an `ExpertStore` from a tensor source.
+
+Invariant: after `load_weights` returns, every parameter of the module tree and every expert bank
+slice has been written exactly from the checkpoint (or the dummy generator); anything missing or
+mis-shaped raised a `WeightError` naming the tensor and its file first.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+
+from ferryman.config import ModelConfig
+from ferryman.errors import WeightError
+from ferryman.experts.store import ExpertStore
+from ferryman.models.base import Architecture
+from ferryman.weights.sources import TensorSource
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]loading weights"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tensors"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=True,
+    )
+
+
+def load_weights(
+    model: nn.Module,
+    store: ExpertStore,
+    arch: Architecture,
+    cfg: ModelConfig,
+    source: TensorSource,
+    progress: bool = False,
+) -> None:
+    schema = arch.checkpoint_tensors(cfg)
+    available = source.names()
+    missing = [n for n in schema if n not in available]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise WeightError(missing[0], source.file_of(missing[0]), reason=f"missing from the checkpoint{more}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written: set[str] = set()
+    with torch.no_grad(), _progress(progress) as bar:
+        task = bar.add_task("load", total=len(schema))
+        for name, (shape, _) in schema.items():
+            actual = source.shape(name)
+            if tuple(actual) != tuple(shape):
+                raise WeightError(name, source.file_of(name), expected=shape, actual=actual)
+            target = arch.map_name(cfg, name)
+            if target is None:
+                raise WeightError(name, source.file_of(name), reason="no place in the model for this tensor")
+            tensor = source.get(name)
+            if target.kind == "expert":
+                store.write(target, tensor, name, source.file_of(name))
+            else:
+                _write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
+                written.add(target.name)
+            bar.advance(task)
+    unfilled = [n for n in params if n not in written and not _tied(cfg, n)]
+    if unfilled:
+        raise WeightError(unfilled[0], source.file_of(unfilled[0]), reason="parameter got no checkpoint tensor")
+
+
+def _tied(cfg: ModelConfig, name: str) -> bool:
+    return cfg.tie_word_embeddings and name == "lm_head.weight"
+
+
+def _write_param(
+    params: dict[str, nn.Parameter],
+    pname: str,
+    rows: tuple[int, int] | None,
+    tensor: torch.Tensor,
+    name: str,
+    file: str,
+) -> None:
+    if pname not in params:
+        raise WeightError(name, file, reason=f"maps to {pname}, which the model does not have")
+    dst = params[pname].data
+    if rows is not None:
+        dst = dst[rows[0] : rows[1]]
+    if tuple(dst.shape) != tuple(tensor.shape):
+        raise WeightError(name, file, expected=dst.shape, actual=tensor.shape)
+    dst.copy_(tensor.to(dst.dtype))
