@@ -1,0 +1,145 @@
+"""Every environment variable ferryman reads, typed, in one place.
+
+    from ferryman.envs import envs
+    if envs.MOE_BACKEND == "triton": ...
+
+Reading `envs.X` parses `os.environ` at that moment (so tests can monkeypatch it); an unset or
+empty variable gives the default; a bad value raises ConfigError naming the variable and value.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Generic, TypeVar, overload
+
+from ferryman.errors import ConfigError
+
+T = TypeVar("T", bool, int, float, str)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}")
+
+
+def _parse(type_: type, raw: str) -> Any:
+    if type_ is bool:
+        return _parse_bool(raw)
+    if type_ in (int, float):
+        return type_(raw.strip())
+    return raw.strip()
+
+
+class EnvVar(Generic[T]):
+    """One typed environment variable; a descriptor when used as a class attribute."""
+
+    def __init__(
+        self,
+        name: str,
+        type_: type[T],
+        default: T,
+        help: str,
+        choices: tuple[str, ...] | None = None,
+    ) -> None:
+        if type_ not in (bool, int, float, str):
+            raise ValueError(f"EnvVar {name}: type must be bool, int, float or str, not {type_!r}")
+        if choices is not None and (type_ is not str or default not in choices):
+            raise ValueError(f"EnvVar {name}: choices need type str and a default among them")
+        self.name, self.type, self.default, self.help = name, type_, default, help
+        self.choices = choices
+
+    def parse(self, raw: str) -> T:
+        """Value of the raw string `raw`; ConfigError naming the variable if it is invalid."""
+        try:
+            value = _parse(self.type, raw)
+        except ValueError as e:
+            detail = str(e) if self.type is bool else f"expected {self.type.__name__}"
+            raise ConfigError(f"environment variable {self.name}={raw!r} is invalid: {detail}") from None
+        return self._check_choice(raw, value) if self.choices else value
+
+    def _check_choice(self, raw: str, value: str) -> str:
+        # Choices match case-insensitively and come back in their canonical spelling.
+        for choice in self.choices or ():
+            if choice.lower() == value.lower():
+                return choice
+        raise ConfigError(
+            f"environment variable {self.name}={raw!r} is invalid: "
+            f"expected one of {'|'.join(self.choices or ())}"
+        )
+
+    def is_set(self) -> bool:
+        return os.environ.get(self.name, "").strip() != ""
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name, "")
+        return self.parse(raw) if raw.strip() else self.default
+
+    def kind(self) -> str:
+        """Type or choices as shown by `describe`, e.g. `bool` or `auto|torch|triton`."""
+        return "|".join(self.choices) if self.choices else self.type.__name__
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> EnvVar[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> T: ...
+    def __get__(self, obj: object | None, owner: type) -> EnvVar[T] | T:
+        return self if obj is None else self.get()
+
+    def __repr__(self) -> str:
+        return f"EnvVar({self.name}: {self.kind()} = {self.default!r})"
+
+
+_BACKENDS = ("auto", "torch", "triton")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class Envs:
+    """The registry: every EnvVar class attribute here is a variable ferryman reads."""
+
+    MOE_BACKEND = EnvVar(
+        "FERRYMAN_MOE_BACKEND", str, "auto",
+        "fused-MoE kernels: auto = triton on CUDA, torch otherwise", choices=_BACKENDS,
+    )
+    ATTN_BACKEND = EnvVar(
+        "FERRYMAN_ATTN_BACKEND", str, "auto",
+        "paged-attention kernels: auto = triton on CUDA, torch otherwise", choices=_BACKENDS,
+    )
+    LOG_LEVEL = EnvVar(
+        "FERRYMAN_LOG_LEVEL", str, "INFO", "log level of the ferryman loggers", choices=_LOG_LEVELS,
+    )
+    DISABLE_CUDA_GRAPHS = EnvVar(
+        "FERRYMAN_DISABLE_CUDA_GRAPHS", bool, False, "run decode eagerly, without CUDA graphs",
+    )
+    DEBUG = EnvVar(
+        "FERRYMAN_DEBUG", bool, False, "extra checks and logging (slow); full tracebacks",
+    )
+
+
+envs = Envs()
+
+
+def all_vars() -> list[EnvVar[Any]]:
+    """The registered variables, in declaration order."""
+    return [v for v in vars(Envs).values() if isinstance(v, EnvVar)]
+
+
+def snapshot() -> dict[str, Any]:
+    """Current value of every variable by name; raises ConfigError on the first bad one."""
+    return {v.name: v.get() for v in all_vars()}
+
+
+def describe() -> str:
+    """One line per variable for `--help`: name, type or choices, default, help, current value."""
+    rows = [(v.name, v.kind(), f"default {v.default}", v.help, v) for v in all_vars()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = ["environment variables:"]
+    for name, kind, default, help_, var in rows:
+        cells = [c.ljust(w) for c, w in zip((name, kind, default), widths)]
+        now = f" [set: {os.environ[var.name].strip()}]" if var.is_set() else ""
+        lines.append("  " + "  ".join(cells) + "  " + help_ + now)
+    return "\n".join(lines)

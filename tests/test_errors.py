@@ -1,0 +1,59 @@
+"""User-facing errors: one-line messages that carry the facts, and the expected hierarchy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferryman.errors import (
+    ConfigError,
+    EngineDeadError,
+    FerrymanError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnsupportedModelError,
+    WeightError,
+)
+
+
+def test_weight_error_message() -> None:
+    err = WeightError("model.layers.3.mlp.router.weight", "model-00002.safetensors",
+                      expected=(32, 2880), actual=torch.Size([32, 2048]))
+    assert str(err) == (
+        "weight 'model.layers.3.mlp.router.weight' in model-00002.safetensors: shape mismatch "
+        "(expected shape [32, 2880], got [32, 2048])"
+    )
+    assert (err.expected, err.actual) == ((32, 2880), (32, 2048))
+    missing = WeightError("lm_head.weight", "model.safetensors.index.json", reason="missing")
+    assert str(missing) == "weight 'lm_head.weight' in model.safetensors.index.json: missing"
+
+
+def test_prompt_too_long_carries_both_numbers() -> None:
+    err = PromptTooLongError(5000, 4096)
+    assert "5000" in str(err) and "4096" in str(err)
+    assert (err.prompt_len, err.max_len) == (5000, 4096)
+    assert isinstance(err, ValueError)
+
+
+def test_messages_are_one_line_and_exit_code_is_2() -> None:
+    err = ConfigError("bad value\n  for --max-model-len")
+    assert str(err) == "bad value for --max-model-len"
+    for cls in (ConfigError, ModelLoadError, UnsupportedModelError):
+        assert cls("x").exit_code == 2
+    assert EngineDeadError().exit_code == 2
+    assert str(EngineDeadError("worker 0 exited with code -9")) == (
+        "engine is dead: worker 0 exited with code -9"
+    )
+
+
+@pytest.mark.parametrize(
+    "err, bases",
+    [
+        (ConfigError("x"), (FerrymanError, ValueError)),
+        (UnsupportedModelError("x"), (ModelLoadError, FerrymanError)),
+        (WeightError("t", "f"), (ModelLoadError, FerrymanError)),
+        (EngineDeadError(), (FerrymanError, RuntimeError)),
+    ],
+)
+def test_hierarchy(err: Exception, bases: tuple[type, ...]) -> None:
+    assert all(isinstance(err, b) for b in bases)

@@ -1,0 +1,136 @@
+"""Presets against transformers' config classes and models, and against published sizes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+
+from ferryman.weights.param_count import count_params
+from ferryman.weights.presets import (
+    HF_REPO_IDS,
+    PRESETS,
+    get_preset,
+    is_preset,
+    write_preset_folder,
+)
+
+# Sizes the publishers state (model cards / papers). gpt-oss "active" excludes the embedding
+# table (OpenAI's convention); the others include it.
+PUBLISHED = {  # name: (total, active, active counts the embedding)
+    "gpt-oss-20b": (20.91e9, 3.61e9, False),
+    "gpt-oss-120b": (116.83e9, 5.13e9, False),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, True),
+    "mixtral-8x7b": (46.7e9, 12.9e9, True),
+    "olmoe-1b-7b": (6.9e9, 1.3e9, True),
+}
+
+# Fields of the published config.json that the transformers 5.x config class does not keep
+# under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype), read only by
+# other loaders (gpt-oss experts_per_token / initial_context_length, Qwen max_window_layers),
+# or handled by the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
+FILE_ONLY = {
+    "rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "quantization_config",
+    "experts_per_token", "initial_context_length", "max_window_layers", "head_dim",
+}
+
+
+def _meta_model(cfg: dict) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_field_is_known_to_transformers(name: str) -> None:
+    preset = get_preset(name)
+    default = CONFIG_MAPPING[preset["model_type"]]()
+    unknown = {k for k in preset if not hasattr(default, k)} - FILE_ONLY
+    assert not unknown, f"{name}: fields the config class does not know (typos?): {unknown}"
+    config = AutoConfig.for_model(**preset)
+    for key, value in preset.items():
+        if key not in FILE_ONLY:
+            assert getattr(config, key) == value, key
+    assert config.rope_parameters["rope_theta"] == preset["rope_theta"]
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_count_params_matches_transformers_model(name: str) -> None:
+    preset = get_preset(name)
+    params = dict(_meta_model(preset).named_parameters())
+    total = sum(p.numel() for p in params.values())
+    routed = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
+    experts = preset.get("num_local_experts") or preset["num_experts"]
+    top_k = preset["num_experts_per_tok"]
+    got = count_params(preset)
+    assert got.total == total
+    assert got.active == total - routed * (experts - top_k) // experts
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_count_params_matches_published_sizes(name: str) -> None:
+    preset = get_preset(name)
+    total, active, with_embedding = PUBLISHED[name]
+    got = count_params(preset)
+    embedding = preset["vocab_size"] * preset["hidden_size"]
+    got_active = got.active if with_embedding else got.active - embedding
+    assert got.total == pytest.approx(total, rel=0.02)
+    assert got_active == pytest.approx(active, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "base, overrides",
+    [
+        ("olmoe-1b-7b", {"tie_word_embeddings": True}),
+        ("qwen3-30b-a3b", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
+    ],
+)
+def test_count_params_variants(base: str, overrides: dict) -> None:
+    # Tied embeddings and Qwen3's dense layers, on small dims, against transformers.
+    cfg = {**get_preset(base), "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 256,
+           "intermediate_size": 96, "moe_intermediate_size": 32, "bos_token_id": 1,
+           "eos_token_id": 2, "pad_token_id": 3, **overrides}
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["head_dim"] = 16
+    model = _meta_model(cfg)
+    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt_oss_layout() -> None:
+    for name in ("gpt-oss-20b", "gpt-oss-120b"):
+        cfg = get_preset(name)
+        types = cfg["layer_types"]
+        assert len(types) == cfg["num_hidden_layers"]
+        assert types[0] == "sliding_attention" and types[1] == "full_attention"
+        assert all(t != types[i + 1] for i, t in enumerate(types[:-1]))
+        assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 32.0
+        assert cfg["quantization_config"]["quant_method"] == "mxfp4"
+    assert get_preset("gpt-oss-120b")["num_local_experts"] == 128
+
+
+def test_lookup_and_copies() -> None:
+    assert is_preset("gpt-oss-20b") and is_preset("Qwen/Qwen3-30B-A3B") and not is_preset("llama")
+    for name, repo in HF_REPO_IDS.items():
+        assert get_preset(repo) == PRESETS[name]
+    cfg = get_preset("mixtral-8x7b")
+    cfg["num_hidden_layers"] = 1
+    assert PRESETS["mixtral-8x7b"]["num_hidden_layers"] == 32
+    with pytest.raises(ValueError, match="gpt-oss-20b.*olmoe-1b-7b"):
+        get_preset("gpt-oss-21b")
+
+
+def test_write_preset_folder(tmp_path) -> None:
+    folder = write_preset_folder("olmoe-1b-7b", tmp_path / "olmoe")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+    assert json.loads((folder / "config.json").read_text()) == PRESETS["olmoe-1b-7b"]
+    loaded = AutoConfig.from_pretrained(folder)  # a local folder: no download
+    assert (loaded.num_experts, loaded.norm_topk_prob) == (64, False)
+    write_preset_folder("olmoe-1b-7b", folder)  # same preset again: fine
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        write_preset_folder("mixtral-8x7b", folder)
+
+
+def test_count_params_rejects_unknown_architecture() -> None:
+    with pytest.raises(ValueError, match="deepseek_v3"):
+        count_params({"model_type": "deepseek_v3"})
