@@ -127,7 +127,10 @@ class ModelConfig:
         model_type = hf.get("model_type")
         if not model_type:
             raise ConfigError("config.json has no 'model_type'")
-        return get_architecture(model_type).parse_config(hf)
+        try:
+            return get_architecture(model_type).parse_config(hf)
+        except KeyError as e:
+            raise ConfigError(f"config.json of a {model_type} model lacks the field {e.args[0]!r}") from None
 
 
 _DTYPES = {
@@ -212,3 +215,43 @@ def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLM(...)` and the CLI flags set. Validated once, here."""
+
+    model: str
+    device: str = "auto"  # cpu | cuda | cuda:N | auto
+    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto | safetensors | dummy
+    seed: int = 0  # dummy-weight seed
+    max_model_len: int | None = None  # None: min(model context, 32768)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048  # per step: prefill chunks + decodes
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # None: sized from memory (CUDA) or max_num_seqs x 2 x context cap (CPU)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # disable CUDA graphs
+    gpu_memory_utilization: float = 0.9
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        if self.dtype != "auto":
+            dtype_from_str(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+        return torch.device(self.device)

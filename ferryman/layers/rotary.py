@@ -58,15 +58,20 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = 2 * (int(head_dim * rope.partial_rotary_factor) // 2)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.build(torch.device("cpu") if self.cos.is_meta else self.cos.device)
+        self.build(self.cos.device)  # on "meta" while the model is built shape-only
 
     def build(self, device: torch.device) -> None:
         """(Re)compute the cos/sin tables on `device`, always in fp32."""
-        inv_freq, scaling = inv_freq_of(self.rope, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, rot/2]
-        self.cos = (freqs.cos() * scaling).to(device)
-        self.sin = (freqs.sin() * scaling).to(device)
+        if device.type == "meta":
+            self.cos = torch.empty(0, device=device)
+            self.sin = torch.empty(0, device=device)
+            return
+        with torch.device("cpu"):
+            inv_freq, scaling = inv_freq_of(self.rope, self.head_dim)
+            positions = torch.arange(self.max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]  # [P, rot/2]
+            cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -1,0 +1,60 @@
+"""Incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing list of token ids; emits only text that can no longer change.
+
+    A trailing U+FFFD means the last token ended inside a multi-byte character: that tail is held
+    back until the next token completes it. Stop strings are searched in the text; text from the
+    first stop string on is never emitted.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.text = ""  # stable text emitted so far
+        self.stopped = False
+
+    def update(self, token_ids: list[int]) -> str:
+        """Feed all output ids so far; returns the new stable text (may be empty)."""
+        if self.tokenizer is None or self.stopped:
+            return ""
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            full = full.rstrip("\ufffd")
+        for s in self.stop:
+            # search only where a new match can start
+            idx = full.find(s, max(0, len(self.text) - len(s) + 1))
+            if idx != -1:
+                full, self.stopped = full[:idx], True
+        # hold back a tail that could be the start of a stop string
+        hold = 0 if self.stopped else _partial_stop_len(full, self.stop)
+        stable = full[: len(full) - hold] if hold else full
+        if len(stable) <= len(self.text):
+            return ""
+        delta = stable[len(self.text) :]
+        self.text = stable
+        return delta
+
+    def flush(self, token_ids: list[int]) -> str:
+        """At the end: everything decoded that a stop string did not cut."""
+        if self.tokenizer is None or self.stopped:
+            return ""
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta
+
+
+def _partial_stop_len(text: str, stops: list[str]) -> int:
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                best = max(best, n)
+                break
+    return best

@@ -1,0 +1,57 @@
+"""Turn a `SchedulerOutput` into the flat tensors one forward pass consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.layers.paged_attention import AttnMetadata
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64, the tokens of every scheduled sequence, packed
+    positions: torch.Tensor  # [T] int64
+    meta: AttnMetadata
+    logits_indices: torch.Tensor  # [B_s] int64, row of the last token of each sampling sequence
+    sample_seq_ids: list[int]  # seq ids in the order of logits_indices
+
+
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    logits_idx: list[int] = []
+    sample_ids: list[int] = []
+    for s in out.scheduled:
+        start, n, table = s.start_pos, s.num_tokens, s.seq.block_table
+        ids.extend(s.token_ids)
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(start + n)
+        tables.append(table)
+        if s.sample:
+            logits_idx.append(qsl[-1] - 1)
+            sample_ids.append(s.seq.seq_id)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    meta = AttnMetadata(
+        query_start_loc=t(qsl, torch.int32),
+        seq_lens=t(seq_lens, torch.int32),
+        block_tables=t(padded, torch.int32),
+        slot_mapping=t(slots, torch.int64),
+        max_query_len=max(s.num_tokens for s in out.scheduled),
+        max_seq_len=max(seq_lens),
+    )
+    return StepInputs(t(ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64), sample_ids)

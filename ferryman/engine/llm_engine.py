@@ -1,0 +1,203 @@
+"""The engine loop: requests in, one scheduled step at a time, token deltas out."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ferryman.config import EngineConfig, ModelConfig
+from ferryman.engine.detokenizer import IncrementalDetokenizer
+from ferryman.engine.model_runner import ModelRunner, kv_bytes_per_token
+from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
+from ferryman.engine.inputs import prepare_inputs
+from ferryman.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from ferryman.engine.sequence import Sequence
+from ferryman.envs import envs
+from ferryman.errors import ConfigError, PromptTooLongError
+from ferryman.sampling_params import SamplingParams
+from ferryman.tokenizer import extra_eos_ids, load_tokenizer
+from ferryman.weights.build import build_model
+
+# room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
+_ACTIVATION_HEADROOM = 2 << 30
+_DEFAULT_CONTEXT_CAP = 32768
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    output: RequestOutput
+
+
+class LLMEngine:
+    def __init__(self, ecfg: EngineConfig) -> None:
+        self.ecfg = ecfg
+        self.device = ecfg.torch_device()
+        loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
+                             max_positions=None, progress=ecfg.progress)
+        self.cfg: ModelConfig = loaded.cfg
+        self.tokenizer = load_tokenizer(loaded.folder)
+        self.max_model_len = self._max_model_len()
+        dtype = next(loaded.model.parameters()).dtype
+        num_blocks = self._num_blocks(dtype)
+        eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                num_blocks=num_blocks,
+                max_num_seqs=ecfg.max_num_seqs,
+                max_num_batched_tokens=ecfg.max_num_batched_tokens,
+                block_size=ecfg.block_size,
+                enable_prefix_caching=ecfg.enable_prefix_caching,
+            ),
+            eos_token_ids=eos,
+        )
+        graphs = not (ecfg.enforce_eager or envs.DISABLE_CUDA_GRAPHS)
+        self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
+                                  self.max_model_len, use_cuda_graphs=graphs)
+        self.expert_bytes = loaded.store.nbytes()
+        self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
+        self.finished: dict[int, RequestOutput] = {}  # finished, until popped
+        self.num_steps = 0
+        self.num_generated = 0
+
+    # ---- sizing ------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        ctx = self.cfg.max_position_embeddings
+        if self.ecfg.max_model_len is None:
+            return min(ctx, _DEFAULT_CONTEXT_CAP)
+        if self.ecfg.max_model_len > ctx:
+            raise ConfigError(f"max_model_len {self.ecfg.max_model_len} exceeds the model's context ({ctx})")
+        return self.ecfg.max_model_len
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        per_token = kv_bytes_per_token(self.cfg, dtype)
+        wanted = self.ecfg.max_num_seqs * self.max_model_len
+        if self.ecfg.kv_cache_tokens is not None:
+            tokens = self.ecfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - self.ecfg.gpu_memory_utilization) - _ACTIVATION_HEADROOM
+            tokens = min(wanted, int(budget // per_token))
+        else:
+            tokens = min(wanted, max(4 * self.max_model_len, 1 << 16))
+        blocks = math.ceil(max(tokens, 0) / self.ecfg.block_size)
+        needed = math.ceil(self.max_model_len / self.ecfg.block_size)
+        if blocks < needed:
+            raise ConfigError(
+                f"KV cache holds {blocks * self.ecfg.block_size} tokens, less than max_model_len "
+                f"{self.max_model_len}; it needs {needed * self.ecfg.block_size * per_token / 2**30:.2f} GiB "
+                f"- lower max_model_len or free memory"
+            )
+        return blocks
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_token_ids), self.max_model_len)
+        vocab = self.cfg.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(prompt_token_ids, params)
+        self.scheduler.add(seq)
+        out = RequestOutput(seq.seq_id, list(prompt_token_ids))
+        self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), out)
+        return seq.seq_id
+
+    def abort(self, request_id: int) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._finalize(self.requests[request_id], "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepDelta]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update(out, sampled)
+        self.num_steps += 1
+        self.num_generated += len(sampled)
+        deltas = []
+        for seq_id, token in sampled.items():
+            req = self.requests[seq_id]
+            text = req.detok.update(req.seq.output_token_ids)
+            if req.detok.stopped and not req.seq.is_finished:
+                self.scheduler.finish(seq_id, "stop")
+            reason = req.seq.finish_reason if req.seq.is_finished else None
+            if reason is not None:
+                text += req.detok.flush(req.seq.output_token_ids)
+                self._finalize(req, reason)
+            req.output.text += text
+            deltas.append(StepDelta(seq_id, [token], text, reason))
+        return deltas
+
+    def _finalize(self, req: _Request, reason: str) -> None:
+        seq, out = req.seq, req.output
+        out.token_ids = list(seq.output_token_ids)
+        out.finish_reason = reason
+        out.metrics = _metrics(seq)
+        self.requests.pop(seq.seq_id, None)
+        self.finished[seq.seq_id] = out
+
+    def pop_output(self, request_id: int) -> RequestOutput | None:
+        """The final output of a finished request (once)."""
+        return self.finished.pop(request_id, None)
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits [L_i, V] fp32 at every position of each prompt (evaluation, parity tests).
+
+        All prompts run packed in one prefill through the paged KV cache; blocks are returned
+        uncached."""
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        seqs = []
+        pool = self.scheduler.pool
+        try:
+            for ids in prompts:
+                if len(ids) > self.max_model_len:
+                    raise PromptTooLongError(len(ids), self.max_model_len)
+                seq = Sequence(ids, SamplingParams(max_tokens=1))
+                if not pool.allocate_for(seq, seq.num_tokens):
+                    raise ConfigError(f"KV cache too small to score {sum(map(len, prompts))} tokens at once")
+                seqs.append(seq)
+            step = SchedulerOutput([ScheduledSeq(s, s.num_tokens, 0, False) for s in seqs])
+            inputs = prepare_inputs(step, self.ecfg.block_size, self.device)
+            hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+            logits = self.runner.model.compute_logits(hidden)
+            return list(logits.split([len(p) for p in prompts]))
+        finally:
+            for seq in seqs:
+                pool.free(seq)
+
+    def stats(self) -> dict:
+        return {
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated,
+            "max_model_len": self.max_model_len,
+            "kv_cache_tokens": self.scheduler.config.num_blocks * self.scheduler.config.block_size,
+            "cuda_graphs": self.runner.graphs is not None,
+            "device": str(self.device),
+            "expert_bytes": self.expert_bytes,
+            **self.scheduler.stats(),
+        }
+
+
+def _metrics(seq: Sequence) -> RequestMetrics:
+    m = RequestMetrics(num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                       num_cached_tokens=seq.num_cached_tokens)
+    end = seq.finished_time or time.monotonic()
+    m.total_s = end - seq.arrival_time
+    if seq.first_token_time is not None:
+        m.ttft_s = seq.first_token_time - seq.arrival_time
+        after = end - seq.first_token_time
+        if seq.num_output_tokens > 1 and after > 0:
+            m.decode_tokens_per_s = (seq.num_output_tokens - 1) / after
+    return m

@@ -1,0 +1,75 @@
+"""Runs one scheduled step on the model: inputs -> forward -> logits -> sampled tokens.
+
+Owns the KV cache tensors (bound to each attention layer) and the expert backend bound to each
+MoE block. Decode-only steps replay a captured CUDA graph when one fits the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferryman.config import ModelConfig
+from ferryman.engine.cuda_graph import DecodeGraphs
+from ferryman.engine.inputs import StepInputs, prepare_inputs
+from ferryman.engine.sampler import Sampler
+from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.experts.resident import ResidentExperts
+from ferryman.layers.fused_moe import MoEActivation
+from ferryman.weights.build import LoadedModel
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def expert_activation(cfg: ModelConfig) -> MoEActivation:
+    return MoEActivation(kind=cfg.expert_act, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        use_cuda_graphs: bool,
+    ) -> None:
+        self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
+        self.block_size = block_size
+        self.dtype = next(self.model.parameters()).dtype
+        experts = ResidentExperts(loaded.store, expert_activation(self.cfg))
+        for block in self.model.moe_blocks():
+            block.experts = experts
+        # k_cache, v_cache per layer: [N, S, Hkv, D]
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if use_cuda_graphs and device.type == "cuda":
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, max_model_len, device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run the step; returns seq_id -> sampled token for the sequences that sample."""
+        inputs = prepare_inputs(out, self.block_size, self.device)
+        logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
+        if not inputs.sample_seq_ids:
+            return {}
+        seqs = [s.seq for s in out.scheduled if s.sample]
+        tokens = self.sampler(logits, seqs).tolist()
+        return dict(zip(inputs.sample_seq_ids, tokens))
+
+    def compute_logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
+        """logits [B_s, V] fp32 for the sampling rows."""
+        if decode_only and self.graphs is not None and self.graphs.fits(inputs):
+            return self.graphs.run(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+        if inputs.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.logits_indices])

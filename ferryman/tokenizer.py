@@ -1,0 +1,46 @@
+"""Tokenizers and chat templates through transformers, from local files only."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+# Never reach a model hub: every file must already be in the model folder.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(folder: Path | None) -> Any | None:
+    """The folder's tokenizer, or None when it ships none (tiny test models, presets)."""
+    if folder is None or not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def extra_eos_ids(folder: Path | None, tokenizer: Any | None) -> set[int]:
+    """End-of-sequence ids beyond config.json: generation_config.json and the tokenizer's eos."""
+    ids: set[int] = set()
+    if folder is not None and (folder / "generation_config.json").exists():
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("this model ships no tokenizer, so it has no chat template")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)

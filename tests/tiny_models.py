@@ -1,0 +1,98 @@
+"""Tiny random Hugging Face models of every supported architecture, built with transformers itself.
+
+Biases, sinks and norms that transformers initialises to constants are randomised so those code
+paths are tested. gpt-oss is saved with real MXFP4 blocks and scales; the in-memory reference model
+gets the weights transformers' own dequantiser produces from them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+COMMON = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+)
+CONFIGS: dict[str, dict] = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+                      norm_topk_prob=True, mlp_only_layers=[1], rms_norm_eps=1e-6),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, norm_topk_prob=False,
+                  clip_qkv=2.0, eos_token_id=None, pad_token_id=None),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=12),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, original_max_position_embeddings=64, truncate=False)),
+}
+ARCHS = list(CONFIGS)
+
+
+def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5 * 2.0)
+
+
+def build_tiny(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """Save a tiny `arch` checkpoint to `folder`; return the transformers reference model (fp32, eager)."""
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(arch, **COMMON, **CONFIGS[arch])
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    _randomise(model, gen)
+    model.save_pretrained(folder)
+    if arch == "gpt_oss":
+        _write_mxfp4(model, folder, gen)
+    return model
+
+
+def _write_mxfp4(model: torch.nn.Module, folder: Path, gen: torch.Generator) -> None:
+    """Replace the dense expert tensors with random MXFP4 blocks/scales; load their dequantised values
+    (by transformers' converter) into the reference model."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            ref = getattr(experts, proj)  # [E, in, out]
+            E, k_in, n_out = ref.shape
+            blocks = torch.randint(0, 256, (E, n_out, k_in // 32, 16), dtype=torch.uint8, generator=gen)
+            scales = torch.randint(122, 126, (E, n_out, k_in // 32), dtype=torch.uint8, generator=gen)
+            deq = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+            with torch.no_grad():
+                ref.copy_(deq)
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
