@@ -1,0 +1,5 @@
+import sys
+
+from ferryman.cli import main
+
+sys.exit(main())

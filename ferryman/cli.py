@@ -1,0 +1,137 @@
+"""`ferryman` command line: run, info (serve and bench come with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from ferryman.errors import FerrymanError
+
+DESCRIPTION = """\
+ferryman runs Mixture-of-Experts language models on the machine you have.
+With no MODEL argument, commands use the small demo model bundled with ferryman.
+A MODEL is a Hugging Face model folder (config.json + *.safetensors + tokenizer files),
+or, with --load-format dummy, a built-in preset with random weights
+(gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b)."""
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the exact shapes (no files needed)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(device=a.device, dtype=a.dtype, load_format=a.load_format, max_model_len=a.max_model_len,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                enforce_eager=a.enforce_eager, seed=a.seed_weights, progress=sys.stderr.isatty())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="generate text from a prompt, streamed to the terminal",
+                         description="Generate a completion for PROMPT and stream it to stdout.")
+    run.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    run.add_argument("-p", "--prompt", default="def quicksort(xs):", help="the prompt text")
+    run.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    run.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1 = all)")
+    run.add_argument("--seed", type=int, default=None, help="sampling seed")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--stats", action="store_true", help="print engine statistics after the answer")
+    _engine_flags(run)
+
+    info = sub.add_parser("info", help="architecture, sizes and expert bytes of a model",
+                          description="Print a model's architecture and sizes without loading its weights.")
+    info.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    return parser
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from ferryman import LLM, SamplingParams
+
+    llm = LLM(a.model, **_engine_kwargs(a))
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                            max_tokens=a.max_tokens)
+    if llm.tokenizer is None:
+        raise FerrymanError("this model has no tokenizer files, so it cannot take a text prompt")
+    prompt = llm.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    if not a.chat:
+        sys.stdout.write(a.prompt)
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    out = llm.last_output
+    if out is not None:
+        m = out.metrics
+        tps = f"{m.decode_tokens_per_s:.1f}" if m.decode_tokens_per_s else "-"
+        ttft = f"{m.ttft_s:.3f}" if m.ttft_s is not None else "-"
+        print(f"[{m.num_output_tokens} tokens, finish={out.finish_reason}, ttft {ttft} s, decode {tps} tok/s]",
+              file=sys.stderr)
+    if a.stats:
+        for k, v in llm.stats().items():
+            print(f"  {k}: {v}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from ferryman.llm import default_model
+    from ferryman.models.summary import summarize
+    from ferryman.weights.build import resolve_hf_config
+
+    hf, folder = resolve_hf_config(a.model or default_model(), "dummy")
+    s = summarize(hf)
+    c = s.cfg
+    gib = 2**30
+    rows = [
+        ("model", str(folder) if folder else f"{a.model} (preset)"),
+        ("architecture", c.model_type),
+        ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE)"),
+        ("hidden size", str(c.hidden_size)),
+        ("attention", f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
+                      + (f", sliding window {c.sliding_window}" if c.sliding_window else "")),
+        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"),
+        ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
+        ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
+        ("everything else", f"{s.other_bytes / gib:.2f} GiB"),
+        ("context", str(c.max_position_embeddings)),
+    ]
+    for k, v in rows:
+        print(f"{k:>16}: {v}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return {"run": cmd_run, "info": cmd_info}[a.command](a)
+    except FerrymanError as e:
+        if a.debug:
+            raise
+        print(f"ferryman: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
