@@ -1,0 +1,132 @@
+"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, greedy and seeded rows.
+
+Semantics follow transformers' logits processors (order: repetition penalty, temperature, top-k,
+top-p, min-p) plus OpenAI presence / frequency penalties applied right after the repetition
+penalty (vLLM's order). Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d.
+picks token i with probability p_i. Rows of seeded sequences draw q from the sequence's own
+generator, so a seed gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferryman.engine.sequence import Sequence
+from ferryman.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+class Sampler:
+    """`sampler(logits[B, V] fp32, seqs) -> Tensor[B] int64` token ids (one row per sequence)."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"logits must be [B, V] with B = {len(seqs)} sequences, "
+                             f"got shape {tuple(logits.shape)}")
+        logits = apply_penalties(logits.float(), seqs)  # [B, V]
+        params = [s.params for s in seqs]
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        logits = logits / _column([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                  logits)
+        logits = apply_top_k_top_p_min_p(logits, *_filter_params(params, logits))
+        tokens = sample_exponential_race(logits.softmax(dim=-1), seqs)  # [B]
+        if any(greedy):
+            greedy_rows = torch.tensor(greedy, device=logits.device)
+            tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
+        return tokens
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """[B] python values -> [B, 1] tensor on the device of `like`."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _padded_ids(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """Ragged token ids -> [B, L] int64, padded (and out-of-vocab ids mapped) to `vocab`."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), vocab, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    return ids.clamp_(0, vocab).to(device)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [B, V] -> [B, V] with repetition (prompt + output tokens, HF semantics) and
+    presence / frequency (output tokens, OpenAI semantics) penalties."""
+    B, V = logits.shape
+    rep = [s.params.repetition_penalty for s in seqs]
+    pres = [s.params.presence_penalty for s in seqs]
+    freq = [s.params.frequency_penalty for s in seqs]
+    if any(r != 1.0 for r in rep):
+        rows = [s.all_token_ids if r != 1.0 else [] for s, r in zip(seqs, rep)]
+        seen = torch.zeros(B, V + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, _padded_ids(rows, V, logits.device), True)  # column V collects padding
+        r = _column(rep, logits)
+        penalized = torch.where(logits < 0, logits * r, logits / r)
+        logits = torch.where(seen[:, :V], penalized, logits)
+    if any(p != 0.0 or f != 0.0 for p, f in zip(pres, freq)):
+        rows = [s.output_token_ids if p != 0.0 or f != 0.0 else [] for s, p, f in zip(seqs, pres, freq)]
+        ids = _padded_ids(rows, V, logits.device)
+        counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)
+        counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))[:, :V]
+        logits = logits - _column(freq, logits) * counts - _column(pres, logits) * (counts > 0)
+    return logits
+
+
+def _filter_params(params: list[SamplingParams], logits: torch.Tensor
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row top_k [B] int64, top_p [B], min_p [B]; None where no row uses the filter."""
+    V = logits.shape[1]
+    device = logits.device
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 for p in params):
+        ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
+        top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+    return top_k, top_p, min_p
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                            top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """logits: [B, V] (temperature applied) -> [B, V] with filtered tokens set to -inf.
+
+    top_k / top_p / min_p: [B] per-row values (k = V, p = 1, min_p = 0 leave a row alone), or
+    None when no row filters. The most likely token always survives."""
+    if top_k is None and top_p is None and min_p is None:
+        return logits
+    # Work in descending order: sorted_logits[:, 0] is each row's most likely token.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        # Like HF: tokens tied with the k-th largest logit are kept.
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # [B, 1]
+        remove |= sorted_logits < kth
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(remove, _NEG_INF).softmax(dim=-1)
+        # HF drops a token when the mass of it and every less likely token is <= 1 - top_p.
+        mass_from_tail = probs.flip(-1).cumsum(dim=-1).flip(-1)  # [B, V]
+        remove |= mass_from_tail <= (1.0 - top_p).unsqueeze(1)
+    if min_p is not None:
+        probs = sorted_logits.masked_fill(remove, _NEG_INF).softmax(dim=-1)
+        remove |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    remove[:, 0] = False
+    return logits.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def sample_exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """probs: [B, V] -> [B] int64 sampled ids; rows of seeded sequences use their own generator."""
+    q = torch.empty_like(probs).exponential_()  # [B, V]
+    for i, seq in enumerate(seqs):
+        gen = seq.generator(probs.device)
+        if gen is not None and not seq.params.greedy:
+            q[i].exponential_(generator=gen)
+    # A draw of exactly 0 would turn a zero-probability token into 0/0 = nan, which argmax picks.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)

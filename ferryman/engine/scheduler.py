@@ -1,0 +1,245 @@
+"""Continuous-batching scheduler with chunked prefill, prefix caching and recompute preemption.
+
+Each step the scheduler decides which sequences run and how many of their tokens are computed;
+`SchedulerOutput` is the only thing the model runner sees. Policy:
+  1. running sequences first, oldest admission first: a decode takes 1 token, a sequence still in
+     prefill takes its next chunk (as much as the token budget leaves);
+  2. when a running sequence needs a block and the pool is empty, the most recently admitted
+     running sequence is preempted (blocks freed, back to the front of the waiting queue, its
+     tokens recomputed when readmitted); a sequence with nobody behind it preempts itself;
+  3. if nothing was preempted, waiting sequences are admitted FCFS while the token budget, the
+     sequence limit and the pool allow; the last one admitted may get only a chunk of its prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
+from ferryman.kvcache.block_pool import BlockPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_model_len: int  # prompt + output tokens of one sequence
+    num_blocks: int  # KV blocks in the pool
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
+        # A sequence alone in the pool must always fit, or it could never be (re)admitted.
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(f"KV pool holds {capacity} tokens ({self.num_blocks} blocks of "
+                             f"{self.block_size}) < max_model_len={self.max_model_len}")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence  # the sequence; its block_table already covers the new tokens
+    num_tokens: int  # tokens computed this step (prefill chunk length, or 1 for a decode)
+    start_pos: int  # position of the first of them == seq.num_computed_tokens before the step
+    sample: bool  # True when the chunk reaches the last known token: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids fed to the model for this sequence this step."""
+        return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_tokens)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start_pos >= self.seq.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Sequences computed this step in the order their tokens are packed: running ones first,
+    # then newly admitted ones. Prefill chunks and decodes are mixed.
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Sum of num_tokens over `scheduled` (<= max_num_batched_tokens).
+    num_batched_tokens: int = 0
+    # Sequences preempted while building this step (their KV is gone; they will be recomputed).
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences finished or aborted since the previous schedule(): per-sequence state elsewhere
+    # (runner buffers, detokenisers) can be dropped.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence computes exactly one token (the case CUDA graphs capture)."""
+        return all(s.num_tokens == 1 for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        # Invariant: running is in admission order (the last one is preempted first).
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[int] = []
+
+    # ---- queue management --------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        limit = self.config.max_model_len
+        if seq.num_prompt_tokens > limit:
+            raise ValueError(f"prompt of seq {seq.seq_id} has {seq.num_prompt_tokens} tokens, "
+                             f"more than max_model_len={limit}")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} was already scheduled (status {seq.status.name})")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
+        """Finish a waiting or running sequence now (stop string seen, client gone, ...).
+        Returns it, or None when no unfinished sequence has this id."""
+        seq = self._remove(seq_id)
+        if seq is not None:
+            self._finish(seq, reason)
+        return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        return self.finish(seq_id, "abort")
+
+    def _remove(self, seq_id: int) -> Sequence | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return seq
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.pool.free(seq)
+        seq.mark_finished(reason)
+        self._finished_ids.append(seq.seq_id)
+
+    # ---- scheduling --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_tokens, out):
+                break  # seq preempted itself: everything behind it is gone too
+            out.scheduled.append(self._scheduled(seq, num_tokens))
+            budget -= num_tokens
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        # Victims come from the back of `running`, behind `seq`, so none was scheduled yet.
+        while not self.pool.allocate_for(seq, num_tokens):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.free(seq)
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.pool.match_sequence(seq)
+            num_tokens = min(seq.num_tokens - len(prefix) * self.config.block_size, budget)
+            if not self.pool.allocate_for(seq, num_tokens, prefix):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(seq, num_tokens))
+            budget -= num_tokens
+        return budget
+
+    @staticmethod
+    def _scheduled(seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, num_tokens, start, start + num_tokens == seq.num_tokens)
+
+    # ---- after the step ----------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a finished step: advance computed tokens, append sampled tokens, stop sequences.
+        `sampled` maps seq_id -> token id for every scheduled sequence with `sample` set.
+        Returns the sequences that finished in this step."""
+        now = time.monotonic()
+        finished = []
+        for s in output.scheduled:
+            seq = s.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran; its blocks are already free
+            seq.num_computed_tokens += s.num_tokens
+            self.pool.cache_full_blocks(seq)
+            if not s.sample:
+                continue
+            if seq.seq_id not in sampled:
+                raise ValueError(f"no sampled token for seq {seq.seq_id}, which sampled this step")
+            seq.append_token(sampled[seq.seq_id], now)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+        token = seq.output_token_ids[-1]
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_usage": self.pool.usage,
+            "prefix_hit_rate": self.pool.prefix_hit_rate,
+            "num_preemptions": self.num_preemptions,
+        }
