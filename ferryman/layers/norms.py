@@ -1,9 +1,11 @@
-"""RMSNorm, computed in fp32 like the reference implementations."""
+"""RMSNorm, computed in fp32 like the reference implementations, with an optional fused residual add."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ferryman.layers.triton_util import use_triton
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +13,7 @@ class RMSNorm(nn.Module):
 
     `weight_fp32` selects where the weight is applied: gpt-oss multiplies in fp32 and casts the
     product, Llama-family models cast first and multiply in the input dtype. Both orders are kept so
-    bf16 outputs match each model's reference bit for bit.
+    bf16 outputs match each model's reference bit for bit (on the torch path).
     """
 
     def __init__(self, size: int, eps: float, weight_fp32: bool = False) -> None:
@@ -22,6 +24,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., size]
+        if x.dim() == 2 and use_triton(x):
+            from ferryman.layers.fused_ops_triton import rms_norm_triton
+
+            return rms_norm_triton(x, self.weight, self.eps, None, self.weight_fp32)[0]
+        return self._torch(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); x, residual: [T, size]."""
+        if use_triton(x):
+            from ferryman.layers.fused_ops_triton import rms_norm_triton
+
+            out, res = rms_norm_triton(x, self.weight, self.eps, residual, self.weight_fp32)
+            return out, res  # type: ignore[return-value]
+        h = x + residual
+        return self._torch(h), h
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

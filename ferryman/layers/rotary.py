@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ferryman.config import RopeConfig
+from ferryman.layers.triton_util import use_triton
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -56,6 +57,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
         self.rot_dim = 2 * (int(head_dim * rope.partial_rotary_factor) // 2)
+        half = self.rot_dim // 2
+        self._pow2 = half & (half - 1) == 0 and head_dim & (head_dim - 1) == 0
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build(self.cos.device)  # on "meta" while the model is built shape-only
@@ -77,6 +80,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if use_triton(q) and self._pow2:
+            from ferryman.layers.fused_ops_triton import rope_triton
+
+            return rope_triton(q, positions, self.cos, self.sin), rope_triton(k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, rot/2]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -31,10 +31,20 @@ class DecoderLayer(nn.Module):
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # x: [T, H]
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] output of the previous block (not yet added); residual: the stream before it.
+
+        Returns (this block's MLP output, residual stream before it): the add happens fused into the
+        next norm, in the same order as the reference (residual + block output, then norm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class MoETransformer(nn.Module):
@@ -52,10 +62,10 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, H] (final norm applied)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        return self.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, H] -> logits: [B, V] fp32
