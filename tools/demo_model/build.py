@@ -1,0 +1,139 @@
+"""One entry point: corpus -> tokenizer -> training -> export -> held-out eval -> model card.
+
+    python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8
+    python -m tools.demo_model.build --out /tmp/demo --tiny     # smoke test, seconds on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from tools.demo_model.card import LOSS_CURVE_FILE, plot_loss_curve, write_model_card
+from tools.demo_model.config import EOS_TOKEN, BuildSpec, check_size, count_parameters, hf_config, real_spec, \
+    tiny_spec, with_overrides
+from tools.demo_model.corpus import Corpus, corpus_stats, load_corpus
+from tools.demo_model.evaluate import heldout_loss, load_exported
+from tools.demo_model.export import export_model
+from tools.demo_model.tokenizer import encode_stream, pack_windows, save_tokenizer, token_id, train_tokenizer
+from tools.demo_model.train import TrainLog, build_model, train
+
+CORPUS_STATS_FILE = "corpus_stats.json"
+TRAINING_LOG_FILE = "training_log.json"
+
+
+class Progress:
+    """Timestamped log lines (plain text, so they read well in CI and remote logs)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def __call__(self, message: str) -> None:
+        print(f"[demo-model {time.monotonic() - self.start:7.1f}s] {message}", flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.demo_model.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="export folder (must be empty or absent)")
+    parser.add_argument("--minutes", type=float, default=None, help="training wall-clock budget (default 8)")
+    parser.add_argument("--tiny", action="store_true", help="tiny model, few steps, file subset (smoke test)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--experts-impl", default=None,
+                        help="transformers experts_implementation (eager, grouped_mm, batched_mm); default theirs")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (compile time eats the budget)")
+    parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-eval-windows", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def make_spec(args: argparse.Namespace) -> BuildSpec:
+    spec = tiny_spec() if args.tiny else real_spec()
+    return with_overrides(spec, minutes=args.minutes, batch_size=args.batch_size, lr=args.lr,
+                          max_steps=args.max_steps, seed=args.seed, max_eval_windows=args.max_eval_windows)
+
+
+def prepare_out(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output folder {out} is not empty; give a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def train_summary(result: TrainLog, device: torch.device, train_tokens: int) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    return {
+        "device": name, "device_type": device.type, "steps": result.steps, "tokens": result.tokens,
+        "seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
+        "epochs": result.tokens / max(train_tokens, 1),
+        "final_loss": result.rows[-1]["loss"] if result.rows else math.nan,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+
+def build(args: argparse.Namespace, log: Progress) -> dict:
+    """Run the whole pipeline into args.out; returns the training log record."""
+    spec = make_spec(args)
+    prepare_out(args.out)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    corpus: Corpus = load_corpus(spec.corpus)
+    log(f"corpus: {len(corpus.train)} training + {len(corpus.heldout)} held-out files from {corpus.root} "
+        f"({corpus.counts})")
+    tokenizer = train_tokenizer([f.text for f in corpus.train], spec.model.vocab_size)
+    if tokenizer.get_vocab_size() > spec.model.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, model only {spec.model.vocab_size}")
+    train_stream = encode_stream(tokenizer, [f.text for f in corpus.train])
+    heldout_stream = encode_stream(tokenizer, [f.text for f in corpus.heldout])
+    log(f"tokenizer: {tokenizer.get_vocab_size()} tokens; {len(train_stream):,} training tokens, "
+        f"{len(heldout_stream):,} held-out tokens")
+    stats = corpus_stats(corpus, spec.corpus, len(train_stream), len(heldout_stream))
+    write_json(args.out / CORPUS_STATS_FILE, stats)
+
+    eos = token_id(tokenizer, EOS_TOKEN)
+    config = hf_config(spec.model, eos)
+    log(f"model: {count_parameters(config):,} parameters, ~{check_size(config) / 2**20:.2f} MiB bf16 safetensors")
+    model = build_model(config, spec.train.seed, args.experts_impl)
+    train_windows = pack_windows(train_stream, spec.train.seq_len)
+    heldout_windows = pack_windows(heldout_stream, spec.train.seq_len, spec.train.max_eval_windows)
+    log(f"training on {device} for up to {spec.train.minutes:g} min / {spec.train.max_steps} steps, "
+        f"{len(train_windows):,} windows of {spec.train.seq_len}")
+    result = train(model, train_windows, spec.train, device, log, compile_model=args.compile)
+
+    save_tokenizer(tokenizer, args.out, spec.model.max_position_embeddings)
+    weights_bytes = export_model(model, args.out, [eos, token_id(tokenizer, "<|im_end|>")])
+    log(f"exported {weights_bytes / 2**20:.2f} MiB of bf16 weights to {args.out}")
+    ev = heldout_loss(load_exported(args.out, device), heldout_windows, spec.train.eval_batch_size, device)
+    log(f"held-out loss {ev['loss']:.4f} over {ev['windows']} windows of {ev['seq_len']} tokens")
+
+    summary = train_summary(result, device, len(train_windows) * spec.train.seq_len)
+    record = {"spec": spec.to_json(), "train": summary, "eval": ev, "log": result.rows}
+    write_json(args.out / TRAINING_LOG_FILE, record)
+    has_plot = plot_loss_curve(result.rows, ev["loss"], args.out / LOSS_CURVE_FILE)
+    if not has_plot:
+        log("matplotlib is not installed: no loss curve image")
+    command = "python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8"
+    write_model_card(args.out, spec, stats, summary, ev, count_parameters(config), weights_bytes, has_plot, command)
+    log(f"done: {sorted(p.name for p in args.out.iterdir())}")
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    build(args, Progress())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Plain torch training loop for the demo model.
+
+AdamW, linear warmup x cosine decay, bf16 autocast on CUDA, router load-balancing loss, and a
+wall-clock budget: the cosine runs on progress = max(step / max_steps, elapsed / budget), so the
+learning rate reaches its floor exactly when the budget (or the step limit) runs out.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from tools.demo_model.config import TrainSpec
+
+Log = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class TrainLog:
+    """What the loop measured; rows are written every `log_every` steps."""
+
+    rows: list[dict] = field(default_factory=list)
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    stopped_by: str = ""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_model(config: Qwen3MoeConfig, seed: int, experts_impl: str | None) -> Qwen3MoeForCausalLM:
+    """Fresh fp32 model with deterministic init (master weights stay fp32; autocast does bf16)."""
+    seed_everything(seed)
+    kwargs = {} if experts_impl is None else {"experts_implementation": experts_impl}
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32, **kwargs)
+
+
+def lr_at(spec: TrainSpec, step: int, progress: float) -> float:
+    """Linear warmup over `warmup_steps` times cosine decay from lr to lr*min_lr_ratio on `progress`."""
+    warm = min(1.0, (step + 1) / max(1, spec.warmup_steps))
+    floor = spec.lr * spec.min_lr_ratio
+    cosine = floor + 0.5 * (spec.lr - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return warm * cosine
+
+
+def make_optimizer(model: torch.nn.Module, spec: TrainSpec, device: torch.device) -> torch.optim.AdamW:
+    """Weight decay on matrices (embeddings, projections, experts, routers), none on norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, fused=device.type == "cuda")
+
+
+def batch_order(num_windows: int, seed: int, epoch: int) -> torch.Tensor:
+    """A fresh, seeded permutation of the training windows for each epoch."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_windows, generator=gen)
+
+
+def batches(windows: torch.Tensor, batch_size: int, seed: int):
+    """Endless stream of [B, T] batches over shuffled epochs (a last partial batch is dropped)."""
+    if len(windows) < batch_size:
+        raise ValueError(f"{len(windows)} training windows cannot fill a batch of {batch_size}")
+    epoch = 0
+    while True:
+        order = batch_order(len(windows), seed, epoch)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            yield windows[order[start:start + batch_size]]
+        epoch += 1
+
+
+def step_losses(model: Qwen3MoeForCausalLM, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy (mean over B*(T-1) predictions) and the router aux loss."""
+    # ids: [B, T]
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+    logits = out.logits[:, :-1].float()  # [B, T-1, V]
+    lm_loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1))
+    return lm_loss, out.aux_loss.float()
+
+
+def train(
+    model: Qwen3MoeForCausalLM,
+    windows: torch.Tensor,
+    spec: TrainSpec,
+    device: torch.device,
+    log: Log,
+    compile_model: bool = False,
+) -> TrainLog:
+    """Train in place until max_steps or the wall-clock budget; returns the loss log."""
+    # windows: [W, T] int64 training windows
+    model.to(device).train()
+    forward = torch.compile(model) if compile_model else model
+    optimizer = make_optimizer(model, spec, device)
+    data = batches(windows.to(device), spec.batch_size, spec.seed)
+    budget_s = spec.minutes * 60.0
+    coef = model.config.router_aux_loss_coef
+    result = TrainLog()
+    sums = torch.zeros(2, device=device)  # running (lm, aux) loss since the last log row
+    lr = 0.0
+    start = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - start
+        progress = max(result.steps / spec.max_steps, elapsed / budget_s)
+        if progress >= 1.0:
+            result.stopped_by = "max_steps" if result.steps >= spec.max_steps else "time_budget"
+            break
+        lr = lr_at(spec, result.steps, progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids = next(data)
+        lm_loss, aux_loss = step_losses(forward, ids, device)
+        (lm_loss + coef * aux_loss).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums += torch.stack([lm_loss.detach(), aux_loss.detach()])
+        result.steps += 1
+        result.tokens += ids.numel()
+        if result.steps % spec.log_every == 0:
+            _log_row(result, sums, spec.log_every, lr, start, log)
+            sums.zero_()
+    if result.steps % spec.log_every:
+        _log_row(result, sums, result.steps % spec.log_every, lr, start, log)  # the last partial interval
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    result.seconds = time.monotonic() - start
+    log(f"training stopped by {result.stopped_by} after {result.steps} steps, "
+        f"{result.tokens:,} tokens, {result.seconds:.1f} s ({result.tokens / result.seconds:,.0f} tok/s)")
+    return result
+
+
+def _log_row(result: TrainLog, sums: torch.Tensor, n: int, lr: float, start: float, log: Log) -> None:
+    lm, aux = (sums / n).tolist()  # one host sync per log row
+    elapsed = time.monotonic() - start
+    row = {"step": result.steps, "tokens": result.tokens, "lr": lr, "loss": lm, "aux_loss": aux,
+           "elapsed_s": round(elapsed, 3), "tokens_per_s": round(result.tokens / max(elapsed, 1e-9), 1)}
+    result.rows.append(row)
+    log(f"step {row['step']:>6}  loss {lm:.4f}  aux {aux:.4f}  lr {lr:.2e}  "
+        f"{row['tokens_per_s']:,.0f} tok/s  {elapsed:.0f} s")
