@@ -1,0 +1,171 @@
+"""Routed-expert computation of one MoE layer: `fused_moe(fmt, banks, x, topk_ids, topk_w, act)`.
+
+    out[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t])
+    expert(x) = act(x @ W13^T + b13) @ W2^T + b2
+
+`topk_ids` are slot ids into the banks (the caller maps expert ids to slots). Two backends:
+- torch reference (CPU, prefill, or no Triton): experts one at a time, ascending id, each
+  dequantised alone and dropped after use; the order of casts follows transformers'
+  GptOssExperts / Qwen3MoeExperts (compute in x.dtype, product with the weight, then index_add).
+- Triton decode (CUDA, T*K <= DECODE_MAX_PAIRS): ferryman/layers/fused_moe_triton.py.
+FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ferryman.quant import Banks, ExpertFormat, get_format
+
+DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
+TRITON_FORMATS = ("dense", "mxfp4")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class MoEActivation:
+    """silu: gate = first I rows of w13, up = last I, out = silu(gate) * up.
+    swiglu_oai (gpt-oss): gate = even rows, up = odd rows, gate <= limit, |up| <= limit,
+    out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swiglu_oai"):
+            raise ValueError(f"MoEActivation.kind must be 'silu' or 'swiglu_oai', got {self.kind!r}")
+
+
+def apply_activation(gate_up: torch.Tensor, act: MoEActivation) -> torch.Tensor:
+    """gate_up: [n, 2I] -> [n, I], op for op as transformers does it."""
+    if act.kind == "silu":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+def _check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
+    if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        raise ValueError(f"fused_moe: x must be a float [T, {hidden}] tensor, got {tuple(x.shape)} {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids must be [T={x.shape[0]}, K], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
+    if topk_w.shape != topk_ids.shape or not topk_w.is_floating_point():
+        raise ValueError(
+            f"fused_moe: topk_w must be float {tuple(topk_ids.shape)}, got {tuple(topk_w.shape)} {topk_w.dtype}"
+        )
+    if topk_ids.device != x.device or topk_w.device != x.device:
+        raise ValueError(f"fused_moe: x, topk_ids, topk_w on different devices ({x.device}, "
+                         f"{topk_ids.device}, {topk_w.device})")
+
+
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _backend() -> str:
+    name = os.environ.get("FERRYMAN_MOE_BACKEND", "auto").lower()
+    if name not in BACKENDS:
+        raise ValueError(f"FERRYMAN_MOE_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def _use_triton(fmt: str, x: torch.Tensor, pairs: int) -> bool:
+    backend = _backend()
+    if backend == "torch" or not x.is_cuda or fmt not in TRITON_FORMATS:
+        return False
+    if not triton_available():
+        if backend == "triton":
+            raise ValueError("FERRYMAN_MOE_BACKEND=triton but triton is not importable")
+        return False
+    return backend == "triton" or pairs <= DECODE_MAX_PAIRS
+
+
+def fused_moe(
+    fmt: str,
+    banks: Banks,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    act: MoEActivation,
+) -> torch.Tensor:
+    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype."""
+    form = get_format(fmt)
+    num_slots, hidden, _ = form.dims(banks)
+    _check_inputs(x, topk_ids, topk_w, hidden)
+    if _use_triton(fmt, x, topk_ids.numel()):
+        from ferryman.layers.fused_moe_triton import fused_moe_decode
+
+        return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+    return fused_moe_reference(form, banks, x, topk_ids, topk_w, act)
+
+
+def _expert_forward(
+    form: ExpertFormat, banks: Banks, slot: torch.Tensor, xs: torch.Tensor, act: MoEActivation
+) -> torch.Tensor:
+    """One expert on its tokens. slot: [1] id, xs: [n, H] -> [n, H] in xs.dtype."""
+    bias = form.has_bias(banks)
+    w13 = form.dequant(banks, "w13", slot, xs.dtype)[0]  # [2I, H], transient
+    gate_up = xs @ w13.T  # [n, 2I]
+    del w13
+    if bias:  # added after the matmul, not fused (HF: x @ W + b)
+        gate_up = gate_up + banks["w13_bias"][slot[0]].to(xs.dtype)
+    h = apply_activation(gate_up, act)  # [n, I]
+    w2 = form.dequant(banks, "w2", slot, xs.dtype)[0]  # [H, I], transient
+    y = h @ w2.T  # [n, H]
+    if bias:
+        y = y + banks["w2_bias"][slot[0]].to(xs.dtype)
+    return y
+
+
+def _group_by_slot(topk_ids: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(slots used [U] ascending, pair ids [P] sorted by slot, pairs per used slot [U])."""
+    flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
+    sorted_ids, order = torch.sort(flat, stable=True)
+    slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    bounds = torch.stack((slots.min(), slots.max())).tolist() if slots.numel() else [0, 0]
+    if bounds[0] < 0 or bounds[1] >= num_slots:
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {bounds[0]}, max {bounds[1]}")
+    return slots, order, counts.tolist()
+
+
+def fused_moe_reference(
+    form: ExpertFormat,
+    banks: Banks,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    act: MoEActivation,
+) -> torch.Tensor:
+    """Torch reference on any device. x [T, H] -> [T, H] in x.dtype."""
+    num_slots, _, _ = form.dims(banks)
+    k = topk_ids.shape[1]
+    out = torch.zeros_like(x)  # [T, H]
+    flat_w = topk_w.reshape(-1)  # [P]
+    slots, order, counts = _group_by_slot(topk_ids, num_slots)
+    start = 0
+    for u, n in enumerate(counts):
+        pairs = order[start : start + n]  # [n] pairs routed to this slot
+        start += n
+        tokens = pairs // k
+        y = _expert_forward(form, banks, slots[u : u + 1], x[tokens], act)  # [n, H]
+        # weight product in the promoted dtype (fp32 weights: one rounding, as HF with
+        # weights already in x.dtype), then accumulate in x.dtype like HF's index_add_
+        y = y * flat_w[pairs, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out

@@ -1,0 +1,164 @@
+"""Expert weight formats: how the routed experts of one MoE layer are laid out in *banks*.
+
+A bank is one tensor whose leading dim is E (experts, or cache slots). Bank names are fixed
+across formats (see docs/interfaces.md, "Expert formats"):
+
+    w13[...]  gate and up projections, logical shape [E, 2I, H] (out rows, in columns)
+    w2[...]   down projection, logical shape [E, H, I]
+    w13_bias  [E, 2I] and w2_bias [E, H], optional, in the model dtype
+
+Formats are stateless singletons kept in a registry keyed by name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+Banks = dict[str, torch.Tensor]
+PROJECTIONS = ("w13", "w2")
+
+
+@dataclass(frozen=True)
+class BankSpec:
+    """Shape and dtype of one bank (leading dim = experts or slots)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
+def bias_specs(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
+    """The optional bias banks, shared by every format (always in the model dtype)."""
+    return {
+        "w13_bias": BankSpec((num_experts, 2 * inter), dtype),
+        "w2_bias": BankSpec((num_experts, hidden), dtype),
+    }
+
+
+def random_bias(
+    num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+    generator: torch.Generator | None, device: torch.device | str,
+) -> Banks:
+    """Random w13_bias / w2_bias banks with std 0.1."""
+    gen_device = generator.device if generator is not None else torch.device(device)
+    return {
+        name: (torch.randn(spec.shape, generator=generator, device=gen_device) * 0.1).to(device, dtype)
+        for name, spec in bias_specs(num_experts, hidden, inter, dtype).items()
+    }
+
+
+def check_dims(hidden: int, inter: int) -> None:
+    if hidden <= 0 or inter <= 0:
+        raise ValueError(f"expert dims must be positive, got hidden={hidden}, inter={inter}")
+
+
+def check_proj(proj: str) -> None:
+    if proj not in PROJECTIONS:
+        raise ValueError(f"proj must be one of {PROJECTIONS}, got {proj!r}")
+
+
+class ExpertFormat(ABC):
+    """Layout + reference dequantisation of the routed-expert banks of one layer."""
+
+    name: str
+
+    @abstractmethod
+    def bank_specs(
+        self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype
+    ) -> dict[str, BankSpec]:
+        """Every bank this format needs; `dtype` is the model (compute) dtype."""
+
+    @abstractmethod
+    def dequant(
+        self, banks: Banks, proj: str, idx: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Weights of experts `idx` ([n]) for `proj` ("w13" | "w2") -> [n, out, in].
+
+        `dtype` is the compute dtype (default: `model_dtype(banks)`). Only the n selected
+        experts are materialised.
+        """
+
+    @abstractmethod
+    def dims(self, banks: Banks) -> tuple[int, int, int]:
+        """(num_experts_or_slots, hidden, inter) read from the bank shapes."""
+
+    @abstractmethod
+    def random_banks(
+        self,
+        num_experts: int,
+        hidden: int,
+        inter: int,
+        bias: bool,
+        dtype: torch.dtype,
+        generator: torch.Generator | None = None,
+        device: torch.device | str = "cpu",
+    ) -> Banks:
+        """Valid random banks (dummy weights, tests): weights with std ~ 1/sqrt(fan_in)."""
+
+    def expert_bytes(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> int:
+        """Bytes of one expert across all its banks."""
+        return sum(s.nbytes for s in self.bank_specs(1, hidden, inter, bias, dtype).values())
+
+    def bank(self, banks: Banks, name: str) -> torch.Tensor:
+        """banks[name], or a ValueError naming the missing bank."""
+        got = banks.get(name)
+        if got is None:
+            raise ValueError(f"{self.name} banks: missing {name!r} (have {sorted(banks)})")
+        return got
+
+    def has_bias(self, banks: Banks) -> bool:
+        return "w13_bias" in banks and "w2_bias" in banks
+
+    def check_banks(self, banks: Banks) -> None:
+        """ValueError naming the first bank that is missing or has the wrong shape/dtype."""
+        e, h, i = self.dims(banks)
+        specs = self.bank_specs(e, h, i, self.has_bias(banks), self.model_dtype(banks))
+        for name, spec in specs.items():
+            got = self.bank(banks, name)
+            if tuple(got.shape) != spec.shape or got.dtype != spec.dtype:
+                raise ValueError(
+                    f"{self.name} bank {name!r}: expected {spec.shape} {spec.dtype}, "
+                    f"got {tuple(got.shape)} {got.dtype}"
+                )
+
+    def model_dtype(self, banks: Banks) -> torch.dtype:
+        """dtype of the float banks, the default compute dtype (bf16 when nothing says)."""
+        bias = banks.get("w13_bias")
+        return bias.dtype if bias is not None else torch.bfloat16
+
+
+_FORMATS: dict[str, ExpertFormat] = {}
+
+
+def register_format(fmt: ExpertFormat) -> ExpertFormat:
+    """Add a format instance to the registry (its `name` is the key); returns it."""
+    if not getattr(fmt, "name", None):
+        raise ValueError(f"expert format {type(fmt).__name__} has no name")
+    if fmt.name in _FORMATS and type(_FORMATS[fmt.name]) is not type(fmt):
+        raise ValueError(f"expert format {fmt.name!r} is already registered")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> ExpertFormat:
+    """The registered format called `name`; ValueError listing the known ones otherwise."""
+    fmt = _FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown expert format {name!r}; known formats: {sorted(_FORMATS)}")
+    return fmt
+
+
+def known_formats() -> list[str]:
+    return sorted(_FORMATS)

@@ -1,0 +1,159 @@
+"""Expert formats: mxfp4 against transformers' and gguf-py's own MXFP4 code; dense; registry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ferryman.quant import (
+    BankSpec,
+    DenseFormat,
+    dequant_mxfp4,
+    get_format,
+    known_formats,
+    quantize_mxfp4,
+    random_mxfp4,
+    register_format,
+)
+
+gguf = pytest.importorskip("gguf")
+hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """Our layout -> ggml MXFP4 bytes: per block [e8m0, 16 bytes], low nibbles = elements 0-15."""
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32] in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., G, 16]
+    return torch.cat((scales.unsqueeze(-1), packed), dim=-1).flatten(-2).numpy()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_equals_transformers_on_every_byte(dtype: torch.dtype) -> None:
+    # uniform bytes: every code and every scale, 0 and 255 included
+    blocks = torch.randint(0, 256, (3, 48, 6, 16), generator=_gen(1), dtype=torch.uint8)
+    scales = torch.randint(0, 256, (3, 48, 6), generator=_gen(2), dtype=torch.uint8)
+    ours = dequant_mxfp4(blocks, scales, dtype)  # [E, out, in]
+    # transformers returns gpt-oss's [E, in, out] layout
+    theirs = hf_mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
+    assert ours.dtype == dtype
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_format_dequant_selects_experts(dtype: torch.dtype) -> None:
+    fmt = get_format("mxfp4")
+    banks = fmt.random_banks(5, 64, 96, True, dtype, _gen(3))
+    idx = torch.tensor([4, 1])
+    for proj, blocks, scales in (("w13", "w13_blocks", "w13_scales"), ("w2", "w2_blocks", "w2_scales")):
+        got = fmt.dequant(banks, proj, idx)  # default compute dtype = bias dtype
+        theirs = hf_mxfp4.convert_moe_packed_tensors(banks[blocks][idx], banks[scales][idx], dtype=dtype)
+        assert got.shape == ((2, 192, 64) if proj == "w13" else (2, 64, 96))
+        assert torch.equal(got, theirs.transpose(1, 2))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
+def test_quantize_equals_gguf(scale: float) -> None:
+    w = torch.randn(6, 32, 256, generator=_gen(4)) * scale
+    w[0, 0, :32] = 0.0  # an all-zero block
+    w[1, 1, :32] *= 1e-30  # a block far below the others
+    blocks, scales = quantize_mxfp4(w)
+    assert blocks.shape == (6, 32, 8, 16) and scales.shape == (6, 32, 8)
+    theirs = gguf.quantize(w.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(_to_ggml(blocks, scales), theirs)
+    deq = gguf.dequantize(theirs, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(dequant_mxfp4(blocks, scales, torch.float32).numpy(), deq)
+
+
+def test_quantize_round_trip() -> None:
+    # values that are already mxfp4 come back exactly
+    blocks, scales = random_mxfp4((4, 16, 128), _gen(5))
+    exact = dequant_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(dequant_mxfp4(*quantize_mxfp4(exact), torch.float32), exact)
+    # gaussian weights: each value lands on a neighbouring grid point, or saturates at 6 x scale
+    w = torch.randn(64, 1024, generator=_gen(6))
+    b, s = quantize_mxfp4(w)
+    err = (dequant_mxfp4(b, s, torch.float32) - w).abs().unflatten(-1, (-1, 32))  # [.., G, 32]
+    scale = torch.ldexp(torch.ones(s.shape), s.int() - 127).unsqueeze(-1)  # [.., G, 1]
+    mag = w.abs().unflatten(-1, (-1, 32)) / scale
+    half_step = torch.where(mag < 2, 0.25, torch.where(mag < 4, 0.5, 1.0))
+    bound = torch.where(mag > 6, mag - 6, half_step) * scale
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert err.norm() / w.norm() < 0.13  # ~0.115 for N(0, 1) rows
+
+
+def test_random_mxfp4_is_valid_and_scaled() -> None:
+    k = 2880
+    blocks, scales = random_mxfp4((64, k), _gen(7))
+    assert blocks.dtype == scales.dtype == torch.uint8
+    assert blocks.shape == (64, k // 32, 16) and scales.shape == (64, k // 32)
+    codes = torch.cat(((blocks & 15).flatten(), (blocks >> 4).flatten()))
+    assert torch.bincount(codes.long(), minlength=16).min() > 0
+    std = dequant_mxfp4(blocks, scales, torch.float32).std().item()
+    assert 0.6 / math.sqrt(k) < std < 1.5 / math.sqrt(k)
+
+
+def test_mxfp4_bank_specs_and_bytes() -> None:
+    fmt = get_format("mxfp4")
+    specs = fmt.bank_specs(32, 2880, 2880, True, torch.bfloat16)
+    assert specs == {
+        "w13_blocks": BankSpec((32, 5760, 90, 16), torch.uint8),
+        "w13_scales": BankSpec((32, 5760, 90), torch.uint8),
+        "w2_blocks": BankSpec((32, 2880, 90, 16), torch.uint8),
+        "w2_scales": BankSpec((32, 2880, 90), torch.uint8),
+        "w13_bias": BankSpec((32, 5760), torch.bfloat16),
+        "w2_bias": BankSpec((32, 2880), torch.bfloat16),
+    }
+    # gpt-oss-20b: 5760 x 2880 / 2 + 5760 x 90 + 2880 x 2880 / 2 + 2880 x 90 + 2 x (5760 + 2880)
+    assert fmt.expert_bytes(2880, 2880, True, torch.bfloat16) == 13_236_480
+    assert fmt.expert_bytes(2880, 2880, False, torch.bfloat16) == 13_219_200
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fmt.bank_specs(4, 100, 64, False, torch.bfloat16)
+
+
+def test_dense_format() -> None:
+    fmt = get_format("dense")
+    assert isinstance(fmt, DenseFormat)
+    specs = fmt.bank_specs(8, 64, 48, False, torch.float16)
+    assert specs == {"w13": BankSpec((8, 96, 64), torch.float16), "w2": BankSpec((8, 64, 48), torch.float16)}
+    assert fmt.expert_bytes(2048, 768, False, torch.bfloat16) == 3 * 2048 * 768 * 2
+    banks = fmt.random_banks(8, 64, 48, True, torch.bfloat16, _gen(8))
+    fmt.check_banks(banks)
+    assert fmt.dims(banks) == (8, 64, 48)
+    idx = torch.tensor([6, 2, 6])
+    assert torch.equal(fmt.dequant(banks, "w2", idx), banks["w2"][idx])
+    assert fmt.dequant(banks, "w13", idx, torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match="proj"):
+        fmt.dequant(banks, "w3", idx)
+
+
+def test_check_banks_names_the_bad_bank() -> None:
+    fmt = get_format("mxfp4")
+    banks = fmt.random_banks(2, 64, 64, False, torch.bfloat16, _gen(9))
+    banks["w2_scales"] = banks["w2_scales"][:, :10]
+    with pytest.raises(ValueError, match="w2_scales"):
+        fmt.check_banks(banks)
+    del banks["w2_blocks"]
+    with pytest.raises(ValueError, match="w2_blocks"):
+        fmt.check_banks(banks)
+
+
+def test_registry() -> None:
+    assert {"dense", "mxfp4"} <= set(known_formats())
+    with pytest.raises(ValueError, match="known formats.*dense.*mxfp4"):
+        get_format("nf4")
+
+    class Other(DenseFormat):
+        pass
+
+    other = Other()
+    with pytest.raises(ValueError, match="already registered"):
+        register_format(other)
