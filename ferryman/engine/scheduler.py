@@ -203,7 +203,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
         """Record a finished step: advance computed tokens, append sampled tokens, stop sequences.
         `sampled` maps seq_id -> token id for every scheduled sequence with `sample` set.
-        Returns the sequences that finished in this step."""
+        Must run before the next schedule(). Returns the sequences that finished in this step."""
         now = time.monotonic()
         finished = []
         for s in output.scheduled:
