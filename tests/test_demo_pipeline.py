@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tools` is not a
 
 from tools.demo_model import build  # noqa: E402
 from tools.demo_model.config import MAX_SAFETENSORS_BYTES, ModelSpec, check_size, hf_config, real_spec  # noqa: E402
-from tools.demo_model.train import lr_at  # noqa: E402
+from tools.demo_model.train import BestWeights, TrainLog, lr_at  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Real stdlib files with CRLF line ends, odd encodings or much non-ASCII text (skipped where absent).
@@ -45,7 +45,6 @@ def read_source(relpath: str) -> str:
     return data.decode("utf-8" if encoding == "utf-8-sig" else encoding)
 
 
-@pytest.mark.slow
 def test_export_loads_offline_with_transformers(exported: Path) -> None:
     config = AutoConfig.from_pretrained(exported, local_files_only=True)
     assert config.model_type == "qwen3_moe" and config.norm_topk_prob and config.tie_word_embeddings
@@ -65,7 +64,6 @@ def test_export_loads_offline_with_transformers(exported: Path) -> None:
     assert gen.eos_token_id == [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
 
 
-@pytest.mark.slow
 def test_heldout_loss_matches_transformers(exported: Path) -> None:
     """Rebuild the held-out slice with transformers' tokenizer and let transformers compute the loss."""
     record = json.loads((exported / build.TRAINING_LOG_FILE).read_text())
@@ -85,7 +83,6 @@ def test_heldout_loss_matches_transformers(exported: Path) -> None:
     assert record["eval"]["loss"] == pytest.approx(expected, rel=1e-3)
 
 
-@pytest.mark.slow
 def test_tokenizer_round_trips_python_source(exported: Path) -> None:
     tok = AutoTokenizer.from_pretrained(exported, local_files_only=True)
     stats = json.loads((exported / build.CORPUS_STATS_FILE).read_text())
@@ -97,7 +94,6 @@ def test_tokenizer_round_trips_python_source(exported: Path) -> None:
         assert tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text
 
 
-@pytest.mark.slow
 def test_chat_template_and_model_card(exported: Path) -> None:
     tok = AutoTokenizer.from_pretrained(exported, local_files_only=True)
     prompt = tok.apply_chat_template([{"role": "user", "content": "def add(a, b):"}],
@@ -105,6 +101,8 @@ def test_chat_template_and_model_card(exported: Path) -> None:
     assert prompt == "<|im_start|>user\ndef add(a, b):<|im_end|>\n<|im_start|>assistant\n"
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>") and tok.convert_tokens_to_ids("<|im_end|>") in ids
+    record = json.loads((exported / build.TRAINING_LOG_FILE).read_text())
+    assert record["val_log"] and record["train"]["best_step"] in [r["step"] for r in record["val_log"]]
     card = (exported / "README.md").read_text()
     routing = card.split("## Routing statistics", 1)[1].split("##", 1)[0]
     assert "TODO(routing-stats)" in routing and not any(ch.isdigit() for ch in routing)
@@ -130,3 +128,22 @@ def test_lr_schedule_warms_up_then_decays_to_floor() -> None:
     assert lr_at(spec, spec.warmup_steps, 0.0) == pytest.approx(spec.lr)
     assert lr_at(spec, 10**6, 0.5) == pytest.approx(spec.lr * (1 + spec.min_lr_ratio) / 2)
     assert lr_at(spec, 10**6, 1.0) == pytest.approx(spec.lr * spec.min_lr_ratio)
+
+
+def test_best_weights_restores_the_lowest_validation_loss() -> None:
+    config = hf_config(replace(real_spec().model, vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
+                               num_kv_heads=1, head_dim=16, num_experts=4, moe_intermediate_size=32), eos_id=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    windows = torch.randint(0, 300, (4, 16))
+    best, result, lines = BestWeights(model, windows, 2, torch.device("cpu")), TrainLog(), []
+    best.check(result, lines.append)
+    kept = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.lm_head.weight.mul_(50.0)  # much sharper, mostly wrong predictions: a worse validation loss
+    result.steps = 1
+    best.check(result, lines.append)
+    assert result.val_rows[1]["val_loss"] > result.val_rows[0]["val_loss"] and result.best_step == 0
+    best.restore(result, lines.append)
+    assert result.restored_best
+    assert all(torch.equal(v, kept[k]) for k, v in model.state_dict().items())

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer
 
 from tools.demo_model.card import LOSS_CURVE_FILE, plot_loss_curve, write_model_card
 from tools.demo_model.config import EOS_TOKEN, BuildSpec, check_size, count_parameters, hf_config, real_spec, \
     tiny_spec, with_overrides
-from tools.demo_model.corpus import Corpus, corpus_stats, load_corpus
-from tools.demo_model.evaluate import heldout_loss, load_exported
+from tools.demo_model.corpus import SPLITS, corpus_stats, load_corpus
+from tools.demo_model.evaluate import load_exported, next_token_loss
 from tools.demo_model.export import export_model
 from tools.demo_model.tokenizer import encode_stream, pack_windows, save_tokenizer, token_id, train_tokenizer
 from tools.demo_model.train import TrainLog, build_model, train
@@ -79,8 +80,27 @@ def train_summary(result: TrainLog, device: torch.device, train_tokens: int) -> 
         "seconds": round(result.seconds, 3), "stopped_by": result.stopped_by,
         "epochs": result.tokens / max(train_tokens, 1),
         "final_loss": result.rows[-1]["loss"] if result.rows else math.nan,
+        "best_step": result.best_step, "best_val_loss": result.best_val_loss, "restored_best": result.restored_best,
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
+
+
+def prepare_data(spec: BuildSpec, out: Path, log: Progress) -> tuple[Tokenizer, dict[str, torch.Tensor], dict]:
+    """Corpus, tokenizer (trained on the training split) and [W, T] windows of each split."""
+    corpus = load_corpus(spec.corpus)
+    log(f"corpus: { {k: len(v) for k, v in corpus.splits.items()} } files from {corpus.root} ({corpus.counts})")
+    tokenizer = train_tokenizer(corpus.texts("train"), spec.model.vocab_size)
+    if tokenizer.get_vocab_size() > spec.model.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, model only {spec.model.vocab_size}")
+    streams = {split: encode_stream(tokenizer, corpus.texts(split)) for split in SPLITS}
+    tokens = {split: len(stream) for split, stream in streams.items()}
+    log(f"tokenizer: {tokenizer.get_vocab_size()} tokens; tokens per split {tokens}")
+    stats = corpus_stats(corpus, spec.corpus, tokens)
+    write_json(out / CORPUS_STATS_FILE, stats)
+    t = spec.train
+    limits = {"train": None, "val": t.max_val_windows, "heldout": t.max_eval_windows}
+    windows = {split: pack_windows(streams[split], t.seq_len, limits[split]) for split in SPLITS}
+    return tokenizer, windows, stats
 
 
 def build(args: argparse.Namespace, log: Progress) -> dict:
@@ -88,43 +108,30 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
     spec = make_spec(args)
     prepare_out(args.out)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    corpus: Corpus = load_corpus(spec.corpus)
-    log(f"corpus: {len(corpus.train)} training + {len(corpus.heldout)} held-out files from {corpus.root} "
-        f"({corpus.counts})")
-    tokenizer = train_tokenizer([f.text for f in corpus.train], spec.model.vocab_size)
-    if tokenizer.get_vocab_size() > spec.model.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, model only {spec.model.vocab_size}")
-    train_stream = encode_stream(tokenizer, [f.text for f in corpus.train])
-    heldout_stream = encode_stream(tokenizer, [f.text for f in corpus.heldout])
-    log(f"tokenizer: {tokenizer.get_vocab_size()} tokens; {len(train_stream):,} training tokens, "
-        f"{len(heldout_stream):,} held-out tokens")
-    stats = corpus_stats(corpus, spec.corpus, len(train_stream), len(heldout_stream))
-    write_json(args.out / CORPUS_STATS_FILE, stats)
-
+    tokenizer, windows, stats = prepare_data(spec, args.out, log)
     eos = token_id(tokenizer, EOS_TOKEN)
     config = hf_config(spec.model, eos)
-    log(f"model: {count_parameters(config):,} parameters, ~{check_size(config) / 2**20:.2f} MiB bf16 safetensors")
+    params = count_parameters(config)
+    log(f"model: {params:,} parameters, ~{check_size(config) / 2**20:.2f} MiB bf16 safetensors")
     model = build_model(config, spec.train.seed, args.experts_impl)
-    train_windows = pack_windows(train_stream, spec.train.seq_len)
-    heldout_windows = pack_windows(heldout_stream, spec.train.seq_len, spec.train.max_eval_windows)
     log(f"training on {device} for up to {spec.train.minutes:g} min / {spec.train.max_steps} steps, "
-        f"{len(train_windows):,} windows of {spec.train.seq_len}")
-    result = train(model, train_windows, spec.train, device, log, compile_model=args.compile)
+        f"{len(windows['train']):,} windows of {spec.train.seq_len}")
+    result = train(model, windows["train"], spec.train, device, log, windows["val"], compile_model=args.compile)
 
     save_tokenizer(tokenizer, args.out, spec.model.max_position_embeddings)
     weights_bytes = export_model(model, args.out, [eos, token_id(tokenizer, "<|im_end|>")])
     log(f"exported {weights_bytes / 2**20:.2f} MiB of bf16 weights to {args.out}")
-    ev = heldout_loss(load_exported(args.out, device), heldout_windows, spec.train.eval_batch_size, device)
+    ev = next_token_loss(load_exported(args.out, device), windows["heldout"], spec.train.eval_batch_size, device)
     log(f"held-out loss {ev['loss']:.4f} over {ev['windows']} windows of {ev['seq_len']} tokens")
 
-    summary = train_summary(result, device, len(train_windows) * spec.train.seq_len)
-    record = {"spec": spec.to_json(), "train": summary, "eval": ev, "log": result.rows}
+    summary = train_summary(result, device, windows["train"].numel())
+    record = {"spec": spec.to_json(), "train": summary, "eval": ev, "log": result.rows, "val_log": result.val_rows}
     write_json(args.out / TRAINING_LOG_FILE, record)
-    has_plot = plot_loss_curve(result.rows, ev["loss"], args.out / LOSS_CURVE_FILE)
+    has_plot = plot_loss_curve(result.rows, result.val_rows, ev["loss"], args.out / LOSS_CURVE_FILE)
     if not has_plot:
         log("matplotlib is not installed: no loss curve image")
     command = "python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8"
-    write_model_card(args.out, spec, stats, summary, ev, count_parameters(config), weights_bytes, has_plot, command)
+    write_model_card(args.out, spec, stats, summary, ev, params, weights_bytes, has_plot, command)
     log(f"done: {sorted(p.name for p in args.out.iterdir())}")
     return record
 

@@ -11,8 +11,11 @@ LOSS_CURVE_FILE = "loss_curve.png"
 ROUTING_TODO = "TODO(routing-stats): filled in by a later step from measured routing; no numbers yet."
 
 
-def plot_loss_curve(rows: list[dict], heldout: float, path: Path) -> bool:
-    """Training loss against tokens seen, held-out loss as a dashed line; False if matplotlib is absent."""
+def plot_loss_curve(rows: list[dict], val_rows: list[dict], heldout: float, path: Path) -> bool:
+    """Training and validation loss against tokens seen, final held-out loss as a dashed line.
+
+    Returns False (and writes nothing) when matplotlib is not installed.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -21,10 +24,12 @@ def plot_loss_curve(rows: list[dict], heldout: float, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     ax.plot([r["tokens"] / 1e6 for r in rows], [r["loss"] for r in rows], label="training loss")
+    ax.plot([r["tokens"] / 1e6 for r in val_rows], [r["val_loss"] for r in val_rows], marker=".",
+            label="validation loss")
     ax.axhline(heldout, color="tab:red", linestyle="--", label=f"held-out loss {heldout:.3f}")
     ax.set_xlabel("tokens seen (millions)")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("ferryman demo MoE: training loss")
+    ax.set_title("ferryman demo MoE: loss")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -52,7 +57,8 @@ def _model_section(spec: dict, params: int, weights_bytes: int) -> list[str]:
         f"q/k RMSNorm, RoPE theta {m['rope_theta']:g} |",
         f"| experts | {m['num_experts']} routed experts per layer, top-{m['top_k']}, softmax then renormalised "
         f"(`norm_topk_prob`), expert width {m['moe_intermediate_size']}, SiLU-gated |",
-        f"| vocabulary / context | {m['vocab_size']} byte-level BPE tokens / {m['max_position_embeddings']} positions |",
+        f"| vocabulary / context | {m['vocab_size']} byte-level BPE tokens / "
+        f"{m['max_position_embeddings']} positions |",
         f"| parameters | {total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token "
         "(embedding tied with the output head) |",
         f"| weights | `model.safetensors`, bf16, {weights_bytes / 2**20:.2f} MiB |",
@@ -61,8 +67,10 @@ def _model_section(spec: dict, params: int, weights_bytes: int) -> list[str]:
 
 
 def _data_section(stats: dict) -> list[str]:
-    files, tokens = stats["files"], stats["tokens"]
+    files, tokens, size = stats["files"], stats["tokens"], stats["bytes"]
     tests = "kept (they are Python code too)" if stats["include_tests"] else "excluded"
+    if not stats["has_test_package"]:
+        tests += "; this installation has no `test` package (some distributions ship it separately)"
     return [
         "## Data", "",
         f"Every `.py` file of the standard library of {stats['python_implementation']} "
@@ -70,13 +78,13 @@ def _data_section(stats: dict) -> list[str]:
         f"Test directories: {tests}; {files['train_test_dirs']} of the training files are tests.",
         "",
         "| | files | bytes | tokens |", "| --- | --- | --- | --- |",
-        f"| training | {files['train']:,} | {stats['bytes']['train']:,} | {tokens['train']:,} |",
-        f"| held out | {files['heldout']:,} | {stats['bytes']['heldout']:,} | {tokens['heldout']:,} |",
+        *(f"| {label} | {files[k]:,} | {size[k]:,} | {tokens[k]:,} |"
+          for k, label in (("train", "training"), ("val", "validation"), ("heldout", "held out"))),
         "",
         f"{files['found']:,} files found, {files['duplicates']:,} exact duplicates dropped, "
-        f"{files['undecodable']:,} undecodable files skipped. A file is held out iff "
-        f"`{stats['heldout_rule']}` on its relative path. Token counts include one `<|endoftext|>` "
-        "after each file. The full list of held-out files is in `corpus_stats.json`.",
+        f"{files['undecodable']:,} undecodable files skipped. Split by relative path: "
+        f"`{stats['split_rule']}`. Token counts include one `<|endoftext|>` after each file. "
+        "The list of held-out files is in `corpus_stats.json`.",
         "",
         "Licence of the data: the CPython standard library is Copyright (c) Python Software Foundation "
         "and distributed under the Python Software Foundation License (PSF-2.0).",
@@ -101,6 +109,10 @@ def _training_section(spec: dict, train: dict) -> list[str]:
         f"{train['seconds']:.0f} s ({rate:,.0f} tokens/s), stopped by {train['stopped_by']}; "
         f"final training loss {train['final_loss']:.4f}. torch {train['torch']}, transformers {train['transformers']}.",
         "",
+        f"Validation loss was measured every {t['val_every']} steps on {t['max_val_windows']} windows at most; "
+        f"the exported weights are those of step {train['best_step']:,} (lowest validation loss, "
+        f"{train['best_val_loss']:.4f}){' rather than the last step' if train['restored_best'] else ', the last one'}.",
+        "",
     ]
 
 
@@ -109,8 +121,9 @@ def _eval_section(ev: dict, has_plot: bool) -> list[str]:
         "## Evaluation", "",
         f"Held-out loss: **{ev['loss']:.4f}** nats/token (perplexity {math.exp(ev['loss']):.2f}) over "
         f"{ev['windows']} windows of {ev['seq_len']} tokens ({ev['predictions']:,} predictions), "
-        "computed from the exported bf16 weights in fp32. It equals the mean of transformers' "
-        "`model(input_ids=w, labels=w).loss` over the windows.",
+        "computed from the exported bf16 weights in fp32 on files used neither for training nor for "
+        "choosing the weights. It equals the mean of transformers' `model(input_ids=w, labels=w).loss` "
+        "over the windows.",
         "",
     ]
     if has_plot:

@@ -62,12 +62,14 @@ class TrainSpec:
     log_every: int = 10
     eval_batch_size: int = 16
     max_eval_windows: int | None = None  # None: the whole held-out split
+    val_every: int = 50  # steps between validation checks (the best weights are kept)
+    max_val_windows: int = 64
     seed: int = 1234
 
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.max_steps <= 0:
             raise ValueError(f"training budget must be positive: minutes={self.minutes}, max_steps={self.max_steps}")
-        if self.seq_len < 2 or self.batch_size < 1 or self.log_every < 1:
+        if self.seq_len < 2 or self.batch_size < 1 or self.log_every < 1 or self.val_every < 1:
             raise ValueError(f"bad seq_len={self.seq_len}, batch_size={self.batch_size} or log_every={self.log_every}")
 
 
@@ -77,6 +79,7 @@ class CorpusSpec:
 
     include_tests: bool = True
     max_train_files: int | None = None
+    max_val_files: int | None = None
     max_heldout_files: int | None = None
     max_file_bytes: int | None = None  # files larger than this are skipped (tiny preset only)
 
@@ -104,9 +107,9 @@ def tiny_spec() -> BuildSpec:
     )
     train = TrainSpec(
         seq_len=128, batch_size=8, lr=3e-3, warmup_steps=5, max_steps=30, minutes=5.0,
-        log_every=5, eval_batch_size=8, max_eval_windows=8,
+        log_every=5, eval_batch_size=8, max_eval_windows=8, val_every=10, max_val_windows=4,
     )
-    corpus = CorpusSpec(max_train_files=40, max_heldout_files=6, max_file_bytes=20_000)
+    corpus = CorpusSpec(max_train_files=40, max_val_files=4, max_heldout_files=6, max_file_bytes=20_000)
     return BuildSpec(model=model, train=train, corpus=corpus, tiny=True)
 
 

@@ -5,7 +5,9 @@ Rules (recorded in corpus_stats.json):
 - test directories are kept (they are Python code too);
 - files are decoded with their PEP 263 encoding (tokenize.detect_encoding), newlines untouched;
 - exact duplicates (same bytes) are dropped, keeping the first relative path in sorted order;
-- a file is held out iff sha1(relative posix path) % 20 == 0 (about 5%, stable across runs).
+- split by b = sha1(relative posix path) % 20, stable across runs: b == 0 held out (about 5%,
+  only for the final loss), b == 1 validation (about 5%, watched during training to keep the
+  best weights), the rest training.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 
 from tools.demo_model.config import CorpusSpec
 
-HELDOUT_MODULUS = 20
+SPLIT_MODULUS = 20
+SPLIT_BUCKETS = {0: "heldout", 1: "val"}  # every other bucket is "train"
+SPLITS = ("train", "val", "heldout")
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
@@ -39,19 +43,21 @@ class SourceFile:
 @dataclass(slots=True)
 class Corpus:
     root: str
-    train: list[SourceFile]
-    heldout: list[SourceFile]
+    splits: dict[str, list[SourceFile]]  # "train", "val", "heldout" -> files sorted by relpath
     counts: dict[str, int] = field(default_factory=dict)
+
+    def texts(self, split: str) -> list[str]:
+        return [f.text for f in self.splits[split]]
 
 
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def is_heldout(relpath: str) -> bool:
+def split_of(relpath: str) -> str:
     """Stable split: hash of the relative path, so a file never changes side between runs."""
     digest = hashlib.sha1(relpath.encode("utf-8")).digest()
-    return int.from_bytes(digest, "big") % HELDOUT_MODULUS == 0
+    return SPLIT_BUCKETS.get(int.from_bytes(digest, "big") % SPLIT_MODULUS, "train")
 
 
 def decode_source(data: bytes) -> str:
@@ -114,34 +120,38 @@ def load_corpus(spec: CorpusSpec, root: Path | None = None) -> Corpus:
         raise ValueError(f"stdlib root {root} is not a directory")
     counts = {"found": 0, "duplicates": 0, "undecodable": 0, "tests_skipped": 0}
     files = _read_unique(root, spec, counts)
-    train = _subset([f for f in files if not is_heldout(f.relpath)], spec.max_train_files, spec.max_file_bytes)
-    heldout = _subset([f for f in files if is_heldout(f.relpath)], spec.max_heldout_files, spec.max_file_bytes)
-    if not train or not heldout:
-        raise ValueError(f"corpus under {root} gave {len(train)} training and {len(heldout)} held-out files")
+    limits = {"train": spec.max_train_files, "val": spec.max_val_files, "heldout": spec.max_heldout_files}
+    splits = {
+        name: _subset([f for f in files if split_of(f.relpath) == name], limits[name], spec.max_file_bytes)
+        for name in SPLITS
+    }
+    if not all(splits.values()):
+        raise ValueError(f"corpus under {root} left a split empty: { {k: len(v) for k, v in splits.items()} }")
     counts["unique"] = len(files)
-    return Corpus(root=str(root), train=train, heldout=heldout, counts=counts)
+    return Corpus(root=str(root), splits=splits, counts=counts)
 
 
-def corpus_stats(corpus: Corpus, spec: CorpusSpec, tokens_train: int, tokens_heldout: int) -> dict:
-    """The JSON record of what the model was trained and evaluated on."""
+def corpus_stats(corpus: Corpus, spec: CorpusSpec, tokens: dict[str, int]) -> dict:
+    """The JSON record of what the model was trained and evaluated on; tokens: split -> count."""
     def size(files: list[SourceFile]) -> int:
         return sum(len(f.text.encode("utf-8")) for f in files)
 
+    splits = corpus.splits
     return {
         "python_version": platform.python_version(),
         "python_implementation": platform.python_implementation(),
         "python_build": sys.version,
         "stdlib_root": corpus.root,
         "include_tests": spec.include_tests,
+        "has_test_package": (Path(corpus.root) / "test" / "__init__.py").is_file(),
         "excluded_dirs": sorted(EXCLUDED_DIRS),
         "dedup": "sha256 of file bytes, first relative path kept",
-        "heldout_rule": f"int(sha1(relpath)) % {HELDOUT_MODULUS} == 0",
-        "subset": {"max_train_files": spec.max_train_files, "max_heldout_files": spec.max_heldout_files,
-                   "max_file_bytes": spec.max_file_bytes},
-        "files": dict(corpus.counts, train=len(corpus.train), heldout=len(corpus.heldout),
-                      train_test_dirs=sum(f.is_test for f in corpus.train)),
-        "bytes": {"train": size(corpus.train), "heldout": size(corpus.heldout)},
-        "tokens": {"train": tokens_train, "heldout": tokens_heldout,
-                   "note": "tokens include one <|endoftext|> after each file"},
-        "heldout_files": [f.relpath for f in corpus.heldout],
+        "split_rule": f"b = int(sha1(relpath)) % {SPLIT_MODULUS}: b == 0 heldout, b == 1 val, else train",
+        "subset": {"max_train_files": spec.max_train_files, "max_val_files": spec.max_val_files,
+                   "max_heldout_files": spec.max_heldout_files, "max_file_bytes": spec.max_file_bytes},
+        "files": dict(corpus.counts, **{k: len(v) for k, v in splits.items()},
+                      train_test_dirs=sum(f.is_test for f in splits["train"])),
+        "bytes": {k: size(v) for k, v in splits.items()},
+        "tokens": dict(tokens, note="tokens include one <|endoftext|> after each file"),
+        "heldout_files": [f.relpath for f in splits["heldout"]],
     }

@@ -23,7 +23,7 @@ def load_exported(folder: Path, device: torch.device) -> PreTrainedModel:
 
 
 @torch.no_grad()
-def heldout_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+def next_token_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
     """Mean next-token cross-entropy over all windows; windows: [W, T] int64."""
     if windows.dim() != 2 or windows.size(1) < 2:
         raise ValueError(f"held-out windows must be [W, T>=2], got {tuple(windows.shape)}")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tools.demo_model.config import TrainSpec
+from tools.demo_model.evaluate import next_token_loss
 
 Log = Callable[[str], None]
 
@@ -28,10 +29,41 @@ class TrainLog:
     """What the loop measured; rows are written every `log_every` steps."""
 
     rows: list[dict] = field(default_factory=list)
+    val_rows: list[dict] = field(default_factory=list)  # every `val_every` steps and at the end
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
     stopped_by: str = ""
+    best_step: int = 0
+    best_val_loss: float = math.inf
+    restored_best: bool = False
+
+
+class BestWeights:
+    """Validation loss every `val_every` steps; keeps a copy of the weights with the lowest one.
+
+    The corpus is small (a few million tokens on a stripped-down stdlib), so a long budget means
+    many epochs; exporting the best-validation weights guards against overfitting.
+    """
+
+    def __init__(self, model: torch.nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device) -> None:
+        self.model, self.windows, self.batch_size, self.device = model, windows, batch_size, device
+        self.state: dict[str, torch.Tensor] | None = None
+
+    def check(self, result: TrainLog, log: Log) -> None:
+        loss = next_token_loss(self.model, self.windows, self.batch_size, self.device)["loss"]
+        result.val_rows.append({"step": result.steps, "tokens": result.tokens, "val_loss": loss})
+        if loss < result.best_val_loss:
+            result.best_val_loss, result.best_step = loss, result.steps
+            self.state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        log(f"step {result.steps:>6}  validation loss {loss:.4f}  (best {result.best_val_loss:.4f} "
+            f"at step {result.best_step})")
+
+    def restore(self, result: TrainLog, log: Log) -> None:
+        if self.state is not None and result.best_step != result.steps:
+            self.model.load_state_dict(self.state)
+            result.restored_best = True
+            log(f"restored the weights of step {result.best_step} (lowest validation loss)")
 
 
 def seed_everything(seed: int) -> None:
@@ -83,7 +115,9 @@ def batches(windows: torch.Tensor, batch_size: int, seed: int):
         epoch += 1
 
 
-def step_losses(model: Qwen3MoeForCausalLM, ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def step_losses(
+    model: Qwen3MoeForCausalLM, ids: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy (mean over B*(T-1) predictions) and the router aux loss."""
     # ids: [B, T]
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -99,11 +133,13 @@ def train(
     spec: TrainSpec,
     device: torch.device,
     log: Log,
+    val_windows: torch.Tensor,
     compile_model: bool = False,
 ) -> TrainLog:
-    """Train in place until max_steps or the wall-clock budget; returns the loss log."""
-    # windows: [W, T] int64 training windows
+    """Train in place until max_steps or the wall-clock budget, ending with the best-validation weights."""
+    # windows: [W, T] int64 training windows; val_windows: [V, T]
     model.to(device).train()
+    best = BestWeights(model, val_windows, spec.eval_batch_size, device)
     forward = torch.compile(model) if compile_model else model
     optimizer = make_optimizer(model, spec, device)
     data = batches(windows.to(device), spec.batch_size, spec.seed)
@@ -134,8 +170,13 @@ def train(
         if result.steps % spec.log_every == 0:
             _log_row(result, sums, spec.log_every, lr, start, log)
             sums.zero_()
+        if result.steps % spec.val_every == 0:
+            best.check(result, log)
     if result.steps % spec.log_every:
         _log_row(result, sums, result.steps % spec.log_every, lr, start, log)  # the last partial interval
+    if result.steps % spec.val_every:
+        best.check(result, log)
+    best.restore(result, log)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result.seconds = time.monotonic() - start
