@@ -14,7 +14,7 @@ from ferryman.engine.inputs import StepInputs, prepare_inputs
 from ferryman.engine.sampler import Sampler
 from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.experts.resident import ResidentExperts
-from ferryman.layers.fused_moe import MoEActivation
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.weights.build import LoadedModel
 
 
@@ -50,9 +50,11 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        # Graphs only for batches whose MoE step has no host sync (the Triton decode kernel).
+        graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
         if use_cuda_graphs and device.type == "cuda":
             max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, max_model_len, device)
+            self.graphs = DecodeGraphs(self.model, graph_bs, max_blocks, max_model_len, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
