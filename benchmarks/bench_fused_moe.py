@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--sweep", action="store_true", help="time several tile configurations")
+    ap.add_argument("--sweep-dot", action="store_true", help="with --sweep, also the tensor-core (dot_scaled) tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_moe needs a CUDA device")
@@ -102,8 +103,11 @@ def main() -> None:
     refs = [fused_moe_reference(fmt, banks, x, ids, topk_w, act).float() for ids in id_sets]
     configs = [DecodeConfig()]
     if args.sweep:
-        configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl=impl)
-                    for impl, n, k, w in itertools.product(("fma", "dot"), (16, 32, 64), (128, 256, 512), (4, 8))]
+        configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="fma")
+                    for n, k, w in itertools.product((16, 32), (256, 512, 1024, 2048), (2, 4, 8))]
+        if args.sweep_dot:
+            configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="dot")
+                        for n, k, w in itertools.product((16, 32, 64), (128, 256), (4, 8))]
     rows = []
     for cfg in configs:
         def call(cfg: DecodeConfig = cfg) -> list[torch.Tensor]:
