@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferryman.config import ModelConfig
+from ferryman.experts.trace import RoutingTrace
 
 
 class ExpertBackend(Protocol):
@@ -47,12 +48,15 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         self.experts: ExpertBackend | None = None  # bound by the model runner
+        self.trace: RoutingTrace | None = None  # records routing when set (measurements)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         if self.experts is None:
             raise RuntimeError(f"MoE layer {self.layer} has no expert backend bound")
         topk_ids, topk_w = route(self.gate(x), self.top_k, self.kind, self.renormalize)
+        if self.trace is not None:
+            self.trace.record(self.layer, topk_ids)
         return self.experts.forward(self.layer, x, topk_ids, topk_w)
 
 
