@@ -41,7 +41,7 @@ class DecodeConfig:
 
     block_n: int = 16  # output rows per program (kernel 1 loads 2x: gate and up)
     block_k: int = 512  # inputs per loop step; a multiple of 32 for mxfp4
-    num_warps: int = 4
+    num_warps: int = 2  # H200 sweep (benchmarks/bench_fused_moe.py --sweep): 55.7 us vs 63.0 us at 4 warps
     impl: str = "fma"
 
     def __post_init__(self) -> None:
