@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.demo_model.config import CorpusSpec  # noqa: E402
-from tools.demo_model.corpus import load_corpus  # noqa: E402
+from tools.demo_model.corpus import load_corpus, stdlib_root  # noqa: E402
 
 from ferryman import LLM  # noqa: E402
 from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate, reuse_within, top_share  # noqa: E402
@@ -28,11 +28,23 @@ from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate, reu
 FRACTIONS = (0.10, 0.25, 0.50)
 
 
+def heldout_texts(model_folder: Path) -> list[str]:
+    """The model card's held-out files (corpus_stats.json) found in this Python's stdlib, else
+    this stdlib's own held-out split."""
+    stats = model_folder / "corpus_stats.json"
+    if stats.exists():
+        root = stdlib_root()
+        names = json.loads(stats.read_text()).get("heldout_files", [])
+        texts = [(root / n).read_text(encoding="utf-8", errors="replace") for n in names if (root / n).exists()]
+        if texts:
+            return texts
+    return load_corpus(CorpusSpec(include_tests=False)).texts("heldout")
+
+
 def heldout_windows(llm: LLM, max_tokens: int, window: int) -> list[list[int]]:
-    corpus = load_corpus(CorpusSpec(include_tests=False))
     eos = llm.tokenizer.eos_token_id
     stream: list[int] = []
-    for text in corpus.texts("heldout"):
+    for text in heldout_texts(Path(llm.config.model)):
         stream += llm.tokenizer.encode(text, add_special_tokens=False) + [eos]
         if len(stream) >= max_tokens:
             break

@@ -112,7 +112,56 @@ def fused_moe(
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+    if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
+        return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act)
+
+
+# CPU decode: dequantise the few experts a step uses into one batch and run two bmm calls,
+# instead of a Python loop of small matmuls. Bounded so big experts (gpt-oss) keep the loop.
+GATHER_MAX_BYTES = 64 << 20
+
+
+def _gathered_bytes(form: ExpertFormat, banks: Banks, pairs: int, x: torch.Tensor) -> int:
+    _, hidden, inter = form.dims(banks)
+    return pairs * 3 * hidden * inter * x.element_size()  # dequantised w13 + w2 of every pair
+
+
+def fused_moe_gathered(
+    form: ExpertFormat,
+    banks: Banks,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    act: MoEActivation,
+) -> torch.Tensor:
+    """Same math as the reference for few pairs: x [T, H] -> [T, H] in x.dtype.
+
+    Expert outputs are summed per token in ascending slot order in x.dtype, the order in which
+    the reference's (and transformers') index_add_ accumulates them."""
+    T, K = topk_ids.shape
+    num_slots, hidden, _ = form.dims(banks)
+    flat = topk_ids.reshape(-1).long()  # [P]
+    if flat.numel() and (flat.min() < 0 or flat.max() >= num_slots):
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {flat.min()}, max {flat.max()}")
+    bias = form.has_bias(banks)
+    xs = x.repeat_interleave(K, dim=0)  # [P, H]
+    w13 = form.dequant(banks, "w13", flat, x.dtype)  # [P, 2I, H]
+    gate_up = torch.bmm(w13, xs[:, :, None])[..., 0]  # [P, 2I]
+    if bias:
+        gate_up = gate_up + banks["w13_bias"][flat].to(x.dtype)
+    h = apply_activation(gate_up, act)  # [P, I]
+    w2 = form.dequant(banks, "w2", flat, x.dtype)  # [P, H, I]
+    y = torch.bmm(w2, h[:, :, None])[..., 0]  # [P, H]
+    if bias:
+        y = y + banks["w2_bias"][flat].to(x.dtype)
+    y = (y * topk_w.reshape(-1)[:, None]).to(x.dtype).view(T, K, hidden)
+    order = topk_ids.long().argsort(dim=1, stable=True)  # [T, K] ascending slot per token
+    y = y.gather(1, order[:, :, None].expand(T, K, hidden))
+    out = torch.zeros_like(x)
+    for k in range(K):
+        out = out + y[:, k]
+    return out
 
 
 def _expert_forward(

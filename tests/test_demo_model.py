@@ -1,0 +1,58 @@
+"""The bundled demo model: ferryman's held-out loss equals transformers', it is the default, it fits."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ferryman import LLM, SamplingParams
+from ferryman.llm import DEMO_MODEL
+
+WINDOW = 256
+
+
+def _heldout_slice(tokenizer, n_windows: int = 3) -> list[list[int]]:
+    """A fixed slice: the model card's held-out files found in this Python's stdlib, in order."""
+    names = json.loads((DEMO_MODEL / "corpus_stats.json").read_text())["heldout_files"]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    stream: list[int] = []
+    for name in names:
+        if (root / name).exists():
+            stream += tokenizer.encode((root / name).read_text(encoding="utf-8", errors="replace"))
+        if len(stream) >= n_windows * WINDOW:
+            break
+    assert len(stream) >= n_windows * WINDOW, "not enough held-out text in this Python's stdlib"
+    return [stream[i * WINDOW : (i + 1) * WINDOW] for i in range(n_windows)]
+
+
+def _nll(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return F.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="sum")
+
+
+def test_heldout_loss_matches_transformers() -> None:
+    llm = LLM(dtype="float32", device="cpu")
+    windows = _heldout_slice(llm.tokenizer)
+    ours = sum(_nll(lg, w) for lg, w in zip(llm.score(windows), windows)) / (len(windows) * (WINDOW - 1))
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        theirs = sum(_nll(ref(torch.tensor([w])).logits[0], w) for w in windows) / (len(windows) * (WINDOW - 1))
+    assert abs(ours.item() - theirs.item()) <= 0.005 * theirs.item(), (ours.item(), theirs.item())
+    assert 0.5 < theirs.item() < 6.0  # a trained model, not noise (ln 8192 = 9.0)
+
+
+def test_demo_model_is_the_default_and_writes_python() -> None:
+    llm = LLM(device="cpu")
+    assert Path(llm.config.model) == DEMO_MODEL
+    out = llm.generate(["def quicksort(xs):"], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    assert len(out.token_ids) > 0 and out.finish_reason in ("stop", "length")
+    assert out.text == AutoTokenizer.from_pretrained(DEMO_MODEL).decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_shipped_folder_is_at_most_40_mib() -> None:
+    size = sum(f.stat().st_size for f in DEMO_MODEL.rglob("*") if f.is_file())
+    assert size <= 40 * 2**20, f"demo model folder is {size / 2**20:.2f} MiB"
