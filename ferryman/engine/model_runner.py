@@ -6,13 +6,16 @@ MoE block. Decode-only steps replay a captured CUDA graph when one fits the batc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ferryman.config import ModelConfig
 from ferryman.engine.cuda_graph import DecodeGraphs
 from ferryman.engine.inputs import StepInputs, prepare_inputs
-from ferryman.engine.sampler import Sampler
+from ferryman.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.engine.sequence import Sequence
 from ferryman.experts.resident import ResidentExperts
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.weights.build import LoadedModel
@@ -49,6 +52,11 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.sampler = Sampler()
+        # Optional hook between logits and sampling (the server's grammar masks):
+        # (logits [B_s, V] fp32, sampling seqs) -> logits [B_s, V]. Runs in the engine thread.
+        self.logits_processor: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None
+        # seq_id -> logprobs of the token sampled in the last step, for seqs with params.logprobs set
+        self.last_logprobs: dict[int, TokenLogprobs] = {}
         self.graphs: DecodeGraphs | None = None
         # Graphs only for batches whose MoE step has no host sync (the Triton decode kernel).
         graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
@@ -61,11 +69,18 @@ class ModelRunner:
         """Run the step; returns seq_id -> sampled token for the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device)
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
+        self.last_logprobs = {}
         if not inputs.sample_seq_ids:
             return {}
         seqs = [s.seq for s in out.scheduled if s.sample]
-        tokens = self.sampler(logits, seqs).tolist()
-        return dict(zip(inputs.sample_seq_ids, tokens))
+        raw = logits
+        if self.logits_processor is not None:
+            logits = self.logits_processor(logits, seqs)
+        tokens = self.sampler(logits, seqs)
+        if any(s.params.logprobs is not None for s in seqs):
+            lps = token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+            self.last_logprobs = {s.seq_id: lp for s, lp in zip(seqs, lps) if lp is not None}
+        return dict(zip(inputs.sample_seq_ids, tokens.tolist()))
 
     def compute_logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
         """logits [B_s, V] fp32 for the sampling rows."""

@@ -130,3 +130,27 @@ def sample_exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.
     # A draw of exactly 0 would turn a zero-probability token into 0/0 = nan, which argmax picks.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
+
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int | None]
+                   ) -> list[TokenLogprobs | None]:
+    """Log-probabilities of the model's distribution (raw logits, before penalties, temperature and
+    filters, like vLLM) for the chosen tokens and each row's `top_n` most likely tokens.
+
+    logits: [B, V] fp32, tokens: [B]; rows whose top_n is None give None."""
+    rows = [i for i, n in enumerate(top_n) if n is not None]
+    if not rows:
+        return [None] * len(top_n)
+    idx = torch.tensor(rows, device=logits.device)
+    logp = logits[idx].float().log_softmax(dim=-1)  # [R, V]
+    chosen = logp.gather(1, tokens[idx].view(-1, 1)).squeeze(1).tolist()  # [R]
+    k = max(top_n[i] for i in rows)
+    top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    out: list[TokenLogprobs | None] = [None] * len(top_n)
+    for r, i in enumerate(rows):
+        n = top_n[i]
+        out[i] = (chosen[r], list(zip(top_ids[r, :n].tolist(), top_vals[r, :n].tolist())))
+    return out
