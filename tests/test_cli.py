@@ -1,0 +1,34 @@
+"""`ferryman run` / `ferryman info` on the bundled demo model, as a user types them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferryman.cli import build_parser, main
+
+
+def test_run_without_model_uses_demo_and_streams(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "-p", "def add(a, b):", "--max-tokens", "8", "--device", "cpu", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def add(a, b):") and len(captured.out) > len("def add(a, b):\n")
+    assert "8 tokens" in captured.err and "decode" in captured.err and "kv_cache_tokens" in captured.err
+
+
+def test_info_without_model_describes_demo(capsys: pytest.CaptureFixture) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_moe" in out and "32 per layer, top-4" in out and "10 (10 MoE)" in out
+
+
+def test_every_command_has_help(capsys: pytest.CaptureFixture) -> None:
+    for cmd in (["--help"], ["run", "--help"], ["info", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(cmd)
+        assert e.value.code == 0
+        assert "usage: ferryman" in capsys.readouterr().out
+
+
+def test_chat_flag_uses_the_template(capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "-p", "hello", "--chat", "--max-tokens", "4", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "finish=length" in err or "finish=stop" in err
