@@ -1,0 +1,219 @@
+"""Anthropic API: /v1/messages (whole and streamed) and /v1/messages/count_tokens.
+
+Messages are converted to the OpenAI shape and rendered by the same chat template; `tool_use`
+blocks become assistant tool calls, `tool_result` blocks tool messages, reasoning comes back as
+`thinking` blocks. Streams follow Anthropic's event sequence: message_start, ping, per block
+content_block_start / *_delta / content_block_stop, message_delta (stop_reason, usage), message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ferryman.sampling_params import SamplingParams
+from ferryman.server.chat import ChatPrompt, TemplateError
+from ferryman.server.errors import APIError, error_body
+from ferryman.server.generation import Choice, ChoiceDelta, GenSpec, engine_error, generate, stop_string_hit, stream_choices
+from ferryman.server.openai_api import sse
+from ferryman.server.parsers import ToolCall
+from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
+from ferryman.server.state import ServerState
+from ferryman.server.tooling import ToolSetup, tool_setup
+
+router = APIRouter()
+_PATH = "/v1/messages"
+
+
+def _text(content: str | list[Any]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    tool_results, texts, calls = [], [], []
+    for j, b in enumerate(m.content):
+        if b.type in ("image", "document"):
+            raise APIError(400, f"{b.type} content is not supported by this server", f"messages[{i}].content[{j}]")
+        if b.type == "text":
+            texts.append(b.text)
+        elif b.type == "tool_result":
+            tool_results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+        elif b.type == "tool_use":
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+    msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    return tool_results + ([msg] if texts or calls or not tool_results else [])
+
+
+def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
+    st.check_model(body.model)
+    messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
+    for i, m in enumerate(body.messages):
+        messages.extend(_message_dicts(i, m))
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                "parameters": t.input_schema}} for t in body.tools or []]
+    choice = None
+    if body.tool_choice is not None:
+        tc = body.tool_choice
+        if tc.type == "tool" and not tc.name:
+            raise APIError(400, "tool_choice.name is required when tool_choice.type is 'tool'", "tool_choice.name")
+        choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type, f"function:{tc.name}")
+    setup = tool_setup(st, tools or None, choice)
+    kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
+    try:
+        prompt = st.renderer.render(messages, setup.tools, kwargs)
+    except TemplateError as e:
+        raise APIError(400, str(e), "messages") from None
+    return prompt, setup
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: ACountTokensRequest, request: Request) -> dict[str, Any]:
+    prompt, _ = _prompt(request.app.state.ferryman, body)
+    return {"input_tokens": len(prompt.token_ids)}
+
+
+@router.post("/v1/messages")
+async def messages(body: AMessagesRequest, request: Request) -> Any:
+    st: ServerState = request.app.state.ferryman
+    prompt, setup = _prompt(st, body)
+    st.check_prompt(prompt.token_ids, "messages")
+    try:
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                stop=list(body.stop_sequences or []),
+                                max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+    spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    if body.stream:
+        deltas = stream_choices(st, [spec])
+        return StreamingResponse(_stream(st, body, spec, deltas, mid), media_type="text/event-stream")
+    try:
+        choice = (await generate(st, [spec], request))[0]
+    except Exception as e:
+        raise engine_error(e) from None
+    content = _blocks(choice)
+    reason, seq = _stop_reason(st, choice, body)
+    return {"id": mid, "type": "message", "role": "assistant", "model": body.model, "content": content,
+            "stop_reason": reason, "stop_sequence": seq, "usage": _usage(len(prompt.token_ids), choice)}
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name,
+            "input": call.arguments_dict()}
+
+
+def _blocks(c: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if c.parsed.reasoning:
+        blocks.append({"type": "thinking", "thinking": c.parsed.reasoning, "signature": ""})
+    if c.parsed.content or not (blocks or c.parsed.tool_calls):
+        blocks.append({"type": "text", "text": c.parsed.content})
+    blocks.extend(_tool_use(t) for t in c.parsed.tool_calls)
+    return blocks
+
+
+def _stop_reason(st: ServerState, c: Choice, body: AMessagesRequest) -> tuple[str, str | None]:
+    if c.parsed.tool_calls:
+        return "tool_use", None
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    hit = stop_string_hit(st, c, list(body.stop_sequences or []))
+    return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
+
+
+def _usage(prompt_len: int, c: Choice) -> dict[str, Any]:
+    cached = c.metrics.num_cached_tokens
+    return {"input_tokens": prompt_len - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": len(c.token_ids)}
+
+
+class _BlockWriter:
+    """Opens, feeds and closes content blocks as the kind of output changes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def _switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.kind = kind
+        events.append(sse({"type": "content_block_start", "index": self.index, "content_block": start},
+                          "content_block_start"))
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    def thinking(self, text: str) -> list[str]:
+        events = [] if self.kind == "thinking" else self._switch(
+            "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
+
+    def text(self, text: str) -> list[str]:
+        events = [] if self.kind == "text" else self._switch("text", {"type": "text", "text": ""})
+        return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def tool(self, call: ToolCall) -> list[str]:
+        block = _tool_use(call)
+        events = self._switch("tool_use", {**block, "input": {}})
+        return events + [self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})]
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        events.append(sse({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
+        self.kind = None
+        return events
+
+
+async def _stream(st: ServerState, body: AMessagesRequest, spec: GenSpec,
+                  deltas: AsyncIterator[ChoiceDelta], mid: str) -> AsyncIterator[str]:
+    start = {"id": mid, "type": "message", "role": "assistant", "model": body.model, "content": [],
+             "stop_reason": None, "stop_sequence": None,
+             "usage": {"input_tokens": len(spec.prompt_ids), "output_tokens": 0}}
+    yield sse({"type": "message_start", "message": start}, "message_start")
+    yield sse({"type": "ping"}, "ping")
+    writer, choice = _BlockWriter(), Choice(0)
+    try:
+        async for d in deltas:
+            choice.add(d)
+            for ev in _delta_events(writer, d):
+                yield ev
+    except Exception as e:
+        err = engine_error(e)
+        yield sse(error_body(_PATH, err.status, err.message), "error")
+        return
+    finally:
+        await deltas.aclose()
+    for ev in writer.close():
+        yield ev
+    reason, seq = _stop_reason(st, choice, body)
+    yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+               "usage": _usage(len(spec.prompt_ids), choice)}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
+
+
+def _delta_events(writer: _BlockWriter, d: ChoiceDelta) -> list[str]:
+    events: list[str] = []
+    if d.parsed.reasoning:
+        events += writer.thinking(d.parsed.reasoning)
+    if d.parsed.content:
+        events += writer.text(d.parsed.content)
+    for call in d.parsed.tool_calls:
+        events += writer.tool(call)
+    return events

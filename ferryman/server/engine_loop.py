@@ -1,0 +1,280 @@
+"""The engine in its own thread: requests in through a command queue, token events out to asyncio.
+
+The HTTP event loop never touches `LLMEngine`; it submits and aborts through `EngineLoop`, which
+hands commands to the engine thread. Between two steps the engine thread adds and aborts requests,
+then runs one `LLMEngine.step()` and posts each request's new tokens to that request's asyncio
+queue (`loop.call_soon_threadsafe`). Tokenising, HTTP and streaming therefore never stall a step.
+
+Failure: if a step raises, the thread exits, or a step runs longer than `step_timeout_s`, the loop
+is *dead*: every pending request gets an `EngineDeadError` at once, new submissions are refused,
+and `/health` answers 503. A dead loop is never restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ferryman.engine.llm_engine import LLMEngine
+from ferryman.engine.outputs import RequestOutput, StepDelta
+from ferryman.engine.sampler import TokenLogprobs
+from ferryman.errors import EngineDeadError, FerrymanError
+from ferryman.sampling_params import SamplingParams
+
+log = logging.getLogger("ferryman.server")
+
+_IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on the command queue
+_WATCHDOG_PERIOD_S = 0.2
+
+
+class OverloadedError(FerrymanError):
+    """The request queue is full (HTTP 429)."""
+
+
+class TokenMatcher(Protocol):
+    """Per-request grammar state the loop advances with every sampled token."""
+
+    def consume(self, token_id: int) -> None: ...
+
+
+@dataclass
+class TokenEvent:
+    """New output of one request after one engine step."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs | None]  # one entry per token id (None when not asked for)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    output: RequestOutput | None = None  # the final output (metrics) on the last event
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One submitted request: iterate it (in the event loop) for its TokenEvents."""
+
+    key: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    matcher: TokenMatcher | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    rid: int | None = None  # engine request id, set by the engine thread
+    last_token_time: float | None = None
+    finished: bool = False
+
+    def post(self, item: TokenEvent | BaseException) -> None:
+        """Thread-safe: hand an event (or the error that ends the request) to the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """TokenEvents until the one with finish_reason; raises the error that ends the request."""
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finish_reason is not None:
+                self.finished = True
+            yield item
+            if self.finished:
+                return
+
+
+class LoopObserver(Protocol):
+    """Metrics hooks, called from the engine thread."""
+
+    def on_token(self, handle: RequestHandle, now: float, first: bool) -> None: ...
+
+    def on_finish(self, handle: RequestHandle, output: RequestOutput) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, max_pending: int = 256, step_timeout_s: float = 600.0,
+                 observer: LoopObserver | None = None) -> None:
+        self.engine = engine
+        self.max_pending = max_pending
+        self.step_timeout_s = step_timeout_s
+        self.observer = observer
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+        # Invariant: a handle is in _pending from submit() until its last event or error is posted.
+        self._pending: dict[int, RequestHandle] = {}  # by key
+        self._by_rid: dict[int, RequestHandle] = {}  # engine-thread only
+        self._matchers: dict[int, TokenMatcher] = {}  # by engine rid; engine-thread only
+        self._fault: BaseException | None = None
+        self._stop = threading.Event()
+        self._step_started: float | None = None
+        self.dead_reason: str | None = None
+        self.stats_snapshot: dict[str, Any] = engine.stats()
+        engine.runner.logits_processor = None
+        self._thread = threading.Thread(target=self._run, name="ferryman-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="ferryman-watchdog", daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._watchdog.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def set_logits_processor(self, fn: Callable | None) -> None:
+        self.engine.runner.logits_processor = fn
+
+    def matcher_for(self, rid: int) -> TokenMatcher | None:
+        """Engine thread: the grammar matcher of an engine request (for the logits processor)."""
+        return self._matchers.get(rid)
+
+    def inject_fault(self, exc: BaseException | None = None) -> None:
+        """Testing hook (not reachable over HTTP): the next engine step raises `exc`."""
+        self._fault = exc or RuntimeError("fault injected into the engine loop")
+        self._commands.put(("wake", None))
+
+    # ---- intake (event-loop thread) ------------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               matcher: TokenMatcher | None = None) -> RequestHandle:
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine thread is not running")
+        with self._lock:
+            if len(self._pending) >= self.max_pending:
+                raise OverloadedError(f"the server has {len(self._pending)} requests in flight "
+                                      f"(limit {self.max_pending}); retry later")
+            handle = RequestHandle(next(self._keys), list(prompt_token_ids), params, matcher,
+                                   asyncio.get_running_loop())
+            self._pending[handle.key] = handle
+        self._commands.put(("add", handle))
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a request (client gone): its blocks are freed before the next step."""
+        if not handle.finished:
+            self._commands.put(("abort", handle))
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and self.dead_reason is None:
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self._fault is not None:
+                    raise self._fault
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - any failure kills the loop, reported to all
+            log.exception("engine loop died")
+            self._die(f"{type(e).__name__}: {e}")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                self._apply(*cmd)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _apply(self, kind: str, handle: Any) -> None:
+        if kind == "add":
+            self._add(handle)
+        elif kind == "abort" and handle.rid is not None and handle.rid in self._by_rid:
+            self.engine.abort(handle.rid)
+            self._close(handle, TokenEvent([], "", [], "abort"))
+
+    def _add(self, handle: RequestHandle) -> None:
+        try:
+            handle.rid = self.engine.add_request(handle.prompt_token_ids, handle.params)
+        except (ValueError, FerrymanError) as e:
+            self._finish_handle(handle, e)
+            return
+        self._by_rid[handle.rid] = handle
+        if handle.matcher is not None:
+            self._matchers[handle.rid] = handle.matcher
+
+    def _step(self) -> None:
+        self._step_started = time.monotonic()
+        deltas = self.engine.step()
+        self._step_started = None
+        if self.dead_reason is not None:
+            return  # the watchdog gave up on this step; its requests were already failed
+        now = time.monotonic()
+        logprobs = self.engine.runner.last_logprobs
+        for d in deltas:
+            handle = self._by_rid.get(d.request_id)
+            if handle is not None:
+                self._deliver(handle, d, logprobs.get(d.request_id), now)
+        self.stats_snapshot = self.engine.stats()
+
+    def _deliver(self, handle: RequestHandle, d: StepDelta, lp: TokenLogprobs | None, now: float) -> None:
+        if handle.matcher is not None and d.finish_reason is None:
+            for t in d.token_ids:
+                handle.matcher.consume(t)
+        if self.observer is not None:
+            self.observer.on_token(handle, now, first=handle.last_token_time is None)
+        handle.last_token_time = now
+        event = TokenEvent(d.token_ids, d.text, [lp] * len(d.token_ids), d.finish_reason)
+        if d.finish_reason is None:
+            handle.post(event)
+        else:
+            self._close(handle, event)
+
+    def _close(self, handle: RequestHandle, event: TokenEvent) -> None:
+        """Last event of a request: attach its final output, forget it everywhere."""
+        assert handle.rid is not None
+        event.output = self.engine.pop_output(handle.rid)
+        self._by_rid.pop(handle.rid, None)
+        self._matchers.pop(handle.rid, None)
+        if self.observer is not None and event.output is not None:
+            self.observer.on_finish(handle, event.output)
+        self._finish_handle(handle, event)
+
+    def _finish_handle(self, handle: RequestHandle, item: TokenEvent | BaseException) -> None:
+        with self._lock:
+            self._pending.pop(handle.key, None)
+        handle.post(item)
+
+    # ---- failure -------------------------------------------------------------------------------
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+        self._fail_all(EngineDeadError(self.dead_reason))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        with self._lock:
+            handles = list(self._pending.values())
+            self._pending.clear()
+        for h in handles:
+            h.post(error)
+
+    def _watch(self) -> None:
+        """Watchdog: a thread that exited or a step that hangs makes the loop dead."""
+        while not self._stop.wait(_WATCHDOG_PERIOD_S):
+            if self.dead_reason is not None:
+                return
+            started = self._step_started
+            if not self._thread.is_alive():
+                self._die("the engine thread exited")
+            elif started is not None and time.monotonic() - started > self.step_timeout_s:
+                self._die(f"an engine step has run for more than {self.step_timeout_s:.0f} s")

@@ -1,0 +1,191 @@
+"""One API request -> n engine requests -> parsed choices, whole or streamed.
+
+Both APIs describe a generation as a `GenSpec` (prompt, sampling, grammar, parser) and read back
+`ChoiceDelta`s (streaming) or `Choice`s (whole). Aborts: a client that disconnects (streaming: the
+response generator is closed; whole: a watcher polls the connection) aborts every engine request
+of the API request, which frees their KV blocks before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ferryman.engine.outputs import RequestMetrics
+from ferryman.engine.sampler import TokenLogprobs
+from ferryman.errors import EngineDeadError
+from ferryman.sampling_params import SamplingParams
+from ferryman.server.engine_loop import OverloadedError, RequestHandle
+from ferryman.server.errors import APIError
+from ferryman.server.grammar import GrammarMatcher
+from ferryman.server.parsers import OutputParser, Parsed, PlainParser
+from ferryman.server.state import ServerState
+
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class GenSpec:
+    """One prompt's generation; its n choices get consecutive choice indexes."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int = 1
+    grammar: Callable[[], GrammarMatcher] | None = None  # a fresh matcher per choice
+    parser: Callable[[], OutputParser] | None = None  # a fresh parser per choice
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    parsed: Parsed
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None = None  # engine reason on the last delta: stop | length | abort
+    metrics: RequestMetrics | None = None  # on the last delta
+
+
+@dataclass
+class Choice:
+    index: int
+    parsed: Parsed = field(default_factory=Parsed)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    def add(self, d: ChoiceDelta) -> None:
+        self.parsed.extend(d.parsed)
+        self.token_ids += d.token_ids
+        self.text += d.text
+        self.logprobs += d.logprobs
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+        if d.metrics is not None:
+            self.metrics = d.metrics
+
+
+def seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: same params, seed + i (so seeded choices differ but are reproducible)."""
+    if params.seed is None or i == 0:
+        return params
+    p = SamplingParams(**{f: getattr(params, f) for f in params.__slots__})
+    p.seed = (params.seed + i) % 2**63
+    return p
+
+
+def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandle, OutputParser]]:
+    """Submit every choice of every spec (choice index = position in the returned list)."""
+    subs: list[tuple[RequestHandle, OutputParser]] = []
+    try:
+        for spec in specs:
+            for i in range(spec.n):
+                matcher = spec.grammar() if spec.grammar is not None else None
+                handle = state.loop.submit(spec.prompt_ids, seeded(spec.params, i), matcher)
+                subs.append((handle, spec.parser() if spec.parser is not None else PlainParser()))
+    except OverloadedError as e:
+        _abort(state, subs)
+        raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        _abort(state, subs)
+        raise APIError(503, str(e)) from None
+    return subs
+
+
+def _abort(state: ServerState, subs: list[tuple[RequestHandle, OutputParser]]) -> None:
+    for handle, _ in subs:
+        state.loop.abort(handle)
+
+
+async def _choice_deltas(index: int, handle: RequestHandle, parser: OutputParser,
+                         out: asyncio.Queue) -> None:
+    """Pump one engine request's events, parsed, into `out`; the last item is None or an error."""
+    try:
+        async for ev in handle.events():
+            parsed = parser.feed(ev.token_ids, ev.text)
+            if ev.finish_reason is not None:
+                parsed.extend(parser.finish())
+            metrics = ev.output.metrics if ev.output is not None else None
+            await out.put(ChoiceDelta(index, parsed, ev.token_ids, ev.text, ev.logprobs, ev.finish_reason, metrics))
+        await out.put(None)
+    except Exception as e:  # noqa: BLE001 - handed to the consumer
+        await out.put(e)
+
+
+def stream_choices(state: ServerState, specs: list[GenSpec]) -> AsyncIterator[ChoiceDelta]:
+    """Deltas of all choices, interleaved as they come. Submits at once, so a 429 / 503 is
+    raised to the caller before any response is sent."""
+    return _drain(state, _submit(state, specs))
+
+
+async def _drain(state: ServerState, subs: list[tuple[RequestHandle, OutputParser]]) -> AsyncIterator[ChoiceDelta]:
+    out: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_choice_deltas(i, h, p, out)) for i, (h, p) in enumerate(subs)]
+    done = 0
+    try:
+        while done < len(tasks):
+            item = await out.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        _abort(state, subs)
+        for t in tasks:
+            t.cancel()
+
+
+async def _watch_disconnect(request: Request, on_gone: Callable[[], None]) -> None:
+    while True:
+        await asyncio.sleep(_DISCONNECT_POLL_S)
+        if await request.is_disconnected():
+            on_gone()
+            return
+
+
+async def generate(state: ServerState, specs: list[GenSpec], request: Request) -> list[Choice]:
+    """Run all choices to the end; the client leaving aborts them (they end with "abort")."""
+    subs = _submit(state, specs)
+    choices = [Choice(i) for i in range(len(subs))]
+    watcher = asyncio.create_task(_watch_disconnect(request, lambda: _abort(state, subs)))
+    deltas = _drain(state, subs)
+    try:
+        async for d in deltas:
+            choices[d.index].add(d)
+    finally:
+        watcher.cancel()
+        await deltas.aclose()
+    return choices
+
+
+def stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> str | None:
+    """The stop string that ended a choice (None when it ended otherwise)."""
+    if choice.finish_reason != "stop" or not stops:
+        return None
+    full = state.decode(choice.token_ids)
+    return next((s for s in stops if full.startswith(s, len(choice.text))), None)
+
+
+def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.metrics.num_cached_tokens for c in choices), default=0)
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+            "total_tokens": prompt_len + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e))
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(500, f"{type(e).__name__}: {e}")

@@ -1,0 +1,136 @@
+"""Structured output through llguidance: JSON schemas become token masks applied to the logits.
+
+Each constrained request owns a `GrammarMatcher`. Before sampling, the engine runner calls
+`GrammarLogitsProcessor` (engine thread) which fills one bitmask row per constrained sequence
+and sets every disallowed token's logit to -inf; after the step the engine loop feeds the sampled
+token to the matcher. Once the grammar is complete only EOS is allowed, so the request stops.
+
+JSON is generated compact (no free whitespace): a model cannot pad it with blanks forever.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ferryman.engine.sequence import Sequence
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_NEG_INF = float("-inf")
+
+
+class GrammarError(ValueError):
+    """A schema or grammar llguidance cannot compile (a 400 naming the request field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _require_llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError("structured output needs the llguidance package: pip install llguidance",
+                           "response_format") from None
+    return llguidance
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def consume(self, token_id: int) -> None:
+        if not self._m.is_stopped():
+            self._m.consume_token(token_id)
+
+    def fill(self, row: torch.Tensor) -> None:
+        """Write the allowed-token bitmask into `row` ([W] int32, contiguous, on the CPU)."""
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+
+class GrammarCompiler:
+    """Builds matchers for one tokenizer (the llguidance tokenizer is built once, lazily)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._ll_tokenizer: Any = None
+
+    def _llt(self) -> Any:
+        if self._ll_tokenizer is None:
+            if self.tokenizer is None:
+                raise GrammarError("structured output needs a model with a tokenizer", "response_format")
+            _require_llguidance()
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+        return self._ll_tokenizer
+
+    def json_schema(self, schema: dict[str, Any], param: str) -> GrammarMatcher:
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{param} must be a JSON object (a JSON schema)", param)
+        llg = _require_llguidance()
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        except ValueError as e:
+            raise GrammarError(f"{param} is not a usable JSON schema: {e}", param) from None
+        return self._matcher(grammar, param)
+
+    def json_object(self, param: str) -> GrammarMatcher:
+        return self.json_schema({"type": "object"}, param)
+
+    def _matcher(self, grammar: str, param: str) -> GrammarMatcher:
+        llg = _require_llguidance()
+        tok = self._llt()
+        err = llg.LLMatcher.validate_grammar(grammar, tok)
+        if err and not err.startswith("WARNING"):
+            raise GrammarError(f"{param} cannot be compiled to a grammar: {err}", param)
+        m = llg.LLMatcher(tok, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"{param} cannot be compiled to a grammar: {m.get_error()}", param)
+        return GrammarMatcher(m)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits: [R, V], bitmask: [R, W] int32 (bit j of word w allows token 32 w + j) -> [R, V]
+    with disallowed tokens at -inf; tokens past 32 W are disallowed."""
+    R, V = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.view(R, -1).bool()  # [R, 32 W]
+    if allowed.shape[1] < V:
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed[:, :V].to(logits.device), _NEG_INF)
+
+
+class GrammarLogitsProcessor:
+    """The runner's logits hook: masks the rows of sequences whose request has a grammar."""
+
+    def __init__(self, matcher_for: Callable[[int], GrammarMatcher | None]) -> None:
+        self.matcher_for = matcher_for
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        # logits: [B, V] fp32, one row per sampling sequence
+        rows = [(i, m) for i, s in enumerate(seqs) if (m := self.matcher_for(s.seq_id)) is not None]
+        if not rows:
+            return logits
+        words = (logits.shape[1] + 31) // 32  # the llguidance tokenizer was built with n_vocab = V
+        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # [R, W]
+        for j, (_, m) in enumerate(rows):
+            m.fill(bitmask[j])
+        idx = torch.tensor([i for i, _ in rows], device=logits.device)
+        out = logits.clone()
+        out[idx] = apply_bitmask(logits[idx], bitmask)
+        return out

@@ -1,0 +1,124 @@
+"""Prometheus metrics (one registry per server) and the JSON of /v1/stats.
+
+Latencies are observed in the engine thread as tokens are handed out (`EngineLoop` observer):
+TTFT from the request's arrival at the server, inter-token latency between two deliveries of
+one request. Engine state (queue depth, KV usage, expert cache counters, memory split) is read
+at scrape time from the snapshot the engine thread takes after each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ferryman.engine.llm_engine import LLMEngine
+from ferryman.engine.outputs import RequestOutput
+from ferryman.server.engine_loop import EngineLoop, RequestHandle
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+# engine stats keys of the expert cache (offloading issue); absent keys read as 0
+_EXPERT_COUNTERS = {"expert_hits": "expert cache hits", "expert_misses": "expert cache misses",
+                    "expert_bytes_fetched": "expert bytes copied host -> device"}
+
+
+def memory_split(engine: LLMEngine) -> dict[str, int]:
+    """Bytes of the model's parameters (routed experts apart) and of the KV cache."""
+    model = engine.runner.model
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 0
+    for attn in model.attention_layers():
+        for t in (attn.k_cache, attn.v_cache):
+            if isinstance(t, torch.Tensor):
+                kv += t.numel() * t.element_size()
+    return {"weights": params, "experts": int(engine.expert_bytes), "kv_cache": kv}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, loop: EngineLoop, memory: dict[str, int]) -> None:
+        self.loop, self.memory = loop, memory
+
+    def collect(self) -> Iterator[Any]:
+        s = self.loop.stats_snapshot
+        gauges = {
+            "ferryman_num_requests_running": ("sequences running in the engine", s.get("num_running", 0)),
+            "ferryman_num_requests_waiting": ("sequences waiting for admission (queue depth)", s.get("num_waiting", 0)),
+            "ferryman_requests_in_flight": ("requests accepted by the server, not yet answered", self.loop.num_pending),
+            "ferryman_kv_cache_usage_ratio": ("fraction of KV blocks held by sequences", s.get("kv_usage", 0.0)),
+            "ferryman_prefix_cache_hit_rate": ("prompt tokens served by the prefix cache / looked up",
+                                               s.get("prefix_hit_rate", 0.0)),
+            "ferryman_engine_alive": ("1 while the engine loop runs", 1.0 if self.loop.alive else 0.0),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        mem = GaugeMetricFamily("ferryman_memory_bytes", "device memory by use", labels=["kind"])
+        for kind, value in self.memory.items():
+            mem.add_metric([kind], float(value))
+        yield mem
+        yield CounterMetricFamily("ferryman_preemptions", "sequences preempted", value=float(s.get("num_preemptions", 0)))
+        for key, doc in _EXPERT_COUNTERS.items():
+            yield CounterMetricFamily(f"ferryman_{key}", doc, value=float(s.get(key, 0)))
+
+
+class ServerMetrics:
+    """Counters and histograms; also the `EngineLoop` observer."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.memory: dict[str, int] = {}
+        r = self.registry
+        self.requests = Counter("ferryman_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("ferryman_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("ferryman_cached_prompt_tokens", "prompt tokens served by the prefix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("ferryman_generation_tokens", "output tokens generated", registry=r)
+        self.finished = Counter("ferryman_request_finished", "engine requests finished, by reason",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("ferryman_time_to_first_token_seconds", "arrival -> first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ferryman_inter_token_latency_seconds", "time between two output tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self._totals = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
+                        "requests_finished_total": 0}
+        self.e2e = Histogram("ferryman_e2e_request_latency_seconds", "arrival -> last output token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def attach(self, loop: EngineLoop) -> None:
+        loop.observer = self
+        self.memory = memory_split(loop.engine)
+        self.registry.register(_EngineCollector(loop, self.memory))
+
+    # ---- EngineLoop observer (engine thread) ----------------------------------------------------
+    def on_token(self, handle: RequestHandle, now: float, first: bool) -> None:
+        if first:
+            self.ttft.observe(now - handle.arrival)
+        elif handle.last_token_time is not None:
+            self.itl.observe(now - handle.last_token_time)
+
+    def on_finish(self, handle: RequestHandle, output: RequestOutput) -> None:
+        m = output.metrics
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.cached_tokens.inc(m.num_cached_tokens)
+        self.generation_tokens.inc(m.num_output_tokens)
+        self.finished.labels(output.finish_reason or "unknown").inc()
+        for key, value in (("prompt_tokens_total", m.num_prompt_tokens), ("cached_prompt_tokens_total",
+                           m.num_cached_tokens), ("generation_tokens_total", m.num_output_tokens),
+                           ("requests_finished_total", 1)):
+            self._totals[key] += value
+        if handle.last_token_time is not None:
+            self.e2e.observe(handle.last_token_time - handle.arrival)
+
+    # ---- HTTP ----------------------------------------------------------------------------------
+    def count_request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def totals(self) -> dict[str, int]:
+        return dict(self._totals)

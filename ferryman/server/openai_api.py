@@ -1,0 +1,290 @@
+"""OpenAI API: /v1/models, /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ferryman.engine.sampler import TokenLogprobs
+from ferryman.sampling_params import SamplingParams
+from ferryman.server.chat import TemplateError
+from ferryman.server.errors import APIError, error_body
+from ferryman.server.generation import Choice, ChoiceDelta, GenSpec, engine_error, generate, stream_choices, usage
+from ferryman.server.parsers import Parsed
+from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from ferryman.server.state import ServerState
+from ferryman.server.tooling import ToolSetup, tool_setup
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ferryman
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sampling_params(req: Any, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    try:
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, stop=stop, max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos, logprobs=top_logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+
+
+def _finish(choice_reason: str | None, parsed_calls: bool) -> str | None:
+    if choice_reason is None:
+        return None
+    if parsed_calls:
+        return "tool_calls"
+    return "length" if choice_reason == "length" else "stop"
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    st = _state(request)
+    data = [{"id": n, "object": "model", "created": st.created, "owned_by": "ferryman",
+             "max_model_len": st.max_model_len} for n in st.model_names]
+    return {"object": "list", "data": data}
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Request messages -> template dicts (text content, developer = system)."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": c.function.arguments if isinstance(c.function.arguments, str)
+                else json.dumps(c.function.arguments)}} for c in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key):
+                d[key] = getattr(m, key)
+        out.append(d)
+    return out
+
+
+def _chat_tools(st: ServerState, body: ChatCompletionRequest) -> ToolSetup:
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = "function:" + choice.function.name
+    fmt = body.response_format
+    schema = None
+    if fmt is not None and fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format.json_schema is required for type json_schema",
+                           "response_format.json_schema")
+        schema = fmt.json_schema.schema_
+    return tool_setup(st, tools, choice, schema)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    st = _state(request)
+    st.check_model(body.model)
+    tools = _chat_tools(st, body)
+    try:
+        prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
+    except TemplateError as e:
+        raise APIError(400, str(e), "messages") from None
+    st.check_prompt(prompt.token_ids, "messages")
+    wanted = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, st.max_tokens(wanted, len(prompt.token_ids)), top)
+    spec = GenSpec(prompt.token_ids, params, body.n, tools.grammar, tools.parser_factory(prompt))
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        deltas = stream_choices(st, [spec])  # 429 / 503 before the response starts
+        return StreamingResponse(_chat_stream(st, body, spec, deltas, cid, include_usage, top is not None),
+                                 media_type="text/event-stream")
+    try:
+        choices = await generate(st, [spec], request)
+    except Exception as e:
+        raise engine_error(e) from None
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+            "choices": [_chat_choice(st, c, top is not None) for c in choices],
+            "usage": usage(len(prompt.token_ids), choices)}
+
+
+def _tool_calls_json(parsed: Parsed, start: int = 0) -> list[dict[str, Any]]:
+    return [{"index": start + i, "id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(parsed.tool_calls)]
+
+
+def _chat_choice(st: ServerState, c: Choice, logprobs: bool) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c.parsed.content or None}
+    if c.parsed.reasoning:
+        msg["reasoning_content"] = c.parsed.reasoning
+    if c.parsed.tool_calls:
+        msg["tool_calls"] = [{k: v for k, v in t.items() if k != "index"} for t in _tool_calls_json(c.parsed)]
+    elif msg["content"] is None:
+        msg["content"] = ""
+    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, bool(c.parsed.tool_calls)),
+            "logprobs": {"content": chat_logprobs(st, c.token_ids, c.logprobs)} if logprobs else None}
+
+
+def _logprob_entry(st: ServerState, token_id: int, lp: float) -> dict[str, Any]:
+    text = st.token_text(token_id)
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None]) -> list[dict[str, Any]]:
+    out = []
+    for t, lp in zip(ids, lps):
+        if lp is None:
+            continue
+        entry = _logprob_entry(st, t, lp[0])
+        entry["top_logprobs"] = [_logprob_entry(st, i, v) for i, v in lp[1]]
+        out.append(entry)
+    return out
+
+
+async def _chat_stream(st: ServerState, body: ChatCompletionRequest, spec: GenSpec,
+                       deltas: AsyncIterator[ChoiceDelta], cid: str, include_usage: bool,
+                       logprobs: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+    calls_sent = [0] * spec.n
+    choices = [Choice(i) for i in range(spec.n)]
+    for i in range(spec.n):
+        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    try:
+        async for d in deltas:
+            choices[d.index].add(d)
+            chunk = _chat_chunk(st, d, calls_sent, logprobs, bool(choices[d.index].parsed.tool_calls))
+            if chunk is not None:
+                yield sse({**head, "choices": [chunk]})
+    except Exception as e:  # the engine died or a request failed mid-stream
+        err = engine_error(e)
+        yield sse(error_body("/v1/chat/completions", err.status, err.message, err.param))
+        return
+    finally:
+        await deltas.aclose()
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(len(spec.prompt_ids), choices)})
+    yield "data: [DONE]\n\n"
+
+
+def _chat_chunk(st: ServerState, d: ChoiceDelta, calls_sent: list[int], logprobs: bool,
+                any_calls: bool) -> dict[str, Any] | None:
+    delta: dict[str, Any] = {}
+    if d.parsed.content:
+        delta["content"] = d.parsed.content
+    if d.parsed.reasoning:
+        delta["reasoning_content"] = d.parsed.reasoning
+    if d.parsed.tool_calls:
+        delta["tool_calls"] = _tool_calls_json(d.parsed, calls_sent[d.index])
+        calls_sent[d.index] += len(d.parsed.tool_calls)
+    if not delta and d.finish_reason is None:
+        return None
+    chunk: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None,
+                             "finish_reason": _finish(d.finish_reason, any_calls)}
+    if logprobs:
+        chunk["logprobs"] = {"content": chat_logprobs(st, d.token_ids, d.logprobs)}
+    return chunk
+
+
+# ---- completions ------------------------------------------------------------------------------
+def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [st.encode(prompt)]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [st.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    st = _state(request)
+    st.check_model(body.model)
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
+    prompts = _prompts(st, body.prompt)
+    specs = []
+    for ids in prompts:
+        st.check_prompt(ids, "prompt")
+        specs.append(GenSpec(ids, sampling_params(body, st.max_tokens(body.max_tokens, len(ids)), body.logprobs), body.n))
+    cid = "cmpl-" + uuid.uuid4().hex
+    echo = [st.decode(ids) if body.echo else "" for ids in prompts for _ in range(body.n)]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        deltas = stream_choices(st, specs)  # 429 / 503 before the response starts
+        return StreamingResponse(_completion_stream(st, body, specs, deltas, cid, echo, include_usage),
+                                 media_type="text/event-stream")
+    try:
+        choices = await generate(st, specs, request)
+    except Exception as e:
+        raise engine_error(e) from None
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+            "choices": [_completion_choice(st, c.index, echo[c.index] + c.text, c.token_ids, c.logprobs,
+                                           c.finish_reason, body.logprobs is not None) for c in choices],
+            "usage": usage(sum(len(p) for p in prompts), choices)}
+
+
+def completion_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None],
+                        offset: int = 0) -> dict[str, Any]:
+    tokens = [st.token_text(t) for t in ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp[0] if lp else None for lp in lps],
+            "top_logprobs": [{st.token_text(i): v for i, v in lp[1]} if lp else None for lp in lps],
+            "text_offset": offsets}
+
+
+def _completion_choice(st: ServerState, index: int, text: str, ids: list[int],
+                       lps: list[TokenLogprobs | None], reason: str | None, logprobs: bool) -> dict[str, Any]:
+    return {"index": index, "text": text,
+            "logprobs": completion_logprobs(st, ids, lps) if logprobs else None,
+            "finish_reason": _finish(reason, False)}
+
+
+async def _completion_stream(st: ServerState, body: CompletionRequest, specs: list[GenSpec],
+                             deltas: AsyncIterator[ChoiceDelta], cid: str, echo: list[str],
+                             include_usage: bool) -> AsyncIterator[str]:
+    head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model}
+    choices = [Choice(i) for i in range(len(echo))]
+    try:
+        async for d in deltas:
+            choices[d.index].add(d)
+            prefix, echo[d.index] = echo[d.index], ""
+            if d.text or d.finish_reason is not None or prefix:
+                chunk = _completion_choice(st, d.index, prefix + d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                           body.logprobs is not None)
+                yield sse({**head, "choices": [chunk]})
+    except Exception as e:
+        err = engine_error(e)
+        yield sse(error_body("/v1/completions", err.status, err.message, err.param))
+        return
+    finally:
+        await deltas.aclose()
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(sum(len(s.prompt_ids) for s in specs), choices)})
+    yield "data: [DONE]\n\n"
+
+

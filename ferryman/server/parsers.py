@@ -1,0 +1,228 @@
+"""Reasoning and tool-call parsers: model output -> (reasoning, content, tool calls), incrementally.
+
+A parser is fed each step's new token ids and text and returns what became certain; text that
+could still be the start of a tag is held back until the next feed (or `finish`).
+
+Qwen3 family (and Hermes-style templates): `<think>...</think>` holds the reasoning (a prompt that
+ends with `<think>` means the output starts inside it), `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` one tool call each. gpt-oss (harmony) lives in `harmony.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str = field(default_factory=new_call_id)
+
+    def arguments_dict(self) -> dict[str, Any]:
+        try:
+            value = json.loads(self.arguments or "{}")
+        except json.JSONDecodeError:
+            return {"_raw": self.arguments}
+        return value if isinstance(value, dict) else {"_value": value}
+
+
+@dataclass
+class Parsed:
+    """What a feed made certain (deltas) or, from `parse_all`, the whole output."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def extend(self, other: Parsed) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.reasoning or self.content or self.tool_calls)
+
+
+class OutputParser(ABC):
+    @abstractmethod
+    def feed(self, token_ids: list[int], text: str) -> Parsed: ...
+
+    @abstractmethod
+    def finish(self) -> Parsed:
+        """End of output: flush what was held back."""
+
+    def parse_all(self, token_ids: list[int], text: str) -> Parsed:
+        out = self.feed(token_ids, text)
+        out.extend(self.finish())
+        return out
+
+
+class PlainParser(OutputParser):
+    """No reasoning, no tools: every character is content."""
+
+    def feed(self, token_ids: list[int], text: str) -> Parsed:
+        return Parsed(content=text)
+
+    def finish(self) -> Parsed:
+        return Parsed()
+
+
+def parse_tool_json(body: str) -> ToolCall | None:
+    """`{"name": ..., "arguments": {...}}` (Hermes / Qwen3) -> ToolCall; None if it is not one."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+class Qwen3Parser(OutputParser):
+    """State machine over text: content <-> reasoning (`<think>`) and content <-> tool call."""
+
+    def __init__(self, reasoning: bool = True, tools: bool = True, starts_in_reasoning: bool = False) -> None:
+        self.reasoning_enabled = reasoning
+        self.tools_enabled = tools
+        self.mode = "reasoning" if (reasoning and starts_in_reasoning) else "content"
+        self.buf = ""
+        self.seen_output = False  # any content emitted: a later <think> is plain text
+        self.strip_newlines = False  # drop the blank lines that follow </think>
+
+    def feed(self, token_ids: list[int], text: str) -> Parsed:
+        self.buf += text
+        out = Parsed()
+        while self._advance(out):
+            pass
+        return out
+
+    def finish(self) -> Parsed:
+        out = Parsed()
+        rest, self.buf = self.buf, ""
+        if self.mode == "tool":
+            call = parse_tool_json(rest.strip())
+            if call is not None:
+                out.tool_calls.append(call)
+            else:
+                out.content += TOOL_OPEN + rest
+        elif self.mode == "reasoning":
+            out.reasoning += rest
+        else:
+            out.content += self._content(rest)
+        return out
+
+    def _content(self, text: str) -> str:
+        if self.strip_newlines:
+            text = text.lstrip("\n")
+            self.strip_newlines = not text
+        if text.strip():
+            self.seen_output = True
+        return text
+
+    def _open_tags(self) -> tuple[str, ...]:
+        tags = (TOOL_OPEN,) if self.tools_enabled else ()
+        if self.reasoning_enabled and not self.seen_output:
+            tags += (THINK_OPEN,)
+        return tags
+
+    def _advance(self, out: Parsed) -> bool:
+        """Consume the buffer up to the next tag; True when a tag was found (call again)."""
+        if self.mode == "reasoning":
+            return self._until(THINK_CLOSE, out, "reasoning", next_mode="content")
+        if self.mode == "tool":
+            return self._tool_body(out)
+        tags = self._open_tags()
+        hits = [(self.buf.find(t), t) for t in tags if t in self.buf]
+        if not hits:
+            hold = _partial_tag_len(self.buf, tags)
+            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+            out.content += self._content(emit)
+            return False
+        idx, tag = min(hits)
+        before = self.buf[:idx]
+        if tag == THINK_OPEN and before.strip():
+            out.content += self._content(before + tag)  # <think> after real content: plain text
+        else:
+            out.content += self._content(before) if tag == TOOL_OPEN else ""
+            self.mode = "tool" if tag == TOOL_OPEN else "reasoning"
+        self.buf = self.buf[idx + len(tag):]
+        return True
+
+    def _until(self, close: str, out: Parsed, field_name: str, next_mode: str) -> bool:
+        idx = self.buf.find(close)
+        if idx == -1:
+            hold = _partial_tag_len(self.buf, (close,))
+            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+            setattr(out, field_name, getattr(out, field_name) + emit)
+            return False
+        setattr(out, field_name, getattr(out, field_name) + self.buf[:idx])
+        self.buf = self.buf[idx + len(close):]
+        self.mode = next_mode
+        self.strip_newlines = True
+        return True
+
+    def _tool_body(self, out: Parsed) -> bool:
+        idx = self.buf.find(TOOL_CLOSE)
+        if idx == -1:
+            return False  # a tool call is emitted whole, once closed
+        body = self.buf[:idx]
+        call = parse_tool_json(body.strip())
+        if call is not None:
+            out.tool_calls.append(call)
+        else:
+            out.content += self._content(TOOL_OPEN + body + TOOL_CLOSE)
+        self.buf = self.buf[idx + len(TOOL_CLOSE):]
+        self.mode = "content"
+        self.strip_newlines = True
+        return True
+
+
+class ForcedToolParser(OutputParser):
+    """tool_choice naming one function: the whole output (grammar-constrained) is its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.text = ""
+
+    def feed(self, token_ids: list[int], text: str) -> Parsed:
+        self.text += text
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
+
+
+class RequiredToolParser(ForcedToolParser):
+    """tool_choice "required": the output is `{"name": ..., "arguments": {...}}` (grammar-constrained)."""
+
+    def __init__(self) -> None:
+        super().__init__("")
+
+    def finish(self) -> Parsed:
+        call = parse_tool_json(self.text.strip())
+        return Parsed(tool_calls=[call]) if call is not None else Parsed(content=self.text)

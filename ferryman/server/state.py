@@ -1,0 +1,117 @@
+"""What every route needs: the engine loop, tokenizer, chat renderer, grammars, parsers, limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ferryman.errors import ConfigError, PromptTooLongError
+from ferryman.server.chat import ChatPrompt, ChatRenderer
+from ferryman.server.engine_loop import EngineLoop
+from ferryman.server.errors import APIError
+from ferryman.server.grammar import GrammarCompiler, GrammarLogitsProcessor
+from ferryman.server.harmony import HarmonyParser, harmony_marker_ids
+from ferryman.server.parsers import OutputParser, PlainParser, Qwen3Parser
+
+PARSERS = ("auto", "qwen3", "harmony", "none")
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str] = field(default_factory=list)  # first one is shown by /v1/models
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer KEY` or `x-api-key`
+    max_body_bytes: int = 8 << 20  # larger request bodies get 413
+    max_pending: int = 256  # requests in flight (queued + running) before 429
+    output_parser: str = "auto"  # reasoning / tool-call parser: auto | qwen3 | harmony | none
+
+    def __post_init__(self) -> None:
+        if self.output_parser not in PARSERS:
+            raise ConfigError(f"output parser must be one of {', '.join(PARSERS)}, got {self.output_parser!r}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_pending < 1:
+            raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+def default_model_name(model: str) -> str:
+    """`/path/to/Qwen3-30B-A3B` -> `Qwen3-30B-A3B`; a preset name stays as it is."""
+    return Path(model.rstrip("/")).name or model
+
+
+class ServerState:
+    def __init__(self, loop: EngineLoop, cfg: ServerConfig) -> None:
+        self.loop, self.cfg = loop, cfg
+        engine = loop.engine
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.created = int(time.time())
+        names = cfg.served_model_names or [default_model_name(engine.ecfg.model)]
+        self.model_names = list(dict.fromkeys(names))
+        self._accepted = set(self.model_names) | {engine.ecfg.model}
+        self.renderer = ChatRenderer(self.tokenizer)
+        vocab = engine.cfg.vocab_size
+        eos = sorted(t for t in engine.scheduler.eos_token_ids if 0 <= t < vocab)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, eos or None)
+        loop.set_logits_processor(GrammarLogitsProcessor(loop.matcher_for))
+        self.parser_kind = self._parser_kind(cfg.output_parser, engine.cfg.model_type)
+        self._harmony = harmony_marker_ids(self.tokenizer) if self.parser_kind == "harmony" else None
+        if self.parser_kind == "harmony" and self._harmony is None:
+            raise ConfigError("the harmony parser needs a tokenizer with the harmony special tokens")
+
+    def _parser_kind(self, asked: str, model_type: str) -> str:
+        if asked != "auto":
+            return asked
+        if self.tokenizer is None:
+            return "none"
+        if model_type == "gpt_oss" and harmony_marker_ids(self.tokenizer) is not None:
+            return "harmony"
+        return "qwen3"
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name not in self._accepted:
+            raise APIError(404, f"model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}", "model")
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, str(PromptTooLongError(len(ids), self.max_model_len))
+                           + " (and at least 1 token must be left for the output)", param)
+        vocab = self.engine.cfg.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param)
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """Output budget: what was asked, at most what the context leaves."""
+        room = self.max_model_len - prompt_len
+        return room if requested is None else min(requested, room)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model ships no tokenizer: send the prompt as token ids", "prompt")
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    # ---- output -------------------------------------------------------------------------------
+    def make_parser(self, tools: bool, reasoning: bool, prompt: ChatPrompt | None) -> OutputParser:
+        if self.parser_kind == "harmony":
+            return HarmonyParser(self.tokenizer, self._harmony or {})
+        if self.parser_kind == "qwen3" and (tools or reasoning):
+            starts = prompt is not None and prompt.ends_in_reasoning
+            return Qwen3Parser(reasoning=reasoning, tools=tools, starts_in_reasoning=starts)
+        return PlainParser()
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>"
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def stats(self) -> dict[str, Any]:
+        return {"alive": self.loop.alive, "dead_reason": self.loop.dead_reason,
+                "requests_in_flight": self.loop.num_pending, **self.loop.stats_snapshot}

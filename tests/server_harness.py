@@ -1,0 +1,100 @@
+"""Live ferryman servers for the server tests: uvicorn in a background thread on a free port.
+
+The tiny chat model is a random qwen3_moe built by transformers (vocab 8192) with the demo
+model's tokenizer and ChatML template copied in, so every API path runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ferryman.config import EngineConfig
+from ferryman.engine.llm_engine import LLMEngine
+from ferryman.llm import DEMO_MODEL
+from ferryman.server import EngineLoop, ServerConfig, build_app
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """A tiny random qwen3_moe (fp32) that reads and writes the demo model's tokens."""
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
+        norm_topk_prob=True, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # large output weights: peaked distributions, so greedy ties are unlikely
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                p.normal_(0.0, (12.0 if "lm_head" in name else 2.0) / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder)
+    for f in TOKENIZER_FILES:
+        shutil.copy(DEMO_MODEL / f, folder / f)
+    return folder
+
+
+class ScriptedLogits:
+    """A logits processor that makes the model write `script` (then EOS) for every request:
+    the real API paths with an output we choose (reasoning, tool calls, stop strings)."""
+
+    def __init__(self, script: list[int], eos: int = 0) -> None:
+        self.script, self.eos = script, eos
+
+    def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        out = torch.full_like(logits, float("-inf"))
+        for i, s in enumerate(seqs):
+            n = s.num_output_tokens
+            out[i, self.script[n] if n < len(self.script) else self.eos] = 0.0
+        return out
+
+
+@dataclass
+class LiveServer:
+    url: str  # http://127.0.0.1:PORT
+    loop: EngineLoop
+    app: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.shutdown()
+
+
+def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: Any) -> LiveServer:
+    kwargs = dict(device="cpu", dtype="float32", max_num_seqs=32, max_num_batched_tokens=256)
+    kwargs.update(engine_kwargs)
+    engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    loop = EngineLoop(engine, max_pending=(cfg.max_pending if cfg else 256))
+    app = build_app(loop, cfg or ServerConfig(served_model_names=["tiny"]))
+    loop.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start within 20 s")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", loop, app, server, thread)
