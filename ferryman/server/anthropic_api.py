@@ -67,8 +67,10 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
         if tc.type == "tool" and not tc.name:
             raise APIError(400, "tool_choice.name is required when tool_choice.type is 'tool'", "tool_choice.name")
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type, f"function:{tc.name}")
-    setup = tool_setup(st, tools or None, choice)
-    kwargs = {"enable_thinking": body.thinking.type == "enabled"} if body.thinking else None
+    fmt = body.output_config.format if body.output_config is not None else None
+    setup = tool_setup(st, tools or None, choice, fmt.schema_ if fmt is not None else None,
+                       format_param="output_config.format")
+    kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
     try:
         prompt = st.renderer.render(messages, setup.tools, kwargs)
     except TemplateError as e:

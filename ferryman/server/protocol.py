@@ -160,8 +160,17 @@ class AToolChoice(_Body):
 
 
 class AThinking(_Body):
-    type: Literal["enabled", "disabled"]
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1)
+
+
+class AJsonFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class AOutputConfig(_Body):
+    format: AJsonFormat | None = None  # structured output
 
 
 class ACountTokensRequest(_Body):
@@ -171,6 +180,7 @@ class ACountTokensRequest(_Body):
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
     thinking: AThinking | None = None
+    output_config: AOutputConfig | None = None
 
 
 class AMessagesRequest(ACountTokensRequest):
