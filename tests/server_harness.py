@@ -98,3 +98,24 @@ def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: A
             raise RuntimeError("uvicorn did not start within 20 s")
         time.sleep(0.02)
     return LiveServer(f"http://127.0.0.1:{port}", loop, app, server, thread)
+
+
+class SlowLogits:
+    """A logits processor that sleeps each step: keeps requests in flight for as long as a test needs."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return logits
+
+
+def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> float:
+    """Poll `predicate` until true; returns the seconds it took (fails the test after timeout_s)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.02)
+    return time.monotonic() - start

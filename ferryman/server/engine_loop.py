@@ -178,7 +178,8 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.dead_reason is None:
-                self._drain_commands(block=not self.engine.has_unfinished())
+                if self._drain_commands(block=not self.engine.has_unfinished()):
+                    self.stats_snapshot = self.engine.stats()
                 if self._fault is not None:
                     raise self._fault
                 if self.engine.has_unfinished():
@@ -187,14 +188,17 @@ class EngineLoop:
             log.exception("engine loop died")
             self._die(f"{type(e).__name__}: {e}")
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool) -> int:
+        """Apply queued adds / aborts; returns how many."""
+        done = 0
         try:
             cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
             while True:
                 self._apply(*cmd)
+                done += 1
                 cmd = self._commands.get_nowait()
         except queue.Empty:
-            return
+            return done
 
     def _apply(self, kind: str, handle: Any) -> None:
         if kind == "add":
@@ -277,4 +281,4 @@ class EngineLoop:
             if not self._thread.is_alive():
                 self._die("the engine thread exited")
             elif started is not None and time.monotonic() - started > self.step_timeout_s:
-                self._die(f"an engine step has run for more than {self.step_timeout_s:.0f} s")
+                self._die(f"an engine step has run for more than {self.step_timeout_s:g} s")
