@@ -1,4 +1,4 @@
-"""`ferryman` command line: run, info (serve and bench come with their issues)."""
+"""`ferryman` command line: run, info, serve, bench serve."""
 
 from __future__ import annotations
 
@@ -58,7 +58,44 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, sizes and expert bytes of a model",
                           description="Print a model's architecture and sizes without loading its weights.")
     info.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    _add_serve(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
+                           description="Serve MODEL over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
+                                       "/v1/messages, /health, /metrics, /v1/stats.")
+    serve.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
+    serve.add_argument("--served-model-name", action="append", default=None,
+                       help="name clients use for the model (repeatable; default: the folder name)")
+    serve.add_argument("--max-queue", type=int, default=256, help="requests in flight before answering 429")
+    serve.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413")
+    serve.add_argument("--output-parser", default="auto", choices=["auto", "qwen3", "harmony", "none"],
+                       help="reasoning / tool-call parser (auto: harmony for gpt-oss, else qwen3)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_flags(serve)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
+    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server",
+                         description="Concurrency sweep against URL/v1/completions (streaming): TTFT, "
+                                     "inter-token latency and output tokens/s at p50 / p99.")
+    b.add_argument("url", metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    b.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--output-tokens", type=int, default=64)
+    b.add_argument("--requests-per-level", type=int, default=None, help="default: max(8, 2 x concurrency)")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    b.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -116,6 +153,44 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from ferryman.server import ServerConfig, serve
+    except ImportError as e:
+        raise FerrymanError(f"ferryman serve needs the serve extra (pip install 'ferryman[serve]'): {e}") from None
+    cfg = ServerConfig(served_model_names=a.served_model_name or [], api_key=a.api_key,
+                       max_body_bytes=int(a.max_body_mb * 2**20), max_pending=a.max_queue,
+                       output_parser=a.output_parser)
+    serve(_engine_kwargs(a), a.model, cfg, host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ferryman.errors import ConfigError
+    from ferryman.server.bench import BenchConfig, plot, run_bench
+
+    try:
+        levels = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {a.concurrency!r}") from None
+    if not levels or min(levels) < 1 or a.prompt_tokens < 1 or a.output_tokens < 1:
+        raise ConfigError("--concurrency levels, --prompt-tokens and --output-tokens must be >= 1")
+    cfg = BenchConfig(url=a.url, model=a.model, levels=levels, prompt_tokens=a.prompt_tokens,
+                      output_tokens=a.output_tokens, requests_per_level=a.requests_per_level, api_key=a.api_key)
+    try:
+        result = run_bench(cfg, log=print)
+    except OSError as e:
+        raise FerrymanError(f"cannot reach {a.url}: {e}") from None
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    if a.plot:
+        plot(result, Path(a.plot))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -123,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return {"run": cmd_run, "info": cmd_info}[a.command](a)
+        return {"run": cmd_run, "info": cmd_info, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)
     except FerrymanError as e:
         if a.debug:
             raise
