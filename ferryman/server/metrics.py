@@ -21,13 +21,15 @@ from ferryman.engine.outputs import RequestOutput
 from ferryman.server.engine_loop import EngineLoop, RequestHandle
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
-# engine stats keys of the expert cache (offloading issue); absent keys read as 0
-_EXPERT_COUNTERS = {"expert_hits": "expert cache hits", "expert_misses": "expert cache misses",
-                    "expert_bytes_fetched": "expert bytes copied host -> device"}
+# metric -> (key in engine stats()["experts"] (the expert cache, when offloading), help); absent = 0
+_EXPERT_COUNTERS = {"expert_hits": ("hits", "expert cache hits (expert uses served from device slots)"),
+                    "expert_misses": ("misses", "expert cache misses (experts fetched from host RAM)"),
+                    "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device")}
 
 
 def memory_split(engine: LLMEngine) -> dict[str, int]:
-    """Bytes of the model's parameters (routed experts apart) and of the KV cache."""
+    """Device bytes by use: non-expert weights, routed experts on the device (all of them when
+    resident, the cache slots when offloading), KV cache; and experts kept in host RAM."""
     model = engine.runner.model
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = 0
@@ -35,7 +37,11 @@ def memory_split(engine: LLMEngine) -> dict[str, int]:
         for t in (attn.k_cache, attn.v_cache):
             if isinstance(t, torch.Tensor):
                 kv += t.numel() * t.element_size()
-    return {"weights": params, "experts": int(engine.expert_bytes), "kv_cache": kv}
+    experts = engine.stats().get("experts") or {}
+    total = int(engine.expert_bytes)
+    on_device = int(experts["slots"] * experts["slot_bytes"]) if "slot_bytes" in experts else total
+    return {"weights": params, "experts": on_device, "kv_cache": kv,
+            "experts_host": total if on_device != total else 0}
 
 
 class _EngineCollector(Collector):
@@ -55,13 +61,14 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
-        mem = GaugeMetricFamily("ferryman_memory_bytes", "device memory by use", labels=["kind"])
+        mem = GaugeMetricFamily("ferryman_memory_bytes", "memory by use (experts_host: host RAM)", labels=["kind"])
         for kind, value in self.memory.items():
             mem.add_metric([kind], float(value))
         yield mem
         yield CounterMetricFamily("ferryman_preemptions", "sequences preempted", value=float(s.get("num_preemptions", 0)))
-        for key, doc in _EXPERT_COUNTERS.items():
-            yield CounterMetricFamily(f"ferryman_{key}", doc, value=float(s.get(key, 0)))
+        experts = s.get("experts") if isinstance(s.get("experts"), dict) else {}
+        for name, (key, doc) in _EXPERT_COUNTERS.items():
+            yield CounterMetricFamily(f"ferryman_{name}", doc, value=float(experts.get(key, 0)))
 
 
 class ServerMetrics:
