@@ -121,7 +121,9 @@ def test_thinking_and_tool_use_blocks(client, server: LiveServer) -> None:
 def test_structured_output(client) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
               "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
-    r = _ask(client, "JSON please", max_tokens=30, output_config={"format": {"type": "json_schema", "schema": schema}})
+    fmt = {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    r = client.messages.create(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "JSON please"}],
+                               extra_body={**GREEDY, **fmt})
     obj = json.loads(r.content[0].text)
     assert set(obj) == {"ok", "n"} and r.stop_reason == "end_turn"
 

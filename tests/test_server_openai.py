@@ -170,3 +170,33 @@ def test_second_agent_turn_prefills_only_the_tail(client) -> None:
     # everything of turn one that fills whole KV blocks is reused; only the tail is computed
     assert cached >= (first.usage.prompt_tokens // block) * block
     assert second.usage.prompt_tokens - cached < (second.usage.prompt_tokens - first.usage.prompt_tokens) + block
+
+
+def test_long_prefill_does_not_freeze_streams(tiny_model: Path) -> None:
+    """A 480-token prompt is prefilled in 32-token chunks mixed into decode steps: a running
+    stream keeps getting tokens while it is prefilled."""
+    import threading
+    import time
+
+    from server_harness import SlowLogits
+
+    srv = start_server(str(tiny_model), max_num_batched_tokens=32)
+    try:
+        srv.loop.set_logits_processor(SlowLogits(0.01))
+        client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+        arrivals: list[float] = []
+        stream = client.completions.create(model="tiny", prompt="x = 1", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)
+        reader = threading.Thread(target=lambda: [arrivals.append(time.monotonic()) for _ in it])
+        reader.start()
+        sent = time.monotonic()
+        long = client.completions.create(model="tiny", prompt=list(range(100, 580)), max_tokens=1)
+        done = time.monotonic()
+        reader.join(30)
+        assert long.usage.prompt_tokens == 480
+        during = [t for t in arrivals if sent < t < done]
+        assert len(during) >= 10, f"only {len(during)} stream tokens during a 15-chunk prefill"
+    finally:
+        srv.stop()

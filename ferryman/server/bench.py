@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ferryman.errors import ConfigError
+
 DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32)
 
 
@@ -183,7 +185,10 @@ def format_row(r: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib (pip install matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

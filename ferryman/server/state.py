@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,9 @@ class ServerState:
         self.loop, self.cfg = loop, cfg
         engine = loop.engine
         self.engine = engine
-        self.tokenizer = engine.tokenizer
+        # A private copy: the engine thread decodes with its own, and a Rust tokenizer shared by
+        # two threads can fail ("Already borrowed") when one of them changes its settings.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
         names = cfg.served_model_names or [default_model_name(engine.ecfg.model)]
