@@ -28,12 +28,23 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
+    _expert_flags(g)
+
+
+def _expert_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="cap on everything ferryman allocates on the GPU, e.g. 16GiB (see `ferryman plan`)")
+    g.add_argument("--moe-strategy", default="auto", choices=["auto", "resident", "offload"],
+                   help="experts all on the device, or in host RAM with a device cache (auto: resident if they fit)")
+    g.add_argument("--expert-cache", default=None, metavar="N",
+                   help="device expert cache: a share of all experts (10%%, 0.1) or a slot count (default: the plan's rest)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(device=a.device, dtype=a.dtype, load_format=a.load_format, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                enforce_eager=a.enforce_eager, seed=a.seed_weights, progress=sys.stderr.isatty())
+                enforce_eager=a.enforce_eager, seed=a.seed_weights, progress=sys.stderr.isatty(),
+                gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="architecture, sizes and expert bytes of a model",
                           description="Print a model's architecture and sizes without loading its weights.")
     info.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    _add_plan(sub)
     _add_serve(sub)
     _add_bench(sub)
     return parser
@@ -121,8 +133,60 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"[{m.num_output_tokens} tokens, finish={out.finish_reason}, ttft {ttft} s, decode {tps} tok/s]",
               file=sys.stderr)
     if a.stats:
-        for k, v in llm.stats().items():
-            print(f"  {k}: {v}", file=sys.stderr)
+        _print_stats(llm.stats())
+    return 0
+
+
+def _print_stats(stats: dict, indent: str = "  ") -> None:
+    """One line per value; nested dicts (stats["experts"]) indented below their key."""
+    for k, v in stats.items():
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            print(f"{indent}{k}:", file=sys.stderr)
+            for sub, row in v.items():
+                print(f"{indent}  {sub}: " + ", ".join(f"{c}: {_fmt(x)}" for c, x in row.items()), file=sys.stderr)
+        elif isinstance(v, dict) and v and not all(isinstance(x, (int, float)) for x in v.values()):
+            print(f"{indent}{k}:", file=sys.stderr)
+            _print_stats(v, indent + "  ")
+        elif isinstance(v, dict):
+            print(f"{indent}{k}: " + ", ".join(f"{s}: {_fmt(x)}" for s, x in v.items()), file=sys.stderr)
+        else:
+            print(f"{indent}{k}: {_fmt(v)}", file=sys.stderr)
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="how a GPU memory budget splits between weights, KV cache and experts",
+                          description="Print the memory plan for MODEL under --gpu-memory without loading weights; "
+                                      "exit 2 if the budget cannot hold the floor (weights, KV floor, activations, "
+                                      "a minimal expert cache), saying how much is missing.")
+    plan.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    g = plan.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    _expert_flags(g)
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from ferryman.config import EngineConfig, ModelConfig
+    from ferryman.experts.placement import engine_plan
+    from ferryman.llm import default_model
+    from ferryman.weights.build import resolve_dtype, resolve_hf_config
+
+    model = a.model or default_model()
+    ecfg = EngineConfig(model=model, device="auto", dtype=a.dtype, max_model_len=a.max_model_len,
+                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache)
+    cfg = ModelConfig.from_hf(resolve_hf_config(model, "dummy")[0])
+    ctx = cfg.max_position_embeddings
+    max_len = min(ctx, 32768) if a.max_model_len is None else a.max_model_len
+    if max_len > ctx:
+        raise FerrymanError(f"max_model_len {max_len} exceeds the model's context ({ctx})")
+    print(engine_plan(ecfg, cfg, resolve_dtype(a.dtype, cfg), ecfg.torch_device(), max_len).describe())
     return 0
 
 
@@ -198,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if a.command == "plan":
+            return cmd_plan(a)
         return {"run": cmd_run, "info": cmd_info, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)
     except FerrymanError as e:
         if a.debug:

@@ -235,6 +235,11 @@ class EngineConfig:
     enforce_eager: bool = False  # disable CUDA graphs
     gpu_memory_utilization: float = 0.9
     progress: bool = False
+    # routed experts (ferryman/planner.py): a device budget like "16GiB" (caps every allocation),
+    # auto | resident | offload, and the expert cache as a fraction ("10%", 0.1) or a slot count
+    gpu_memory: str | int | None = None
+    moe_strategy: str = "auto"
+    expert_cache: str | float | int | None = None
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
@@ -248,6 +253,17 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        from ferryman.planner import STRATEGIES, parse_bytes, parse_expert_cache
+
+        if self.moe_strategy not in STRATEGIES:
+            raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {self.moe_strategy!r}")
+        if self.gpu_memory is not None:
+            parse_bytes(self.gpu_memory)
+        if self.expert_cache is not None:
+            parse_expert_cache(self.expert_cache)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

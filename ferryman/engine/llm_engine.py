@@ -19,7 +19,8 @@ from ferryman.envs import envs
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
-from ferryman.weights.build import build_model
+from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
+from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
 
 # room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
 _ACTIVATION_HEADROOM = 2 << 30
@@ -37,11 +38,15 @@ class LLMEngine:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.ecfg = ecfg
         self.device = ecfg.torch_device()
-        loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
-                             max_positions=None, progress=ecfg.progress)
-        self.cfg: ModelConfig = loaded.cfg
-        self.tokenizer = load_tokenizer(loaded.folder)
+        self.cfg: ModelConfig = ModelConfig.from_hf(resolve_hf_config(ecfg.model, ecfg.load_format)[0])
         self.max_model_len = self._max_model_len()
+        # budget split, resident vs offloaded experts, KV size (ferryman/planner.py); cap the GPU first
+        enforce_budget(ecfg, self.device)
+        self.plan = engine_plan(ecfg, self.cfg, resolve_dtype(ecfg.dtype, self.cfg), self.device, self.max_model_len)
+        loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
+                             max_positions=None, progress=ecfg.progress,
+                             store_factory=store_factory(self.plan, self.device))
+        self.tokenizer = load_tokenizer(loaded.folder)
         dtype = next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(dtype)
         eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
@@ -58,7 +63,7 @@ class LLMEngine:
         )
         graphs = not (ecfg.enforce_eager or envs.DISABLE_CUDA_GRAPHS)
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
-                                  self.max_model_len, use_cuda_graphs=graphs)
+                                  self.max_model_len, use_cuda_graphs=graphs, plan=self.plan)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
@@ -79,6 +84,8 @@ class LLMEngine:
         wanted = self.ecfg.max_num_seqs * self.max_model_len
         if self.ecfg.kv_cache_tokens is not None:
             tokens = self.ecfg.kv_cache_tokens
+        elif self.plan.kv_tokens is not None:  # a budget: the plan gave KV its share
+            tokens = self.plan.kv_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.ecfg.gpu_memory_utilization) - _ACTIVATION_HEADROOM
@@ -177,6 +184,14 @@ class LLMEngine:
             for seq in seqs:
                 pool.free(seq)
 
+    def expert_stats(self) -> dict:
+        """Expert-cache counters (offload: hits, misses, prefetch_hits, bytes_h2d, h2d_seconds,
+        stall_seconds, per_layer_hit_rate, ...); resident: the slot count only."""
+        backend = self.runner.experts
+        if hasattr(backend, "stats"):
+            return backend.stats()
+        return {"slots": self.plan.expert_slots, "resident": True}
+
     def stats(self) -> dict:
         return {
             "steps": self.num_steps,
@@ -186,6 +201,8 @@ class LLMEngine:
             "cuda_graphs": self.runner.graphs is not None,
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
+            "moe_strategy": self.plan.strategy,
+            "experts": self.expert_stats(),
             **self.scheduler.stats(),
         }
 

@@ -16,13 +16,10 @@ from ferryman.engine.inputs import StepInputs, prepare_inputs
 from ferryman.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.sequence import Sequence
-from ferryman.experts.resident import ResidentExperts
+from ferryman.experts.placement import make_backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
+from ferryman.planner import MemoryPlan, kv_bytes_per_token  # noqa: F401 (re-exported)
 from ferryman.weights.build import LoadedModel
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def expert_activation(cfg: ModelConfig) -> MoEActivation:
@@ -39,13 +36,15 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         use_cuda_graphs: bool,
+        plan: MemoryPlan | None = None,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
-        experts = ResidentExperts(loaded.store, expert_activation(self.cfg))
+        # resident experts, or a slot cache of a host store (experts/placement.py)
+        self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg))
         for block in self.model.moe_blocks():
-            block.experts = experts
+            block.experts = self.experts
         # k_cache, v_cache per layer: [N, S, Hkv, D]
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         for attn in self.model.attention_layers():
@@ -60,7 +59,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Graphs only for batches whose MoE step has no host sync (the Triton decode kernel).
         graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
-        if use_cuda_graphs and device.type == "cuda":
+        if use_cuda_graphs and device.type == "cuda" and getattr(self.experts, "graph_safe", True):
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(self.model, graph_bs, max_blocks, max_model_len, device)
 

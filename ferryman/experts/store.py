@@ -1,8 +1,9 @@
 """Expert banks: every routed expert of every MoE layer, in its checkpoint format.
 
 Banks are `[E, ...]` tensors per layer, one per name of the format (`w13`, `w2`, `w13_blocks`, ...),
-so expert e of layer l is `banks[l][name][e]` for every name. Today the store lives on one device
-(resident mode); the offload path keeps it in pinned host memory and caches slots on the GPU.
+so expert e of layer l is `banks[l][name][e]` for every name. Resident mode keeps this store on the
+device; offload mode uses `HostExpertStore` (experts/host_store.py): the same banks as views of
+pinned host memory, each expert's banks contiguous, cached in GPU slots by experts/gpu_cache.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.models.base import Target
-from ferryman.quant.base import get_format
+from ferryman.quant.base import BankSpec, get_format
 
 
 class ExpertStore:
@@ -26,9 +27,12 @@ class ExpertStore:
         )
         # banks[layer][name]: [E, ...]
         self.banks: dict[int, dict[str, torch.Tensor]] = {
-            layer: {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
-            for layer in cfg.moe_layers
+            layer: self._allocate_layer(layer, specs) for layer in cfg.moe_layers
         }
+
+    def _allocate_layer(self, layer: int, specs: dict[str, BankSpec]) -> dict[str, torch.Tensor]:
+        """The banks of one layer (experts/host_store.py lays them out expert-major instead)."""
+        return {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
 
     def write(self, target: Target, tensor: torch.Tensor, source_name: str, file: str) -> None:
         """Copy one checkpoint tensor into the bank slice named by `target`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,9 @@ def build_model(
     max_positions: int | None = None,
     seed: int = 0,
     progress: bool = False,
+    store_factory: Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore] | None = None,
 ) -> LoadedModel:
+    """store_factory: where routed experts live (experts/placement.py); default: on `device`."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     hf, folder = resolve_hf_config(model, load_format)
@@ -64,7 +67,7 @@ def build_model(
     torch_dtype = resolve_dtype(dtype, cfg)
     positions = max_positions or cfg.max_position_embeddings
     net = _instantiate(cfg, torch_dtype, device, positions)
-    store = ExpertStore(cfg, torch_dtype, device)
+    store = (store_factory or ExpertStore)(cfg, torch_dtype, device)
     source: TensorSource
     if load_format == "dummy":
         source = DummySource(arch.checkpoint_tensors(cfg), cfg.hidden_size, seed, device)

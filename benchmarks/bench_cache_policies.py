@@ -1,0 +1,158 @@
+"""Expert-cache replacement policies on the demo model's real routing, replayed through the cache's
+own bookkeeping (ferryman.experts.gpu_cache.SlotTable), and next-layer guess accuracy.
+
+    python benchmarks/bench_cache_policies.py [--model FOLDER] [--max-tokens 8192] [--json out.json]
+
+Held-out text (benchmarks/bench_routing.py's heldout_windows) is prefilled with a routing trace
+and the MoE inputs recorded; the trace is then replayed as decode: one token per step, one
+lookup per MoE layer (acquire the token's experts, release). Cache sizes are 10/25/50% of all
+experts, as one pool over every layer (what the engine does) and as equal per-layer pools.
+"guess" rows add the engine's prefetch: after layer L's lookup, layer L+1's router applied to
+layer L's MoE input guesses its experts, and those not cached are admitted unreferenced.
+The per-layer LRU replay is checked against ferryman.experts.trace.lru_hit_rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_routing import heldout_windows  # noqa: E402
+
+from ferryman import LLM  # noqa: E402
+from ferryman.experts.gpu_cache import SlotTable  # noqa: E402
+from ferryman.experts.policies import LRFUPolicy, LRUPolicy, ReplacementPolicy  # noqa: E402
+from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate  # noqa: E402
+
+FRACTIONS = (0.10, 0.25, 0.50)
+HALF_LIVES = (2.0, 4.0, 8.0, 16.0, 64.0)
+
+
+def record(llm: LLM, windows: list[list[int]]) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Per MoE layer: routed ids [T, K] and the guess for it from the previous layer [T, K]."""
+    model = llm.engine.runner.model
+    blocks = model.moe_blocks()
+    inputs: dict[int, list[torch.Tensor]] = {b.layer: [] for b in blocks}
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs[m.layer].append(a[0].detach().clone()))
+             for b in blocks]
+    trace = RoutingTrace()
+    attach_trace(model, trace)
+    for w in windows:
+        llm.score([w])
+    attach_trace(model, None)
+    for h in hooks:
+        h.remove()
+    ids = {layer: trace.layer(layer) for layer in trace.layers}
+    guesses = {}
+    with torch.no_grad():
+        for prev, nxt in zip(blocks, blocks[1:]):
+            x = torch.cat(inputs[prev.layer])  # [T, H]
+            guesses[nxt.layer] = torch.topk(nxt.gate(x), nxt.top_k, dim=-1).indices
+    return ids, guesses
+
+
+def replay(ids: dict[int, list[list[int]]], guesses: dict[int, list[list[int]]], num_experts: int,
+           make: callable, slots: int, per_layer: bool, prefetch: bool) -> tuple[float, float]:
+    """Decode replay -> (hit rate, experts copied per expert used). Prefetched experts found in
+    place count as hits; their copies (right or wrong guesses) count as traffic."""
+    layers = sorted(ids)
+    tables = ({layer: SlotTable(slots // len(layers), make()) for layer in layers} if per_layer
+              else dict.fromkeys(layers, SlotTable(slots, make())))
+    hits = total = prefetched = 0
+    for t in range(len(ids[layers[0]])):
+        for table in set(tables.values()):
+            table.policy.advance()
+        for i, layer in enumerate(layers):
+            table, base = tables[layer], i * num_experts
+            keys = [base + e for e in sorted(set(ids[layer][t]))]
+            hits, total = hits + lookup_in_rounds(table, keys), total + len(keys)
+            if prefetch and i + 1 < len(layers):
+                nxt = layers[i + 1]
+                look = tables[nxt].admit([base + num_experts + e for e in sorted(set(guesses[nxt][t]))])
+                prefetched += len(look.filled)
+    return hits / total, (total - hits + prefetched) / total
+
+
+def lookup_in_rounds(table: SlotTable, keys: list[int]) -> int:
+    """Acquire and release `keys` as OffloadExperts does (cached first, rounds of the free slots)
+    -> hits."""
+    order = keys if len(keys) <= table.available() else sorted(keys, key=lambda k: k not in table.slot_of)
+    hits = 0
+    while order:
+        part, order = order[: table.available()], order[table.available() :]
+        hits += len(table.acquire(part).hits)
+        table.release(part)
+    return hits
+
+
+def guess_recall(ids: dict[int, torch.Tensor], guesses: dict[int, torch.Tensor]) -> dict[int, float]:
+    out = {}
+    for layer, g in guesses.items():
+        right = sum(len(set(a) & set(b)) for a, b in zip(ids[layer].tolist(), g.tolist()))
+        out[layer] = right / ids[layer].numel()
+    return out
+
+
+def policies() -> dict[str, callable]:
+    table: dict[str, callable] = {"lru": LRUPolicy}
+    for h in HALF_LIVES:
+        table[f"lrfu(h={h:g})"] = lambda h=h: LRFUPolicy(half_life=h)
+    return table
+
+
+def check_against_trace(ids: dict[int, torch.Tensor], num_experts: int) -> None:
+    """Per-layer LRU through SlotTable == trace.lru_hit_rate (token order within a step aside)."""
+    layer = sorted(ids)[0]
+    rows = ids[layer].tolist()
+    cap = max(ids[layer].shape[1], num_experts // 4)
+    ours = replay({layer: rows}, {}, num_experts, LRUPolicy, cap, per_layer=False, prefetch=False)[0]
+    theirs = lru_hit_rate(torch.tensor([sorted(r) for r in rows]), cap)
+    if abs(ours - theirs) > 1e-12:
+        raise SystemExit(f"SlotTable LRU {ours:.6f} != trace.lru_hit_rate {theirs:.6f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
+    ap.add_argument("--max-tokens", type=int, default=8192)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    llm = LLM(a.model, device="cpu", dtype="float32")
+    windows = heldout_windows(llm, a.max_tokens, a.window)
+    ids_t, guesses_t = record(llm, windows)
+    E = llm.engine.cfg.num_experts
+    check_against_trace(ids_t, E)
+    ids = {k: v.tolist() for k, v in ids_t.items()}
+    guesses = {k: v.tolist() for k, v in guesses_t.items()}
+    total = len(ids) * E
+    rows: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, make in policies().items():
+        for pool in ("global", "per-layer"):
+            for prefetch in (False, True):
+                label = f"{name} {pool}" + (" +guess" if prefetch else "")
+                rows[label] = {f"{int(f * 100)}%": replay(ids, guesses, E, make, round(f * total),
+                                                          pool == "per-layer", prefetch) for f in FRACTIONS}
+    recall = guess_recall(ids_t, guesses_t)
+    tokens = sum(len(w) for w in windows)
+    print(f"model: {a.model or 'bundled demo model'}; {tokens} held-out tokens replayed as decode; "
+          f"{len(ids)} MoE layers x {E} experts, top-{llm.engine.cfg.top_k}")
+    print("hit rate (copies per expert used) at each cache size")
+    print("| policy, pool | " + " | ".join(f"{int(f * 100)}% of experts" for f in FRACTIONS) + " |")
+    print("| --- |" + " --- |" * len(FRACTIONS))
+    for label, r in rows.items():
+        print(f"| {label} | " + " | ".join(f"{h:.3f} ({c:.2f})" for h, c in r.values()) + " |")
+    print("next-layer guess recall per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in recall.items()))
+    print(f"mean guess recall: {sum(recall.values()) / len(recall):.3f}")
+    if a.json:
+        a.json.write_text(json.dumps({"tokens": tokens, "hit_rates": rows, "guess_recall": recall}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

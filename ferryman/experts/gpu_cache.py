@@ -1,0 +1,275 @@
+"""The device expert cache: fixed slots, a table (layer, expert) -> slot, a replacement policy.
+
+    SlotTable    bookkeeping only (keys, slots, pins, policy): what a lookup hits, fills, evicts
+    SlotPool     the slot banks on the device, `banks[name]: [S, ...]`, and how to copy into them
+    ExpertCache  both, plus the host store, the transfer engine and the statistics
+
+A key is a flat expert id over all MoE layers, `moe_index(layer) * E + expert`: one pool of slots
+serves every layer (one global policy, like a single LRU over all experts), and a slot holds one
+expert with all its banks, so one kernel reads resident, cached and streamed experts alike.
+
+"In use" means pinned: `acquire` pins the experts of the layer step being computed, `release`
+unpins them once the kernels reading them are issued. A pinned key is never chosen as a victim.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from ferryman.experts.host_store import ExpertLayout, HostExpertStore
+from ferryman.experts.policies import ReplacementPolicy
+from ferryman.experts.transfer import Copy, Transfer, make_transfer
+
+
+@dataclass
+class Lookup:
+    """What one lookup did. Keys in the order asked."""
+
+    slots: list[int]  # slot of each key asked (acquire) or admitted (admit)
+    hits: list[int] = field(default_factory=list)  # keys already cached
+    filled: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to copy in
+    evicted: list[int] = field(default_factory=list)  # keys that lost their slot, in order
+
+
+class SlotTable:
+    """Which key sits in which slot; pins; eviction by the policy. No tensors."""
+
+    def __init__(self, num_slots: int, policy: ReplacementPolicy) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the expert cache needs at least 1 slot, got {num_slots}")
+        self.num_slots, self.policy = num_slots, policy
+        self.slot_of: dict[int, int] = {}
+        self.key_of: list[int | None] = [None] * num_slots
+        self.pins = [0] * num_slots
+        self.num_pinned = 0  # slots with pins > 0
+        self.free = list(range(num_slots))  # heap: the lowest free slot is used first
+
+    def available(self) -> int:
+        """Slots not pinned: how many distinct keys one acquire may ask for."""
+        return self.num_slots - self.num_pinned
+
+    def is_pinned(self, key: int) -> bool:
+        slot = self.slot_of.get(key)
+        return slot is not None and self.pins[slot] > 0
+
+    def acquire(self, keys: list[int]) -> Lookup:
+        """Cache and pin every key (distinct); victims are the policy's, never pinned keys."""
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"acquire: keys must be distinct, got {keys}")
+        need = sum(1 for k in keys if not self.is_pinned(k))
+        if need > self.available():
+            raise ValueError(f"acquire: {need} experts to pin but only {self.available()} of "
+                             f"{self.num_slots} slots are not in use")
+        look = Lookup(slots=[])
+        hits = [k for k in keys if k in self.slot_of]
+        for k in hits:  # pin the hits first: the misses' victims must not be among them
+            self._pin(self.slot_of[k])
+        for k in keys:
+            if k not in self.slot_of:
+                self._fill(k, look)
+                self._pin(self.slot_of[k])
+        look.hits = hits
+        look.slots = [self.slot_of[k] for k in keys]
+        self.policy.reference(keys)
+        return look
+
+    def admit(self, keys: list[int]) -> Lookup:
+        """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
+        free or evictable; a key admitted here is not evicted by a later key of the same call."""
+        look = Lookup(slots=[])
+        taken: list[int] = []
+        for k in keys:
+            if k in self.slot_of:
+                continue
+            if self.available() == 0:
+                break
+            self._fill(k, look)
+            self.policy.insert_unreferenced(k)
+            self._pin(self.slot_of[k])
+            taken.append(k)
+        look.slots = [self.slot_of[k] for k in taken]
+        self.release(taken)
+        return look
+
+    def release(self, keys: list[int]) -> None:
+        for k in keys:
+            slot = self.slot_of[k]
+            if self.pins[slot] == 0:
+                raise ValueError(f"release: expert key {k} is not pinned")
+            self.pins[slot] -= 1
+            self.num_pinned -= int(self.pins[slot] == 0)
+
+    def _pin(self, slot: int) -> None:
+        self.num_pinned += int(self.pins[slot] == 0)
+        self.pins[slot] += 1
+
+    def _fill(self, key: int, look: Lookup) -> None:
+        if self.free:
+            slot = heapq.heappop(self.free)
+        else:
+            victim = self.policy.victim(self.is_pinned)
+            if victim is None:  # acquire/admit checked available() first
+                raise RuntimeError("expert cache: every slot is pinned")
+            slot = self.slot_of.pop(victim)
+            self.policy.remove(victim)
+            look.evicted.append(victim)
+        self.slot_of[key], self.key_of[slot] = slot, key
+        look.filled.append((key, slot))
+
+
+class SlotPool:
+    """Slot banks on the device.
+
+    expert_major: one `[S, row_bytes]` buffer laid out like the host store, so a run of
+    consecutive experts into consecutive slots is one copy; bank views are strided (the torch
+    reference reads them; the Triton decode kernel wants contiguous banks).
+    bank-major: one contiguous `[S, ...]` tensor per bank; one copy per bank per expert.
+    """
+
+    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device, expert_major: bool) -> None:
+        self.layout, self.num_slots, self.device = layout, num_slots, device
+        self.expert_major = expert_major
+        self.flat: torch.Tensor | None = None
+        if expert_major:
+            self.flat = torch.empty((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
+            self.banks = layout.views(self.flat)
+        else:
+            self.banks = {n: torch.empty((num_slots, *shape), dtype=layout.dtypes[n], device=device)
+                          for n, shape in layout.shapes.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.layout.row_bytes
+
+    def copies(self, store: HostExpertStore, layer: int, pairs: list[tuple[int, int]]) -> list[Copy]:
+        """Copies filling slot s with expert e of `layer` for each (e, s)."""
+        if self.flat is None:
+            src = store.banks[layer]
+            return [Copy(src[n][e], self.banks[n][s]) for e, s in pairs for n in self.banks]
+        rows = store.flat[layer]
+        return [Copy(rows[e0 : e0 + n], self.flat[s0 : s0 + n]) for e0, s0, n in coalesce(pairs)]
+
+
+def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst) index pairs -> runs (src0, dst0, n) where both advance by one, in src order."""
+    runs: list[tuple[int, int, int]] = []
+    for e, s in sorted(pairs):
+        if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((e, s, 1))
+    return runs
+
+
+@dataclass
+class CacheCounters:
+    """Per MoE layer: demand hits and misses; prefetched experts, and those used before eviction."""
+
+    hits: dict[int, int] = field(default_factory=dict)
+    misses: dict[int, int] = field(default_factory=dict)
+    prefetch_fetched: dict[int, int] = field(default_factory=dict)
+    prefetch_hits: dict[int, int] = field(default_factory=dict)
+    evictions: int = 0
+
+    @staticmethod
+    def add(table: dict[int, int], layer: int, n: int) -> None:
+        table[layer] = table.get(layer, 0) + n
+
+
+class ExpertCache:
+    """Slots on `device` caching the experts of a `HostExpertStore`."""
+
+    def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device,
+                 policy: ReplacementPolicy, expert_major: bool | None = None,
+                 transfer: Transfer | None = None) -> None:
+        if store.layout is None:
+            raise ValueError("the expert cache needs a model with routed experts")
+        self.store, self.device = store, torch.device(device)
+        self.num_experts = store.cfg.num_experts
+        self.moe_index = {layer: i for i, layer in enumerate(store.cfg.moe_layers)}
+        self.table = SlotTable(num_slots, policy)
+        # the Triton decode kernel needs contiguous banks, so CUDA defaults to bank-major
+        major = self.device.type != "cuda" if expert_major is None else expert_major
+        self.pool = SlotPool(store.layout, num_slots, self.device, major)
+        self.transfer = transfer or make_transfer(self.device, num_slots)
+        self.counters = CacheCounters()
+        self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
+
+    @property
+    def banks(self) -> dict[str, torch.Tensor]:
+        return self.pool.banks
+
+    def key(self, layer: int, expert: int) -> int:
+        return self.moe_index[layer] * self.num_experts + expert
+
+    def begin_step(self) -> None:
+        self.table.policy.advance()
+
+    def available(self) -> int:
+        return self.table.available()
+
+    def acquire(self, layer: int, experts: list[int]) -> list[int]:
+        """Make `experts` of `layer` resident and pinned; kernels issued next may read their slots."""
+        look = self.table.acquire([self.key(layer, e) for e in experts])
+        c = self.counters
+        c.add(c.hits, layer, len(look.hits))
+        c.add(c.misses, layer, len(look.filled))
+        c.add(c.prefetch_hits, layer, sum(1 for k in look.hits if k in self.prefetched))
+        self.prefetched.difference_update(look.hits)
+        self._fetch(layer, look, demand=True)
+        self.transfer.wait(look.slots)
+        return look.slots
+
+    def release(self, layer: int, experts: list[int], slots: list[int]) -> None:
+        """The kernels reading `slots` are issued: unpin (copies into them will wait for those)."""
+        self.transfer.mark_used(slots)
+        self.table.release([self.key(layer, e) for e in experts])
+
+    def prefetch(self, layer: int, experts: list[int]) -> list[int]:
+        """Start copying the uncached ones of `experts` into slots not in use (as many as there
+        are such slots); returns the experts whose copies started."""
+        look = self.table.admit([self.key(layer, e) for e in experts])
+        self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
+        self.prefetched.update(k for k, _ in look.filled)
+        self._fetch(layer, look, demand=False)
+        base = self.moe_index[layer] * self.num_experts
+        return [k - base for k, _ in look.filled]
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return self.key(layer, expert) in self.table.slot_of
+
+    def _fetch(self, layer: int, look: Lookup, demand: bool) -> None:
+        self.counters.evictions += len(look.evicted)
+        self.prefetched.difference_update(look.evicted)
+        if not look.filled:
+            return
+        base = self.moe_index[layer] * self.num_experts
+        pairs = [(k - base, s) for k, s in look.filled]
+        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand)
+
+    def stats(self) -> dict:
+        c = self.counters
+        hits, misses = sum(c.hits.values()), sum(c.misses.values())
+        h2d_s, stall_s = self.transfer.seconds()
+        per_layer = {layer: c.hits.get(layer, 0) / max(1, c.hits.get(layer, 0) + c.misses.get(layer, 0))
+                     for layer in self.moe_index if layer in c.hits}
+        return {
+            "slots": self.table.num_slots,
+            "slot_bytes": self.pool.layout.row_bytes,
+            "cache_fraction": self.table.num_slots / (len(self.moe_index) * self.num_experts),
+            "hits": hits,
+            "misses": misses,
+            "hit_rate": hits / max(1, hits + misses),
+            "prefetch_fetched": sum(c.prefetch_fetched.values()),
+            "prefetch_hits": sum(c.prefetch_hits.values()),
+            "evictions": c.evictions,
+            "bytes_h2d": self.transfer.bytes,
+            "copies_h2d": self.transfer.copies,
+            "h2d_seconds": h2d_s,
+            "stall_seconds": stall_s,
+            "host_pinned": self.store.pinned,
+            "per_layer_hit_rate": per_layer,
+        }

@@ -1,0 +1,106 @@
+"""Host expert store: every routed expert in (pinned) host memory, each expert's banks contiguous.
+
+Layout of one MoE layer: a flat uint8 buffer `[E, row_bytes]`; row e holds all banks of expert e
+back to back (`ExpertLayout.offsets`, each bank aligned to ALIGN bytes), and the usual
+`banks[layer][name]: [E, ...]` are strided views into it, so the loader and the reference
+kernels see an ordinary `ExpertStore`. Fetching expert e is one copy of row e.
+
+Pinned memory is what lets host -> GPU copies run asynchronously at link speed (device.md:
+~55 GB/s pinned vs 7-13 GB/s pageable). If pinning fails (a locked-memory quota: WSL, Windows,
+containers), the layers that did not fit stay pageable, a warning says how many, and
+`pinned_layers` in the expert statistics shows it. That documented slower path copies from
+pageable memory: correct, but each copy is synchronous with the host and several times slower.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ferryman.config import ModelConfig
+from ferryman.experts.store import ExpertStore
+from ferryman.quant.base import BankSpec
+
+log = logging.getLogger("ferryman.experts")
+
+ALIGN = 64  # bytes; bank offsets and rows keep 16-byte vector loads and dtype views aligned
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each bank of one expert sits inside its row of bytes."""
+
+    offsets: dict[str, int]  # bank name -> byte offset in the row
+    sizes: dict[str, int]  # bank name -> bytes of one expert's slice
+    shapes: dict[str, tuple[int, ...]]  # bank name -> per-expert shape (no leading E)
+    dtypes: dict[str, torch.dtype]
+    row_bytes: int  # bytes of one expert, padding included
+
+    @staticmethod
+    def of(specs: dict[str, BankSpec]) -> "ExpertLayout":
+        offsets, sizes, shapes, dtypes, pos = {}, {}, {}, {}, 0
+        for name, spec in specs.items():
+            one = BankSpec(spec.shape[1:], spec.dtype)
+            offsets[name], sizes[name] = pos, one.nbytes
+            shapes[name], dtypes[name] = one.shape, spec.dtype
+            pos += _align(one.nbytes)
+        return ExpertLayout(offsets, sizes, shapes, dtypes, max(pos, ALIGN))
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Bank views `[N, ...]` of a flat `[N, row_bytes]` uint8 buffer (rows = experts or slots)."""
+        if flat.dtype != torch.uint8 or flat.dim() != 2 or flat.shape[1] != self.row_bytes:
+            raise ValueError(f"expert rows must be uint8 [N, {self.row_bytes}], got {tuple(flat.shape)} {flat.dtype}")
+        n = flat.shape[0]
+        out = {}
+        for name, off in self.offsets.items():
+            part = flat[:, off : off + self.sizes[name]]  # [N, bytes], row stride row_bytes
+            out[name] = part.view(self.dtypes[name]).view(n, *self.shapes[name])
+        return out
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def allocate_rows(rows: int, row_bytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A `[rows, row_bytes]` uint8 host buffer, pinned if asked and possible -> (buffer, pinned)."""
+    if pin:
+        try:
+            return torch.empty((rows, row_bytes), dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError as e:  # quota, no driver, out of lockable memory
+            log.debug("pinning %d bytes failed: %s", rows * row_bytes, e)
+    return torch.empty((rows, row_bytes), dtype=torch.uint8), False
+
+
+class HostExpertStore(ExpertStore):
+    """An `ExpertStore` in host memory whose banks are views of one expert-major buffer per layer."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pin: bool) -> None:
+        self.want_pin = pin
+        self.flat: dict[int, torch.Tensor] = {}  # layer -> [E, row_bytes] uint8
+        self.pinned_layers = 0
+        self.layout: ExpertLayout | None = None  # the same for every layer
+        self._pin_failed = False
+        super().__init__(cfg, dtype, "cpu")
+        if pin and self._pin_failed:
+            log.warning(
+                "could not pin host memory for the experts of %d of %d MoE layers (locked-memory "
+                "quota?); those experts are copied from pageable memory: slower (synchronous, "
+                "~7-13 GB/s instead of ~50 GB/s) but correct",
+                len(self.flat) - self.pinned_layers, len(self.flat),
+            )
+
+    def _allocate_layer(self, layer: int, specs: dict[str, BankSpec]) -> dict[str, torch.Tensor]:
+        layout = ExpertLayout.of(specs)
+        # after one failure stop trying: every further attempt would fail the same way, slowly
+        flat, pinned = allocate_rows(self.cfg.num_experts, layout.row_bytes, self.want_pin and not self._pin_failed)
+        self._pin_failed |= self.want_pin and not pinned
+        self.pinned_layers += int(pinned)
+        self.flat[layer], self.layout = flat, layout
+        return layout.views(flat)
+
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_layers == len(self.flat)

@@ -1,0 +1,121 @@
+"""Offloaded experts: the `ExpertBackend` that computes from a slot cache of a host store.
+
+Per MoE layer and step (any mix of prefill chunks and decodes):
+1. the union of the batch's top-k ids is read on the host (one sync; concurrent requests
+   share every lookup and fetch), together with the guess for the next layer;
+2. `ExpertCache.acquire` pins the union, copies the misses in, and orders the kernels after
+   the copies; hits are used in place, never fetched again;
+3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
+   streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
+4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks;
+5. `release` unpins: later copies into those slots wait for the kernels that read them.
+
+If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
+layer runs in rounds: cached experts first, then as many misses as fit, each round a
+`fused_moe` over its (token, k) pairs, summed into the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
+
+
+class OffloadExperts:
+    graph_safe = False  # the slot table lives on the host: one sync per MoE layer
+
+    def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None) -> None:
+        self.cache, self.act, self.guesser = cache, act, guesser
+        self.fmt = cache.store.format.name
+        self.num_experts = cache.num_experts
+        self.prefetch_enabled = guesser is not None
+        self._last_layer = 1 << 30
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
+    ) -> torch.Tensor:
+        # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
+        if layer <= self._last_layer:  # the first MoE layer of a new step
+            self.cache.begin_step()
+        self._last_layer = layer
+        streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
+        guess = self._guess(layer, x, streaming)
+        used, guessed = _host_ids(topk_ids, None if guess is None else guess[1])
+        if self.guesser is not None:
+            self.guesser.score(layer, used)
+        if len(used) <= self.cache.available():
+            out = self._compute(layer, x, topk_ids, topk_w, used, guess, guessed, streaming)
+        else:
+            out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
+            self._prefetch(guess, guessed, streaming)
+        return out
+
+    def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
+        if not self.prefetch_enabled or self.guesser is None:
+            return None
+        guess = self.guesser.guess(layer, x)
+        if guess is None or not self.guesser.wants_prefetch(guess[0], streaming):
+            return None
+        return guess
+
+    def _prefetch(self, guess: tuple[int, torch.Tensor] | None, guessed: list[int], streaming: bool) -> None:
+        if guess is None or self.guesser is None:
+            return
+        fetched = self.cache.prefetch(guess[0], guessed)
+        self.guesser.remember(guess[0], guessed, fetched, streaming)
+
+    def _compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                 used: list[int], guess: tuple[int, torch.Tensor] | None, guessed: list[int],
+                 streaming: bool) -> torch.Tensor:
+        slots = self.cache.acquire(layer, used)
+        # the guess's copies queue behind this layer's misses and overlap its kernels
+        self._prefetch(guess, guessed, streaming)
+        out = fused_moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, topk_ids), topk_w, self.act)
+        self.cache.release(layer, used, slots)
+        return out
+
+    def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_w: torch.Tensor, used: list[int]) -> torch.Tensor:
+        # cached experts first: they are used in place before misses could evict them
+        order = sorted(used, key=lambda e: not self.cache.contains(layer, e))
+        out = torch.zeros_like(x)  # [T, H]
+        start = 0
+        while start < len(order):
+            part = order[start : start + self.cache.available()]
+            start += len(part)
+            slots = self.cache.acquire(layer, part)
+            mask = torch.isin(topk_ids, torch.tensor(part, device=topk_ids.device))  # [T, K]
+            tok, kk = mask.nonzero(as_tuple=True)  # pairs routed to this round's experts: [P]
+            ids = self._slot_ids(part, slots, topk_ids[tok, kk]).unsqueeze(1)  # [P, 1]
+            y = fused_moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
+            out.index_add_(0, tok, y)
+            self.cache.release(layer, part, slots)
+        return out
+
+    def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids -> slot ids through a per-call table (ids only name experts in `experts`)."""
+        lut = torch.zeros(self.num_experts, dtype=torch.int32)
+        lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
+        # a fresh pageable tensor: the async copy stages it at once, nothing reuses its memory
+        return lut.to(ids.device, non_blocking=True)[ids]
+
+    def stats(self) -> dict:
+        out = self.cache.stats()
+        if self.guesser is not None:
+            out.update(self.guesser.stats())
+        return out
+
+
+def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """Distinct expert ids used, and guessed, ascending: one device -> host copy for both."""
+    flat = topk_ids.reshape(-1)
+    if guess_ids is not None:
+        flat = torch.cat((flat, guess_ids.reshape(-1).to(flat.dtype)))
+    host = flat.cpu()
+    n = topk_ids.numel()
+    used = torch.unique(host[:n]).tolist()
+    guessed = torch.unique(host[n:]).tolist() if guess_ids is not None else []
+    return used, guessed

@@ -1,0 +1,78 @@
+"""Where the routed experts live, decided once from the memory plan.
+
+    resident: `ExpertStore` on the device, expert id == slot (`ResidentExperts`), any format
+    offload:  `HostExpertStore` in pinned host memory + `ExpertCache` slots on the device
+              (`OffloadExperts`), the CPU standing in for the device on machines without one
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ferryman.config import EngineConfig, ModelConfig
+from ferryman.errors import ConfigError
+from ferryman.experts.host_store import HostExpertStore
+from ferryman.experts.store import ExpertStore
+from ferryman.layers.fused_moe import MoEActivation
+from ferryman.planner import MemoryPlan, PlanRequest, parse_bytes, parse_expert_cache, plan_memory
+
+StoreFactory = Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore]
+
+
+def device_budget(ecfg: EngineConfig, device: torch.device) -> int | None:
+    """Bytes the plan may use on `device`: gpu_memory, else CUDA free memory x utilisation, else None."""
+    if ecfg.gpu_memory is not None:
+        return parse_bytes(ecfg.gpu_memory)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free - total * (1 - ecfg.gpu_memory_utilization))
+    return None
+
+
+def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_model_len: int) -> MemoryPlan:
+    cache = parse_expert_cache(ecfg.expert_cache) if ecfg.expert_cache is not None else None
+    req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs,
+                      ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
+                      ecfg.moe_strategy, cache)
+    return plan_memory(req)
+
+
+def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
+    """Cap what this process may allocate on a CUDA device at gpu_memory (no-op elsewhere)."""
+    if ecfg.gpu_memory is None or device.type != "cuda":
+        return
+    budget = parse_bytes(ecfg.gpu_memory)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget > total:
+        raise ConfigError(f"gpu_memory {budget / 2**30:.2f} GiB exceeds the device's {total / 2**30:.2f} GiB")
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+
+
+def store_factory(plan: MemoryPlan, device: torch.device) -> StoreFactory:
+    if plan.strategy == "resident":
+        return ExpertStore
+    pin = device.type == "cuda"  # pinned memory needs a CUDA driver; on CPU the host is the device
+    return lambda cfg, dtype, _device: HostExpertStore(cfg, dtype, pin=pin)
+
+
+def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.device, plan: MemoryPlan | None,
+                 act: MoEActivation, policy: str | None = None) -> Any:
+    """ResidentExperts for a device store, OffloadExperts (cache + next-layer guesses) for a host store."""
+    from ferryman.experts.resident import ResidentExperts
+
+    if not isinstance(store, HostExpertStore):
+        return ResidentExperts(store, act)
+    if plan is None:
+        raise ValueError("a host expert store needs a memory plan (its slot count)")
+    from ferryman.experts.gpu_cache import ExpertCache
+    from ferryman.experts.offload import OffloadExperts
+    from ferryman.experts.policies import make_policy
+    from ferryman.experts.prefetch import NextLayerGuesser
+
+    cache = ExpertCache(store, plan.expert_slots, device, make_policy(policy) if policy else make_policy())
+    gates = {block.layer: block.gate for block in model.moe_blocks()}
+    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k))

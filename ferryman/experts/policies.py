@@ -1,0 +1,161 @@
+"""Replacement policies of the expert cache: which cached expert to evict for a new one.
+
+A policy ranks *keys* (flat expert ids, `moe_layer_index * E + expert`); the slot table
+(`experts/gpu_cache.py`) tells it what is referenced, inserted and removed, and asks it for
+victims, passing the keys it must skip (pinned: in use by the current layer step).
+
+- `lru`: least recently used; a step's keys become most recent in the order given.
+- `lrfu`: least recently/frequently used (Lee et al., 2001). Each key keeps a combined
+  recency-frequency value CRF = sum over its references of 2^(-(now - t_ref) / half_life),
+  time counted in engine steps; the victim has the smallest CRF. half_life -> 0 is LRU,
+  half_life -> inf is LFU. Ranking by CRF at a common time equals ranking by
+  p = log2(CRF(t_last)) + t_last / half_life, which does not change until the key is referenced
+  again, so a heap with lazy deletion finds victims in O(log n). The history of evicted keys is
+  kept (the key space, layers x experts, is small).
+
+Prefetched keys (brought in on a guess, not yet referenced) enter at the eviction end: a wrong
+guess is the first thing to go, a right one is referenced when its layer runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+Pinned = Callable[[int], bool]
+
+
+class ReplacementPolicy(ABC):
+    """Order of eviction over the keys currently cached."""
+
+    name: str
+
+    def advance(self) -> None:
+        """One engine step has passed (policies that count time use it)."""
+
+    @abstractmethod
+    def reference(self, keys: Iterable[int]) -> None:
+        """`keys` were used by the current step (cached before, or just inserted), in this order."""
+
+    @abstractmethod
+    def insert_unreferenced(self, key: int) -> None:
+        """`key` was cached without being used (prefetch): first in line for eviction."""
+
+    @abstractmethod
+    def remove(self, key: int) -> None:
+        """`key` left the cache."""
+
+    @abstractmethod
+    def victim(self, pinned: Pinned) -> int | None:
+        """The key to evict next among those not pinned (None if every cached key is pinned)."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy(ReplacementPolicy):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.order: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+
+    def reference(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            self.order[key] = None
+            self.order.move_to_end(key)
+
+    def insert_unreferenced(self, key: int) -> None:
+        self.order[key] = None
+        self.order.move_to_end(key, last=False)
+
+    def remove(self, key: int) -> None:
+        self.order.pop(key, None)
+
+    def victim(self, pinned: Pinned) -> int | None:
+        # pinned keys are the current step's: few, and near the recent end
+        return next((k for k in self.order if not pinned(k)), None)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class LRFUPolicy(ReplacementPolicy):
+    name = "lrfu"
+
+    def __init__(self, half_life: float = 16.0) -> None:
+        if not half_life > 0:
+            raise ValueError(f"lrfu half_life must be > 0 steps, got {half_life}")
+        self.half_life = half_life
+        self.now = 0
+        self.last: dict[int, int] = {}  # key -> step of its last reference (cached or not)
+        self.crf: dict[int, float] = {}  # key -> CRF at its last reference (cached or not)
+        self.prio: dict[int, float] = {}  # cached key -> log2(crf) + last / half_life (its heap entry)
+        self.heap: list[tuple[float, int, int]] = []  # (prio, tie, key); stale entries skipped
+        self.tie = itertools.count()
+
+    def advance(self) -> None:
+        self.now += 1
+
+    def _push(self, key: int, prio: float) -> None:
+        self.prio[key] = prio
+        # older entries of the same key become stale: their prio no longer matches self.prio
+        heapq.heappush(self.heap, (prio, next(self.tie), key))
+        if len(self.heap) > 4 * len(self.prio) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        self.heap = [e for e in self.heap if self.prio.get(e[2]) == e[0]]
+        heapq.heapify(self.heap)
+
+    def reference(self, keys: Iterable[int]) -> None:
+        for key in keys:
+            old = self.crf.get(key, 0.0)
+            age = self.now - self.last.get(key, self.now)
+            crf = 1.0 + old * 2.0 ** (-age / self.half_life)
+            self.crf[key], self.last[key] = crf, self.now
+            self._push(key, math.log2(crf) + self.now / self.half_life)
+
+    def insert_unreferenced(self, key: int) -> None:
+        self._push(key, -math.inf)  # its history (crf, last) is kept for when it is referenced
+
+    def remove(self, key: int) -> None:
+        # Only the heap membership goes: the history stays, so an expert evicted by a burst of
+        # one-time keys comes back with its frequency (without it, a pool smaller than a step's
+        # working set never sees a second reference and LRFU degrades to LRU).
+        self.prio.pop(key, None)
+
+    def victim(self, pinned: Pinned) -> int | None:
+        skipped: list[tuple[float, int, int]] = []
+        found = None
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            if self.prio.get(entry[2]) != entry[0]:
+                continue  # stale
+            skipped.append(entry)
+            if not pinned(entry[2]):
+                found = entry[2]
+                break
+        for entry in skipped:  # the victim stays listed until remove() is called
+            heapq.heappush(self.heap, entry)
+        return found
+
+    def __len__(self) -> int:
+        return len(self.prio)
+
+
+POLICIES: dict[str, Callable[[], ReplacementPolicy]] = {"lru": LRUPolicy, "lrfu": LRFUPolicy}
+# benchmarks/bench_cache_policies.py, demo model held-out routing replayed as decode, one pool:
+# hits at 10/25/50% of experts: lru 0.000/0.586/0.904, lrfu(h=16) 0.351/0.674/0.922
+DEFAULT_POLICY = "lrfu"
+
+
+def make_policy(name: str = DEFAULT_POLICY, **kwargs: float) -> ReplacementPolicy:
+    """A fresh policy by name; ValueError listing the known names otherwise."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown expert-cache policy {name!r}; known: {sorted(POLICIES)}")
+    return factory(**kwargs)

@@ -1,0 +1,86 @@
+"""Guessing the next MoE layer's experts, and deciding where acting on the guess pays.
+
+While layer L computes, layer L+1's router applied to layer L's MoE input guesses which experts
+L+1 will use (its real input differs by one attention block and a residual add). The guess for
+a decode step (few tokens) is a handful of experts; for a prefill chunk it is the union over the
+chunk, most of the layer: prefetching it is the prefill double buffering (while L computes,
+L+1's experts stream into slots not in use).
+
+Accounting per target layer, decode steps only (prefill unions are near-certain):
+- recall: how many of the experts a layer used had been guessed (|guess & used| / |used|);
+- precision of the prefetch: of the experts copied on a guess, how many the layer then used.
+A wrong prefetch costs a transfer on the link; a right one hides one behind compute. Prefetch to
+a layer therefore stops once `min_samples` guessed copies show a precision below
+`min_precision` (0.5: break-even when the link is the bottleneck), and stays off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class GuessCounters:
+    recall_hit: int = 0  # used experts that had been guessed
+    recall_total: int = 0  # used experts (decode steps that had a guess)
+    fetched: int = 0  # experts copied on a guess (decode steps)
+    useful: int = 0  # of those, used by the layer
+    enabled: bool = True
+
+
+@dataclass
+class NextLayerGuesser:
+    gates: dict[int, nn.Module]  # MoE layer -> its router (a [H] -> [E] linear map)
+    top_k: int
+    min_precision: float = 0.5
+    min_samples: int = 32
+    next_of: dict[int, int] = field(init=False)
+    counters: dict[int, GuessCounters] = field(init=False)
+    pending: dict[int, tuple[set[int], set[int]]] = field(init=False)  # layer -> (guessed, fetched)
+
+    def __post_init__(self) -> None:
+        layers = sorted(self.gates)
+        self.next_of = dict(zip(layers, layers[1:]))
+        self.counters = {layer: GuessCounters() for layer in layers[1:]}
+        self.pending = {}
+
+    def guess(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """(next MoE layer, guessed ids [T, K]) from layer `layer`'s MoE input x [T, H]."""
+        nxt = self.next_of.get(layer)
+        if nxt is None:
+            return None
+        logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
+        return nxt, torch.topk(logits, self.top_k, dim=-1).indices
+
+    def wants_prefetch(self, layer: int, streaming: bool) -> bool:
+        return streaming or self.counters[layer].enabled
+
+    def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
+        """What was guessed (and copied) for `layer` in a decode step, to score when it runs."""
+        if not streaming:
+            self.pending[layer] = (set(guessed), set(fetched))
+
+    def score(self, layer: int, used: list[int]) -> None:
+        """`layer` runs with experts `used`: grade the guess made for it, if any."""
+        guessed, fetched = self.pending.pop(layer, (None, set()))
+        if guessed is None:
+            return
+        c = self.counters[layer]
+        c.recall_hit += len(guessed.intersection(used))
+        c.recall_total += len(used)
+        c.fetched += len(fetched)
+        c.useful += len(fetched.intersection(used))
+        if c.enabled and c.fetched >= self.min_samples and c.useful < self.min_precision * c.fetched:
+            c.enabled = False
+
+    def stats(self) -> dict:
+        rows = {layer: {"recall": c.recall_hit / c.recall_total if c.recall_total else None,
+                        "precision": c.useful / c.fetched if c.fetched else None,
+                        "prefetch": c.enabled}
+                for layer, c in self.counters.items()}
+        hit = sum(c.recall_hit for c in self.counters.values())
+        total = sum(c.recall_total for c in self.counters.values())
+        return {"guess_recall": hit / total if total else None, "per_layer_guess": rows}

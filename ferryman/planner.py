@@ -1,0 +1,263 @@
+"""The memory plan: how a GPU budget splits between weights, KV cache, activations and experts.
+
+    budget = non-expert weights + KV cache + activation headroom + expert cache (the rest)
+
+- non-expert weights: every parameter of the module tree, in the compute dtype;
+- KV cache: a floor first, by default min(max_model_len, 32768) tokens for each of the
+  `max_num_seqs` concurrent sequences (or exactly `kv_cache_tokens` when given);
+- activation headroom: an estimate for the largest prefill chunk (`activation_bytes`);
+- expert cache: what is left, in slots of one expert (all its banks). If every routed expert
+  fits, the plan is resident (strategy "auto"/"resident") and what is still left grows the KV
+  cache up to `max_num_seqs x max_model_len` tokens.
+A budget that cannot hold the floor (weights + KV floor + activations + top-k expert slots, or
+every expert for "resident") is refused with the amount missing.
+
+The budget is `gpu_memory` when given (enforced on CUDA with
+`torch.cuda.set_per_process_memory_fraction`), else on CUDA the free memory times
+`gpu_memory_utilization`; with neither (CPU), nothing is limited and offload needs an explicit
+`expert_cache`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ferryman.config import ModelConfig
+from ferryman.errors import ConfigError
+from ferryman.quant.base import get_format
+
+GiB = 1 << 30
+MiB = 1 << 20
+CONTEXT_CAP = 32768  # the KV floor's per-sequence context cap
+STRATEGIES = ("auto", "resident", "offload")
+_FIXED_HEADROOM = 256 * MiB  # allocator slack, cuBLAS workspace, CUDA graph pool
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
+          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int | float, what: str = "gpu_memory") -> int:
+    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a size like '16GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what} must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n <= 0:
+        raise ConfigError(f"{what} must be positive, got {value!r}")
+    return int(n)
+
+
+def parse_expert_cache(value: str | int | float) -> float | int:
+    """'10%' or 0.1 -> a fraction of all routed experts; '64' or 64 -> a number of slots."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expert_cache must be a fraction, a percentage or a slot count, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            if text.endswith("%"):
+                value = float(text[:-1]) / 100
+            else:
+                value = int(text) if text.isdigit() else float(text)
+        except ValueError:
+            raise ConfigError(f"expert_cache must look like '10%', '0.1' or '64', got {value!r}") from None
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, (int, float)) and value >= 1 and float(value).is_integer():
+        return int(value)
+    raise ConfigError(f"expert_cache must be a fraction in (0, 1], a percentage or a slot count >= 1, got {value!r}")
+
+
+def expert_slots(cache: float | int, total: int) -> int:
+    """Slots for `cache` (fraction or count) out of `total` experts, at least 1, at most total."""
+    n = round(cache * total) if isinstance(cache, float) else cache
+    return max(1, min(total, n))
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int) -> int:
+    """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (x1.25, + 256 MiB).
+
+    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
+    routed pair the MoE gate_up / activation ([2I] + [I]) and an fp32 output row; once: one
+    expert dequantised by the torch path (w13 + w2 = 3 I H) and fp32 logits of the sampled rows."""
+    item = dtype.itemsize
+    h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
+    q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
+    per_token = item * (6 * h + 2 * q + kv) + k * (item * 3 * i + 4 * h)
+    once = 3 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    return int(1.25 * (chunk_tokens * per_token + once)) + _FIXED_HEADROOM
+
+
+def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Parameters of the module tree (everything but routed experts) in `dtype`."""
+    from ferryman.models.registry import get_architecture
+
+    arch = get_architecture(cfg.model_type)
+    total = 0
+    for name, (shape, _) in arch.checkpoint_tensors(cfg).items():
+        target = arch.map_name(cfg, name)
+        if target is not None and target.kind == "expert":
+            continue
+        numel = 1
+        for s in shape:
+            numel *= s
+        total += numel
+    return total * dtype.itemsize  # a tied lm_head is absent from the checkpoint and shares memory
+
+
+def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one cache slot: one expert, all its banks, aligned as the host store lays it out."""
+    from ferryman.experts.host_store import ExpertLayout
+
+    specs = get_format(cfg.expert_format).bank_specs(1, cfg.hidden_size, cfg.moe_intermediate_size,
+                                                    cfg.expert_bias, dtype)
+    return ExpertLayout.of(specs).row_bytes
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    cfg: ModelConfig
+    dtype: torch.dtype
+    budget: int | None  # bytes; None = unlimited
+    max_model_len: int
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    strategy: str = "auto"
+    expert_cache: float | int | None = None
+
+    @property
+    def total_experts(self) -> int:
+        return len(self.cfg.moe_layers) * self.cfg.num_experts
+
+    @property
+    def kv_floor_tokens(self) -> int:
+        if self.kv_cache_tokens is not None:
+            return self.kv_cache_tokens
+        return _round_up(min(self.max_model_len, CONTEXT_CAP), self.block_size) * self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest
+    strategy: str  # "resident" | "offload"
+    weights_bytes: int
+    kv_tokens: int | None  # None: no budget, the engine sizes the KV cache itself
+    kv_bytes: int
+    activation_bytes: int
+    slot_bytes: int  # one expert (a cache slot)
+    expert_slots: int  # == total experts when resident
+
+    @property
+    def expert_cache_bytes(self) -> int:
+        return self.expert_slots * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes
+
+    def describe(self) -> str:
+        return describe_plan(self)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def plan_memory(req: PlanRequest) -> MemoryPlan:
+    """Split `req.budget`; ConfigError if it cannot hold the floor (the message says how much is missing)."""
+    if req.strategy not in STRATEGIES:
+        raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {req.strategy!r}")
+    cfg, total = req.cfg, req.total_experts
+    weights = non_expert_bytes(cfg, req.dtype)
+    act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs)
+    per_slot = slot_bytes(cfg, req.dtype) if total else 0
+    if req.budget is None:
+        return _unlimited_plan(req, weights, act, per_slot)
+    per_token = kv_bytes_per_token(cfg, req.dtype)
+    floor_tokens = req.kv_floor_tokens
+    rest = req.budget - weights - act - floor_tokens * per_token
+    strategy = _strategy(req, rest, per_slot)
+    if strategy == "resident":
+        slots = total
+    elif req.expert_cache is not None:
+        slots = expert_slots(req.expert_cache, total)
+    else:
+        slots = min(total, max(0, rest) // max(1, per_slot))
+    need_slots = total if strategy == "resident" else min(total, max(slots, cfg.top_k))
+    if rest < need_slots * per_slot:
+        _refuse(req, weights, act, floor_tokens, per_token, need_slots, per_slot, rest)
+    # what the experts leave grows the KV cache, in whole blocks, up to what the sequences can use
+    wanted = req.kv_cache_tokens or req.max_num_seqs * req.max_model_len
+    extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
+    kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_tokens * per_token, act, per_slot, slots)
+
+
+def _strategy(req: PlanRequest, rest: int, per_slot: int) -> str:
+    if req.strategy != "auto":
+        return req.strategy
+    if req.expert_cache is not None:
+        return "offload"
+    return "resident" if rest >= req.total_experts * per_slot else "offload"
+
+
+def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> MemoryPlan:
+    strategy = "offload" if req.strategy == "offload" or (req.strategy == "auto" and req.expert_cache is not None) \
+        else "resident"
+    if strategy == "offload" and req.expert_cache is None:
+        raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
+    slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
+    return MemoryPlan(req, strategy, weights, None, 0, act, per_slot, slots)
+
+
+def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,
+            slots: int, per_slot: int, rest: int) -> None:
+    need = slots * per_slot - rest
+    what = "every expert (resident)" if req.strategy == "resident" else f"{slots} expert slots"
+    raise ConfigError(
+        f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "
+        f"+ KV cache {floor_tokens * per_token / GiB:.2f} GiB ({floor_tokens} tokens) + activations "
+        f"{act / GiB:.2f} GiB + {what} {slots * per_slot / GiB:.2f} GiB; missing {need / GiB:.2f} GiB. "
+        f"Raise gpu_memory, or lower max_num_seqs ({req.max_num_seqs}), max_model_len ({req.max_model_len}) "
+        f"or max_num_batched_tokens ({req.max_num_batched_tokens})"
+    )
+
+
+def describe_plan(plan: MemoryPlan) -> str:
+    r, cfg = plan.request, plan.request.cfg
+    g = lambda n: f"{n / GiB:8.2f} GiB"  # noqa: E731
+    kv = (f"{plan.kv_tokens} tokens (floor {r.kv_floor_tokens})" if plan.kv_tokens is not None
+          else "sized by the engine (no budget)")
+    rows = [
+        ("model", f"{cfg.model_type}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
+                  f"{cfg.expert_format}, {plan.slot_bytes / MiB:.2f} MiB per expert"),
+        ("budget", g(r.budget) if r.budget is not None else "unlimited"),
+        ("weights", f"{g(plan.weights_bytes)}  non-expert, {str(r.dtype).removeprefix('torch.')}"),
+        ("kv cache", f"{g(plan.kv_bytes)}  {kv}; {r.max_num_seqs} seqs x {r.max_model_len} context"),
+        ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"),
+        ("experts", f"{g(plan.expert_cache_bytes)}  {plan.expert_slots} of {r.total_experts} "
+                    f"({plan.expert_slots / max(1, r.total_experts):.1%}) on the device"),
+        ("strategy", plan.strategy),
+    ]
+    if r.budget is not None:
+        rows.append(("unused", g(r.budget - plan.total_bytes)))
+    return "\n".join(f"{k:>12}: {v}" for k, v in rows)
+
+
+def request_from(hf: dict[str, Any], dtype: torch.dtype, budget: int | None, max_model_len: int,
+                 **engine: Any) -> PlanRequest:
+    """A PlanRequest for a raw config.json dict (the CLI's `plan` needs no weights)."""
+    return PlanRequest(ModelConfig.from_hf(hf), dtype, budget, max_model_len, **engine)

@@ -1,0 +1,275 @@
+"""Expert cache bookkeeping with the CPU as a fake device: exact slots and evictions, pins, prefetch
+admission, host-store layout, byte-exact copies, dedupe across a batch, rounds, and the order of
+transfer calls (fetch -> wait -> kernel -> mark_used)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ferryman.config import ModelConfig, QuantConfig
+from ferryman.experts.gpu_cache import ExpertCache, SlotTable, coalesce
+from ferryman.experts.host_store import ALIGN, HostExpertStore
+from ferryman.experts.offload import OffloadExperts
+from ferryman.experts.policies import LRUPolicy
+from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.experts.trace import lru_hit_rate
+from ferryman.experts.transfer import Copy, SyncTransfer
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.quant import get_format
+
+
+def _cfg(fmt: str = "dense", experts: int = 8, layers: int = 3, bias: bool = False) -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3_moe", vocab_size=64, hidden_size=64, num_layers=layers, num_heads=4, num_kv_heads=2,
+        head_dim=16, num_experts=experts, top_k=2, moe_intermediate_size=32, norm_topk_prob=True,
+        router_kind="softmax_topk", router_bias=False, expert_act="silu", expert_bias=bias,
+        quant=QuantConfig("mxfp4") if fmt == "mxfp4" else None,
+    )
+
+
+def _store(fmt: str = "dense", bias: bool = False, seed: int = 0, **kw: int) -> HostExpertStore:
+    cfg = _cfg(fmt, bias=bias, **kw)
+    store = HostExpertStore(cfg, torch.float32, pin=False)
+    gen = torch.Generator().manual_seed(seed)
+    form = get_format(cfg.expert_format)
+    for layer in cfg.moe_layers:
+        banks = form.random_banks(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, bias,
+                                  torch.float32, gen)
+        for name, t in banks.items():
+            store.banks[layer][name].copy_(t)
+    return store
+
+
+class RecordingTransfer(SyncTransfer):
+    """SyncTransfer that logs every call: the fake device's view of the ordering."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple] = []
+
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
+        self.log.append(("fetch", tuple(slots), demand, len(copies)))
+        super().fetch(copies, slots, demand)
+
+    def wait(self, slots: list[int]) -> None:
+        self.log.append(("wait", tuple(slots)))
+
+    def mark_used(self, slots: list[int]) -> None:
+        self.log.append(("used", tuple(slots)))
+
+
+# ---- SlotTable -------------------------------------------------------------------------------
+def test_slots_fill_lowest_first_then_evict_lru_in_order() -> None:
+    t = SlotTable(3, LRUPolicy())
+    look = t.acquire([10, 11])
+    assert look.slots == [0, 1] and look.filled == [(10, 0), (11, 1)] and look.hits == []
+    t.release([10, 11])
+    look = t.acquire([12, 10])
+    assert look.slots == [2, 0] and look.hits == [10] and look.evicted == []
+    t.release([12, 10])
+    look = t.acquire([13, 14])  # LRU order now: 11, 12, 10
+    assert look.evicted == [11, 12] and look.filled == [(13, 1), (14, 2)]
+    t.release([13, 14])
+    assert t.slot_of == {10: 0, 13: 1, 14: 2}
+
+
+def test_pinned_experts_are_never_evicted() -> None:
+    t = SlotTable(3, LRUPolicy())
+    t.acquire([1, 2])  # in use, not released
+    t.acquire([3])
+    t.release([3])
+    look = t.acquire([4])  # 1 and 2 are older but pinned
+    assert look.evicted == [3] and look.slots == [2]
+    with pytest.raises(ValueError, match="1 experts to pin but only 0 of 3 slots"):
+        t.acquire([5])
+    t.release([1])
+    assert t.acquire([5]).evicted == [1]
+
+
+def test_table_rejects_bad_calls() -> None:
+    t = SlotTable(2, LRUPolicy())
+    with pytest.raises(ValueError, match="distinct"):
+        t.acquire([1, 1])
+    with pytest.raises(ValueError, match="3 experts to pin but only 2"):
+        t.acquire([1, 2, 3])
+    t.acquire([1])
+    t.release([1])
+    with pytest.raises(ValueError, match="not pinned"):
+        t.release([1])
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        SlotTable(0, LRUPolicy())
+
+
+def test_admit_fills_free_slots_without_touching_pinned_or_its_own() -> None:
+    t = SlotTable(4, LRUPolicy())
+    t.acquire([1, 2])  # pinned (the layer computing now)
+    look = t.admit([7, 8, 9])  # room for two
+    assert look.filled == [(7, 2), (8, 3)] and look.evicted == []
+    assert not t.is_pinned(7) and t.available() == 2
+    t.release([1, 2])
+    look = t.acquire([9])  # prefetched-but-unused keys go first (LRU: the last admitted), before 1, 2
+    assert look.evicted == [8]
+
+
+def test_lru_replay_matches_trace_lru_hit_rate() -> None:
+    """The table + LRU policy against ferryman.experts.trace.lru_hit_rate, one layer, zipf-like ids."""
+    gen = torch.Generator().manual_seed(0)
+    probs = 1.0 / torch.arange(1, 33).float()
+    ids = torch.stack([torch.multinomial(probs, 4, generator=gen) for _ in range(600)])  # [T, 4]
+    ids = ids.sort(dim=1).values
+    for cap in (4, 8, 16):
+        t, hits = SlotTable(cap, LRUPolicy()), 0
+        for row in ids.tolist():
+            hits += len(t.acquire(row).hits)
+            t.release(row)
+        assert hits / ids.numel() == pytest.approx(lru_hit_rate(ids, cap), abs=1e-12)
+
+
+def test_coalesce_runs() -> None:
+    assert coalesce([(8, 9), (4, 1), (3, 0), (5, 2), (7, 3)]) == [(3, 0, 3), (7, 3, 1), (8, 9, 1)]
+    assert coalesce([]) == []
+
+
+# ---- host store ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
+def test_host_store_keeps_each_expert_contiguous(fmt: str, bias: bool) -> None:
+    store = _store(fmt, bias)
+    layout = store.layout
+    assert layout.row_bytes % ALIGN == 0
+    spec_bytes = get_format(fmt).expert_bytes(64, 32, bias, torch.float32)
+    assert spec_bytes <= layout.row_bytes < spec_bytes + ALIGN * len(layout.offsets)
+    for layer, flat in store.flat.items():
+        assert flat.shape == (8, layout.row_bytes) and flat.is_contiguous()
+        for name, bank in store.banks[layer].items():
+            for e in (0, 5):
+                assert bank[e].is_contiguous()
+                assert bank[e].data_ptr() - flat[e].data_ptr() == layout.offsets[name]
+    get_format(fmt).check_banks(store.banks[0])  # shapes and dtypes of an ordinary store
+
+
+def test_host_store_pinning_failure_warns_and_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here")
+    with caplog.at_level(logging.WARNING, logger="ferryman.experts"):
+        store = HostExpertStore(_cfg(), torch.float32, pin=True)
+    assert not store.pinned and store.pinned_layers == 0
+    assert "could not pin host memory for the experts of 3 of 3 MoE layers" in caplog.text
+
+
+@pytest.mark.gpu
+def test_host_store_is_pinned_on_cuda() -> None:
+    assert HostExpertStore(_cfg(), torch.bfloat16, pin=True).pinned
+
+
+# ---- ExpertCache -----------------------------------------------------------------------------
+@pytest.mark.parametrize("expert_major", [True, False])
+@pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
+def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_major: bool) -> None:
+    store = _store(fmt, bias)
+    rec = RecordingTransfer()
+    cache = ExpertCache(store, 4, torch.device("cpu"), LRUPolicy(), expert_major, rec)
+    slots = cache.acquire(1, [2, 3, 4])
+    assert slots == [0, 1, 2]
+    banks = len(store.banks[1])
+    # consecutive experts into consecutive slots: one copy expert-major, one per bank otherwise
+    assert rec.log[0] == ("fetch", (0, 1, 2), True, 1 if expert_major else 3 * banks)
+    assert rec.log[1] == ("wait", (0, 1, 2))
+    for e, s in zip([2, 3, 4], slots):
+        for name, bank in cache.banks.items():
+            assert torch.equal(bank[s], store.banks[1][name][e]), (name, e)
+    assert rec.bytes == 3 * (store.layout.row_bytes if expert_major else sum(store.layout.sizes.values()))
+
+
+def _backend(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
+             expert_major: bool = True) -> tuple[OffloadExperts, RecordingTransfer]:
+    rec = RecordingTransfer()
+    cache = ExpertCache(store, slots, torch.device("cpu"), LRUPolicy(), expert_major, rec)
+    return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
+
+
+def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, 64, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k, generator=gen), dim=-1)
+    return x, ids, w
+
+
+@pytest.mark.parametrize("expert_major", [True, False])
+def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> None:
+    store = _store()
+    backend, rec = _backend(store, 6, expert_major=expert_major)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([[1, 4], [4, 1], [2, 4], [1, 2], [4, 6]])  # 4 distinct experts, 10 pairs
+    w = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(4)), dim=-1)
+    out = backend.forward(0, x, ids, w)
+    want = fused_moe("dense", store.banks[0], x, ids, w, MoEActivation("silu"))
+    assert torch.equal(out, want)  # K = 2: the sum of two terms does not depend on slot order
+    st = backend.stats()
+    assert (st["misses"], st["hits"]) == (4, 0), "each expert fetched once for the whole batch"
+    assert [c[0] for c in rec.log] == ["fetch", "wait", "used"]
+    backend.forward(0, x, ids, w)
+    st = backend.stats()
+    assert (st["misses"], st["hits"], st["per_layer_hit_rate"][0]) == (4, 4, 0.5)
+    assert st["bytes_h2d"] == rec.bytes and st["stall_seconds"] <= st["h2d_seconds"]
+
+
+def test_union_larger_than_the_cache_runs_in_rounds() -> None:
+    store = _store(seed=5)
+    backend, rec = _backend(store, 2)
+    x, ids, w = _routing(9, 8, 2, seed=6)
+    used = len(ids.unique())
+    out = backend.forward(2, x, ids, w)
+    want = fused_moe("dense", store.banks[2], x, ids, w, MoEActivation("silu"))
+    assert torch.allclose(out, want, rtol=1e-6, atol=1e-6)
+    st = backend.stats()
+    assert st["misses"] == used and st["slots"] == 2
+    # every round: fetch into free/evictable slots, wait, then release; never more than 2 in use
+    kinds = [c[0] for c in rec.log]
+    assert kinds == ["fetch", "wait", "used"] * (-(-used // 2))
+    assert all(len(c[1]) <= 2 for c in rec.log)
+
+
+class FixedGate(torch.nn.Module):
+    """A router whose top-k is always `experts`."""
+
+    def __init__(self, experts: list[int], num_experts: int = 8) -> None:
+        super().__init__()
+        self.logits = torch.full((num_experts,), -1.0)
+        self.logits[experts] = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(x.shape[0], -1)
+
+
+def test_next_layer_guess_is_prefetched_then_hit() -> None:
+    store = _store()
+    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
+    backend, rec = _backend(store, 6, NextLayerGuesser(gates, top_k=2))
+    x, _, w = _routing(1, 8, 2, seed=7)
+    backend.forward(0, x, torch.tensor([[2, 3]]), w)
+    # layer 0's misses, then the guess for layer 1 (experts 5, 6) behind them, then the kernel
+    assert rec.log == [("fetch", (0, 1), True, 1), ("wait", (0, 1)), ("fetch", (2, 3), False, 1),
+                       ("used", (0, 1))]
+    backend.forward(1, x, torch.tensor([[6, 7]]), w)  # one right guess, one miss
+    st = backend.stats()
+    assert st["prefetch_hits"] == 1 and st["prefetch_fetched"] == 4  # 5, 6 for layer 1; 0, 1 for layer 2
+    assert st["per_layer_guess"][1]["recall"] == 0.5 and st["per_layer_guess"][1]["precision"] == 0.5
+
+
+def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
+    store = _store()
+    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
+    guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
+    backend, _ = _backend(store, 8, guesser)
+    x, _, w = _routing(1, 8, 2, seed=8)
+    for step in range(12):
+        backend.forward(0, x, torch.tensor([[2, 3]]), w)
+        backend.forward(1, x, torch.tensor([[(step % 2) + 1, 7]]), w)  # never 5 or 6
+        backend.forward(2, x, torch.tensor([[0, 1]]), w)  # always right
+    g = guesser.stats()["per_layer_guess"]
+    assert g[1]["prefetch"] is False and g[1]["precision"] == 0.0
+    assert g[2]["prefetch"] is True and g[2]["recall"] == 1.0

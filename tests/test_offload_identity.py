@@ -1,0 +1,76 @@
+"""Offloaded experts compute what resident experts compute: greedy tokens with a 10% expert cache
+equal the resident engine's (which test_hf_parity checks against transformers), on the tiny models
+of every architecture (gpt-oss with MXFP4 experts) and on the bundled demo model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferryman import LLM, SamplingParams
+from tiny_models import ARCHS, build_tiny
+
+PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
+DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp(request.param)
+    build_tiny(request.param, folder)
+    return request.param, folder
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], device: str) -> None:
+    arch, folder = tiny
+    kw = dict(device=device, dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
+    resident = LLM(str(folder), **kw)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="10%", **kw)
+    want = _greedy(resident, PROMPTS, 16)
+    got = _greedy(offload, PROMPTS, 16)
+    assert got == want, f"{arch}: offloaded greedy tokens differ from resident"
+    st = offload.stats()["experts"]
+    total = len(offload.engine.cfg.moe_layers) * offload.engine.cfg.num_experts
+    assert st["slots"] == max(1, round(0.1 * total))  # 2 slots: prefill chunks run in rounds
+    assert st["misses"] > 0 and st["evictions"] > 0, f"{arch}: a 10% cache must miss and evict: {st}"
+    assert st["bytes_h2d"] == (st["misses"] + st["prefetch_fetched"]) * _payload_bytes(offload)
+
+
+def _payload_bytes(llm: LLM) -> int:
+    """Bytes copied per expert: its row (expert-major pool on CPU) or its banks (bank-major, CUDA)."""
+    cache = llm.engine.runner.experts.cache
+    if cache.pool.expert_major:
+        return cache.pool.layout.row_bytes
+    return sum(cache.pool.layout.sizes.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_model_offload_scores_match_resident(tiny: tuple[str, Path], device: str) -> None:
+    """Prefill logits (one packed batch) through a 10% cache: the same up to summation order."""
+    arch, folder = tiny
+    resident = LLM(str(folder), device=device, dtype="float32", enforce_eager=True)
+    offload = LLM(str(folder), device=device, dtype="float32", moe_strategy="offload", expert_cache=2,
+                  enforce_eager=True)
+    for want, got in zip(resident.score(PROMPTS), offload.score(PROMPTS)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), arch
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_model_offload_10pct_equals_resident(dtype: str) -> None:
+    prompts = ["def quicksort(xs):", "import os\nimport sys\n\n\nclass ", "    for i in range(", "# "]
+    kw = dict(device="cpu", dtype=dtype, max_num_batched_tokens=32)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in prompts]
+    offload = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    assert _greedy(offload, ids, 40) == _greedy(resident, ids, 40)
+    st = offload.stats()["experts"]
+    assert st["slots"] == 32 and st["hits"] > 0 and st["misses"] > 0
+    assert 0 <= st["guess_recall"] <= 1

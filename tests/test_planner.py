@@ -1,0 +1,169 @@
+"""Memory planner: sizes against transformers' own module tree, the budget split, refusals with the
+amount missing, `ferryman plan`, and a budget driving the engine with the CPU as the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferryman import LLM, SamplingParams
+from ferryman.cli import main
+from ferryman.config import ModelConfig
+from ferryman.errors import ConfigError
+from ferryman.llm import DEMO_MODEL
+from ferryman.planner import (
+    GiB,
+    PlanRequest,
+    activation_bytes,
+    kv_bytes_per_token,
+    non_expert_bytes,
+    parse_bytes,
+    parse_expert_cache,
+    plan_memory,
+    slot_bytes,
+)
+from ferryman.weights.presets import get_preset
+
+
+def _cfg(name: str) -> ModelConfig:
+    return ModelConfig.from_hf(dict(get_preset(name)))
+
+
+def _req(name: str, budget: str | None, **kw: object) -> PlanRequest:
+    args = dict(max_model_len=32768, max_num_seqs=1)
+    args.update(kw)
+    return PlanRequest(_cfg(name), torch.bfloat16, None if budget is None else parse_bytes(budget), **args)
+
+
+@pytest.mark.parametrize("text,want", [("16GiB", 16 * GiB), ("16G", 16 * GiB), ("16 gb", 16 * 10**9),
+                                       ("512MiB", 512 << 20), ("1.5GiB", 3 * GiB // 2), (4096, 4096)])
+def test_parse_bytes(text: str | int, want: int) -> None:
+    assert parse_bytes(text) == want
+
+
+@pytest.mark.parametrize("bad", ["16 apples", "", "-1GiB", "0", True])
+def test_parse_bytes_rejects(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gpu_memory"):
+        parse_bytes(bad)
+
+
+@pytest.mark.parametrize("text,want", [("10%", 0.1), ("0.25", 0.25), (0.5, 0.5), ("64", 64), (64, 64), (1.0, 1.0)])
+def test_parse_expert_cache(text: object, want: float | int) -> None:
+    got = parse_expert_cache(text)
+    assert got == pytest.approx(want) and type(got) is type(want)
+
+
+@pytest.mark.parametrize("bad", ["ten", "0%", 0, -3, 1.5, "150%", True])
+def test_parse_expert_cache_rejects(bad: object) -> None:
+    with pytest.raises(ConfigError, match="expert_cache"):
+        parse_expert_cache(bad)
+
+
+def _hf_module_sizes(name: str) -> tuple[int, int, int]:
+    """(non-expert, routed-expert weight, routed-expert bias) parameters of transformers' own model,
+    built on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    hf = dict(get_preset(name))
+    hf.pop("quantization_config", None)
+    cfg = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    params = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    bias = sum(p.numel() for n, p in params.items() if ".experts." in n and n.endswith("bias"))
+    return sum(p.numel() for p in params.values()) - experts, experts - bias, bias
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-120b", "qwen3-30b-a3b"])
+def test_weights_and_kv_sizes_match_transformers(name: str) -> None:
+    other, experts, bias = _hf_module_sizes(name)
+    cfg = _cfg(name)
+    assert non_expert_bytes(cfg, torch.bfloat16) == 2 * other
+    total = len(cfg.moe_layers) * cfg.num_experts
+    bytes_per_weight = 0.5 + 1 / 32 if cfg.expert_format == "mxfp4" else 2  # e2m1 + one e8m0 per 32
+    payload = (experts * bytes_per_weight + bias * 2) / total  # one routed expert, biases in bf16
+    assert payload <= slot_bytes(cfg, torch.bfloat16) <= payload + 6 * 64  # banks aligned to 64 bytes
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def test_offload_plan_gives_experts_the_rest() -> None:
+    req = _req("gpt-oss-120b", "16GiB")
+    plan = plan_memory(req)
+    cfg = req.cfg
+    assert plan.strategy == "offload"
+    assert plan.kv_tokens == 32768 and plan.kv_bytes == 32768 * kv_bytes_per_token(cfg, torch.bfloat16)
+    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 2048, 1)
+    assert plan.total_bytes <= req.budget < plan.total_bytes + plan.slot_bytes
+    assert 0.10 < plan.expert_slots / req.total_experts < 0.20
+    text = plan.describe()
+    assert "offload" in text and f"{plan.expert_slots} of {req.total_experts}" in text
+
+
+def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
+    plan = plan_memory(_req("gpt-oss-20b", "40GiB", max_num_seqs=4))
+    assert plan.strategy == "resident" and plan.expert_slots == plan.request.total_experts
+    assert plan.kv_tokens == 4 * 32768  # everything the sequences can use
+    small = plan_memory(_req("gpt-oss-20b", "20GiB", max_num_seqs=4, max_model_len=8192))
+    assert small.strategy == "resident" and small.kv_tokens == 4 * 8192
+
+
+def test_refusals_say_how_much_is_missing() -> None:
+    req = _req("gpt-oss-120b", "16GiB", max_num_seqs=32)
+    per_token = kv_bytes_per_token(req.cfg, torch.bfloat16)
+    need = (non_expert_bytes(req.cfg, torch.bfloat16) + 32 * 32768 * per_token
+            + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + 4 * slot_bytes(req.cfg, torch.bfloat16))
+    with pytest.raises(ConfigError, match=rf"missing {(need - 16 * GiB) / GiB:.2f} GiB.*max_num_seqs \(32\)"):
+        plan_memory(req)
+    with pytest.raises(ConfigError, match="every expert \\(resident\\).*missing"):
+        plan_memory(_req("gpt-oss-120b", "16GiB", strategy="resident"))
+    with pytest.raises(ConfigError, match="4608 expert slots.*missing"):
+        plan_memory(_req("gpt-oss-120b", "16GiB", strategy="offload", expert_cache=1.0))
+
+
+def test_explicit_cache_and_unlimited_budgets() -> None:
+    plan = plan_memory(_req("gpt-oss-120b", "40GiB", expert_cache=0.1))
+    assert plan.strategy == "offload" and plan.expert_slots == round(0.1 * 4608)
+    assert plan.kv_tokens == 32768  # the floor is all one sequence can use
+    plan = plan_memory(_req("gpt-oss-120b", None))
+    assert plan.strategy == "resident" and plan.kv_tokens is None
+    assert plan_memory(_req("gpt-oss-120b", None, expert_cache=100)).expert_slots == 100
+    with pytest.raises(ConfigError, match="needs expert_cache"):
+        plan_memory(_req("gpt-oss-120b", None, strategy="offload"))
+    with pytest.raises(ConfigError, match="moe_strategy"):
+        plan_memory(_req("gpt-oss-120b", None, strategy="hybrid"))
+
+
+def test_cli_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "gpt-oss-120b", "--gpu-memory", "16GiB", "--max-num-seqs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy: offload" in out and "budget:    16.00 GiB" in out
+    assert main(["plan", "gpt-oss-120b", "--gpu-memory", "4GiB", "--max-num-seqs", "1"]) == 2
+    assert "missing" in capsys.readouterr().err
+    assert main(["plan", "--gpu-memory", "1GiB"]) == 0  # the demo model fits
+    assert "strategy: resident" in capsys.readouterr().out
+
+
+def test_budget_drives_the_engine_with_the_cpu_as_device() -> None:
+    """A budget too small for every expert: the engine offloads with the plan's slot count, and the
+    greedy answer is the resident one."""
+    cfg = ModelConfig.from_hf(DEMO_MODEL)
+    dtype, seqs, ctx = torch.float32, 2, 256
+    fixed = (non_expert_bytes(cfg, dtype) + seqs * ctx * kv_bytes_per_token(cfg, dtype)
+             + activation_bytes(cfg, dtype, 64, seqs))
+    budget = fixed + 40 * slot_bytes(cfg, dtype) + 100  # room for 40 of the 320 experts
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=seqs, max_model_len=ctx, max_num_batched_tokens=64)
+    llm = LLM(gpu_memory=budget, **kw)
+    st = llm.stats()
+    assert st["moe_strategy"] == "offload" and st["experts"]["slots"] == 40
+    assert st["kv_cache_tokens"] == seqs * ctx
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = LLM(**kw).generate(["def f(x):"], params)[0].token_ids
+    assert llm.generate(["def f(x):"], params)[0].token_ids == want
+
+
+@pytest.mark.gpu
+def test_gpu_memory_caps_allocations_on_cuda() -> None:
+    llm = LLM(device="cuda", gpu_memory="2GiB", enforce_eager=True)
+    assert llm.stats()["moe_strategy"] == "resident"
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(3 * GiB, dtype=torch.uint8, device="cuda")

@@ -1,0 +1,164 @@
+"""Replacement policies: exact eviction order, pins, LRFU's limits (LRU and LFU), kept history."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from ferryman.experts.gpu_cache import SlotTable
+from ferryman.experts.policies import DEFAULT_POLICY, POLICIES, LRFUPolicy, LRUPolicy, ReplacementPolicy, make_policy
+
+NONE_PINNED = lambda key: False  # noqa: E731
+
+
+def _drain(policy: ReplacementPolicy, pinned=NONE_PINNED) -> list[int]:
+    """Every victim in eviction order (each removed before asking for the next)."""
+    out = []
+    while (v := policy.victim(pinned)) is not None:
+        out.append(v)
+        policy.remove(v)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_recency_order_when_every_key_is_used_once(name: str) -> None:
+    p = make_policy(name)
+    for key in (5, 1, 9, 3):
+        p.reference([key])
+        p.advance()
+    assert _drain(p) == [5, 1, 9, 3]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_pinned_keys_are_skipped_and_stay(name: str) -> None:
+    p = make_policy(name)
+    p.reference([1, 2, 3])
+    assert p.victim(lambda k: k in (1, 2)) == 3
+    assert p.victim(lambda k: True) is None
+    assert _drain(p, lambda k: k == 1) == [2, 3]
+    assert len(p) == 1 and p.victim(NONE_PINNED) == 1
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_unreferenced_insert_goes_first(name: str) -> None:
+    p = make_policy(name)
+    p.reference([1, 2])
+    p.advance()
+    p.insert_unreferenced(7)
+    assert _drain(p) == [7, 1, 2]
+
+
+def test_lru_step_order_and_rereference() -> None:
+    p = LRUPolicy()
+    p.reference([1, 2, 3])
+    p.reference([1])
+    assert _drain(p) == [2, 3, 1]
+
+
+def _crf(refs: list[int], now: int, h: float) -> float:
+    """CRF straight from the definition: sum of 2^(-(now - t) / h) over reference times."""
+    return sum(2.0 ** (-(now - t) / h) for t in refs)
+
+
+@pytest.mark.parametrize("half_life", [0.5, 2.0, 8.0, 100.0])
+def test_lrfu_evicts_the_smallest_crf(half_life: float) -> None:
+    rng = random.Random(0)
+    refs: dict[int, list[int]] = {}
+    p = LRFUPolicy(half_life)
+    for step in range(40):
+        for key in rng.sample(range(12), 3):
+            refs.setdefault(key, []).append(step)
+            p.reference([key])
+        p.advance()
+    now = 40
+    crf = {k: _crf(r, now, half_life) for k, r in refs.items()}
+    order = _drain(p)
+    assert sorted(order) == sorted(crf)
+    got = [crf[k] for k in order]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(got, got[1:])), "victims must come in increasing CRF"
+
+
+def test_lrfu_frequency_beats_recency_with_a_long_half_life() -> None:
+    p = LRFUPolicy(half_life=8.0)
+    for _ in range(3):
+        p.reference([1])
+        p.advance()
+    p.reference([2])  # more recent, used once
+    p.advance()
+    assert p.victim(NONE_PINNED) == 2
+    q = LRFUPolicy(half_life=0.01)  # pure recency
+    for _ in range(3):
+        q.reference([1])
+        q.advance()
+    q.reference([2])
+    q.advance()
+    assert q.victim(NONE_PINNED) == 1
+
+
+def _replay_victims(policy: ReplacementPolicy, trace: list[list[int]], slots: int) -> list[list[int]]:
+    table = SlotTable(slots, policy)
+    out = []
+    for step in trace:
+        policy.advance()
+        look = table.acquire(step)
+        out.append(look.evicted)
+        table.release(step)
+    return out
+
+
+def test_lrfu_with_a_tiny_half_life_is_lru() -> None:
+    rng = random.Random(1)
+    trace = [rng.sample(range(30), 4) for _ in range(300)]
+    assert _replay_victims(LRFUPolicy(1e-3), trace, 10) == _replay_victims(LRUPolicy(), trace, 10)
+
+
+def test_lrfu_with_a_huge_half_life_is_lfu() -> None:
+    rng = random.Random(2)
+    counts: dict[int, int] = {}
+    p = LRFUPolicy(half_life=1e9)
+    for step in range(50):
+        key = min(int(rng.expovariate(0.3)), 15)
+        counts[key] = counts.get(key, 0) + 1
+        p.reference([key])
+        p.advance()
+    victim = p.victim(NONE_PINNED)
+    assert counts[victim] == min(counts.values())
+
+
+def test_lrfu_keeps_the_history_of_evicted_experts() -> None:
+    """A working set larger than the cache, cycled: LRU never hits; LRFU keeps the experts that
+    come back every step (their frequency survives eviction) and hits on them."""
+    hot, cold = [0, 1], list(range(2, 40))
+    trace = [hot + [cold[(4 * t + j) % len(cold)] for j in range(4)] for t in range(200)]
+    hits = {}
+    for policy in (LRUPolicy(), LRFUPolicy(8.0)):
+        table = SlotTable(4, policy)
+        n = 0
+        for step in trace:
+            policy.advance()
+            for key in step:  # one key per lookup, like layers sharing a pool
+                n += len(table.acquire([key]).hits)
+                table.release([key])
+        hits[policy.name] = n
+    assert hits["lru"] == 0
+    assert hits["lrfu"] >= 2 * 190
+
+
+def test_lrfu_heap_stays_bounded() -> None:
+    p = LRFUPolicy()
+    for step in range(5000):
+        p.reference([step % 7])
+        p.advance()
+    assert len(p) == 7 and len(p.heap) <= 4 * 7 + 64 + 1
+
+
+def test_registry_and_bad_arguments() -> None:
+    assert DEFAULT_POLICY in POLICIES
+    assert make_policy("lru").name == "lru"
+    with pytest.raises(ValueError, match="unknown expert-cache policy 'arc'.*lrfu"):
+        make_policy("arc")
+    with pytest.raises(ValueError, match="half_life"):
+        LRFUPolicy(half_life=0)
+    assert math.isclose(LRFUPolicy(4.0).half_life, 4.0)
