@@ -200,3 +200,44 @@ def test_long_prefill_does_not_freeze_streams(tiny_model: Path) -> None:
         assert len(during) >= 10, f"only {len(during)} stream tokens during a 15-chunk prefill"
     finally:
         srv.stop()
+
+
+def test_logprobs_match_transformers(client, tiny_model: Path) -> None:
+    """Logprobs of the generated tokens and the top-3 equal log_softmax of transformers' own logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 17, 42, 7, 99, 1000, 2000]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
+    lp = r.choices[0].logprobs
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    tok_ids = out[0, len(prompt):].tolist()
+    with torch.no_grad():
+        logp = ref(torch.tensor([prompt + tok_ids])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    for i, t in enumerate(tok_ids):
+        assert lp.token_logprobs[i] == pytest.approx(logp[i, t].item(), abs=1e-4)
+        top = logp[i].topk(3).values.tolist()
+        assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-4)
+
+
+def test_n_choices_and_prompt_batches(client) -> None:
+    r = client.completions.create(model="tiny", prompt=["a = 1", "b = 2"], n=2, max_tokens=4, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text  # greedy
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 n=2, max_tokens=4, temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].delta.content or ""
+    whole = _chat(client, "hi", max_tokens=4, temperature=0).choices[0].message.content
+    assert texts == {0: whole, 1: whole}
+
+
+def test_image_parts_are_rejected(client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert e.value.body["param"] == "messages[0].content[0].type"

@@ -59,14 +59,17 @@ def field_path(loc: tuple[Any, ...]) -> str:
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The first pydantic / JSON error of a request body as a 400 naming the field."""
+    """The first bad field of a request body as a 400 naming it. For a union (str or list of
+    parts, ...) the deepest error under that field is the informative one."""
     if not errors:
         return APIError(400, "invalid request body")
-    e = jsonable_encoder(errors[0])
-    if e.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}",
-                        "body")
-    param = field_path(tuple(e.get("loc", ())))
+    errs = [jsonable_encoder(e) for e in errors]
+    if errs[0].get("type") == "json_invalid":
+        detail = errs[0].get("ctx", {}).get("error", errs[0].get("msg"))
+        return APIError(400, f"the request body is not valid JSON: {detail}", "body")
+    first = field_path(tuple(errs[0].get("loc", ())))
+    under = [(field_path(tuple(e.get("loc", ()))), e) for e in errs]
+    param, e = max((pe for pe in under if pe[0].startswith(first)), key=lambda pe: len(pe[0]))
     if e.get("type") == "missing":
         return APIError(400, f"missing required field '{param}'", param)
     return APIError(400, f"invalid field '{param}': {e.get('msg', 'invalid value')}", param)

@@ -9,6 +9,7 @@ of the API request, which frees their KV blocks before the next engine step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,9 +76,7 @@ def seeded(params: SamplingParams, i: int) -> SamplingParams:
     """Choice i of n: same params, seed + i (so seeded choices differ but are reproducible)."""
     if params.seed is None or i == 0:
         return params
-    p = SamplingParams(**{f: getattr(params, f) for f in params.__slots__})
-    p.seed = (params.seed + i) % 2**63
-    return p
+    return dataclasses.replace(params, seed=(params.seed + i) % 2**63)
 
 
 def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandle, OutputParser]]:
