@@ -74,3 +74,39 @@ def test_demo_model_offload_10pct_equals_resident(dtype: str) -> None:
     st = offload.stats()["experts"]
     assert st["slots"] == 32 and st["hits"] > 0 and st["misses"] > 0
     assert 0 <= st["guess_recall"] <= 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", expert_major=False)])
+def test_demo_model_every_policy_and_layout_equals_resident(device: str, options: dict) -> None:
+    """Policies, pool layouts and prefetch change what is copied when, never the answer. On CUDA the
+    bank-major pool runs fused_moe's kernels, the expert-major one grouped_moe's."""
+    from ferryman.experts.placement import rebind_offload
+
+    kw = dict(device=device, dtype="float32", max_num_batched_tokens=32, enforce_eager=True)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
+    offload = LLM(moe_strategy="offload", expert_cache=24, **kw)
+    backend = rebind_offload(offload.engine.runner, **options)
+    assert backend.cache.table.policy.name == options["policy"]
+    assert _greedy(offload, ids, 32) == _greedy(resident, ids, 32)
+    st = offload.stats()["experts"]
+    assert st["misses"] > 0 and (st["prefetch_fetched"] == 0) == (options.get("prefetch") is False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("expert_major", [False, True])
+def test_cuda_copy_stream_never_races_the_kernels(expert_major: bool) -> None:
+    """Two slots for 320 experts: every layer evicts what the previous one read while its kernels
+    may still run, and prefetches land behind misses. Any missing event wait shows up as a
+    different token."""
+    from ferryman.experts.placement import rebind_offload
+
+    kw = dict(device="cuda", dtype="float32", enforce_eager=True)
+    resident = LLM(**kw)
+    ids = [resident.encode("import os\nimport sys\n\ndef main(")]
+    offload = LLM(moe_strategy="offload", expert_cache=2, **kw)
+    rebind_offload(offload.engine.runner, expert_major=expert_major)
+    assert _greedy(offload, ids * 3, 48) == _greedy(resident, ids * 3, 48)
+    st = offload.stats()["experts"]
+    assert st["host_pinned"] and st["h2d_seconds"] > 0 and st["stall_seconds"] >= 0

@@ -7,7 +7,8 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
    the copies; hits are used in place, never fetched again;
 3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
    streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
-4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks;
+4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
+   (`grouped_moe` on CUDA when the pool is expert-major: its banks are strided);
 5. `release` unpins: later copies into those slots wait for the kernels that read them.
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
@@ -16,6 +17,8 @@ layer runs in rounds: cached experts first, then as many misses as fit, each rou
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +33,7 @@ class OffloadExperts:
     def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None) -> None:
         self.cache, self.act, self.guesser = cache, act, guesser
         self.fmt = cache.store.format.name
+        self.moe = _kernel(cache)
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
@@ -73,7 +77,7 @@ class OffloadExperts:
         slots = self.cache.acquire(layer, used)
         # the guess's copies queue behind this layer's misses and overlap its kernels
         self._prefetch(guess, guessed, streaming)
-        out = fused_moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, topk_ids), topk_w, self.act)
+        out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, topk_ids), topk_w, self.act)
         self.cache.release(layer, used, slots)
         return out
 
@@ -90,7 +94,7 @@ class OffloadExperts:
             mask = torch.isin(topk_ids, torch.tensor(part, device=topk_ids.device))  # [T, K]
             tok, kk = mask.nonzero(as_tuple=True)  # pairs routed to this round's experts: [P]
             ids = self._slot_ids(part, slots, topk_ids[tok, kk]).unsqueeze(1)  # [P, 1]
-            y = fused_moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
+            y = self.moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
             out.index_add_(0, tok, y)
             self.cache.release(layer, part, slots)
         return out
@@ -107,6 +111,15 @@ class OffloadExperts:
         if self.guesser is not None:
             out.update(self.guesser.stats())
         return out
+
+
+def _kernel(cache: ExpertCache) -> Callable[..., torch.Tensor]:
+    """fused_moe, or on CUDA with an expert-major (strided) pool the stride-aware grouped kernels."""
+    if cache.device.type == "cuda" and cache.pool.expert_major:
+        from ferryman.layers.grouped_moe_triton import grouped_moe
+
+        return grouped_moe
+    return fused_moe
 
 
 def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int]]:

@@ -60,19 +60,48 @@ def store_factory(plan: MemoryPlan, device: torch.device) -> StoreFactory:
 
 
 def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.device, plan: MemoryPlan | None,
-                 act: MoEActivation, policy: str | None = None) -> Any:
-    """ResidentExperts for a device store, OffloadExperts (cache + next-layer guesses) for a host store."""
+                 act: MoEActivation, **options: Any) -> Any:
+    """ResidentExperts for a device store, OffloadExperts (cache + next-layer guesses) for a host store
+    with `plan.expert_slots` slots. options: see `offload_backend`."""
     from ferryman.experts.resident import ResidentExperts
 
     if not isinstance(store, HostExpertStore):
         return ResidentExperts(store, act)
     if plan is None:
         raise ValueError("a host expert store needs a memory plan (its slot count)")
+    return offload_backend(store, model, device, plan.expert_slots, act, **options)
+
+
+def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
+                    act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
+                    prefetch: bool = True) -> Any:
+    """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default:
+    bank-major on CUDA, expert-major elsewhere); prefetch: next-layer guesses and prefill streaming."""
     from ferryman.experts.gpu_cache import ExpertCache
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
     from ferryman.experts.prefetch import NextLayerGuesser
 
-    cache = ExpertCache(store, plan.expert_slots, device, make_policy(policy) if policy else make_policy())
+    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
     gates = {block.layer: block.gate for block in model.moe_blocks()}
-    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k))
+    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k) if prefetch else None)
+
+
+def rebind_offload(runner: Any, **options: Any) -> Any:
+    """Replace a runner's OffloadExperts by a fresh one (same store and slot count) built with
+    `options` (benchmarks: policy, layout, prefetch on/off); returns it."""
+    from ferryman.experts.offload import OffloadExperts
+
+    old = runner.experts
+    if not isinstance(old, OffloadExperts):
+        raise ValueError("rebind_offload needs an engine whose experts are offloaded")
+    store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
+    if device.type == "cuda":  # copies into the old pool may still be in flight
+        torch.cuda.synchronize(device)
+    runner.experts = old = None  # free the old slot pool before allocating the new one
+    for block in runner.model.moe_blocks():
+        block.experts = None
+    runner.experts = offload_backend(store, runner.model, device, slots, act, **options)
+    for block in runner.model.moe_blocks():
+        block.experts = runner.experts
+    return runner.experts

@@ -1,0 +1,160 @@
+"""Offloaded-expert serving under a VRAM budget: decode tok/s, TTFT, prefill, and the link limits.
+
+    python benchmarks/bench_offload.py                       # the three GPU targets below
+    python benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128
+    python benchmarks/bench_offload.py --target demo:cpu --device cpu --expert-cache 10%   # smoke test
+
+Targets (dummy weights of the real shapes, one request at a time, greedy):
+  gpt-oss-120b at 16 GiB, gpt-oss-20b at 8 GiB, qwen3-30b-a3b at 8 GiB.
+
+Per target:
+- link bandwidth: pinned host -> device copies of one expert row at a time (what a miss moves);
+- decode: 128-token prompt, then --decode-tokens tokens; tok/s, hit rate, misses per token, and
+  the link limit bw / (misses per token x bytes per expert): measured / limit says how close the
+  copies run to the link (1.0 = every miss at full link speed, nothing else costs);
+- TTFT of a 4k prompt (--ttft-prompt);
+- 8k prefill tok/s (--prefill-prompt) against the streaming limit chunk x bw / (expert bytes not cached): each prefill
+  chunk must bring every uncached expert once.
+Dummy weights route like random text: no locality, so hit rates are a floor (bench_cache_policies.py
+replays real routing). Print a markdown table; --json keeps everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ferryman import LLM, SamplingParams  # noqa: E402
+from ferryman.experts.placement import rebind_offload  # noqa: E402
+
+TARGETS = ("gpt-oss-120b:16GiB", "gpt-oss-20b:8GiB", "qwen3-30b-a3b:8GiB")
+
+
+def link_bandwidth(row_bytes: int, device: torch.device, copies: int = 64) -> float:
+    """Bytes/s of `copies` back-to-back host -> device copies of one expert row (pinned on CUDA)."""
+    cuda = device.type == "cuda"
+    src = torch.empty((copies, row_bytes), dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty((copies, row_bytes), dtype=torch.uint8, device=device)
+    for _ in range(2):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for i in range(copies):
+            dst[i].copy_(src[i], non_blocking=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        spent = time.perf_counter() - t0
+    return copies * row_bytes / spent
+
+
+def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
+    """One request; returns its metrics and the expert-counter deltas it caused."""
+    before = llm.stats()["experts"]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompt], params=params)[0]
+    after = llm.stats()["experts"]
+    delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "h2d_seconds",
+                                                     "stall_seconds", "prefetch_hits") if k in after}
+    return {"ttft_s": out.metrics.ttft_s, "decode_tok_s": out.metrics.decode_tokens_per_s, **delta}
+
+
+def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
+    demo = model == "demo"
+    kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=True,
+              max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
+    if not demo:
+        kw["load_format"] = "dummy"
+    if budget != "cpu":
+        kw["gpu_memory"] = budget
+    if a.expert_cache:
+        kw["expert_cache"] = a.expert_cache
+    t0 = time.perf_counter()
+    llm = LLM(None if demo else model, **kw)
+    load_s = time.perf_counter() - t0
+    eng = llm.engine
+    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.expert_major):
+        rebind_offload(eng.runner, policy=a.policy, prefetch=not a.no_prefetch,
+                       expert_major=True if a.expert_major else None)
+    experts = eng.stats()["experts"]
+    slot_bytes = eng.plan.slot_bytes
+    bw = link_bandwidth(slot_bytes, eng.device)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(1, eng.cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    dec = generate(llm, rand(128), a.decode_tokens)
+    ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
+    pre_len = min(a.prefill_prompt, eng.max_model_len - 2)
+    ttft = generate(llm, rand(ttft_len), 1)["ttft_s"]
+    pre = generate(llm, rand(pre_len), 1)
+    cfg = eng.cfg
+    total_experts = len(cfg.moe_layers) * cfg.num_experts
+    uncached = max(0, total_experts - experts.get("slots", total_experts)) * slot_bytes
+    misses_per_token = dec.get("misses", 0) / max(1, a.decode_tokens)
+    row = {
+        "model": model, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
+        "slots": experts.get("slots"), "cache_fraction": experts.get("slots", total_experts) / total_experts,
+        "link_gb_s": bw / 1e9, "decode_tok_s": dec["decode_tok_s"],
+        "decode_hit_rate": dec.get("hits", 0) / max(1, dec.get("hits", 0) + dec.get("misses", 0)),
+        "misses_per_token": misses_per_token,
+        "decode_link_limit": bw / (misses_per_token * slot_bytes) if misses_per_token else None,
+        "no_hit_limit": bw / (len(cfg.moe_layers) * cfg.top_k * slot_bytes),
+        "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"],
+        "prefill_stream_limit": a.chunk * bw / uncached if uncached else None,
+        "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
+    }
+    if row["decode_link_limit"] and row["decode_tok_s"]:
+        row["decode_vs_link"] = row["decode_tok_s"] / row["decode_link_limit"]
+    if row["prefill_stream_limit"]:
+        row["prefill_vs_stream"] = row["prefill_tok_s"] / row["prefill_stream_limit"]
+    del llm, eng
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def fmt(v: object) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", action="append", default=None, help="MODEL:BUDGET (repeatable; 'demo:cpu')")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the TTFT run")
+    ap.add_argument("--prefill-prompt", type=int, default=8192, help="prompt tokens of the prefill run")
+    ap.add_argument("--moe-strategy", default="auto", choices=["auto", "resident", "offload"])
+    ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
+    ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
+    ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
+    ap.add_argument("--expert-major", action="store_true", help="expert-major slot pool + grouped_moe kernels")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    rows = []
+    for target in a.target or TARGETS:
+        model, _, budget = target.partition(":")
+        rows.append(run_target(model, budget or "cpu", a))
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    cols = ["model", "budget", "strategy", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
+            "decode_link_limit", "decode_vs_link", "no_hit_limit", "ttft_s", "prefill_tok_s",
+            "prefill_stream_limit", "prefill_vs_stream"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(fmt(r.get(c)) for c in cols) + " |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

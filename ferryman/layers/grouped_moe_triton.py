@@ -1,0 +1,286 @@
+"""Triton MoE over slot-indexed expert banks with any slot stride: grouped GEMM (many tokens) and
+per-pair GEMV (few tokens), bf16/fp16/fp32 or MXFP4 weights dequantised inside the kernels.
+
+    `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
+    kernel 1  h[p] = act(x[t] @ W13[slot]^T + b13[slot])               p = t*K + k, h: [P, I]
+    kernel 2  y[p] = (h[p] @ W2[slot]^T + b2[slot]) * topk_w[p]         y: [P, H] fp32
+    out[t]   = sum_k y[t*K + k] (torch, k order: independent of which slot holds which expert)
+
+Banks may be strided along the slot dim (the expert-major slot pool of experts/gpu_cache.py:
+every bank a view into one row of bytes per slot); the dims inside one expert are contiguous.
+
+prefill ("grouped"): pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs
+of one slot (a slot's last block is partial); program (block, n-tile) loads one weight tile of that
+slot and multiplies all the block's token rows with `tl.dot`. Grid size is a static bound
+(cdiv(P, BM) + min(P, S) blocks; the unused ones return), so nothing syncs with the host.
+decode ("gemv"): program (pair, n-tile) streams its slot's rows; for P <= DECODE_MAX_PAIRS.
+
+Torch reference: `ferryman.layers.fused_moe.fused_moe_reference` (tests/test_grouped_moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, _check_inputs
+from ferryman.quant.base import Banks, get_format
+
+ACT_KINDS = {"silu": 0, "swiglu_oai": 1}
+FORMATS = ("dense", "mxfp4")
+PATHS = ("auto", "gemv", "grouped")
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_m: int = 16  # pairs per block (grouped path); tl.dot needs >= 16
+    block_n: int = 32  # output columns per program
+    block_k: int = 64  # reduction step; a multiple of 32 keeps mxfp4 scale groups whole
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GroupedConfig.{name} must be a power of two >= 16, got {v}")
+
+
+@triton.jit
+def _e2m1(code):
+    # 4-bit e2m1 code -> fp32: sign bit 3, exponent bits 2..1, mantissa bit 0 (bias 1)
+    c = code.to(tl.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+    return tl.where((c >> 3) == 1, -mag, mag)
+
+
+@triton.jit
+def _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr):
+    # rows [R] of one expert's weight [OUT, KDIM] at columns kk [BK] -> fp32 [R, BK] (0 outside)
+    m2 = rmask[:, None] & kmask[None, :]
+    if MXFP4:
+        # blocks: [OUT, KDIM/2] bytes, element 2j in the low nibble of byte j; scales [OUT, KDIM/32]
+        byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + kk[None, :] // 2, mask=m2, other=0).to(tl.int32)
+        code = tl.where((kk % 2 == 0)[None, :], byte & 0xF, byte >> 4)
+        s = tl.load(s_base + rows[:, None] * (KDIM // 32) + kk[None, :] // 32, mask=m2, other=127)
+        w = _e2m1(code) * tl.exp2(s.to(tl.float32) - 127.0)
+    else:
+        w = tl.load(w_base + rows[:, None] * KDIM + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _act(gate, up, alpha, limit, ACT: tl.constexpr):
+    if ACT == 0:
+        h = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    return h
+
+
+@triton.jit
+def _gate_up_rows(n, I: tl.constexpr, ACT: tl.constexpr):
+    # silu: gate = row n, up = row I + n; swiglu_oai: gate = row 2n, up = row 2n + 1
+    if ACT == 0:
+        return n, n + I
+    return 2 * n, 2 * n + 1
+
+
+@triton.jit
+def _dot(a, w, FP32: tl.constexpr):
+    # a [M, BK] x w [N, BK] -> [M, N] fp32; weights rounded to the compute dtype like the reference
+    if FP32:
+        return tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w.to(a.dtype)))
+
+
+@triton.jit
+def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
+                 w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+                 ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    blk = tl.program_id(0)
+    slot = tl.load(bslot_ptr + blk).to(tl.int64)
+    if slot < 0:
+        return
+    r = tl.load(brow_ptr + blk) + tl.arange(0, BM)  # sorted-pair rows of this block
+    rmask = r < tl.load(bend_ptr + blk)
+    pair = tl.load(order_ptr + r, mask=rmask, other=0)  # [BM]
+    tok = pair // TOPK
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < I
+    g_rows, u_rows = _gate_up_rows(n, I, ACT)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    for k0 in range(0, H, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < H
+        a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc_g += _dot(a, _w_tile(w_base, s_base, g_rows, nmask, kk, kmask, H, MXFP4), FP32)
+        acc_u += _dot(a, _w_tile(w_base, s_base, u_rows, nmask, kk, kmask, H, MXFP4), FP32)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    dt = h_ptr.dtype.element_ty  # round gate_up like the reference, which holds it in x.dtype
+    h = _act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
+    tl.store(h_ptr + pair[:, None] * I + n[None, :], h.to(dt), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr,
+                w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
+                HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr):
+    blk = tl.program_id(0)
+    slot = tl.load(bslot_ptr + blk).to(tl.int64)
+    if slot < 0:
+        return
+    r = tl.load(brow_ptr + blk) + tl.arange(0, BM)
+    rmask = r < tl.load(bend_ptr + blk)
+    pair = tl.load(order_ptr + r, mask=rmask, other=0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)  # output features
+    nmask = n < H
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < I
+        a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc += _dot(a, _w_tile(w_base, s_base, n, nmask, kk, kmask, I, MXFP4), FP32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(tw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _w13_gemv(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride, s_stride, b_stride,
+              H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    slot = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < I
+    g_rows, u_rows = _gate_up_rows(n, I, ACT)
+    acc_g = tl.zeros([BN], dtype=tl.float32)
+    acc_u = tl.zeros([BN], dtype=tl.float32)
+    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    for k0 in range(0, H, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < H
+        xv = tl.load(x_ptr + (pair // TOPK) * H + kk, mask=kmask, other=0.0).to(tl.float32)
+        acc_g += tl.sum(_w_tile(w_base, s_base, g_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
+        acc_u += tl.sum(_w_tile(w_base, s_base, u_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)
+        acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)
+    dt = h_ptr.dtype.element_ty
+    h = _act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
+    tl.store(h_ptr + pair * I + n, h.to(dt), mask=nmask)
+
+
+@triton.jit
+def _w2_gemv(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, w_stride, s_stride, b_stride,
+             H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr):
+    pair = tl.program_id(0)
+    slot = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nmask = n < H
+    acc = tl.zeros([BN], dtype=tl.float32)
+    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, BK)
+        kmask = kk < I
+        hv = tl.load(h_ptr + pair * I + kk, mask=kmask, other=0.0).to(tl.float32)
+        acc += tl.sum(_w_tile(w_base, s_base, n, nmask, kk, kmask, I, MXFP4) * hv[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)
+    acc *= tl.load(tw_ptr + pair).to(tl.float32)
+    tl.store(y_ptr + pair * H + n, acc, mask=nmask)
+
+
+@dataclass(frozen=True)
+class _Proj:
+    """One projection's tensors and slot strides (elements); scales alias weights for dense."""
+
+    w: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    strides: tuple[int, int, int]
+
+
+def _proj(fmt: str, banks: Banks, proj: str, x: torch.Tensor) -> _Proj:
+    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
+    b = banks.get(f"{proj}_bias", x)
+    for name, t in (("weights", w), ("scales", s), ("bias", b)):
+        if t is not x and not t[0].is_contiguous():
+            raise ValueError(f"grouped_moe: {proj} {name} must be contiguous inside each slot")
+    return _Proj(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if b is not x else 0))
+
+
+def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, ...]:
+    """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, all on the device.
+
+    Returns (order [P], block slot [NB] (-1 = unused), block first row [NB], block end row [NB])
+    with NB = cdiv(P, bm) + min(P, S), a bound that needs no host sync."""
+    flat = slot_ids.reshape(-1).long()  # [P]
+    p = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    nblk = (counts + bm - 1) // bm  # [S]
+    blk_end = torch.cumsum(nblk, 0)
+    row_end = torch.cumsum(counts, 0)
+    nb = -(-p // bm) + min(p, num_slots)
+    b = torch.arange(nb, device=flat.device)
+    e = torch.searchsorted(blk_end, b, right=True)  # slot of block b; S past the last block
+    ec = e.clamp(max=num_slots - 1)
+    first = row_end[ec] - counts[ec] + (b - (blk_end[ec] - nblk[ec])) * bm
+    slot = torch.where(e < num_slots, ec, torch.full_like(ec, -1))
+    return order, slot, first, row_end[ec]
+
+
+def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
+                act: MoEActivation, path: str = "auto", cfg: GroupedConfig | None = None) -> torch.Tensor:
+    """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype. path: auto | gemv | grouped."""
+    if fmt not in FORMATS:
+        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {FORMATS}")
+    if path not in PATHS:
+        raise ValueError(f"grouped_moe: path must be one of {PATHS}, got {path!r}")
+    cfg = cfg or GroupedConfig()
+    num_slots, hidden, inter = get_format(fmt).dims(banks)
+    _check_inputs(x, slot_ids, topk_w, hidden)
+    t, k = slot_ids.shape
+    pairs = t * k
+    x = x.contiguous()
+    tw = topk_w.reshape(-1).contiguous()  # [P]
+    w13, w2 = _proj(fmt, banks, "w13", x), _proj(fmt, banks, "w2", x)
+    has_bias = "w13_bias" in banks and "w2_bias" in banks
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
+    flags = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, num_warps=cfg.num_warps)
+    a13 = (w13.w, w13.s, w13.b)
+    a2 = (w2.w, w2.s, w2.b)
+    if path == "gemv" or (path == "auto" and pairs <= DECODE_MAX_PAIRS):
+        ids = slot_ids.reshape(-1).contiguous()
+        _w13_gemv[(pairs, triton.cdiv(inter, cfg.block_n))](
+            x, ids, *a13, h, float(act.alpha), float(act.limit), *w13.strides, H=hidden, I=inter, TOPK=k,
+            ACT=ACT_KINDS[act.kind], BN=cfg.block_n, BK=cfg.block_k, **flags)
+        _w2_gemv[(pairs, triton.cdiv(hidden, cfg.block_n))](
+            h, ids, *a2, tw, y, *w2.strides, H=hidden, I=inter, BN=cfg.block_n, BK=cfg.block_k, **flags)
+    else:
+        order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
+        tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, **flags)
+        _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
+            x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
+            H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
+        _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
+            h, order, bslot, first, end, *a2, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
+    return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
