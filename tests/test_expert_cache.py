@@ -13,7 +13,7 @@ from ferryman.config import ModelConfig, QuantConfig
 from ferryman.experts.gpu_cache import ExpertCache, SlotTable, coalesce
 from ferryman.experts.host_store import ALIGN, HostExpertStore
 from ferryman.experts.offload import OffloadExperts
-from ferryman.experts.policies import LRUPolicy
+from ferryman.experts.policies import LRUPolicy, make_policy
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.experts.trace import lru_hit_rate
 from ferryman.experts.transfer import Copy, SyncTransfer
@@ -74,6 +74,22 @@ def test_slots_fill_lowest_first_then_evict_lru_in_order() -> None:
     assert look.evicted == [11, 12] and look.filled == [(13, 1), (14, 2)]
     t.release([13, 14])
     assert t.slot_of == {10: 0, 13: 1, 14: 2}
+
+
+@pytest.mark.parametrize("policy,victim", [("lru", 1), ("lrfu", 2)])
+def test_exact_eviction_under_each_policy_on_the_fake_device(policy: str, victim: int) -> None:
+    """Expert 1 is used most, 2 and 3 most recently: LRU drops 1, LRFU (half-life 16 steps) drops
+    2, whose CRF 2^(-5/16) + 2^(-2/16) is the smallest; the new expert lands in the victim's slot."""
+    store = _store()
+    cache = ExpertCache(store, 3, torch.device("cpu"), make_policy(policy), True, RecordingTransfer())
+    for step in ([1, 2, 3], [1], [1], [2], [3]):
+        cache.begin_step()
+        cache.release(0, step, cache.acquire(0, step))
+    cache.begin_step()
+    slots = cache.acquire(0, [4])
+    assert cache.counters.evictions == 1 and slots == [victim - 1]  # slots 0, 1, 2 hold 1, 2, 3
+    assert not cache.contains(0, victim) and cache.contains(0, 4)
+    assert torch.equal(cache.pool.flat[slots[0]], store.flat[0][4])
 
 
 def test_pinned_experts_are_never_evicted() -> None:

@@ -88,6 +88,8 @@ class OffloadExperts:
         out = torch.zeros_like(x)  # [T, H]
         start = 0
         while start < len(order):
+            if self.cache.available() == 0:
+                raise RuntimeError(f"MoE layer {layer}: every expert-cache slot is in use")
             part = order[start : start + self.cache.available()]
             start += len(part)
             slots = self.cache.acquire(layer, part)
