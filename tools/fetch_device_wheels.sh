@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Download the wheels the GPU machine lacks (it has torch, triton, transformers, rich, jinja2,
+# safetensors, tokenizers, anyio, click, prometheus-client, but no fastapi/uvicorn/pydantic/
+# llguidance) into .whl/ (git-ignored via .git/info/exclude), for `device run --carry .whl`.
+# On the GPU machine: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+mkdir -p .whl
+plat=()
+for n in 17 24 27 28 31 34 35 39; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
+plat+=(--platform manylinux2014_x86_64)
+rm -f .whl/*.whl
+for pkg in fastapi starlette pydantic pydantic-core uvicorn h11 annotated-types typing-inspection \
+           annotated-doc opentelemetry-api typing-extensions llguidance gguf; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${plat[@]}" -d .whl "$pkg"
+done
+ls -la .whl && du -sh .whl

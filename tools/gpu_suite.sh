@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything ferryman checks on the GPU machine, in stages, each with its own time limit, logs in
+# $OUT (or ./gpu-out). Plan one or two `device run` calls (10 minutes each at most):
+#   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
+#   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
+#   device run --carry .whl: tools/gpu_suite.sh offload serve
+# Stages: tests decode kernels offload serve (default: tests decode kernels)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (limit ${secs}s): $*"
+  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 25 "$OUT/$name.log"; echo "=== $name rc=$rc"
+}
+
+for s in "${@:-tests decode kernels}"; do
+  for s1 in $s; do
+    case "$s1" in
+      tests)   stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+      decode)  stage decode 120 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
+      kernels) stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
+               stage attention 60 python3 benchmarks/bench_attention.py ;;
+      offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
+      serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
+                 --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
+               srv=$!
+               for _ in $(seq 1 120); do curl -sf 127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+               stage serve 300 python3 -m ferryman bench serve http://127.0.0.1:8123 --concurrency 1,4,16 \
+                 --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
+               kill "$srv" 2>/dev/null ;;
+      *) echo "unknown stage $s1 (tests decode kernels offload serve)"; exit 2 ;;
+    esac
+  done
+done
