@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     run.add_argument("--stats", action="store_true", help="print engine statistics after the answer")
     _engine_flags(run)
+    # one prompt: the KV floor of the memory plan is one sequence, not a server's worth
+    run.set_defaults(max_num_seqs=1)
 
     info = sub.add_parser("info", help="architecture, sizes and expert bytes of a model",
                           description="Print a model's architecture and sizes without loading its weights.")
