@@ -27,7 +27,7 @@ from bench_routing import heldout_windows  # noqa: E402
 
 from ferryman import LLM  # noqa: E402
 from ferryman.experts.gpu_cache import SlotTable  # noqa: E402
-from ferryman.experts.policies import LRFUPolicy, LRUPolicy, ReplacementPolicy  # noqa: E402
+from ferryman.experts.policies import LRFUPolicy, LRUPolicy  # noqa: E402
 from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate  # noqa: E402
 
 FRACTIONS = (0.10, 0.25, 0.50)

@@ -9,3 +9,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny random qwen3_moe with the demo model's tokenizer and chat template (read-only)."""
+    from server_harness import build_tiny_chat_model
+
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """A live server on 127.0.0.1 over `tiny_model`, one per test module."""
+    from server_harness import start_server
+
+    srv = start_server(str(tiny_model))
+    yield srv
+    srv.stop()

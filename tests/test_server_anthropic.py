@@ -11,23 +11,11 @@ anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("llguidance")
 
 from ferryman import LLM, SamplingParams  # noqa: E402
-from server_harness import LiveServer, ScriptedLogits, build_tiny_chat_model, start_server  # noqa: E402
+from server_harness import LiveServer, ScriptedLogits  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
                             "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}}}}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path) -> LiveServer:
-    srv = start_server(str(tiny_model))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

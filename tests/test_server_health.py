@@ -12,12 +12,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from server_harness import LiveServer, SlowLogits, build_tiny_chat_model, start_server, wait_until  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+from server_harness import LiveServer, SlowLogits, start_server, wait_until  # noqa: E402
 
 
 @pytest.fixture

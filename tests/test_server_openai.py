@@ -12,25 +12,13 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 from ferryman import LLM, SamplingParams  # noqa: E402
-from server_harness import LiveServer, ScriptedLogits, build_tiny_chat_model, start_server  # noqa: E402
+from server_harness import LiveServer, ScriptedLogits, start_server  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
                    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path) -> LiveServer:
-    srv = start_server(str(tiny_model))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
