@@ -23,7 +23,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights of the exact shapes (no files needed)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
+                        "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
@@ -167,7 +169,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     g = plan.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
+                        "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
     _expert_flags(g)
 

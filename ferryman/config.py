@@ -227,7 +227,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
-    max_num_seqs: int = 32
+    max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick (planner.py)
     max_num_batched_tokens: int = 2048  # per step: prefill chunks + decodes
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: sized from memory (CUDA) or max_num_seqs x 2 x context cap (CPU)
@@ -247,7 +247,7 @@ class EngineConfig:
         if self.dtype != "auto":
             dtype_from_str(self.dtype)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -21,7 +21,7 @@ The budget is `gpu_memory` when given (enforced on CUDA with
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -204,6 +204,31 @@ def plan_memory(req: PlanRequest) -> MemoryPlan:
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
     return MemoryPlan(req, strategy, weights, kv_tokens, kv_tokens * per_token, act, per_slot, slots)
+
+
+# Concurrencies tried when max_num_seqs is left to the planner, largest first.
+AUTO_NUM_SEQS = (32, 16, 8, 4, 2, 1)
+
+
+def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
+    """Plan with the largest concurrency whose KV floor fits the budget and leaves the experts at
+    least half of what weights and activations leave (so KV never starves the expert cache, nor the
+    cache KV). Without a budget, or when every expert stays resident, the largest is taken."""
+    last_error: ConfigError | None = None
+    for n in AUTO_NUM_SEQS:
+        trial = replace(req, max_num_seqs=n)
+        try:
+            plan = plan_memory(trial)
+        except ConfigError as e:
+            last_error = e
+            continue
+        if req.budget is None or plan.strategy == "resident":
+            return plan
+        free = req.budget - plan.weights_bytes - plan.activation_bytes
+        if trial.kv_floor_tokens * kv_bytes_per_token(req.cfg, req.dtype) <= free // 2 or n == AUTO_NUM_SEQS[-1]:
+            return plan
+    assert last_error is not None  # every trial raised: report the smallest one's shortfall
+    raise last_error
 
 
 def _strategy(req: PlanRequest, rest: int, per_slot: int) -> str:

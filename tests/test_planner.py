@@ -167,3 +167,29 @@ def test_gpu_memory_caps_allocations_on_cuda() -> None:
     assert llm.stats()["moe_strategy"] == "resident"
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(3 * GiB, dtype=torch.uint8, device="cuda")
+
+
+def _auto(preset: str, budget_gib: float | None, max_model_len: int):
+    from ferryman.planner import GiB, PlanRequest, plan_auto_seqs
+    from ferryman.weights.presets import get_preset
+
+    cfg = ModelConfig.from_hf(get_preset(preset))
+    budget = None if budget_gib is None else int(budget_gib * GiB)
+    return plan_auto_seqs(PlanRequest(cfg, torch.bfloat16, budget, max_model_len))
+
+
+def test_auto_concurrency_leaves_experts_half_the_free_budget() -> None:
+    from ferryman.planner import kv_bytes_per_token
+
+    plan = _auto("gpt-oss-120b", 16, 32768)  # 2.25 GiB of KV per 32k-token sequence
+    assert plan.request.max_num_seqs == 2 and plan.strategy == "offload"
+    free = plan.request.budget - plan.weights_bytes - plan.activation_bytes
+    per_seq = 32768 * kv_bytes_per_token(plan.request.cfg, torch.bfloat16)
+    assert 2 * per_seq <= free // 2 < 4 * per_seq  # 2 fits the rule, 4 would not
+    assert _auto("gpt-oss-20b", 8, 2048).request.max_num_seqs == 16
+    assert _auto("gpt-oss-20b", None, 32768).request.max_num_seqs == 32  # no budget: the default
+
+
+def test_auto_concurrency_still_refuses_an_impossible_budget() -> None:
+    with pytest.raises(ConfigError, match=r"missing .* GiB.*max_num_seqs \(1\)"):
+        _auto("gpt-oss-20b", 4, 32768)

@@ -17,7 +17,15 @@ from ferryman.errors import ConfigError
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.experts.store import ExpertStore
 from ferryman.layers.fused_moe import MoEActivation
-from ferryman.planner import MemoryPlan, PlanRequest, parse_bytes, parse_expert_cache, plan_memory
+from ferryman.planner import (
+    AUTO_NUM_SEQS,
+    MemoryPlan,
+    PlanRequest,
+    parse_bytes,
+    parse_expert_cache,
+    plan_auto_seqs,
+    plan_memory,
+)
 
 StoreFactory = Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore]
 
@@ -34,11 +42,12 @@ def device_budget(ecfg: EngineConfig, device: torch.device) -> int | None:
 
 def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_model_len: int) -> MemoryPlan:
+    """The memory plan; max_num_seqs None lets the planner pick the concurrency (`plan_auto_seqs`)."""
     cache = parse_expert_cache(ecfg.expert_cache) if ecfg.expert_cache is not None else None
-    req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs,
+    req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
                       ecfg.moe_strategy, cache)
-    return plan_memory(req)
+    return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
 
 
 def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
