@@ -119,13 +119,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     llm = LLM(a.model, **_engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
                             max_tokens=a.max_tokens)
-    if llm.tokenizer is None:
-        raise FerrymanError("this model has no tokenizer files, so it cannot take a text prompt")
-    prompt = llm.chat_ids([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-    if not a.chat:
-        sys.stdout.write(a.prompt)
+    prompt = _run_prompt(llm, a)
     for delta in llm.stream(prompt, params):
-        sys.stdout.write(delta.text)
+        # without a tokenizer (dummy presets, bare checkpoints) the output is shown as token ids
+        sys.stdout.write(delta.text if llm.tokenizer is not None else "".join(f" {t}" for t in delta.token_ids))
         sys.stdout.flush()
     sys.stdout.write("\n")
     out = llm.last_output
@@ -138,6 +135,22 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(llm.stats())
     return 0
+
+
+def _run_prompt(llm, a: argparse.Namespace) -> str | list[int]:
+    """The prompt as `LLM.stream` takes it; echoes it to stdout."""
+    if llm.tokenizer is None:
+        if a.chat:
+            raise FerrymanError("--chat needs a tokenizer with a chat template; this model has no tokenizer files")
+        ids = [b % llm.engine.cfg.vocab_size for b in a.prompt.encode("utf-8")]
+        print("[no tokenizer: the prompt is sent as its UTF-8 byte values, the output shown as token ids]",
+              file=sys.stderr)
+        sys.stdout.write(" ".join(map(str, ids)) + " |")
+        return ids
+    if a.chat:
+        return llm.chat_ids([{"role": "user", "content": a.prompt}])
+    sys.stdout.write(a.prompt)
+    return a.prompt
 
 
 def _print_stats(stats: dict, indent: str = "  ") -> None:

@@ -32,3 +32,16 @@ def test_chat_flag_uses_the_template(capsys: pytest.CaptureFixture) -> None:
     assert main(["run", "-p", "hello", "--chat", "--max-tokens", "4", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "finish=length" in err or "finish=stop" in err
+
+
+def test_run_without_tokenizer_shows_token_ids(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    from tiny_models import build_tiny
+
+    build_tiny("qwen3_moe", tmp_path / "m")
+    assert main(["run", str(tmp_path / "m"), "-p", "hi", "--max-tokens", "5", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    prompt, output = captured.out.split("|")
+    assert prompt.split() == ["104", "105"]  # "hi" as UTF-8 bytes
+    assert len(output.split()) == 5 and all(0 <= int(t) < 256 for t in output.split())
+    assert "no tokenizer" in captured.err
+    assert main(["run", str(tmp_path / "m"), "-p", "hi", "--chat", "--device", "cpu"]) == 2
