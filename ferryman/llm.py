@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ferryman.config import EngineConfig
 from ferryman.engine.llm_engine import LLMEngine
@@ -58,15 +59,23 @@ class LLM:
         prompts: list[str] | str | None = None,
         params: SamplingParams | list[SamplingParams] | None = None,
         prompt_token_ids: list[list[int]] | None = None,
+        progress: bool | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched; outputs come back in prompt order."""
+        """Run every prompt to completion, batched; outputs come back in prompt order.
+
+        progress: a bar over finished requests (default: the engine's `progress` setting)."""
         ids = self._prompt_ids(prompts, prompt_token_ids)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
         if len(plist) != len(ids):
             raise ConfigError(f"got {len(plist)} SamplingParams for {len(ids)} prompts")
         rids = [self.engine.add_request(p, sp) for p, sp in zip(ids, plist)]
-        while any(r in self.engine.requests for r in rids):
-            self.engine.step()
+        show = self.config.progress if progress is None else progress
+        with Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), disable=not show or len(rids) < 2, transient=True) as bar:
+            task = bar.add_task("generate", total=len(rids))
+            while any(r in self.engine.requests for r in rids):
+                self.engine.step()
+                bar.update(task, completed=sum(r not in self.engine.requests for r in rids))
         return [self.engine.pop_output(r) for r in rids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[StepDelta]:
