@@ -3,7 +3,7 @@ own bookkeeping (ferryman.experts.gpu_cache.SlotTable), and next-layer guess acc
 
     python benchmarks/bench_cache_policies.py [--model FOLDER] [--max-tokens 8192] [--json out.json]
 
-Held-out text (benchmarks/bench_routing.py's heldout_windows) is prefilled with a routing trace
+Held-out text (tools/demo_model/routing.py: heldout_windows) is prefilled with a routing trace
 and the MoE inputs recorded; the trace is then replayed as decode: one token per step, one
 lookup per MoE layer (acquire the token's experts, release). Cache sizes are 10/25/50% of all
 experts, as one pool over every layer (what the engine does) and as equal per-layer pools.
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_routing import heldout_windows  # noqa: E402
+from tools.demo_model.routing import heldout_windows  # noqa: E402
 
 from ferryman import LLM  # noqa: E402
 from ferryman.experts.gpu_cache import SlotTable  # noqa: E402

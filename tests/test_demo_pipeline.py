@@ -104,8 +104,9 @@ def test_chat_template_and_model_card(exported: Path) -> None:
     record = json.loads((exported / build.TRAINING_LOG_FILE).read_text())
     assert record["val_log"] and record["train"]["best_step"] in [r["step"] for r in record["val_log"]]
     card = (exported / "README.md").read_text()
-    routing = card.split("## Routing statistics", 1)[1].split("##", 1)[0]
-    assert "TODO(routing-stats)" in routing and not any(ch.isdigit() for ch in routing)
+    routing = card.split("## Routing statistics", 1)[1].split("\n## ", 1)[0]
+    assert "TODO" not in routing and "| mean |" in routing  # measured through ferryman by the build
+    assert "## Limits" in card  # the sections after it survive
     assert "Python Software Foundation License" in card and platform.python_version() in card
     assert (exported / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -17,12 +17,15 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
+from ferryman import LLM
 from tools.demo_model.card import LOSS_CURVE_FILE, plot_loss_curve, write_model_card
 from tools.demo_model.config import EOS_TOKEN, BuildSpec, check_size, count_parameters, hf_config, real_spec, \
     tiny_spec, with_overrides
 from tools.demo_model.corpus import SPLITS, corpus_stats, load_corpus
 from tools.demo_model.evaluate import load_exported, next_token_loss
 from tools.demo_model.export import export_model
+from tools.demo_model.routing import fill_card
+from tools.demo_model.routing import measure as measure_routing
 from tools.demo_model.tokenizer import encode_stream, pack_windows, save_tokenizer, token_id, train_tokenizer
 from tools.demo_model.train import TrainLog, build_model, train
 
@@ -132,6 +135,11 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
         log("matplotlib is not installed: no loss curve image")
     command = "python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8"
     write_model_card(args.out, spec, stats, summary, ev, params, weights_bytes, has_plot, command)
+    routing = measure_routing(LLM(str(args.out), device=str(device), dtype="float32"),
+                              max_tokens=spec.routing_tokens, window=min(512, spec.train.seq_len))
+    fill_card(args.out, routing)
+    log(f"routing: LRU 10/25/50% of experts hits {routing['mean']['lru_10']:.1%} / "
+        f"{routing['mean']['lru_25']:.1%} / {routing['mean']['lru_50']:.1%} on {routing['tokens']} held-out tokens")
     log(f"done: {sorted(p.name for p in args.out.iterdir())}")
     return record
 

@@ -89,6 +89,7 @@ class BuildSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     corpus: CorpusSpec = field(default_factory=CorpusSpec)
+    routing_tokens: int = 16384  # held-out tokens replayed for the card's routing statistics
     tiny: bool = False
 
     def to_json(self) -> dict:
@@ -110,7 +111,7 @@ def tiny_spec() -> BuildSpec:
         log_every=5, eval_batch_size=8, max_eval_windows=8, val_every=10, max_val_windows=4,
     )
     corpus = CorpusSpec(max_train_files=40, max_val_files=4, max_heldout_files=6, max_file_bytes=20_000)
-    return BuildSpec(model=model, train=train, corpus=corpus, tiny=True)
+    return BuildSpec(model=model, train=train, corpus=corpus, routing_tokens=1024, tiny=True)
 
 
 def with_overrides(spec: BuildSpec, **train_overrides: object) -> BuildSpec:
