@@ -103,8 +103,8 @@ def main() -> None:
     refs = [fused_moe_reference(fmt, banks, x, ids, topk_w, act).float() for ids in id_sets]
     configs = [DecodeConfig()]
     if args.sweep:
-        configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="fma")
-                    for n, k, w in itertools.product((16, 32), (256, 512, 1024, 2048), (2, 4, 8))]
+        configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="fma", fuse_k=f)
+                    for n, k, w, f in itertools.product((16, 32), (512, 1024), (2, 4, 8), (False, True))]
         if args.sweep_dot:
             configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="dot")
                         for n, k, w in itertools.product((16, 32, 64), (128, 256), (4, 8))]

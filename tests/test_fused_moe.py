@@ -169,12 +169,13 @@ for seed, (fmt, kind, dtype) in enumerate([
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
     w = torch.softmax(torch.randn(t, k, generator=gen), -1)
     act = MoEActivation(kind)
-    cfg = DecodeConfig(block_n=64, block_k=64)
-    got = fused_moe_decode(fmt, banks, x, ids, w, kind, act.alpha, act.limit, cfg)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    out.append(dict(case=f"{fmt}-{kind}-{dtype}", err=err, dtype=str(dtype),
-                    dtype_ok=got.dtype == dtype))
+    for fuse_k in (False, True):
+        cfg = DecodeConfig(block_n=64, block_k=64, fuse_k=fuse_k)
+        got = fused_moe_decode(fmt, banks, x, ids, w, kind, act.alpha, act.limit, cfg)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}", err=err, dtype=str(dtype),
+                        dtype_ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """
 
@@ -219,7 +220,7 @@ def test_gpu_decode_gpt_oss_20b_shapes(t: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("impl", ["fma", "dot"])
+@pytest.mark.parametrize("impl", ["fma", "dot", "fma-fusek"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_decode_impls(impl: str, dtype: torch.dtype) -> None:
     from ferryman.layers.fused_moe_triton import DecodeConfig, fused_moe_decode
@@ -229,7 +230,8 @@ def test_gpu_decode_impls(impl: str, dtype: torch.dtype) -> None:
     x = torch.randn(2, 2880, generator=gen, device="cuda").to(dtype)
     ids, w = _routing(2, 4, 32, gen, "cuda")
     act = MoEActivation("swiglu_oai")
-    got = fused_moe_decode("mxfp4", banks, x, ids, w, act.kind, act.alpha, act.limit, DecodeConfig(impl=impl))
+    cfg = DecodeConfig(impl=impl.split("-")[0], fuse_k=impl.endswith("fusek"))
+    got = fused_moe_decode("mxfp4", banks, x, ids, w, act.kind, act.alpha, act.limit, cfg)
     assert _rel_err(got, fused_moe_reference(get_format("mxfp4"), banks, x, ids, w, act)) < 1e-2
 
 

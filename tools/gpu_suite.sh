@@ -27,7 +27,9 @@ for s in "${@:-tests decode kernels}"; do
   for s1 in $s; do
     case "$s1" in
       tests)   stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
-      decode)  stage decode 120 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
+      decode)  stage decode 120 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256
+               stage decode_fusek 120 env FERRYMAN_MOE_DECODE_TILES=16,512,2,fma,fusek \
+                 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
       kernels) stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                stage attention 60 python3 benchmarks/bench_attention.py ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;

@@ -43,6 +43,7 @@ class DecodeConfig:
     block_k: int = 512  # inputs per loop step; a multiple of 32 for mxfp4
     num_warps: int = 2  # H200 sweep (benchmarks/bench_fused_moe.py --sweep): 55.7 us vs 63.0 us at 4 warps
     impl: str = "fma"
+    fuse_k: bool = False  # kernel 2 sums the K experts of a token itself (grid T, not T*K; no torch sum)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -62,10 +63,13 @@ def default_decode_config() -> DecodeConfig:
     if not raw:
         return DecodeConfig()
     try:
-        n, k, w, impl = raw.split(",")
-        return DecodeConfig(block_n=int(n), block_k=int(k), num_warps=int(w), impl=impl.strip())
+        n, k, w, impl, *rest = raw.split(",")
+        fuse = [r.strip() for r in rest] == ["fusek"]
+        if rest and not fuse:
+            raise ValueError(f"unknown option {','.join(rest)!r}")
+        return DecodeConfig(block_n=int(n), block_k=int(k), num_warps=int(w), impl=impl.strip(), fuse_k=fuse)
     except ValueError as e:
-        raise ValueError(f"FERRYMAN_MOE_DECODE_TILES={raw!r}: expected block_n,block_k,num_warps,impl ({e})") from None
+        raise ValueError(f"FERRYMAN_MOE_DECODE_TILES={raw!r}: expected block_n,block_k,num_warps,impl[,fusek] ({e})") from None
 
 
 @triton.jit
@@ -239,6 +243,25 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
     tl.store(y_ptr + pair * H + rows, acc, mask=rmask)
 
 
+@triton.jit
+def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr,
+                   H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MXFP4: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
+    # _w2_kernel for all K pairs of one token, summed in fp32 in k order, stored in out's dtype
+    t = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
+    rmask = rows < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for kk in tl.static_range(TOPK):
+        pair = t * TOPK + kk
+        slot = tl.load(ids_ptr + pair).to(tl.int64)
+        acc = _rows_dot(w_ptr, s_ptr, slot, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N, MXFP4, BLOCK_K, TC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + slot * H + rows, mask=rmask, other=0.0).to(tl.float32)
+        total += acc * tl.load(topk_w_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + t * H + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
+
+
 def _weights(fmt: str, banks: Banks, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, scales) of one projection; dense passes its weights twice (scales unused)."""
     if fmt == "mxfp4":
@@ -284,12 +307,17 @@ def fused_moe_decode(
     b13 = banks["w13_bias"] if has_bias else x
     b2 = banks["w2_bias"] if has_bias else x
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     common = dict(MXFP4=FORMATS[fmt], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   TC=_tensor_core_mode(cfg, fmt, x.dtype), num_warps=cfg.num_warps)
     _w13_act_kernel[(t * k, triton.cdiv(inter, cfg.block_n))](
         x, ids, w13, s13, b13, h, float(alpha), float(limit),
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
+    if cfg.fuse_k:
+        out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)  # [T, H]
+        _w2_sum_kernel[(t, triton.cdiv(hidden, cfg.block_n))](
+            h, ids, w2, s2, b2, tw, out, H=hidden, I=inter, TOPK=k, **common)
+        return out
+    y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, cfg.block_n))](
         h, ids, w2, s2, b2, tw, y, H=hidden, I=inter, **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
