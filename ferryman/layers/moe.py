@@ -15,6 +15,10 @@ from torch import nn
 
 from ferryman.config import ModelConfig
 from ferryman.experts.trace import RoutingTrace
+from ferryman.layers.triton_util import use_triton
+
+# decode-sized steps take the one-launch Triton router; prefill keeps torch's (same math)
+ROUTE_TRITON_MAX_TOKENS = 256
 
 
 class ExpertBackend(Protocol):
@@ -29,6 +33,10 @@ def route(
     logits: torch.Tensor, top_k: int, kind: str, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router math of each family (see shared/notes/formats.md). logits: [T, E] -> ids, weights [T, K]."""
+    if use_triton(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[1] <= 1024:
+        from ferryman.layers.router_triton import route_triton
+
+        return route_triton(logits, top_k, kind, renormalize)
     if kind == "topk_softmax":  # gpt-oss: top-k on raw logits, softmax over the k
         top_v, top_i = torch.topk(logits, top_k, dim=-1)
         return top_i, torch.softmax(top_v, dim=-1, dtype=top_v.dtype)
