@@ -1,4 +1,4 @@
-"""`ferryman` command line: run, info, serve, bench serve."""
+"""`ferryman` command line: run, info, serve, bench serve, bench bw."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
     _expert_flags(g)
+    g.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
+                   help="offload: compute some missing experts on the CPU while others are fetched, split by "
+                        "rates measured on this machine (`ferryman bench bw`); auto: only when the CPU reaches "
+                        "1/4 of the link's rate. Default off until measured on the GPU machine")
+    g.add_argument("--calibration", default=None, metavar="PATH",
+                   help="rates file for --cpu-experts (default: the one `ferryman bench bw` writes for the model)")
 
 
 def _expert_flags(g: argparse._ArgumentGroup) -> None:
@@ -45,7 +51,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(device=a.device, dtype=a.dtype, load_format=a.load_format, max_model_len=a.max_model_len,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 enforce_eager=a.enforce_eager, seed=a.seed_weights, progress=sys.stderr.isatty(),
-                gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache)
+                gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache,
+                cpu_experts=a.cpu_experts, calibration=a.calibration)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +118,33 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--api-key", default=None)
     b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    _add_bench_bw(kinds)
+
+
+BW_DESCRIPTION = """\
+Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts splits by:
+  (a) host memory read bandwidth: torch.sum over a large buffer, all torch threads
+  (b) pinned host -> device copies of one expert (one row of the host store; skipped without CUDA),
+      and host -> host copies of one expert (the "link" when the CPU is the device)
+  (c) CPU expert compute: fused_moe on the CPU, 1 token x top-k experts of random weights of MODEL's
+      shape and format, in experts/s and GB/s of expert bytes
+  (d) with CUDA, the link and the CPU compute running at the same time (they share host memory)
+Each figure is the median of --reps repetitions over experts not in the CPU caches. Writes a JSON
+file keyed by the expert geometry (never by format alone) with the machine recorded; the engine
+reads it when the expert geometry, machine and thread count match (torch.set_num_threads counts)."""
+
+
+def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
+    b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
+                         description=BW_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    b.add_argument("--output", default=None, metavar="PATH",
+                   help="calibration file (default: ~/.cache/ferryman/calibration-<fingerprint>.json)")
+    b.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (the median is kept)")
+    b.add_argument("--read-mib", type=int, default=1024, help="buffer size of the host read measurement")
+    b.add_argument("--pool-mib", type=int, default=256,
+                   help="bytes of distinct experts cycled through, larger than the CPU caches")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -247,7 +281,38 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_bw(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ferryman.calibrate.bandwidth import MiB, run_bench
+    from ferryman.calibrate.calibration import default_path, expert_key
+    from ferryman.config import ModelConfig
+    from ferryman.engine.model_runner import expert_activation
+    from ferryman.errors import ConfigError
+    from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
+    from ferryman.llm import default_model
+    from ferryman.weights.build import resolve_dtype, resolve_hf_config
+
+    if a.reps < 1 or a.read_mib < 1 or a.pool_mib < 1:
+        raise ConfigError("--reps, --read-mib and --pool-mib must be >= 1")
+    cfg = ModelConfig.from_hf(resolve_hf_config(a.model or default_model(), "dummy")[0])
+    if cfg.num_experts == 0:
+        raise ConfigError("this model has no routed experts: nothing to measure")
+    dtype = resolve_dtype(a.dtype, cfg)
+    path = Path(a.output) if a.output else default_path(expert_key(cfg, dtype))
+    cal = run_bench(cfg, dtype, expert_activation(cfg), path, a.reps, a.read_mib * MiB, a.pool_mib * MiB,
+                    log=lambda s: print(s, flush=True))
+    r_link, r_cpu, which = rates(cal, cal.h2d is not None)
+    link = "link" if cal.h2d is not None else "host copy (no CUDA)"
+    print(f"split: {link} {r_link:,.0f} experts/s, CPU {r_cpu:,.0f} experts/s ({which}); of 8 misses fetch "
+          f"{split_fetch(8, r_link, r_cpu)}; --cpu-experts auto would "
+          f"{'use' if r_cpu >= MIN_CPU_SHARE * r_link else 'not use'} the CPU")
+    return 0
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench_command == "bw":
+        return cmd_bench_bw(a)
     import json
     from pathlib import Path
 

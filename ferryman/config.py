@@ -240,6 +240,11 @@ class EngineConfig:
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None
+    # misses computed on the CPU while others are fetched (experts/hybrid.py): off | auto | on;
+    # "off" by default until measured on the GPU machine. calibration: the rates file (default:
+    # ~/.cache/ferryman/calibration-<fingerprint>.json, written by `ferryman bench bw`)
+    cpu_experts: str = "off"
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
@@ -264,6 +269,8 @@ class EngineConfig:
             parse_bytes(self.gpu_memory)
         if self.expert_cache is not None:
             parse_expert_cache(self.expert_cache)
+        if self.cpu_experts not in ("off", "auto", "on"):
+            raise ConfigError(f"cpu_experts must be one of off, auto, on, got {self.cpu_experts!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

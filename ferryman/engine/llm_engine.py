@@ -65,7 +65,8 @@ class LLMEngine:
         )
         graphs = not (ecfg.enforce_eager or envs.DISABLE_CUDA_GRAPHS)
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
-                                  self.max_model_len, use_cuda_graphs=graphs, plan=self.plan)
+                                  self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
+                                  expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration))
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped

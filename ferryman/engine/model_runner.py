@@ -7,6 +7,7 @@ MoE block. Decode-only steps replay a captured CUDA graph when one fits the batc
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,12 +38,15 @@ class ModelRunner:
         max_model_len: int,
         use_cuda_graphs: bool,
         plan: MemoryPlan | None = None,
+        expert_options: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
-        # resident experts, or a slot cache of a host store (experts/placement.py)
-        self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg))
+        # resident experts, or a slot cache of a host store (experts/placement.py); expert_options:
+        # offload_backend's (cpu_experts, calibration)
+        self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
+                                    **(expert_options or {}))
         for block in self.model.moe_blocks():
             block.experts = self.experts
         # k_cache, v_cache per layer: [N, S, Hkv, D]

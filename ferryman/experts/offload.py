@@ -14,6 +14,10 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
 layer runs in rounds: cached experts first, then as many misses as fit, each round a
 `fused_moe` over its (token, k) pairs, summed into the output.
+
+Hybrid (cpu_experts, experts/hybrid.py): in a decode-sized step the misses split into those
+fetched and those computed on the CPU from the host store (experts/cpu_compute.py, a worker
+thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H] part is added.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 
@@ -30,8 +36,13 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 class OffloadExperts:
     graph_safe = False  # the slot table lives on the host: one sync per MoE layer
 
-    def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None) -> None:
-        self.cache, self.act, self.guesser = cache, act, guesser
+    def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None,
+                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None) -> None:
+        self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
+        self.cpu: CPUExperts | None = None
+        if hybrid is not None and hybrid.decision.enabled:  # cpu_thread None: a worker on CUDA only
+            threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
+            self.cpu = CPUExperts(cache.store, act, threaded)
         self.fmt = cache.store.format.name
         self.moe = _kernel(cache)
         self.num_experts = cache.num_experts
@@ -44,12 +55,17 @@ class OffloadExperts:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
         if layer <= self._last_layer:  # the first MoE layer of a new step
             self.cache.begin_step()
+            if self.hybrid is not None:
+                self.hybrid.history.advance()
         self._last_layer = layer
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         guess = self._guess(layer, x, streaming)
-        used, guessed = _host_ids(topk_ids, None if guess is None else guess[1])
+        used, guessed, host_ids = _host_ids(topk_ids, None if guess is None else guess[1])
         if self.guesser is not None:
             self.guesser.score(layer, used)
+        if self.hybrid is not None and self.hybrid.applies(x.shape[0], streaming):
+            self.hybrid.history.use([(layer, e) for e in used])
+            return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, guess, guessed)
         if len(used) <= self.cache.available():
             out = self._compute(layer, x, topk_ids, topk_w, used, guess, guessed, streaming)
         else:
@@ -80,6 +96,36 @@ class OffloadExperts:
         out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, topk_ids), topk_w, self.act)
         self.cache.release(layer, used, slots)
         return out
+
+    def _compute_hybrid(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                        host_ids: torch.Tensor, used: list[int], guess: tuple[int, torch.Tensor] | None,
+                        guessed: list[int]) -> torch.Tensor:
+        assert self.hybrid is not None and self.cpu is not None  # applies() implies both
+        misses = [e for e in used if not self.cache.contains(layer, e)]
+        # hits are cached and not in use between layers, so room >= 0
+        room = self.cache.available() - (len(used) - len(misses))
+        _, on_cpu = self.hybrid.split(layer, misses, room)  # the fetched ones are fetched by acquire
+        if not on_cpu:
+            return self._compute(layer, x, topk_ids, topk_w, used, guess, guessed, False)
+        job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
+        cpu_set = set(on_cpu)
+        here = [e for e in used if e not in cpu_set]
+        if here:
+            slots = self.cache.acquire(layer, here)
+            self._prefetch(guess, guessed, False)
+            # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
+            # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
+            # keeps its [T, K] shape and per-token summation order.
+            ids = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), topk_ids)
+            off = torch.zeros(self.num_experts, dtype=torch.bool)
+            off[on_cpu] = True
+            w = topk_w.masked_fill(off.to(topk_w.device, non_blocking=True)[topk_ids], 0.0)
+            out = self.moe(self.fmt, self.cache.banks, x, ids, w, self.act)
+            self.cache.release(layer, here, slots)
+        else:
+            self._prefetch(guess, guessed, False)
+            out = torch.zeros_like(x)  # [T, H]
+        return out + self.cpu.result(job).to(x.device, non_blocking=True)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_w: torch.Tensor, used: list[int]) -> torch.Tensor:
@@ -112,6 +158,10 @@ class OffloadExperts:
         out = self.cache.stats()
         if self.guesser is not None:
             out.update(self.guesser.stats())
+        if self.hybrid is not None:
+            out.update(self.hybrid.stats())
+        if self.cpu is not None:
+            out.update(self.cpu.stats())
         return out
 
 
@@ -124,8 +174,9 @@ def _kernel(cache: ExpertCache) -> Callable[..., torch.Tensor]:
     return fused_moe
 
 
-def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int]]:
-    """Distinct expert ids used, and guessed, ascending: one device -> host copy for both."""
+def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor]:
+    """Distinct expert ids used, and guessed, ascending, and topk_ids on the host: one device -> host
+    copy for all."""
     flat = topk_ids.reshape(-1)
     if guess_ids is not None:
         flat = torch.cat((flat, guess_ids.reshape(-1).to(flat.dtype)))
@@ -133,4 +184,4 @@ def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[l
     n = topk_ids.numel()
     used = torch.unique(host[:n]).tolist()
     guessed = torch.unique(host[n:]).tolist() if guess_ids is not None else []
-    return used, guessed
+    return used, guessed, host[:n].view(topk_ids.shape)

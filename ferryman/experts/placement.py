@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from ferryman.planner import (
 )
 
 StoreFactory = Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore]
+log = logging.getLogger("ferryman.experts")
 
 
 def device_budget(ecfg: EngineConfig, device: torch.device) -> int | None:
@@ -75,6 +77,8 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
     from ferryman.experts.resident import ResidentExperts
 
     if not isinstance(store, HostExpertStore):
+        if options.get("cpu_experts", "off") != "off":
+            log.info("cpu_experts=%s has no effect: every expert is resident on the device", options["cpu_experts"])
         return ResidentExperts(store, act)
     if plan is None:
         raise ValueError("a host expert store needs a memory plan (its slot count)")
@@ -83,17 +87,24 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
 
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
-                    prefetch: bool = True) -> Any:
+                    prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
+                    cpu_thread: bool | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default:
-    bank-major on CUDA, expert-major elsewhere); prefetch: next-layer guesses and prefill streaming."""
+    bank-major on CUDA, expert-major elsewhere); prefetch: next-layer guesses and prefill streaming;
+    cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
+    `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
+    cpu_thread: the CPU part in a worker thread (default: on CUDA)."""
     from ferryman.experts.gpu_cache import ExpertCache
+    from ferryman.experts.hybrid import make_hybrid
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
     from ferryman.experts.prefetch import NextLayerGuesser
 
     cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
     gates = {block.layer: block.gate for block in model.moe_blocks()}
-    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k) if prefetch else None)
+    hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
+    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k) if prefetch else None,
+                          hybrid, cpu_thread)
 
 
 def rebind_offload(runner: Any, **options: Any) -> Any:

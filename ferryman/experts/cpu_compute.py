@@ -1,0 +1,81 @@
+"""Experts computed on the CPU straight from the host store: the CPU half of the hybrid split.
+
+`CPUExperts.submit` takes the (token, k) pairs of one MoE layer routed to a given set of experts
+(misses left in host memory), copies x and the routing weights to the host once for the layer,
+and runs `fused_moe` on the host store's banks (torch's CPU kernels: torch.set_num_threads
+decides how many cores). The result is a [T, H] partial output in host memory, to be added to
+the device's part. On CUDA it runs in one worker thread while the calling thread issues the
+device's fetches and kernels (torch releases the GIL inside its kernels); on the CPU device it
+runs inline (there is nothing to overlap with).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ferryman.experts.host_store import HostExpertStore
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
+
+
+class CPUExperts:
+    def __init__(self, store: HostExpertStore, act: MoEActivation, threaded: bool) -> None:
+        self.store, self.act = store, act
+        self.fmt = store.format.name
+        self.num_experts = store.cfg.num_experts
+        self.pool: ThreadPoolExecutor | None = None
+        if threaded:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="ferryman-cpu-experts")
+            weakref.finalize(self, self.pool.shutdown, wait=False)
+        self.experts = 0  # experts computed (one per layer step and expert)
+        self.pairs = 0  # (token, k) pairs computed
+        self.seconds = 0.0  # time computing, on the worker
+        self.wait_seconds = 0.0  # time the caller waited for a result
+
+    def submit(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
+               experts: list[int]) -> Future:
+        """Start computing the pairs of `layer` routed to `experts` (distinct, in host memory).
+        x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
+        x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
+        if self.pool is not None:
+            return self.pool.submit(self._timed, layer, x_host, host_ids, w_host, experts)
+        done: Future = Future()
+        done.set_result(self._timed(layer, x_host, host_ids, w_host, experts))
+        return done
+
+    def result(self, job: Future) -> torch.Tensor:
+        """The [T, H] partial output (host memory) of a submitted job, waiting for it if needed."""
+        start = time.perf_counter()
+        out = job.result()
+        self.wait_seconds += time.perf_counter() - start
+        return out
+
+    def _timed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+               experts: list[int]) -> torch.Tensor:
+        start = time.perf_counter()
+        with torch.inference_mode():  # thread-local: the worker does not inherit the caller's
+            out = self.compute(layer, x, ids, w, experts)
+        self.seconds += time.perf_counter() - start
+        self.experts += len(experts)
+        return out
+
+    def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                experts: list[int]) -> torch.Tensor:
+        """sum over the pairs (t, k) with ids[t, k] in `experts` of w[t, k] * expert(x[t]) -> [T, H].
+        All tensors on the host; x: [T, H], ids, w: [T, K]."""
+        mine = torch.isin(ids, torch.tensor(experts, dtype=ids.dtype))  # [T, K]
+        tok, kk = mine.nonzero(as_tuple=True)  # [P]
+        eid = ids[tok, kk].long()  # [P]
+        # per token in ascending expert order: the order fused_moe's reference accumulates in
+        order = torch.argsort(tok * self.num_experts + eid)
+        tok, kk, eid = tok[order], kk[order], eid[order]
+        y = fused_moe(self.fmt, self.store.banks[layer], x[tok], eid[:, None], w[tok, kk][:, None], self.act)
+        self.pairs += int(tok.numel())
+        return torch.zeros_like(x).index_add_(0, tok, y)  # [T, H]
+
+    def stats(self) -> dict:
+        return {"cpu_computed": self.experts, "cpu_pairs": self.pairs, "cpu_seconds": self.seconds,
+                "cpu_wait_seconds": self.wait_seconds, "cpu_threads": torch.get_num_threads()}

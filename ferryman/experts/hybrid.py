@@ -1,0 +1,177 @@
+"""The hybrid split: misses computed on the CPU, where their weights already are, while the link
+fetches the others.
+
+Per MoE layer and decode step, with M misses, the link's rate r_link and the CPU's rate r_cpu
+(experts per second, measured on this machine for this model's experts: ferryman/calibrate/):
+fetch F of them and compute the M - F others on the CPU at the same time, F minimising
+
+    max(F / r_link, (M - F) / r_cpu)        (both sides finish together)
+
+which is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`). The fetched ones are the
+misses used most recently and most often (`ReuseHistory`): they will likely be used again, and
+fetching is what puts them in the cache; the others are computed on the CPU and not cached.
+
+When it applies: decode-sized steps only, at most MAX_SPLIT_TOKENS tokens and not touching about
+every expert (a prefill chunk is never split: whole experts are fetched, its streaming pays more).
+Whether it applies at all (`decide`): "off" never; "on" always; "auto" when the CPU reaches at
+least MIN_CPU_SHARE of the link's rate (below that a split saves almost nothing and adds a
+device -> host copy of x per layer). The decision is logged once with its numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ferryman.calibrate.calibration import Calibration, expert_key, load_matching
+from ferryman.layers.fused_moe import MoEActivation
+
+if TYPE_CHECKING:
+    from ferryman.experts.gpu_cache import ExpertCache
+
+log = logging.getLogger("ferryman.experts")
+
+MODES = ("off", "auto", "on")
+MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
+MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (the rates are measured at 1 token)
+
+
+def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
+    """How many of `misses` to fetch so that fetching (F / r_link) and computing the rest on the CPU
+    ((misses - F) / r_cpu) end together; a tie goes to fetching (fetched experts get cached)."""
+    if misses < 0 or r_link < 0 or r_cpu < 0 or not (math.isfinite(r_link) and math.isfinite(r_cpu)):
+        raise ValueError(f"split_fetch needs misses >= 0 and finite rates >= 0, got {misses}, {r_link}, {r_cpu}")
+    if misses == 0 or r_cpu == 0:
+        return misses
+    if r_link == 0:
+        return 0
+    lo = min(misses, math.floor(misses * r_link / (r_link + r_cpu)))
+    cost = lambda f: max(f / r_link, (misses - f) / r_cpu)
+    # max(rising, falling) of F is smallest at an integer next to where they cross
+    return min((min(misses, lo + 1), lo), key=cost)
+
+
+@dataclass(frozen=True)
+class HybridDecision:
+    mode: str  # off | auto | on
+    enabled: bool
+    link: float  # experts/s over the link (0 when not measured)
+    cpu: float  # experts/s computed on the CPU
+    source: str  # where the rates come from
+    reason: str
+
+    def describe(self) -> str:
+        q = self.link / (self.link + self.cpu) if self.link + self.cpu > 0 else 1.0
+        return (f"cpu_experts={self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
+                f"link {self.link:,.0f} experts/s, CPU {self.cpu:,.0f} experts/s, fetch share {q:.2f}; "
+                f"rates {self.source}")
+
+    def as_dict(self) -> dict:
+        return {"mode": self.mode, "enabled": self.enabled, "link_experts_per_s": self.link,
+                "cpu_experts_per_s": self.cpu, "source": self.source, "reason": self.reason}
+
+
+def rates(cal: Calibration, cuda: bool) -> tuple[float, float, str]:
+    """(r_link, r_cpu, which) for the split: on CUDA the rates measured running together when the
+    calibration has them, else each alone; on the CPU device the link is a host copy."""
+    if not cuda:
+        return cal.host_copy.experts_per_s, cal.cpu_compute.experts_per_s, "alone (the device is the CPU)"
+    if cal.overlapped is not None:
+        return cal.overlapped["link"].experts_per_s, cal.overlapped["cpu"].experts_per_s, "measured together"
+    if cal.h2d is None:
+        raise ValueError("the calibration has no host -> device rate: measure it with `ferryman bench bw` on this machine")
+    return cal.h2d.experts_per_s, cal.cpu_compute.experts_per_s, "measured alone"
+
+
+def decide(mode: str, r_link: float, r_cpu: float, source: str) -> HybridDecision:
+    if mode not in MODES:
+        raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return HybridDecision(mode, False, r_link, r_cpu, source, "off")
+    if mode == "on":
+        return HybridDecision(mode, True, r_link, r_cpu, source, "forced")
+    pays = r_cpu >= MIN_CPU_SHARE * r_link
+    why = f"CPU rate {'>=' if pays else '<'} {MIN_CPU_SHARE} x link rate"
+    return HybridDecision(mode, pays, r_link, r_cpu, source, why)
+
+
+@dataclass
+class ReuseHistory:
+    """How recently and often each (layer, expert) was used: a value that gains 1 per use and
+    halves every `half_life` engine steps (the CRF of policies.LRFUPolicy, over used experts)."""
+
+    half_life: float = 16.0
+    now: int = 0
+    last: dict[tuple[int, int], int] = field(default_factory=dict)
+    crf: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def advance(self) -> None:
+        self.now += 1
+
+    def score(self, key: tuple[int, int]) -> float:
+        if key not in self.crf:
+            return 0.0
+        return self.crf[key] * 2.0 ** (-(self.now - self.last[key]) / self.half_life)
+
+    def use(self, keys: list[tuple[int, int]]) -> None:
+        for key in keys:
+            self.crf[key], self.last[key] = 1.0 + self.score(key), self.now
+
+
+@dataclass
+class SplitCounters:
+    steps: int = 0  # layer steps that sent at least one miss to the CPU
+    fetched: int = 0  # misses fetched in split-eligible layer steps
+    cpu: int = 0  # misses computed on the CPU
+
+
+class HybridSplit:
+    """Per layer step: which misses to fetch, which to compute on the CPU."""
+
+    def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS) -> None:
+        self.decision, self.max_tokens = decision, max_tokens
+        self.history = ReuseHistory()
+        self.counters = SplitCounters()
+
+    def applies(self, tokens: int, streaming: bool) -> bool:
+        return self.decision.enabled and not streaming and tokens <= self.max_tokens
+
+    def split(self, layer: int, misses: list[int], room: int) -> tuple[list[int], list[int]]:
+        """(fetch, cpu), both ascending; at most `room` fetched (slots not in use after the hits)."""
+        f = min(split_fetch(len(misses), self.decision.link, self.decision.cpu), max(0, room))
+        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
+        fetch, cpu = sorted(ranked[:f]), sorted(ranked[f:])
+        c = self.counters
+        c.fetched += len(fetch)
+        c.cpu += len(cpu)
+        c.steps += int(bool(cpu))
+        return fetch, cpu
+
+    def stats(self) -> dict:
+        c = self.counters
+        return {"hybrid": self.decision.as_dict(), "split_steps": c.steps,
+                "split_fetch_ratio": c.fetched / (c.fetched + c.cpu) if c.fetched + c.cpu else None}
+
+
+def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
+                calibration: str | Path | None = None) -> HybridSplit | None:
+    """None for "off"; else the split with rates from the calibration file for this model's experts
+    on this machine, or measured now in a few hundred ms on the engine's own store and slots."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    from ferryman.calibrate.bandwidth import quick_calibration
+
+    key = expert_key(cache.store.cfg, cache.store.dtype)
+    cal, why = load_matching(key, Path(calibration) if calibration is not None else None)
+    if cal is None:
+        cal = quick_calibration(cache, act, overlap_share=MIN_CPU_SHARE)
+        why += "; measured quickly at start (`ferryman bench bw` measures carefully)"
+    r_link, r_cpu, which = rates(cal, cache.device.type == "cuda")
+    decision = decide(mode, r_link, r_cpu, f"{which}, {why}")
+    log.info("%s", decision.describe())
+    return HybridSplit(decision)

@@ -1,0 +1,310 @@
+"""The hybrid split (experts/hybrid.py), the CPU expert path (experts/cpu_compute.py) and the
+calibration file (calibrate/): split sizes against a brute-force search, greedy tokens with a 10%
+cache and cpu_experts="on" equal to the resident engine's (which test_hf_parity checks against
+transformers) on the tiny models of every architecture and on the demo model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferryman import LLM, SamplingParams
+from ferryman.calibrate.calibration import (
+    Calibration,
+    Rate,
+    default_path,
+    expert_key,
+    fingerprint,
+    load,
+    load_matching,
+    machine_info,
+    save,
+)
+from ferryman.config import ModelConfig
+from ferryman.errors import ConfigError
+from ferryman.experts.hybrid import (
+    MIN_CPU_SHARE,
+    HybridSplit,
+    ReuseHistory,
+    decide,
+    split_fetch,
+)
+from tiny_models import ARCHS, build_tiny
+
+PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
+
+
+def _brute_force(m: int, r_link: float, r_cpu: float) -> int:
+    """The largest F in 0..m minimising max(F / r_link, (m - F) / r_cpu), by trying every F."""
+    def cost(f: int) -> float:
+        link = f / r_link if r_link else (0.0 if f == 0 else float("inf"))
+        cpu = (m - f) / r_cpu if r_cpu else (0.0 if f == m else float("inf"))
+        return max(link, cpu)
+
+    best = min(cost(f) for f in range(m + 1))
+    return max(f for f in range(m + 1) if cost(f) == best)
+
+
+def test_split_fetch_matches_brute_force() -> None:
+    for m, r_link, r_cpu in itertools.product(range(13), (1.0, 3.0, 1000.0, 4079.0), (0.5, 1.0, 1045.0, 3000.0)):
+        assert split_fetch(m, r_link, r_cpu) == _brute_force(m, r_link, r_cpu), (m, r_link, r_cpu)
+
+
+def test_split_fetch_exact_values_and_edges() -> None:
+    assert split_fetch(10, 3.0, 1.0) == 8  # q = 0.75: F=7 costs max(7/3, 3) = 3, F=8 costs 8/3
+    assert split_fetch(8, 1.0, 1.0) == 4
+    assert split_fetch(1, 1.0, 1.0) == 1  # a tie goes to fetching: the expert gets cached
+    assert split_fetch(3, 1000.0, 3000.0) == 1
+    assert split_fetch(0, 1.0, 1.0) == 0
+    assert split_fetch(5, 1.0, 0.0) == 5  # no CPU rate: fetch everything
+    assert split_fetch(5, 0.0, 1.0) == 0
+    for bad in ((-1, 1.0, 1.0), (2, -1.0, 1.0), (2, 1.0, float("nan")), (2, float("inf"), 1.0)):
+        with pytest.raises(ValueError):
+            split_fetch(*bad)
+
+
+def test_decide_auto_threshold_and_modes() -> None:
+    assert decide("auto", 100.0, MIN_CPU_SHARE * 100.0, "test").enabled
+    assert not decide("auto", 100.0, MIN_CPU_SHARE * 100.0 - 1e-6, "test").enabled
+    assert decide("on", 100.0, 0.0, "test").enabled and not decide("off", 1.0, 1e9, "test").enabled
+    text = decide("auto", 4000.0, 1000.0, "measured together").describe()
+    assert "4,000 experts/s" in text and "1,000 experts/s" in text and "fetch share 0.80" in text
+    with pytest.raises(ValueError, match="cpu_experts"):
+        decide("sometimes", 1.0, 1.0, "test")
+    with pytest.raises(ConfigError, match="cpu_experts"):
+        LLM(device="cpu", cpu_experts="yes")
+
+
+def test_reuse_history_halves_per_half_life_and_ranks_the_fetched() -> None:
+    h = ReuseHistory(half_life=4.0)
+    h.use([(0, 1)])
+    h.use([(0, 1)])
+    assert h.score((0, 1)) == 2.0 and h.score((0, 2)) == 0.0
+    for _ in range(4):
+        h.advance()
+    assert h.score((0, 1)) == pytest.approx(1.0)
+    split = HybridSplit(decide("on", 1.0, 1.0, "test"))
+    split.history.use([(3, 7), (3, 7), (3, 2)])
+    assert split.split(3, [2, 5, 7, 9], room=8) == ([2, 7], [5, 9])  # the two used before are fetched
+    assert split.split(3, [2, 5, 7, 9], room=1) == ([7], [2, 5, 9])  # no room: more for the CPU
+    assert split.stats()["split_fetch_ratio"] == pytest.approx(3 / 8)
+
+
+# ---- calibration file -------------------------------------------------------------------------
+
+
+def _preset(name: str) -> ModelConfig:
+    from ferryman.weights.build import resolve_hf_config
+
+    return ModelConfig.from_hf(resolve_hf_config(name, "dummy")[0])
+
+
+def _calibration(cfg: ModelConfig, dtype: torch.dtype, link: float, cpu: float) -> Calibration:
+    key = expert_key(cfg, dtype)
+    return Calibration(key, machine_info(), cpu_compute=Rate.of(1 / cpu, key["expert_bytes"], 5),
+                       host_copy=Rate.of(1 / link, key["row_bytes"], 5))
+
+
+def test_calibration_round_trip_and_keying(tmp_path: Path) -> None:
+    qwen = _preset("qwen3-30b-a3b")
+    cal = _calibration(qwen, torch.bfloat16, 4000.0, 1000.0)
+    save(cal, tmp_path / "c.json")
+    assert load(tmp_path / "c.json") == cal
+    full = dataclasses.replace(cal, h2d=cal.host_copy, host_read_gbps=93.0,
+                               overlapped={"link": cal.host_copy, "cpu": cal.cpu_compute})
+    save(full, tmp_path / "full.json")
+    assert load(tmp_path / "full.json") == full
+    got, why = load_matching(cal.key, tmp_path / "c.json")
+    assert got == cal and "read" in why
+    # same format (dense), another expert size or dtype: another key, the file is not used
+    wider = dataclasses.replace(qwen, moe_intermediate_size=1536)
+    for key in (expert_key(wider, torch.bfloat16), expert_key(qwen, torch.float16)):
+        assert key["format"] == cal.key["format"] and fingerprint(key) != cal.fingerprint
+        assert default_path(key) != default_path(cal.key)
+        assert load_matching(key, tmp_path / "c.json")[0] is None
+    assert expert_key(qwen, torch.bfloat16)["expert_bytes"] == 3 * 2048 * 768 * 2
+    moved = dataclasses.replace(cal, machine={**cal.machine, "threads": cal.machine["threads"] + 1})
+    save(moved, tmp_path / "m.json")
+    got, why = load_matching(cal.key, tmp_path / "m.json")
+    assert got is None and "threads" in why
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="bad.json"):
+        load(tmp_path / "bad.json")
+
+
+def test_bench_bw_on_cpu_prints_measured_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from ferryman.cli import main
+
+    out = tmp_path / "cal.json"
+    assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "16", "--pool-mib", "8"]) == 0
+    text = capsys.readouterr().out
+    cal = load(out)
+    assert cal.key == expert_key(_preset_demo(), torch.bfloat16) and cal.machine == machine_info()
+    assert f"host read: {cal.host_read_gbps:.1f} GB/s" in text
+    assert f"CPU compute: {cal.cpu_compute.experts_per_s:,.0f} experts/s" in text
+    assert "skipped, no CUDA device" in text and cal.h2d is None
+    assert cal.cpu_compute.reps == 3 and cal.host_copy.experts_per_s > 0 and f"wrote {out}" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "bw", "--help"])
+    assert "never by format alone" in capsys.readouterr().out
+
+
+def test_expert_cycle_walks_every_expert_of_every_pool() -> None:
+    from ferryman.calibrate.bandwidth import ExpertCycle
+
+    cycle = ExpertCycle(pools=2, experts=5, k=2)
+    reps = [cycle.next() for _ in range(5)]
+    assert reps == [(0, [0, 1]), (0, [2, 3]), (0, [4, 0]), (1, [1, 2]), (1, [3, 4])]
+    assert cycle.next() == (0, [0, 1])
+    with pytest.raises(ValueError):
+        ExpertCycle(pools=1, experts=2, k=3)
+
+
+def test_overlapped_measures_both_loops_over_the_window() -> None:
+    """The CUDA-only 'together' figure, run here with a host copy as the link: both loops run for the
+    window and count what they finished."""
+    import time
+
+    from ferryman.calibrate.bandwidth import MiB, dummy_copy_rep, dummy_cpu_rep, overlapped
+    from ferryman.layers.fused_moe import MoEActivation
+
+    cfg = _preset_demo()
+    key = expert_key(cfg, torch.bfloat16)
+    link, pinned = dummy_copy_rep(key["row_bytes"], cfg.top_k, 8 * MiB, torch.device("cpu"))
+    assert not pinned  # a host target is never pinned
+    cpu = dummy_cpu_rep(cfg, torch.bfloat16, MoEActivation(), 8 * MiB)
+    start = time.perf_counter()
+    both = overlapped(link, cfg.top_k, cpu, cfg.top_k, key["expert_bytes"], 0.2)
+    assert 0.2 <= time.perf_counter() - start < 2.0
+    assert both["link"].reps >= cfg.top_k and both["cpu"].reps >= cfg.top_k
+    assert both["cpu"].gbps == pytest.approx(both["cpu"].experts_per_s * key["expert_bytes"] / 1e9)
+
+
+def _preset_demo() -> ModelConfig:
+    from ferryman.llm import default_model
+
+    return ModelConfig.from_hf(default_model())
+
+
+# ---- CPU expert path --------------------------------------------------------------------------
+
+
+def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
+    """The CPU's part for some experts + fused_moe on the others (weights zeroed) = fused_moe on all;
+    the worker thread gives the same tensor as the inline path."""
+    from ferryman.experts.cpu_compute import CPUExperts
+    from ferryman.experts.host_store import HostExpertStore
+    from ferryman.layers.fused_moe import MoEActivation, fused_moe
+
+    cfg = _preset_demo()
+    store = HostExpertStore(cfg, torch.float32, pin=False)
+    gen = torch.Generator().manual_seed(0)
+    for banks in store.banks.values():
+        for bank in banks.values():
+            bank.copy_(torch.randn(bank.shape, generator=gen) * 0.1)
+    act = MoEActivation()
+    x = torch.randn(3, cfg.hidden_size, generator=gen)  # [T, H]
+    ids = torch.tensor([[1, 5, 9, 30], [5, 2, 1, 7], [0, 9, 3, 4]])  # [T, K]
+    w = torch.rand(3, 4, generator=gen)
+    on_cpu = [1, 9, 3]
+    inline, threaded = CPUExperts(store, act, threaded=False), CPUExperts(store, act, threaded=True)
+    part = inline.result(inline.submit(2, x, ids, w, on_cpu))
+    assert torch.equal(threaded.result(threaded.submit(2, x, ids, w, on_cpu)), part)
+    rest = fused_moe("dense", store.banks[2], x, ids, w.masked_fill(torch.isin(ids, torch.tensor(on_cpu)), 0), act)
+    whole = fused_moe("dense", store.banks[2], x, ids, w, act)
+    assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
+    assert inline.stats()["cpu_computed"] == 3 and inline.stats()["cpu_pairs"] == 5
+
+
+# ---- the engine: hybrid answers = resident answers --------------------------------------------
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp(request.param)
+    build_tiny(request.param, folder)
+    return request.param, folder
+
+
+@pytest.mark.parametrize("rates", [(1000.0, 3000.0), (1.0, 1e9)], ids=["cpu-3x-link", "all-misses-on-cpu"])
+def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates: tuple[float, float],
+                                                  tmp_path: Path) -> None:
+    arch, folder = tiny
+    cfg = ModelConfig.from_hf(folder)
+    path = tmp_path / "cal.json"
+    save(_calibration(cfg, torch.float32, *rates), path)
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
+    want = _greedy(LLM(str(folder), **kw), PROMPTS, 16)
+    hybrid = LLM(str(folder), moe_strategy="offload", expert_cache="10%", cpu_experts="on",
+                 calibration=str(path), **kw)
+    assert _greedy(hybrid, PROMPTS, 16) == want, f"{arch}: hybrid greedy tokens differ from resident"
+    st = hybrid.stats()["experts"]
+    assert st["hybrid"]["enabled"] and "read" in st["hybrid"]["source"]
+    assert st["hybrid"]["link_experts_per_s"] == pytest.approx(rates[0])
+    assert st["cpu_computed"] > 0 and st["split_steps"] > 0 and st["cpu_seconds"] > 0, st
+    if rates[1] > 1e6:  # the link is hopeless: decode misses all go to the CPU
+        assert st["split_fetch_ratio"] == 0.0
+
+
+def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
+    cfg = _preset_demo()
+    path = tmp_path / "cal.json"
+    save(_calibration(cfg, torch.float32, 4000.0, 999.0), path)  # just below 0.25 x link
+    llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", cpu_experts="auto",
+              calibration=str(path))
+    _greedy(llm, [[5, 6, 7]], 4)
+    st = llm.stats()["experts"]
+    assert not st["hybrid"]["enabled"] and "cpu_computed" not in st and st["split_steps"] == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
+def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thread: bool, tmp_path: Path) -> None:
+    """No calibration file: the rates are measured at start on the engine's own store and slots."""
+    from ferryman.experts.placement import rebind_offload
+
+    prompts = ["def quicksort(xs):", "import os\nimport sys\n\n\nclass ", "    for i in range(", "# "]
+    kw = dict(device="cpu", dtype=dtype, max_num_batched_tokens=32)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in prompts]
+    hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    backend = rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(tmp_path / "none.json"),
+                             cpu_thread=cpu_thread)
+    assert (backend.cpu.pool is not None) == cpu_thread
+    assert _greedy(hybrid, ids, 40) == _greedy(resident, ids, 40)
+    st = hybrid.stats()["experts"]
+    assert "measured quickly" in st["hybrid"]["source"] and st["hybrid"]["cpu_experts_per_s"] > 0
+    assert st["cpu_computed"] > 0 and 0 < st["split_fetch_ratio"] < 1
+
+
+@pytest.mark.gpu
+def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
+    """On CUDA the CPU part runs in a worker thread while the device fetches and computes the rest;
+    the quick calibration measures the link and the CPU running together."""
+    kw = dict(device="cuda", dtype="float32", enforce_eager=True)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
+    hybrid = LLM(moe_strategy="offload", expert_cache=24, cpu_experts="on", calibration=str(tmp_path / "n.json"), **kw)
+    assert hybrid.engine.runner.experts.cpu.pool is not None
+    assert _greedy(hybrid, ids, 32) == _greedy(resident, ids, 32)
+    st = hybrid.stats()["experts"]
+    assert st["cpu_computed"] > 0 and "measured together" in st["hybrid"]["source"]
+
+
+@pytest.mark.gpu
+def test_cuda_bench_bw_measures_the_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from ferryman.cli import main
+
+    out = tmp_path / "cal.json"
+    assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "64", "--pool-mib", "64"]) == 0
+    cal = load(out)
+    assert cal.h2d is not None and cal.overlapped is not None and "link:" in capsys.readouterr().out
