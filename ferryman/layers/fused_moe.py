@@ -146,13 +146,11 @@ def fused_moe_gathered(
         raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {flat.min()}, max {flat.max()}")
     bias = form.has_bias(banks)
     xs = x.repeat_interleave(K, dim=0)  # [P, H]
-    w13 = form.dequant(banks, "w13", flat, x.dtype)  # [P, 2I, H]
-    gate_up = torch.bmm(w13, xs[:, :, None])[..., 0]  # [P, 2I]
+    gate_up = _pair_matvecs(form, banks, "w13", flat, xs)  # [P, 2I]
     if bias:
         gate_up = gate_up + banks["w13_bias"][flat].to(x.dtype)
     h = apply_activation(gate_up, act)  # [P, I]
-    w2 = form.dequant(banks, "w2", flat, x.dtype)  # [P, H, I]
-    y = torch.bmm(w2, h[:, :, None])[..., 0]  # [P, H]
+    y = _pair_matvecs(form, banks, "w2", flat, h)  # [P, H]
     if bias:
         y = y + banks["w2_bias"][flat].to(x.dtype)
     y = (y * topk_w.reshape(-1)[:, None]).to(x.dtype).view(T, K, hidden)
@@ -162,6 +160,20 @@ def fused_moe_gathered(
     for k in range(K):
         out = out + y[:, k]
     return out
+
+
+# Dense experts at least this large are multiplied in place (views of the bank, no gathered copy):
+# for big experts the copy costs as much memory traffic as the product itself.
+IN_PLACE_MIN_BYTES = 1 << 20
+
+
+def _pair_matvecs(form: ExpertFormat, banks: Banks, proj: str, flat: torch.Tensor, vecs: torch.Tensor) -> torch.Tensor:
+    """Row p: W_proj[flat[p]] @ vecs[p]. flat: [P] slots, vecs: [P, in] -> [P, out] in vecs.dtype."""
+    bank = banks.get(proj)
+    if bank is not None and bank.dtype == vecs.dtype and bank[0].numel() * bank.element_size() >= IN_PLACE_MIN_BYTES:
+        return torch.stack([torch.mv(bank[e], v) for e, v in zip(flat.tolist(), vecs)])
+    w = form.dequant(banks, proj, flat, vecs.dtype)  # [P, out, in], transient
+    return torch.bmm(w, vecs[:, :, None])[..., 0]
 
 
 def _expert_forward(
