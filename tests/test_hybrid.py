@@ -266,7 +266,10 @@ def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
     assert not st["hybrid"]["enabled"] and "cpu_computed" not in st and st["split_steps"] == 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# fp32 only: rates measured at start vary from run to run, so which misses go to the CPU does too,
+# and in bf16 a different split rounds the expert sum differently (exact greedy equality in bf16 is
+# checked with fixed rates from a calibration file, where the split is deterministic).
+@pytest.mark.parametrize("dtype", ["float32"])
 @pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
 def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thread: bool, tmp_path: Path) -> None:
     """No calibration file: the rates are measured at start on the engine's own store and slots."""
@@ -308,3 +311,19 @@ def test_cuda_bench_bw_measures_the_link(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "64", "--pool-mib", "64"]) == 0
     cal = load(out)
     assert cal.h2d is not None and cal.overlapped is not None and "link:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
+def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: bool, tmp_path: Path) -> None:
+    """bf16 with rates from a file: a deterministic split, and the same greedy tokens as resident."""
+    from ferryman.experts.placement import rebind_offload
+
+    path = tmp_path / "cal.json"
+    save(_calibration(_preset_demo(), torch.bfloat16, 1000.0, 3000.0), path)
+    kw = dict(device="cpu", dtype="bfloat16", max_num_batched_tokens=32)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
+    hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
+    assert _greedy(hybrid, ids, 32) == _greedy(resident, ids, 32)
+    assert hybrid.stats()["experts"]["cpu_computed"] > 0
