@@ -38,6 +38,13 @@ def _e2m1_table(device: torch.device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
+@lru_cache(maxsize=8)
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """fp32 (low nibble, high nibble) values of each byte [256, 2] on `device`."""
+    lut = _e2m1_table(device)
+    return torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)
+
+
 def _exponents(scales: torch.Tensor) -> torch.Tensor:
     """e8m0 bytes -> int32 powers of two (s - 127)."""
     return scales.to(torch.int32) - 127
@@ -61,11 +68,14 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
             f"mxfp4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
             f"(expected blocks = scales.shape + ({BLOCK_BYTES},))"
         )
-    lut = _e2m1_table(blocks.device)
-    lo = lut[(blocks & 0x0F).long()]  # [..., G, 16] elements 2j
-    hi = lut[(blocks >> 4).long()]  # [..., G, 16] elements 2j+1
-    vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., G, 32]
-    vals = torch.ldexp(vals, _exponents(scales).unsqueeze(-1))
+    vals = _byte_pairs(blocks.device)[blocks.long()].flatten(-2)  # [..., G, 32] codes of 2j, 2j+1
+    # x 2^(s-127) as multiplies by finite powers of two, exact like ldexp: s = 255 (2^128 is not a
+    # finite fp32) is 2^127 then x 2, so 0 stays 0 and only values that overflow become inf
+    exp = scales.to(torch.float32).clamp(max=254.0) - 127.0
+    vals.mul_(torch.exp2(exp).unsqueeze(-1))
+    top = scales == 255
+    if bool(top.any()):
+        vals[top] *= 2.0
     return vals.to(dtype).flatten(-2)  # [..., G*32]
 
 
