@@ -1,5 +1,6 @@
 import pytest
 import torch
+from tiny_models import ARCHS
 
 
 def pytest_collection_modifyitems(config, items):
@@ -27,3 +28,13 @@ def server(tiny_model):
     srv = start_server(str(tiny_model))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory):
+    """(architecture, folder) of a tiny random checkpoint of each architecture (tiny_models.py)."""
+    from tiny_models import build_tiny
+
+    folder = tmp_path_factory.mktemp(request.param)
+    build_tiny(request.param, folder)
+    return request.param, folder

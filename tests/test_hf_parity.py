@@ -15,14 +15,14 @@ PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, torch.nn.Module]:
+def tiny_with_ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, torch.nn.Module]:
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, build_tiny(request.param, folder)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_logits_match_transformers(tiny, device: str) -> None:
-    arch, folder, ref = tiny
+def test_logits_match_transformers(tiny_with_ref, device: str) -> None:
+    arch, folder, ref = tiny_with_ref
     llm = LLM(str(folder), device=device, dtype="float32", enforce_eager=True)
     ours = llm.score(PROMPTS)  # one packed batch of different lengths
     for ids, got in zip(PROMPTS, ours):
@@ -33,8 +33,8 @@ def test_logits_match_transformers(tiny, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_tokens_match_transformers(tiny, device: str) -> None:
-    arch, folder, ref = tiny
+def test_greedy_tokens_match_transformers(tiny_with_ref, device: str) -> None:
+    arch, folder, ref = tiny_with_ref
     llm = LLM(str(folder), device=device, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=PROMPTS[:2], params=params)
@@ -44,9 +44,9 @@ def test_greedy_tokens_match_transformers(tiny, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_batched_equals_one_at_a_time(tiny, device: str) -> None:
+def test_batched_equals_one_at_a_time(tiny_with_ref, device: str) -> None:
     """Chunked prefill mixed with decodes (16-token budget) gives the same tokens as solo runs."""
-    arch, folder, _ = tiny
+    arch, folder, _ = tiny_with_ref
     llm = LLM(str(folder), device=device, dtype="float32", max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = PROMPTS + [[3, 4]]

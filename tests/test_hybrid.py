@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferryman import LLM, SamplingParams
+from ferryman import LLM
 from ferryman.calibrate.calibration import (
     Calibration,
     Rate,
@@ -33,7 +33,7 @@ from ferryman.experts.hybrid import (
     decide,
     split_fetch,
 )
-from tiny_models import ARCHS, build_tiny
+from tiny_models import greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 
@@ -223,18 +223,6 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
 # ---- the engine: hybrid answers = resident answers --------------------------------------------
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    folder = tmp_path_factory.mktemp(request.param)
-    build_tiny(request.param, folder)
-    return request.param, folder
-
-
 @pytest.mark.parametrize("rates", [(1000.0, 3000.0), (1.0, 1e9)], ids=["cpu-3x-link", "all-misses-on-cpu"])
 def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates: tuple[float, float],
                                                   tmp_path: Path) -> None:
@@ -243,10 +231,10 @@ def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates:
     path = tmp_path / "cal.json"
     save(_calibration(cfg, torch.float32, *rates), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
-    want = _greedy(LLM(str(folder), **kw), PROMPTS, 16)
+    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 16)
     hybrid = LLM(str(folder), moe_strategy="offload", expert_cache="10%", cpu_experts="on",
                  calibration=str(path), **kw)
-    assert _greedy(hybrid, PROMPTS, 16) == want, f"{arch}: hybrid greedy tokens differ from resident"
+    assert greedy_ids(hybrid, PROMPTS, 16) == want, f"{arch}: hybrid greedy tokens differ from resident"
     st = hybrid.stats()["experts"]
     assert st["hybrid"]["enabled"] and "read" in st["hybrid"]["source"]
     assert st["hybrid"]["link_experts_per_s"] == pytest.approx(rates[0])
@@ -261,7 +249,7 @@ def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
     save(_calibration(cfg, torch.float32, 4000.0, 999.0), path)  # just below 0.25 x link
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", cpu_experts="auto",
               calibration=str(path))
-    _greedy(llm, [[5, 6, 7]], 4)
+    greedy_ids(llm, [[5, 6, 7]], 4)
     st = llm.stats()["experts"]
     assert not st["hybrid"]["enabled"] and "cpu_computed" not in st and st["split_steps"] == 0
 
@@ -283,7 +271,7 @@ def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thr
     backend = rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(tmp_path / "none.json"),
                              cpu_thread=cpu_thread)
     assert (backend.cpu.pool is not None) == cpu_thread
-    assert _greedy(hybrid, ids, 40) == _greedy(resident, ids, 40)
+    assert greedy_ids(hybrid, ids, 40) == greedy_ids(resident, ids, 40)
     st = hybrid.stats()["experts"]
     assert "measured quickly" in st["hybrid"]["source"] and st["hybrid"]["cpu_experts_per_s"] > 0
     assert st["cpu_computed"] > 0 and 0 < st["split_fetch_ratio"] < 1
@@ -298,7 +286,7 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
     hybrid = LLM(moe_strategy="offload", expert_cache=24, cpu_experts="on", calibration=str(tmp_path / "n.json"), **kw)
     assert hybrid.engine.runner.experts.cpu.pool is not None
-    assert _greedy(hybrid, ids, 32) == _greedy(resident, ids, 32)
+    assert greedy_ids(hybrid, ids, 32) == greedy_ids(resident, ids, 32)
     st = hybrid.stats()["experts"]
     assert st["cpu_computed"] > 0 and "measured together" in st["hybrid"]["source"]
 
@@ -325,5 +313,5 @@ def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: boo
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
     rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
-    assert _greedy(hybrid, ids, 32) == _greedy(resident, ids, 32)
+    assert greedy_ids(hybrid, ids, 32) == greedy_ids(resident, ids, 32)
     assert hybrid.stats()["experts"]["cpu_computed"] > 0

@@ -9,23 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferryman import LLM, SamplingParams
-from tiny_models import ARCHS, build_tiny
+from ferryman import LLM
+from tiny_models import greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    folder = tmp_path_factory.mktemp(request.param)
-    build_tiny(request.param, folder)
-    return request.param, folder
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -34,8 +22,8 @@ def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], devic
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
     resident = LLM(str(folder), **kw)
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="10%", **kw)
-    want = _greedy(resident, PROMPTS, 16)
-    got = _greedy(offload, PROMPTS, 16)
+    want = greedy_ids(resident, PROMPTS, 16)
+    got = greedy_ids(offload, PROMPTS, 16)
     assert got == want, f"{arch}: offloaded greedy tokens differ from resident"
     st = offload.stats()["experts"]
     total = len(offload.engine.cfg.moe_layers) * offload.engine.cfg.num_experts
@@ -70,7 +58,7 @@ def test_demo_model_offload_10pct_equals_resident(dtype: str) -> None:
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in prompts]
     offload = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-    assert _greedy(offload, ids, 40) == _greedy(resident, ids, 40)
+    assert greedy_ids(offload, ids, 40) == greedy_ids(resident, ids, 40)
     st = offload.stats()["experts"]
     assert st["slots"] == 32 and st["hits"] > 0 and st["misses"] > 0
     assert 0 <= st["guess_recall"] <= 1
@@ -89,7 +77,7 @@ def test_demo_model_every_policy_and_layout_equals_resident(device: str, options
     offload = LLM(moe_strategy="offload", expert_cache=24, **kw)
     backend = rebind_offload(offload.engine.runner, **options)
     assert backend.cache.table.policy.name == options["policy"]
-    assert _greedy(offload, ids, 32) == _greedy(resident, ids, 32)
+    assert greedy_ids(offload, ids, 32) == greedy_ids(resident, ids, 32)
     st = offload.stats()["experts"]
     assert st["misses"] > 0 and (st["prefetch_fetched"] == 0) == (options.get("prefetch") is False)
 
@@ -107,6 +95,6 @@ def test_cuda_copy_stream_never_races_the_kernels(expert_major: bool) -> None:
     ids = [resident.encode("import os\nimport sys\n\ndef main(")]
     offload = LLM(moe_strategy="offload", expert_cache=2, **kw)
     rebind_offload(offload.engine.runner, expert_major=expert_major)
-    assert _greedy(offload, ids * 3, 48) == _greedy(resident, ids * 3, 48)
+    assert greedy_ids(offload, ids * 3, 48) == greedy_ids(resident, ids * 3, 48)
     st = offload.stats()["experts"]
     assert st["host_pinned"] and st["h2d_seconds"] > 0 and st["stall_seconds"] >= 0

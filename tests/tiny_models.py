@@ -86,6 +86,14 @@ def _write_mxfp4(model: torch.nn.Module, folder: Path, gen: torch.Generator) -> 
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def greedy_ids(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """ferryman's greedy tokens (n per prompt, eos ignored) for token-id prompts."""
+    from ferryman import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
+
+
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()

@@ -47,9 +47,3 @@ class ExpertStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for b in self.banks.values() for t in b.values())
-
-    def expert_bytes(self) -> int:
-        """Bytes of one expert of one layer, all banks together."""
-        return self.format.expert_bytes(
-            self.cfg.hidden_size, self.cfg.moe_intermediate_size, self.cfg.expert_bias, self.dtype
-        )
