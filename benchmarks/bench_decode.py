@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N decode tokens: top kernels by GPU time and GPU busy / wall")
     a = ap.parse_args()
     bw = device_bandwidth()
     t0 = time.perf_counter()
@@ -79,6 +81,30 @@ def main() -> None:
     print(f"ttft: {outs[0].metrics.ttft_s * 1000:.1f} ms")
     print(f"bytes read per decode step: {need / 2**30:.3f} GiB; device copy bandwidth {bw / 1e9:.0f} GB/s")
     print(f"memory-bandwidth limit: {limit:.0f} tok/s; achieved / limit = {rate / limit:.2f}")
+    if a.profile:
+        try:
+            profile(llm, prompts, a.profile)
+        except Exception as e:  # noqa: BLE001 - the figures above stand without the profile
+            print(f"profile failed: {e!r}")
+
+
+def profile(llm: LLM, prompts: list[list[int]], tokens: int) -> None:
+    """Where a decode step's time goes: kernels by total GPU time, and the GPU's idle share."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=prompts, params=params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    print(f"profile of {tokens} tokens: wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms "
+          f"({busy / wall:.0%}); per token {wall / tokens * 1e6:.0f} us wall, {busy / tokens * 1e6:.0f} us GPU")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:20]:
+        print(f"  {e.self_device_time_total / tokens:9.1f} us/token  x{e.count / tokens:6.1f}  {e.key[:110]}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
 #   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
-# Stages: tests decode kernels prefix offload serve (default: tests decode kernels)
+# Stages: tests decode kernels prefix offload20 (gpt-oss-20b only) offload serve (default: tests decode kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -27,13 +27,16 @@ for s in "${@:-tests decode kernels}"; do
   for s1 in $s; do
     case "$s1" in
       tests)   stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
-      decode)  stage decode 120 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256
+      decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
+                 --profile 64
                stage decode_fusek 120 env FERRYMAN_MOE_DECODE_TILES=16,512,2,fma,fusek \
                  python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
       kernels) stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                stage attention 60 python3 benchmarks/bench_attention.py ;;
       prefix)  stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                  --prefix-tokens 4096 --tail-tokens 128 ;;
+      offload20) stage offload20 200 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128 \
+                 --json "$OUT/offload20.json" ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
@@ -42,7 +45,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve 300 python3 -m ferryman bench serve http://127.0.0.1:8123 --concurrency 1,4,16 \
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests decode kernels prefix offload serve)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests decode kernels prefix offload20 offload serve)"; exit 2 ;;
     esac
   done
 done
