@@ -273,8 +273,13 @@ class EngineConfig:
             raise ConfigError(f"cpu_experts must be one of off, auto, on, got {self.cpu_experts!r}")
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
-        return torch.device(self.device)
+        """The device, with an index on CUDA (some torch.cuda calls refuse a bare 'cuda')."""
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} was asked for but torch sees no CUDA device")
+        dev = torch.device(name)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev

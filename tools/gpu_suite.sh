@@ -4,7 +4,7 @@
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
 #   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
-# Stages: tests decode kernels prefix offload20 (gpt-oss-20b only) offload serve (default: tests decode kernels)
+# Stages: tests grouped (the 300-token grouped-kernel test, apart) decode kernels prefix offload20 (gpt-oss-20b only) offload serve (default: tests decode kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -16,6 +16,8 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 
+BIG_GROUPED="tests/test_grouped_moe.py::test_grouped_moe_on_cuda_gpt_oss_20b_layer[300]"
+
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   echo "=== $name (limit ${secs}s): $*"
@@ -26,7 +28,9 @@ stage() {  # stage NAME SECONDS COMMAND...
 for s in "${@:-tests decode kernels}"; do
   for s1 in $s; do
     case "$s1" in
-      tests)   stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+      tests)   stage gpu_tests 240 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 --durations=15 --deselect "$BIG_GROUPED" tests/ ;;
+      grouped) stage gpu_grouped 120 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 "$BIG_GROUPED" ;;
       decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
                  --profile 64
                stage decode_fusek 120 env FERRYMAN_MOE_DECODE_TILES=16,512,2,fma,fusek \
@@ -45,7 +49,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve 300 python3 -m ferryman bench serve http://127.0.0.1:8123 --concurrency 1,4,16 \
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests decode kernels prefix offload20 offload serve)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests grouped decode kernels prefix offload20 offload serve)"; exit 2 ;;
     esac
   done
 done

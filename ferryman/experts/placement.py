@@ -60,7 +60,8 @@ def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if budget > total:
         raise ConfigError(f"gpu_memory {budget / 2**30:.2f} GiB exceeds the device's {total / 2**30:.2f} GiB")
-    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(budget / total, index)
 
 
 def store_factory(plan: MemoryPlan, device: torch.device) -> StoreFactory:
