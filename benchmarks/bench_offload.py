@@ -37,16 +37,17 @@ TARGETS = ("gpt-oss-120b:16GiB", "gpt-oss-20b:8GiB", "qwen3-30b-a3b:8GiB")
 
 
 def link_bandwidth(row_bytes: int, device: torch.device, copies: int = 64) -> float:
-    """Bytes/s of `copies` back-to-back host -> device copies of one expert row (pinned on CUDA)."""
+    """Bytes/s of `copies` back-to-back host -> device copies of distinct expert rows (pinned on
+    CUDA) into one device row: the engine's budget leaves no room for more."""
     cuda = device.type == "cuda"
     src = torch.empty((copies, row_bytes), dtype=torch.uint8, pin_memory=cuda)
-    dst = torch.empty((copies, row_bytes), dtype=torch.uint8, device=device)
+    dst = torch.empty(row_bytes, dtype=torch.uint8, device=device)
     for _ in range(2):
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         for i in range(copies):
-            dst[i].copy_(src[i], non_blocking=True)
+            dst.copy_(src[i], non_blocking=True)
         if cuda:
             torch.cuda.synchronize(device)
         spent = time.perf_counter() - t0

@@ -23,6 +23,18 @@ def load_tokenizer(folder: Path | None) -> Any | None:
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
+class TokenIdText:
+    """The text of a model without tokenizer files (dummy presets, bare checkpoints): every token
+    shown as `<id>`, so outputs stay visible and streamable (`ferryman bench serve` counts them)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
 def extra_eos_ids(folder: Path | None, tokenizer: Any | None) -> set[int]:
     """End-of-sequence ids beyond config.json: generation_config.json and the tokenizer's eos."""
     ids: set[int] = set()

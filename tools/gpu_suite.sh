@@ -4,7 +4,7 @@
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
 #   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
-# Stages: tests grouped (the 300-token grouped-kernel test, apart) decode kernels prefix offload20 (gpt-oss-20b only) offload serve (default: tests decode kernels)
+# Stages: tests grouped (the 300-token grouped-kernel test, apart) decode (two runs) fusek kernels prefix offload20 offload120 offloadqwen (one target each) offload (all three) serve (default: tests decode kernels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -33,23 +33,26 @@ for s in "${@:-tests decode kernels}"; do
       grouped) stage gpu_grouped 120 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 "$BIG_GROUPED" ;;
       decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
                  --profile 64
-               stage decode_fusek 120 env FERRYMAN_MOE_DECODE_TILES=16,512,2,fma,fusek \
+               stage decode2 100 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
+      fusek)   stage decode_fusek 120 env FERRYMAN_MOE_DECODE_TILES=16,512,2,fma,fusek \
                  python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 ;;
       kernels) stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                stage attention 60 python3 benchmarks/bench_attention.py ;;
       prefix)  stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                  --prefix-tokens 4096 --tail-tokens 128 ;;
-      offload20) stage offload20 200 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128 \
-                 --json "$OUT/offload20.json" ;;
+      offload20)  stage offload20 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --json "$OUT/offload20.json" ;;
+      offload120) stage offload120 200 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
+      offloadqwen) stage offloadqwen 150 python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --json "$OUT/offloadqwen.json" ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 120); do curl -sf 127.0.0.1:8123/health >/dev/null && break; sleep 1; done
-               stage serve 300 python3 -m ferryman bench serve http://127.0.0.1:8123 --concurrency 1,4,16 \
+               stage serve 240 python3 -m ferryman bench serve http://127.0.0.1:8123 --concurrency 1,4,16 \
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
+               curl -s 127.0.0.1:8123/v1/stats > "$OUT/serve_stats.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests grouped decode kernels prefix offload20 offload serve)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offload serve)"; exit 2 ;;
     esac
   done
 done

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferryman.tokenizer import TokenIdText
+
 
 class IncrementalDetokenizer:
     """Decodes a growing list of token ids; emits only text that can no longer change.
 
     A trailing U+FFFD means the last token ended inside a multi-byte character: that tail is held
     back until the next token completes it. Stop strings are searched in the text; text from the
-    first stop string on is never emitted.
+    first stop string on is never emitted. Without a tokenizer the text is the ids as `<id>`.
     """
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else TokenIdText()
         self.stop = [s for s in stop if s]
         self.text = ""  # stable text emitted so far
         self.stopped = False
 
     def update(self, token_ids: list[int]) -> str:
         """Feed all output ids so far; returns the new stable text (may be empty)."""
-        if self.tokenizer is None or self.stopped:
+        if self.stopped:
             return ""
         full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if full.endswith("\ufffd"):
@@ -42,7 +44,7 @@ class IncrementalDetokenizer:
 
     def flush(self, token_ids: list[int]) -> str:
         """At the end: everything decoded that a stop string did not cut."""
-        if self.tokenizer is None or self.stopped:
+        if self.stopped:
             return ""
         full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         delta = full[len(self.text) :]

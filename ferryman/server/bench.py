@@ -62,6 +62,19 @@ def first_model(cfg: BenchConfig) -> str:
         return json.load(resp)["data"][0]["id"]
 
 
+def link_bytes(cfg: BenchConfig) -> int | None:
+    """Expert bytes the server copied host -> device so far (ferryman's /v1/stats); None elsewhere."""
+    req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/stats", headers=_headers(cfg))
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            stats = json.load(resp)
+    except (OSError, ValueError):  # a peer without /v1/stats, or an unreadable answer
+        return None
+    experts = stats.get("experts") if isinstance(stats, dict) else None
+    value = experts.get("bytes_h2d") if isinstance(experts, dict) else None
+    return int(value) if isinstance(value, (int, float)) else None
+
+
 def _sse_data(resp: Any) -> Any:
     """Yield (arrival time, parsed JSON) of each `data:` line until [DONE]."""
     for raw in resp:
@@ -90,6 +103,9 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
                     res.output_tokens = obj["usage"]["completion_tokens"]
                 if obj.get("choices") and obj["choices"][0].get("text"):
                     arrivals.append(now)
+    except urllib.error.HTTPError as e:  # the server's error object says why
+        res.error = f"HTTP {e.code}: {_error_message(e)}"
+        return res
     except (OSError, RuntimeError, ValueError, urllib.error.URLError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -102,6 +118,15 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
     if res.output_tokens > 1:
         res.tpot_s = (arrivals[-1] - arrivals[0]) / (res.output_tokens - 1)
     return res
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(e.read() or b"{}")
+    except (OSError, ValueError):
+        return str(e.reason)
+    err = body.get("error", body) if isinstance(body, dict) else {}
+    return str(err.get("message", e.reason)) if isinstance(err, dict) else str(e.reason)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -132,6 +157,7 @@ def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random
             with lock:
                 results.append(r)
 
+    before = link_bytes(cfg)
     start = time.perf_counter()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
@@ -139,7 +165,12 @@ def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return summarize(concurrency, results, wall)
+    row = summarize(concurrency, results, wall)
+    after = link_bytes(cfg)
+    moved = after - before if before is not None and after is not None else None
+    row["link_bytes"] = moved  # expert bytes copied during the level (prefill included)
+    row["link_bytes_per_output_token"] = moved / row["output_tokens"] if moved is not None and row["output_tokens"] else None
+    return row
 
 
 def summarize(concurrency: int, results: list[RequestResult], wall_s: float) -> dict[str, Any]:
@@ -181,7 +212,9 @@ def format_row(r: dict[str, Any]) -> str:
     return (f"c={r['concurrency']:>3}  req={r['requests']:>3} err={r['errors']}  "
             f"TTFT p50/p99 {_ms(r['ttft_s_p50'])}/{_ms(r['ttft_s_p99'])} ms  "
             f"ITL p50/p99 {_ms(r['itl_s_p50'])}/{_ms(r['itl_s_p99'])} ms  "
-            f"out {r['output_tokens_per_s']:.1f} tok/s")
+            f"out {r['output_tokens_per_s']:.1f} tok/s  TTFT mean {_ms(r['ttft_s_mean'])} ms"
+            + (f"  link {r['link_bytes_per_output_token'] / 2**20:.1f} MiB/token"
+               if r.get("link_bytes_per_output_token") is not None else ""))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

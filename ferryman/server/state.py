@@ -15,6 +15,7 @@ from ferryman.server.errors import APIError
 from ferryman.server.grammar import GrammarCompiler, GrammarLogitsProcessor
 from ferryman.server.harmony import HarmonyParser, harmony_marker_ids
 from ferryman.server.parsers import OutputParser, PlainParser, Qwen3Parser
+from ferryman.tokenizer import TokenIdText
 
 PARSERS = ("auto", "qwen3", "harmony", "none")
 
@@ -113,7 +114,7 @@ class ServerState:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>"
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return (self.tokenizer or TokenIdText()).decode(ids, skip_special_tokens=True)
 
     def stats(self) -> dict[str, Any]:
         return {"alive": self.loop.alive, "dead_reason": self.loop.dead_reason,
