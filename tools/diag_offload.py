@@ -1,0 +1,67 @@
+"""Where offloaded decode spends its time on CUDA: host profile, allocator retries, copy kinds.
+
+    python tools/diag_offload.py [--model gpt-oss-20b] [--budget 8GiB] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from ferryman import LLM, SamplingParams
+from ferryman.experts.placement import rebind_offload
+
+
+def run(llm: LLM, n: int) -> float:
+    p = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=[list(range(100, 228))], params=p)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt-oss-20b")
+    ap.add_argument("--budget", default="8GiB")
+    ap.add_argument("--tokens", type=int, default=64)
+    a = ap.parse_args()
+    llm = LLM(a.model, load_format="dummy", gpu_memory=a.budget, max_model_len=4096, max_num_seqs=1,
+              enforce_eager=True)
+    run(llm, 8)
+    keys = ("hits", "misses", "prefetch_fetched", "prefetch_hits", "bytes_h2d", "copies_h2d", "h2d_seconds",
+            "stall_seconds", "host_pinned", "slots")
+    e0 = llm.stats()["experts"]
+    m0 = torch.cuda.memory_stats()
+    prof = cProfile.Profile()
+    prof.enable()
+    rate = run(llm, a.tokens)
+    prof.disable()
+    e1 = llm.stats()["experts"]
+    m1 = torch.cuda.memory_stats()
+    print(f"decode {rate:.1f} tok/s ({1e3 / rate:.1f} ms/token)")
+    print({k: (e1[k] - e0[k] if isinstance(e1.get(k), (int, float)) and not isinstance(e1.get(k), bool) else e1.get(k))
+           for k in keys if k in e1})
+    print({k: m1.get(k, 0) - m0.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                                   "num_ooms", "num_sync_all_streams")})
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(22)
+    st.sort_stats("cumtime").print_stats(30)
+    rebind_offload(llm.engine.runner, prefetch=False)
+    print(f"no prefetch: {run(llm, a.tokens):.1f} tok/s")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        run(llm, 8)
+    print(pr.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    rows = [e for e in pr.key_averages() if "Memcpy" in e.key or "memcpy" in e.key.lower()]
+    for e in rows:
+        print("copy kind:", e.key, e.count)
+
+
+if __name__ == "__main__":
+    main()
