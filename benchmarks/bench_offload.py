@@ -60,8 +60,9 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[prompt], params=params)[0]
     after = llm.stats()["experts"]
-    delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "h2d_seconds",
-                                                     "stall_seconds", "prefetch_hits") if k in after}
+    delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "copies_h2d", "h2d_seconds",
+                                                     "stall_seconds", "prefetch_fetched", "prefetch_hits")
+             if k in after}
     return {"ttft_s": out.metrics.ttft_s, "decode_tok_s": out.metrics.decode_tokens_per_s, **delta}
 
 
@@ -107,6 +108,10 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"],
         "prefill_stream_limit": a.chunk * bw / uncached if uncached else None,
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
+        "h2d_mib_per_token": dec.get("bytes_h2d", 0) / 2**20 / max(1, a.decode_tokens),
+        "copies_per_token": dec.get("copies_h2d", 0) / max(1, a.decode_tokens),
+        "prefetched_per_token": dec.get("prefetch_fetched", 0) / max(1, a.decode_tokens),
+        "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
     }
     if row["decode_link_limit"] and row["decode_tok_s"]:
         row["decode_vs_link"] = row["decode_tok_s"] / row["decode_link_limit"]
@@ -147,8 +152,8 @@ def main() -> None:
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
     cols = ["model", "budget", "strategy", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
-            "decode_link_limit", "decode_vs_link", "no_hit_limit", "ttft_s", "prefill_tok_s",
-            "prefill_stream_limit", "prefill_vs_stream"]
+            "decode_link_limit", "decode_vs_link", "h2d_mib_per_token", "prefetch_precision", "ttft_s",
+            "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
     for r in rows:
