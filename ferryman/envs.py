@@ -115,6 +115,10 @@ class Envs:
     DISABLE_CUDA_GRAPHS = EnvVar(
         "FERRYMAN_DISABLE_CUDA_GRAPHS", bool, False, "run decode eagerly, without CUDA graphs",
     )
+    SEGMENT_GRAPHS = EnvVar(
+        "FERRYMAN_SEGMENT_GRAPHS", bool, True,
+        "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
+    )
     DEBUG = EnvVar(
         "FERRYMAN_DEBUG", bool, False, "extra checks and logging (slow); full tracebacks",
     )

@@ -12,6 +12,7 @@ EXPECTED_NAMES = [
     "FERRYMAN_ATTN_BACKEND",
     "FERRYMAN_LOG_LEVEL",
     "FERRYMAN_DISABLE_CUDA_GRAPHS",
+    "FERRYMAN_SEGMENT_GRAPHS",
     "FERRYMAN_DEBUG",
 ]
 
@@ -29,6 +30,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_ATTN_BACKEND": "auto",
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,
+        "FERRYMAN_SEGMENT_GRAPHS": True,
         "FERRYMAN_DEBUG": False,
     }
     assert isinstance(Envs.MOE_BACKEND, EnvVar)  # class access gives the descriptor

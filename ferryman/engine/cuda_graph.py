@@ -1,7 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, sharing one memory pool.
 
-Invariant: everything a captured step reads lives in the static buffers below; `run` copies the
-step's inputs into them (padding rows write their k/v nowhere: slot -1) and replays.
+Invariant: everything a captured step reads lives in the static buffers of `StaticDecodeInputs`;
+`fill` copies the step's inputs into them (padding rows write their k/v nowhere: slot -1) and the
+graph replays. Offloaded experts sync with the host once per MoE layer, so their steps cannot be
+one graph: `engine/segment_graphs.py` captures the dense part of each layer instead.
 """
 
 from __future__ import annotations
@@ -13,28 +15,24 @@ from ferryman.engine.inputs import StepInputs
 from ferryman.layers.paged_attention import AttnMetadata
 
 
-def _buckets(max_bs: int) -> list[int]:
+def buckets(max_bs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_bs]
     return sizes + [max_bs]
 
 
-class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
-        self.model, self.max_bs, self.device = model, max_bs, device
+class StaticDecodeInputs:
+    """The decode-step inputs at fixed addresses, for up to `max_bs` sequences."""
+
+    def __init__(self, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
+        self.max_bs, self.max_seq_len = max_bs, max_seq_len
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.max_seq_len = max_seq_len
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
-        for bs in reversed(_buckets(max_bs)):
-            self._capture(bs)
 
-    def _meta(self, bs: int) -> AttnMetadata:
+    def meta(self, bs: int) -> AttnMetadata:
         return AttnMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
@@ -44,8 +42,40 @@ class DecodeGraphs:
             max_seq_len=self.max_seq_len,
         )
 
+    def fits(self, inputs: StepInputs) -> bool:
+        B = inputs.input_ids.shape[0]
+        return B <= self.max_bs and inputs.meta.block_tables.shape[1] <= self.block_tables.shape[1]
+
+    def fill(self, inputs: StepInputs, sizes: list[int]) -> tuple[int, int]:
+        """Copy a step's inputs in; returns (B rows of the step, the bucket bs >= B it runs at)."""
+        B = inputs.input_ids.shape[0]
+        bs = next(b for b in sorted(sizes) if b >= B)
+        m = inputs.meta
+        self.input_ids[:B].copy_(inputs.input_ids)
+        self.positions[:B].copy_(inputs.positions)
+        self.slot_mapping[:B].copy_(m.slot_mapping)
+        self.slot_mapping[B:bs].fill_(-1)
+        self.seq_lens[:B].copy_(m.seq_lens)
+        self.seq_lens[B:bs].fill_(1)
+        self.block_tables[:B, : m.block_tables.shape[1]].copy_(m.block_tables)
+        return B, bs
+
+
+class DecodeGraphs:
+    """Whole decode steps as graphs (resident experts: the MoE kernels never sync with the host)."""
+
+    def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
+        self.model, self.max_bs, self.device = model, max_bs, device
+        self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+        for bs in reversed(buckets(max_bs)):
+            self._capture(bs)
+
     def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        st = self.static
+        hidden = self.model(st.input_ids[:bs], st.positions[:bs], st.meta(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -61,19 +91,9 @@ class DecodeGraphs:
         self.graphs[bs] = graph
 
     def fits(self, inputs: StepInputs) -> bool:
-        B = inputs.input_ids.shape[0]
-        return B <= self.max_bs and inputs.meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        return self.static.fits(inputs)
 
     def run(self, inputs: StepInputs) -> torch.Tensor:
-        B = inputs.input_ids.shape[0]
-        bs = next(b for b in sorted(self.graphs) if b >= B)
-        m = inputs.meta
-        self.input_ids[:B].copy_(inputs.input_ids)
-        self.positions[:B].copy_(inputs.positions)
-        self.slot_mapping[:B].copy_(m.slot_mapping)
-        self.slot_mapping[B:bs].fill_(-1)
-        self.seq_lens[:B].copy_(m.seq_lens)
-        self.seq_lens[B:bs].fill_(1)
-        self.block_tables[:B, : m.block_tables.shape[1]].copy_(m.block_tables)
+        B, bs = self.static.fill(inputs, list(self.graphs))
         self.graphs[bs].replay()
         return self.logits[bs][:B]

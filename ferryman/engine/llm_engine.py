@@ -10,16 +10,22 @@ import torch
 
 from ferryman.config import EngineConfig, ModelConfig
 from ferryman.engine.detokenizer import IncrementalDetokenizer
+from ferryman.engine.inputs import prepare_inputs
 from ferryman.engine.model_runner import ModelRunner, kv_bytes_per_token
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
-from ferryman.engine.inputs import prepare_inputs
-from ferryman.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from ferryman.engine.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, PromptTooLongError
+from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
-from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
 
 # room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
@@ -202,6 +208,7 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "kv_cache_tokens": self.scheduler.config.num_blocks * self.scheduler.config.block_size,
             "cuda_graphs": self.runner.graphs is not None,
+            "cuda_graph_mode": _graph_mode(self.runner.graphs),
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
@@ -221,3 +228,10 @@ def _metrics(seq: Sequence) -> RequestMetrics:
         if seq.num_output_tokens > 1 and after > 0:
             m.decode_tokens_per_s = (seq.num_output_tokens - 1) / after
     return m
+
+
+def _graph_mode(graphs: object) -> str:
+    """'step' (whole decode steps), 'layer' (dense part of each layer, offloaded MoE eager) or 'off'."""
+    if graphs is None:
+        return "off"
+    return "layer" if isinstance(graphs, SegmentedDecode) else "step"

@@ -6,6 +6,7 @@ MoE block. Decode-only steps replay a captured CUDA graph when one fits the batc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,11 +17,16 @@ from ferryman.engine.cuda_graph import DecodeGraphs
 from ferryman.engine.inputs import StepInputs, prepare_inputs
 from ferryman.engine.sampler import Sampler, TokenLogprobs, token_logprobs
 from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
+from ferryman.envs import envs
 from ferryman.experts.placement import make_backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.planner import MemoryPlan, kv_bytes_per_token  # noqa: F401 (re-exported)
 from ferryman.weights.build import LoadedModel
+
+log = logging.getLogger("ferryman.engine")
+SEGMENT_MAX_BS = 64  # larger decode batches of offloaded models run eagerly (launches matter less)
 
 
 def expert_activation(cfg: ModelConfig) -> MoEActivation:
@@ -60,12 +66,25 @@ class ModelRunner:
         self.logits_processor: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None
         # seq_id -> logprobs of the token sampled in the last step, for seqs with params.logprobs set
         self.last_logprobs: dict[int, TokenLogprobs] = {}
-        self.graphs: DecodeGraphs | None = None
-        # Graphs only for batches whose MoE step has no host sync (the Triton decode kernel).
-        graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
-        if use_cuda_graphs and device.type == "cuda" and getattr(self.experts, "graph_safe", True):
-            max_blocks = -(-max_model_len // block_size)
-            self.graphs = DecodeGraphs(self.model, graph_bs, max_blocks, max_model_len, device)
+        self.graphs: DecodeGraphs | SegmentedDecode | None = None
+        if use_cuda_graphs and device.type == "cuda":
+            self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size), max_model_len)
+
+    def _capture_graphs(self, max_num_seqs: int, max_blocks: int, max_len: int) -> DecodeGraphs | SegmentedDecode | None:
+        """Whole-step graphs when the experts never sync with the host (resident: batches the Triton
+        decode kernel takes); per-layer graphs around the eager MoE of offloaded experts."""
+        if getattr(self.experts, "graph_safe", True):
+            graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
+            return DecodeGraphs(self.model, graph_bs, max_blocks, max_len, self.device)
+        if not envs.SEGMENT_GRAPHS:
+            return None
+        try:
+            return SegmentedDecode(self.model, min(max_num_seqs, SEGMENT_MAX_BS), max_blocks, max_len, self.device,
+                                   capture=True)
+        except RuntimeError as e:  # a capture failure costs speed, not correctness: decode eagerly
+            log.warning("per-layer CUDA graphs could not be captured (%s); offloaded decode runs eagerly", e)
+            torch.cuda.synchronize(self.device)
+            return None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, int]:

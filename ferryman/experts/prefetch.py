@@ -9,9 +9,11 @@ L+1's experts stream into slots not in use).
 Accounting per target layer, decode steps only (prefill unions are near-certain):
 - recall: how many of the experts a layer used had been guessed (|guess & used| / |used|);
 - precision of the prefetch: of the experts copied on a guess, how many the layer then used.
-A wrong prefetch costs a transfer on the link; a right one hides one behind compute. Prefetch to
-a layer therefore stops once `min_samples` guessed copies show a precision below
-`min_precision` (0.5: break-even when the link is the bottleneck), and stays off.
+A prefetch never saves bytes: a right one moves a copy earlier (behind compute), a wrong one adds
+a copy on the link and may evict an expert that would have hit. So it pays only when the guess is
+mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a precision below
+`min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
+random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class GuessCounters:
 class NextLayerGuesser:
     gates: dict[int, nn.Module]  # MoE layer -> its router (a [H] -> [E] linear map)
     top_k: int
-    min_precision: float = 0.5
+    min_precision: float = 0.75
     min_samples: int = 32
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)

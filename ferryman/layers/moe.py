@@ -60,9 +60,17 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
+        topk_ids, topk_w = self.select(x)
+        return self.compute(x, topk_ids, topk_w)
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: x [T, H] -> (expert ids, weights) [T, K]. No host sync (graph-capturable)."""
+        return route(self.gate(x), self.top_k, self.kind, self.renormalize)
+
+    def compute(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """The experts of a routed batch through the bound backend: [T, H]."""
         if self.experts is None:
             raise RuntimeError(f"MoE layer {self.layer} has no expert backend bound")
-        topk_ids, topk_w = route(self.gate(x), self.top_k, self.kind, self.renormalize)
         if self.trace is not None:
             self.trace.record(self.layer, topk_ids)
         return self.experts.forward(self.layer, x, topk_ids, topk_w)

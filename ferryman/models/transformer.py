@@ -38,13 +38,19 @@ class DecoderLayer(nn.Module):
 
         Returns (this block's MLP output, residual stream before it): the add happens fused into the
         next norm, in the same order as the reference (residual + block output, then norm)."""
+        h, residual = self.attend(positions, x, residual, meta)
+        return self.mlp(h), residual
+
+    def attend(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the MLP: (MLP input [T, H], residual stream before it)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        return self.post_attention_layernorm.add_forward(h, residual)
 
 
 class MoETransformer(nn.Module):
