@@ -15,8 +15,9 @@ Per target:
 - TTFT of a 4k prompt (--ttft-prompt);
 - 8k prefill tok/s (--prefill-prompt) against the streaming limit chunk x bw / (expert bytes not cached): each prefill
   chunk must bring every uncached expert once.
-Dummy weights route like random text: no locality, so hit rates are a floor (bench_cache_policies.py
-replays real routing). Print a markdown table; --json keeps everything.
+Decode uses the per-layer CUDA graphs of offloaded models unless --eager. Dummy weights route like
+random text: no locality, so hit rates are a floor (bench_cache_policies.py replays real routing).
+Print a markdown table; --json keeps everything.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
 
 def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     demo = model == "demo"
-    kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=True,
+    kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=a.eager,
               max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
     if not demo:
         kw["load_format"] = "dummy"
@@ -91,8 +92,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     dec = generate(llm, rand(128), a.decode_tokens)
     ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
     pre_len = min(a.prefill_prompt, eng.max_model_len - 2)
-    ttft = generate(llm, rand(ttft_len), 1)["ttft_s"]
-    pre = generate(llm, rand(pre_len), 1)
+    ttft = generate(llm, rand(ttft_len), 1)["ttft_s"] if ttft_len > 0 else None
+    pre = generate(llm, rand(pre_len), 1) if pre_len > 0 else {"ttft_s": None}
     cfg = eng.cfg
     total_experts = len(cfg.moe_layers) * cfg.num_experts
     uncached = max(0, total_experts - experts.get("slots", total_experts)) * slot_bytes
@@ -105,8 +106,9 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "misses_per_token": misses_per_token,
         "decode_link_limit": bw / (misses_per_token * slot_bytes) if misses_per_token else None,
         "no_hit_limit": bw / (len(cfg.moe_layers) * cfg.top_k * slot_bytes),
-        "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"],
-        "prefill_stream_limit": a.chunk * bw / uncached if uncached else None,
+        "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
+        "prefill_stream_limit": a.chunk * bw / uncached if uncached and pre_len > 0 else None,
+        "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": dec.get("bytes_h2d", 0) / 2**20 / max(1, a.decode_tokens),
         "copies_per_token": dec.get("copies_h2d", 0) / max(1, a.decode_tokens),
@@ -115,7 +117,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     }
     if row["decode_link_limit"] and row["decode_tok_s"]:
         row["decode_vs_link"] = row["decode_tok_s"] / row["decode_link_limit"]
-    if row["prefill_stream_limit"]:
+    if row["prefill_stream_limit"] and row["prefill_tok_s"]:
         row["prefill_vs_stream"] = row["prefill_tok_s"] / row["prefill_stream_limit"]
     del llm, eng
     if torch.cuda.is_available():
@@ -137,8 +139,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
-    ap.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the TTFT run")
-    ap.add_argument("--prefill-prompt", type=int, default=8192, help="prompt tokens of the prefill run")
+    ap.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the TTFT run (0: skip)")
+    ap.add_argument("--prefill-prompt", type=int, default=8192, help="prompt tokens of the prefill run (0: skip)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the per-layer graphs of offload decode)")
     ap.add_argument("--moe-strategy", default="auto", choices=["auto", "resident", "offload"])
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
@@ -151,7 +154,7 @@ def main() -> None:
         model, _, budget = target.partition(":")
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = ["model", "budget", "strategy", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
+    cols = ["model", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
             "decode_link_limit", "decode_vs_link", "h2d_mib_per_token", "prefetch_precision", "ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")

@@ -4,7 +4,10 @@
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
 #   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
-# Stages: tests grouped (the 300-token grouped-kernel test, apart) decode (two runs) fusek kernels prefix offload20 offload120 offloadqwen (one target each) offload (all three) serve (default: tests decode kernels)
+# Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
+#   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
+#   decode A/Bs: layer graphs, prefetch, pool layout); offload (all three); serve.
+#   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
@@ -43,6 +46,11 @@ for s in "${@:-tests decode kernels}"; do
       offload20)  stage offload20 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --json "$OUT/offload20.json" ;;
       offload120) stage offload120 200 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       offloadqwen) stage offloadqwen 150 python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --json "$OUT/offloadqwen.json" ;;
+      offloadab) ab="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0"
+               stage ab_default 90 $ab --json "$OUT/ab_default.json"
+               stage ab_eager 90 $ab --eager --json "$OUT/ab_eager.json"
+               stage ab_noprefetch 90 $ab --no-prefetch --json "$OUT/ab_noprefetch.json"
+               stage ab_expertmajor 90 $ab --expert-major --json "$OUT/ab_expertmajor.json" ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
@@ -52,7 +60,7 @@ for s in "${@:-tests decode kernels}"; do
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                curl -s 127.0.0.1:8123/v1/stats > "$OUT/serve_stats.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offload serve)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload serve)"; exit 2 ;;
     esac
   done
 done
