@@ -67,7 +67,7 @@ class OffloadExperts:
             self.hybrid.history.use([(layer, e) for e in used])
             return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, guess, guessed)
         if len(used) <= self.cache.available():
-            out = self._compute(layer, x, topk_ids, topk_w, used, guess, guessed, streaming)
+            out = self._compute(layer, x, host_ids, topk_w, used, guess, guessed, streaming)
         else:
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(guess, guessed, streaming)
@@ -87,13 +87,13 @@ class OffloadExperts:
         fetched = self.cache.prefetch(guess[0], guessed)
         self.guesser.remember(guess[0], guessed, fetched, streaming)
 
-    def _compute(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+    def _compute(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
                  used: list[int], guess: tuple[int, torch.Tensor] | None, guessed: list[int],
                  streaming: bool) -> torch.Tensor:
         slots = self.cache.acquire(layer, used)
         # the guess's copies queue behind this layer's misses and overlap its kernels
         self._prefetch(guess, guessed, streaming)
-        out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, topk_ids), topk_w, self.act)
+        out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, host_ids), topk_w, self.act)
         self.cache.release(layer, used, slots)
         return out
 
@@ -106,7 +106,7 @@ class OffloadExperts:
         room = self.cache.available() - (len(used) - len(misses))
         _, on_cpu = self.hybrid.split(layer, misses, room)  # the fetched ones are fetched by acquire
         if not on_cpu:
-            return self._compute(layer, x, topk_ids, topk_w, used, guess, guessed, False)
+            return self._compute(layer, x, host_ids, topk_w, used, guess, guessed, False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
         cpu_set = set(on_cpu)
         here = [e for e in used if e not in cpu_set]
@@ -116,7 +116,7 @@ class OffloadExperts:
             # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
             # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
             # keeps its [T, K] shape and per-token summation order.
-            ids = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), topk_ids)
+            ids = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
             off = torch.zeros(self.num_experts, dtype=torch.bool)
             off[on_cpu] = True
             w = topk_w.masked_fill(off.to(topk_w.device, non_blocking=True)[topk_ids], 0.0)
@@ -148,10 +148,14 @@ class OffloadExperts:
         return out
 
     def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Expert ids -> slot ids through a per-call table (ids only name experts in `experts`)."""
+        """Expert ids -> slot ids on the cache's device, through a per-call table (ids only name
+        experts in `experts`). Host ids (the usual case: read for the lookup anyway) are mapped on
+        the host and copied once; device ids are mapped on the device."""
         lut = torch.zeros(self.num_experts, dtype=torch.int32)
         lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
-        # a fresh pageable tensor: the async copy stages it at once, nothing reuses its memory
+        # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
+        if ids.device.type == "cpu":
+            return lut[ids].to(self.cache.device, non_blocking=True)
         return lut.to(ids.device, non_blocking=True)[ids]
 
     def stats(self) -> dict:
