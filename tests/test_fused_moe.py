@@ -151,6 +151,7 @@ def test_fused_moe_rejects_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 # must not leak into this process (GPU tests here and elsewhere need compiled kernels).
 _INTERP_SCRIPT = """
 import json, torch
+from ferryman.experts.host_store import ExpertLayout
 from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
 from ferryman.layers.fused_moe_triton import DecodeConfig, fused_moe_decode
 from ferryman.quant import get_format
@@ -170,11 +171,17 @@ for seed, (fmt, kind, dtype) in enumerate([
     w = torch.softmax(torch.randn(t, k, generator=gen), -1)
     act = MoEActivation(kind)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    for fuse_k in (False, True):
+    # the same experts as views into one row of bytes per expert (the expert-major slot pool)
+    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
+    strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
+    for name, bank in banks.items():
+        strided[name].copy_(bank)
+    for fuse_k, layout_name, bk in ((False, "contiguous", banks), (True, "contiguous", banks),
+                                    (False, "strided", strided), (True, "strided", strided)):
         cfg = DecodeConfig(block_n=64, block_k=64, fuse_k=fuse_k)
-        got = fused_moe_decode(fmt, banks, x, ids, w, kind, act.alpha, act.limit, cfg)
+        got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit, cfg)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}", err=err, dtype=str(dtype),
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}-{layout_name}", err=err, dtype=str(dtype),
                         dtype_ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """

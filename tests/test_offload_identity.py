@@ -68,7 +68,8 @@ def test_demo_model_offload_10pct_equals_resident(dtype: str) -> None:
 @pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", expert_major=False)])
 def test_demo_model_every_policy_and_layout_equals_resident(device: str, options: dict) -> None:
     """Policies, pool layouts and prefetch change what is copied when, never the answer. On CUDA the
-    bank-major pool runs fused_moe's kernels, the expert-major one grouped_moe's."""
+    bank-major pool runs fused_moe's kernels, the expert-major one the same decode kernel on strided
+    banks and grouped_moe for prefill chunks."""
     from ferryman.experts.placement import rebind_offload
 
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=32, enforce_eager=True)

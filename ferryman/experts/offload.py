@@ -8,7 +8,7 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
    streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
 4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
-   (`grouped_moe` on CUDA when the pool is expert-major: its banks are strided);
+   (strided banks when the pool is expert-major; prefill-sized calls then take `grouped_moe`);
 5. `release` unpins: later copies into those slots wait for the kernels that read them.
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
@@ -30,7 +30,8 @@ from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
-from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
+from ferryman.quant.base import Banks
 
 
 class OffloadExperts:
@@ -170,12 +171,18 @@ class OffloadExperts:
 
 
 def _kernel(cache: ExpertCache) -> Callable[..., torch.Tensor]:
-    """fused_moe, or on CUDA with an expert-major (strided) pool the stride-aware grouped kernels."""
-    if cache.device.type == "cuda" and cache.pool.expert_major:
-        from ferryman.layers.grouped_moe_triton import grouped_moe
+    """fused_moe (its Triton decode kernel reads strided banks too); on CUDA with an expert-major
+    pool, prefill-sized calls take the stride-aware grouped GEMM instead of the torch reference."""
+    if cache.device.type != "cuda" or not cache.pool.expert_major:
+        return fused_moe
+    from ferryman.layers.grouped_moe_triton import grouped_moe
 
-        return grouped_moe
-    return fused_moe
+    def moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
+            act: MoEActivation) -> torch.Tensor:
+        few = slot_ids.numel() <= DECODE_MAX_PAIRS
+        return (fused_moe if few else grouped_moe)(fmt, banks, x, slot_ids, topk_w, act)
+
+    return moe
 
 
 def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor]:
