@@ -109,6 +109,12 @@ class Envs:
         "FERRYMAN_ATTN_BACKEND", str, "auto",
         "paged-attention kernels: auto = triton on CUDA, torch otherwise", choices=_BACKENDS,
     )
+    MOE_PREFILL = EnvVar(
+        "FERRYMAN_MOE_PREFILL", str, "reference",
+        "MoE of prefill-sized batches on CUDA: reference (per expert: dequantise + cuBLAS) or grouped "
+        "(one Triton grouped GEMM per projection, weights dequantised in the kernel)",
+        choices=("reference", "grouped"),
+    )
     LOG_LEVEL = EnvVar(
         "FERRYMAN_LOG_LEVEL", str, "INFO", "log level of the ferryman loggers", choices=_LOG_LEVELS,
     )

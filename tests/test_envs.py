@@ -10,6 +10,7 @@ from ferryman.errors import ConfigError, FerrymanError
 EXPECTED_NAMES = [
     "FERRYMAN_MOE_BACKEND",
     "FERRYMAN_ATTN_BACKEND",
+    "FERRYMAN_MOE_PREFILL",
     "FERRYMAN_LOG_LEVEL",
     "FERRYMAN_DISABLE_CUDA_GRAPHS",
     "FERRYMAN_SEGMENT_GRAPHS",
@@ -28,6 +29,7 @@ def test_registry_and_defaults() -> None:
     assert snapshot() == {
         "FERRYMAN_MOE_BACKEND": "auto",
         "FERRYMAN_ATTN_BACKEND": "auto",
+        "FERRYMAN_MOE_PREFILL": "reference",
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,
         "FERRYMAN_SEGMENT_GRAPHS": True,

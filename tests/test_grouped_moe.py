@@ -104,3 +104,18 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
              for dtype in (torch.bfloat16, torch.float32)
              for path in ("gemv", "grouped") for layout in ("contiguous", "strided")]
     _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
+
+
+@pytest.mark.gpu
+def test_prefill_through_grouped_gemm_equals_reference(tiny: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_MOE_PREFILL=grouped: packed prefill batches (> 64 pairs) take the grouped GEMM."""
+    from ferryman import LLM
+
+    arch, folder = tiny
+    prompts = [[5, 17, 42, 7, 99] * 6, list(range(20, 60)), [(i * 37) % 250 + 3 for i in range(29)]]
+    kw = dict(device="cuda", dtype="float32", enforce_eager=True)
+    want = LLM(str(folder), **kw).score(prompts)
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "grouped")
+    got = LLM(str(folder), **kw).score(prompts)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item()), arch

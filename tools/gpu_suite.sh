@@ -6,7 +6,7 @@
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
-#   decode A/Bs: layer graphs, prefetch, pool layout); offload (all three); serve.
+#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); serve.
 #   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +50,10 @@ for s in "${@:-tests decode kernels}"; do
                stage ab_default 90 $ab --json "$OUT/ab_default.json"
                stage ab_eager 90 $ab --eager --json "$OUT/ab_eager.json"
                stage ab_noprefetch 90 $ab --no-prefetch --json "$OUT/ab_noprefetch.json"
-               stage ab_expertmajor 90 $ab --expert-major --json "$OUT/ab_expertmajor.json" ;;
+               stage ab_expertmajor 90 $ab --expert-major --json "$OUT/ab_expertmajor.json"
+               pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
+               stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
+               stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json" ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &

@@ -8,7 +8,7 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
    streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
 4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
-   (strided banks when the pool is expert-major; prefill-sized calls then take `grouped_moe`);
+   (strided banks when the pool is expert-major);
 5. `release` unpins: later copies into those slots wait for the kernels that read them.
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
@@ -22,16 +22,13 @@ thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H]
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
-from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
-from ferryman.quant.base import Banks
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
 
 
 class OffloadExperts:
@@ -45,7 +42,8 @@ class OffloadExperts:
             threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
             self.cpu = CPUExperts(cache.store, act, threaded)
         self.fmt = cache.store.format.name
-        self.moe = _kernel(cache)
+        # either pool layout: fused_moe's kernels read strided banks (FERRYMAN_MOE_PREFILL: prefill path)
+        self.moe = fused_moe
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
@@ -168,21 +166,6 @@ class OffloadExperts:
         if self.cpu is not None:
             out.update(self.cpu.stats())
         return out
-
-
-def _kernel(cache: ExpertCache) -> Callable[..., torch.Tensor]:
-    """fused_moe (its Triton decode kernel reads strided banks too); on CUDA with an expert-major
-    pool, prefill-sized calls take the stride-aware grouped GEMM instead of the torch reference."""
-    if cache.device.type != "cuda" or not cache.pool.expert_major:
-        return fused_moe
-    from ferryman.layers.grouped_moe_triton import grouped_moe
-
-    def moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
-            act: MoEActivation) -> torch.Tensor:
-        few = slot_ids.numel() <= DECODE_MAX_PAIRS
-        return (fused_moe if few else grouped_moe)(fmt, banks, x, slot_ids, topk_w, act)
-
-    return moe
 
 
 def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor]:

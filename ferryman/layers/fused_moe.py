@@ -8,6 +8,8 @@
   dequantised alone and dropped after use; the order of casts follows transformers'
   GptOssExperts / Qwen3MoeExperts (compute in x.dtype, product with the weight, then index_add).
 - Triton decode (CUDA, T*K <= DECODE_MAX_PAIRS): ferryman/layers/fused_moe_triton.py.
+- Triton grouped GEMM for larger batches on CUDA when FERRYMAN_MOE_PREFILL=grouped
+  (ferryman/layers/grouped_moe_triton.py: two launches per layer instead of ~15 per expert).
 FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 """
 
@@ -96,6 +98,14 @@ def _use_triton(fmt: str, x: torch.Tensor, pairs: int) -> bool:
     return backend == "triton" or pairs <= DECODE_MAX_PAIRS
 
 
+def _use_grouped(fmt: str, x: torch.Tensor) -> bool:
+    """Prefill-sized batches through the grouped GEMM (asked by FERRYMAN_MOE_PREFILL=grouped)."""
+    from ferryman.envs import envs
+
+    return (x.is_cuda and fmt in TRITON_FORMATS and _backend() != "torch" and triton_available()
+            and envs.MOE_PREFILL == "grouped")
+
+
 def fused_moe(
     fmt: str,
     banks: Banks,
@@ -112,6 +122,10 @@ def fused_moe(
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+    if _use_grouped(fmt, x):
+        from ferryman.layers.grouped_moe_triton import grouped_moe
+
+        return grouped_moe(fmt, banks, x, topk_ids, topk_w, act, path="grouped")
     if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act)
