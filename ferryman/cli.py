@@ -114,7 +114,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
     b.add_argument("--prompt-tokens", type=int, default=128)
     b.add_argument("--output-tokens", type=int, default=64)
-    b.add_argument("--requests-per-level", type=int, default=None, help="default: max(8, 2 x concurrency)")
+    b.add_argument("--requests-per-level", type=int, default=None, help="default: max(8, 2 x concurrency); 0: one request per user (a single round)")
     b.add_argument("--api-key", default=None)
     b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     b.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
@@ -325,6 +325,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise ConfigError(f"--concurrency must be comma-separated integers, got {a.concurrency!r}") from None
     if not levels or min(levels) < 1 or a.prompt_tokens < 1 or a.output_tokens < 1:
         raise ConfigError("--concurrency levels, --prompt-tokens and --output-tokens must be >= 1")
+    if a.requests_per_level is not None and a.requests_per_level < 0:
+        raise ConfigError(f"--requests-per-level must be >= 0 (0: one per user), got {a.requests_per_level}")
     cfg = BenchConfig(url=a.url, model=a.model, levels=levels, prompt_tokens=a.prompt_tokens,
                       output_tokens=a.output_tokens, requests_per_level=a.requests_per_level, api_key=a.api_key)
     try:

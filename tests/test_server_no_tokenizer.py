@@ -61,3 +61,9 @@ def test_bench_serve_reports_the_servers_error_message(bare_server: LiveServer) 
                                    requests_per_level=1, token_id_range=(300, 400)))
     err = result["levels"][0]["first_error"]
     assert err.startswith("HTTP 400: ") and "vocab" in err.lower(), err
+
+
+def test_bench_serve_zero_requests_per_level_means_one_per_user(bare_server: LiveServer) -> None:
+    result = run_bench(BenchConfig(url=bare_server.url, levels=(1, 3), prompt_tokens=4, output_tokens=2,
+                                   requests_per_level=0, token_id_range=(1, 200)))
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in result["levels"]] == [(1, 1, 0), (3, 3, 0)]

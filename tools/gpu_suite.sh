@@ -6,7 +6,7 @@
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
-#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); serve.
+#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +63,14 @@ for s in "${@:-tests decode kernels}"; do
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                curl -s 127.0.0.1:8123/v1/stats > "$OUT/serve_stats.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload serve)"; exit 2 ;;
+      serve120) python3 -m ferryman serve gpt-oss-120b --load-format dummy --gpu-memory 16GiB --max-model-len 1536 \
+                 --max-num-seqs 32 --port 8124 --log-level warning > "$OUT/serve120_server.log" 2>&1 &
+               srv=$!
+               for _ in $(seq 1 240); do curl -sf 127.0.0.1:8124/health >/dev/null && break; sleep 1; done
+               stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
+                 --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
+               kill "$srv" 2>/dev/null ;;
+      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload serve serve120)"; exit 2 ;;
     esac
   done
 done

@@ -33,7 +33,7 @@ class BenchConfig:
     levels: tuple[int, ...] = DEFAULT_LEVELS
     prompt_tokens: int = 128
     output_tokens: int = 64
-    requests_per_level: int | None = None  # None: max(8, 2 x concurrency)
+    requests_per_level: int | None = None  # None: max(8, 2 x concurrency); 0: one per user
     api_key: str | None = None
     timeout_s: float = 300.0
     seed: int = 0
@@ -141,7 +141,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random) -> dict[str, Any]:
-    n = cfg.requests_per_level or max(8, 2 * concurrency)
+    n = max(8, 2 * concurrency) if cfg.requests_per_level is None else (cfg.requests_per_level or concurrency)
     lo, hi = cfg.token_id_range
     prompts = [[rng.randrange(lo, hi) for _ in range(cfg.prompt_tokens)] for _ in range(n)]
     results: list[RequestResult] = []
