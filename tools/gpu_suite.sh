@@ -55,7 +55,7 @@ for s in "${@:-tests decode kernels}"; do
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
                stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json" ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
-      serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 2048 \
+      serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 120); do curl -sf 127.0.0.1:8123/health >/dev/null && break; sleep 1; done
