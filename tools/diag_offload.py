@@ -1,6 +1,7 @@
-"""Where offloaded decode spends its time on CUDA: host profile, allocator retries, copy kinds.
+"""Where offloaded decode and prefill spend their time on CUDA: host profile, allocator retries,
+copy kinds, GPU kernel time.
 
-    python tools/diag_offload.py [--model gpt-oss-20b] [--budget 8GiB] [--tokens 64]
+    python tools/diag_offload.py [--model gpt-oss-20b] [--budget 8GiB] [--tokens 64] [--prefill 2048]
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-oss-20b")
     ap.add_argument("--budget", default="8GiB")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
+    ap.add_argument("--eager", action="store_true", help="no per-layer CUDA graphs")
     a = ap.parse_args()
     llm = LLM(a.model, load_format="dummy", gpu_memory=a.budget, max_model_len=4096, max_num_seqs=1,
-              enforce_eager=True)
+              enforce_eager=a.eager)
+    print("cuda graphs:", llm.stats()["cuda_graph_mode"])
     run(llm, 8)
     keys = ("hits", "misses", "prefetch_fetched", "prefetch_hits", "bytes_h2d", "copies_h2d", "h2d_seconds",
             "stall_seconds", "host_pinned", "slots")
@@ -61,6 +65,36 @@ def main() -> None:
     rows = [e for e in pr.key_averages() if "Memcpy" in e.key or "memcpy" in e.key.lower()]
     for e in rows:
         print("copy kind:", e.key, e.count)
+    if a.prefill:
+        prefill(llm, a.prefill)
+
+
+def prefill(llm: LLM, n: int) -> None:
+    """One n-token prompt (chunked like the engine does): wall time, host profile, GPU kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompt = [list(range(100, 100 + n))]
+    e0 = llm.stats()["experts"]
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate(prompt_token_ids=prompt, params=p)
+    torch.cuda.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    e1 = llm.stats()["experts"]
+    moved = e1["bytes_h2d"] - e0["bytes_h2d"]
+    print(f"prefill {n} tokens: {wall:.2f} s ({n / wall:.0f} tok/s), {moved / 1e9:.2f} GB copied "
+          f"({moved / wall / 1e9:.1f} GB/s), h2d {e1['h2d_seconds'] - e0['h2d_seconds']:.2f} s, "
+          f"stall {e1['stall_seconds'] - e0['stall_seconds']:.2f} s")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    with profile(activities=[ProfilerActivity.CUDA]) as pr:
+        llm.generate(prompt_token_ids=prompt, params=p)
+        torch.cuda.synchronize()
+    kernels = sorted(pr.key_averages(), key=lambda e: -e.self_device_time_total)[:15]
+    for e in kernels:
+        print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
 
 
 if __name__ == "__main__":

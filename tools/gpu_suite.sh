@@ -6,7 +6,8 @@
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
-#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
+#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); diag (tools/diag_offload.py:
+#   where offloaded decode and prefill time goes); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,7 @@ for s in "${@:-tests decode kernels}"; do
                pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
                stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json" ;;
+      diag)    stage diag 200 python3 tools/diag_offload.py --tokens 48 --prefill 4096 ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
@@ -70,7 +72,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload serve serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag serve serve120)"; exit 2 ;;
     esac
   done
 done
