@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything ferryman checks on the GPU machine, in stages, each with its own time limit, logs in
-# $OUT (or ./gpu-out). Plan one or two `device run` calls (10 minutes each at most):
+# $OUT (or ./gpu-out), packed into $OUT/suite.tgz at the end. Plan one or two `device run` calls
+# (10 minutes each at most):
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
 #   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
@@ -76,3 +77,6 @@ for s in "${@:-tests decode kernels}"; do
     esac
   done
 done
+# The device tool returns at most 8 files from $OUT: pack everything into one archive.
+( cd "$OUT" && files=$(ls -A | grep -v '^suite.tgz$') && [ -n "$files" ] && tar czf suite.tgz $files && rm -rf $files )
+echo "=== logs and JSON: $OUT/suite.tgz"
