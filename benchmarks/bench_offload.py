@@ -62,7 +62,7 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
     out = llm.generate(prompt_token_ids=[prompt], params=params)[0]
     after = llm.stats()["experts"]
     delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "copies_h2d", "h2d_seconds",
-                                                     "stall_seconds", "prefetch_fetched", "prefetch_hits")
+                                                     "stall_seconds", "prefetch_fetched", "prefetch_hits", "cpu_computed")
              if k in after}
     return {"ttft_s": out.metrics.ttft_s, "decode_tok_s": out.metrics.decode_tokens_per_s, **delta}
 
@@ -77,6 +77,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         kw["gpu_memory"] = budget
     if a.expert_cache:
         kw["expert_cache"] = a.expert_cache
+    if a.cpu_experts != "off":
+        kw["cpu_experts"] = a.cpu_experts
     t0 = time.perf_counter()
     llm = LLM(None if demo else model, **kw)
     load_s = time.perf_counter() - t0
@@ -109,6 +111,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
         "prefill_stream_limit": a.chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
+        "cpu_experts": a.cpu_experts, "cpu_computed_per_token": dec.get("cpu_computed", 0) / max(1, a.decode_tokens),
+        "hybrid": experts.get("hybrid"),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": dec.get("bytes_h2d", 0) / 2**20 / max(1, a.decode_tokens),
         "copies_per_token": dec.get("copies_h2d", 0) / max(1, a.decode_tokens),
@@ -146,7 +150,9 @@ def main() -> None:
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
-    ap.add_argument("--expert-major", action="store_true", help="expert-major slot pool + grouped_moe kernels")
+    ap.add_argument("--expert-major", action="store_true", help="expert-major slot pool (one copy per expert)")
+    ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
+                    help="compute part of the decode misses on the CPU (experts/hybrid.py)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     rows = []

@@ -7,7 +7,8 @@
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
-#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped); offload (all three); diag (tools/diag_offload.py:
+#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped;
+#   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
 set -uo pipefail
@@ -55,7 +56,10 @@ for s in "${@:-tests decode kernels}"; do
                stage ab_expertmajor 90 $ab --expert-major --json "$OUT/ab_expertmajor.json"
                pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
-               stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json" ;;
+               stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json"
+               q="python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --decode-tokens 64 --ttft-prompt 0 --prefill-prompt 0"
+               stage ab_qwen 90 $q --json "$OUT/ab_qwen.json"
+               stage ab_qwen_hybrid 90 $q --cpu-experts auto --json "$OUT/ab_qwen_hybrid.json" ;;
       diag)    stage diag 200 python3 tools/diag_offload.py --tokens 48 --prefill 4096 ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
