@@ -35,7 +35,9 @@ def run(cases, device, e, h, i, t, k, cfg):
     for seed, (fmt, kind, dtype, path, layout) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed)
         form = get_format(fmt)
-        banks = {n: b.to(device) for n, b in form.random_banks(e, h, i, True, dtype, gen).items()}
+        # weights drawn where they are used (CPU draws of real-shape banks take seconds)
+        wgen = torch.Generator(device=device).manual_seed(seed)
+        banks = form.random_banks(e, h, i, True, dtype, wgen, device)
         if layout == "strided":
             banks = strided(banks, fmt, h, i, dtype)
         x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to(device)
