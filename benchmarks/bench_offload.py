@@ -83,9 +83,9 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     llm = LLM(None if demo else model, **kw)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.expert_major):
+    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.bank_major):
         rebind_offload(eng.runner, policy=a.policy, prefetch=not a.no_prefetch,
-                       expert_major=True if a.expert_major else None)
+                       expert_major=False if a.bank_major else None)
     experts = eng.stats()["experts"]
     slot_bytes = eng.plan.slot_bytes
     bw = link_bandwidth(slot_bytes, eng.device)
@@ -150,7 +150,8 @@ def main() -> None:
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
-    ap.add_argument("--expert-major", action="store_true", help="expert-major slot pool (one copy per expert)")
+    ap.add_argument("--bank-major", action="store_true",
+                    help="bank-major slot pool (one copy per bank of each expert; default: expert-major)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
                     help="compute part of the decode misses on the CPU (experts/hybrid.py)")
     ap.add_argument("--json", type=Path, default=None)

@@ -33,7 +33,7 @@ def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], devic
 
 
 def _payload_bytes(llm: LLM) -> int:
-    """Bytes copied per expert: its row (expert-major pool on CPU) or its banks (bank-major, CUDA)."""
+    """Bytes copied per expert: its row (expert-major pool, the default) or its banks (bank-major)."""
     cache = llm.engine.runner.experts.cache
     if cache.pool.expert_major:
         return cache.pool.layout.row_bytes

@@ -191,9 +191,9 @@ class ExpertCache:
         self.num_experts = store.cfg.num_experts
         self.moe_index = {layer: i for i, layer in enumerate(store.cfg.moe_layers)}
         self.table = SlotTable(num_slots, policy)
-        # CUDA stays bank-major (the layout measured so far) until the expert-major pool (one copy per
-        # expert instead of one per bank; the decode kernel reads both) is measured faster there
-        major = self.device.type != "cuda" if expert_major is None else expert_major
+        # expert-major by default: one copy per expert (per run of experts) instead of one per bank,
+        # and every kernel reads strided banks (host cost of 6 copies per gpt-oss expert: benchmarks.md)
+        major = True if expert_major is None else expert_major
         self.pool = SlotPool(store.layout, num_slots, self.device, major)
         self.transfer = transfer or make_transfer(self.device, num_slots)
         self.counters = CacheCounters()

@@ -90,8 +90,8 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
                     cpu_thread: bool | None = None) -> Any:
-    """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default:
-    bank-major on CUDA, expert-major elsewhere); prefetch: next-layer guesses and prefill streaming;
+    """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
+    expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
     cpu_thread: the CPU part in a worker thread (default: on CUDA)."""
