@@ -198,6 +198,7 @@ class ExpertCache:
         self.transfer = transfer or make_transfer(self.device, num_slots)
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
+        self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
 
     @property
     def banks(self) -> dict[str, torch.Tensor]:
@@ -219,6 +220,7 @@ class ExpertCache:
         c.add(c.hits, layer, len(look.hits))
         c.add(c.misses, layer, len(look.filled))
         c.add(c.prefetch_hits, layer, sum(1 for k in look.hits if k in self.prefetched))
+        self.last_fetched = [k for k, _ in look.filled] + [k for k in look.hits if k in self.prefetched]
         self.prefetched.difference_update(look.hits)
         self._fetch(layer, look, demand=True)
         self.transfer.wait(look.slots)
@@ -228,6 +230,19 @@ class ExpertCache:
         """The kernels reading `slots` are issued: unpin (copies into them will wait for those)."""
         self.transfer.mark_used(slots)
         self.table.release([self.key(layer, e) for e in experts])
+
+    def demote_fetched(self) -> int:
+        """Scan resistance for a prefill stream: once the cache is full, the experts the last
+        acquire brought in (copied, or prefetched for it) become the next victims, so a chunk that
+        touches every expert cycles them through a window of slots instead of flushing the experts
+        that stay cached from one chunk to the next. Call after `release`. Returns how many."""
+        if self.table.free:
+            return 0  # still filling: what streams in now stays
+        demoted = [k for k in self.last_fetched if k in self.table.slot_of and not self.table.is_pinned(k)]
+        for k in demoted:
+            self.table.policy.insert_unreferenced(k)
+        self.last_fetched = []
+        return len(demoted)
 
     def prefetch(self, layer: int, experts: list[int]) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there

@@ -94,6 +94,8 @@ class OffloadExperts:
         self._prefetch(guess, guessed, streaming)
         out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, host_ids), topk_w, self.act)
         self.cache.release(layer, used, slots)
+        if streaming:  # a chunk touching about every expert: what it brought in goes first
+            self.cache.demote_fetched()
         return out
 
     def _compute_hybrid(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,

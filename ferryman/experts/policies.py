@@ -43,7 +43,8 @@ class ReplacementPolicy(ABC):
 
     @abstractmethod
     def insert_unreferenced(self, key: int) -> None:
-        """`key` was cached without being used (prefetch): first in line for eviction."""
+        """`key` was cached without being used (prefetch), or is a prefill stream's use-once
+        expert (already cached): first in line for eviction."""
 
     @abstractmethod
     def remove(self, key: int) -> None:
