@@ -9,7 +9,9 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
    streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
 4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
    (strided banks when the pool is expert-major);
-5. `release` unpins: later copies into those slots wait for the kernels that read them.
+5. `release` unpins: later copies into those slots wait for the kernels that read them;
+6. a streaming chunk (touching about every expert) then demotes what it brought in, so prefill
+   cycles a window of slots instead of flushing the cache (`ExpertCache.demote_fetched`).
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
 layer runs in rounds: cached experts first, then as many misses as fit, each round a
