@@ -177,26 +177,28 @@ def _dense_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
 
 
 @triton.jit
-def _rows_dot(w_ptr, s_ptr, slot, w_stride, s_stride, rows, rmask, x_row, OUT: tl.constexpr, KDIM: tl.constexpr,
-              NROWS: tl.constexpr, MXFP4: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
+def _rows_dot(w_ptr, s_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, rows, rmask, x_row,
+              OUT: tl.constexpr, KDIM: tl.constexpr, NROWS: tl.constexpr, MXFP4: tl.constexpr,
+              BLOCK_K: tl.constexpr, TC: tl.constexpr):
     # expert `slot` of a bank [E, OUT, KDIM] (dense) or [E, OUT, KDIM/32, 16] + scales (mxfp4), each
-    # expert contiguous, experts w_stride / s_stride elements apart (strided: the expert-major slot
-    # pool); TC: 0 = FMA path, 1/2 = tensor cores with bf16/fp16 activations
+    # expert contiguous, experts W_STRIDE / S_STRIDE elements apart (strided: the expert-major slot
+    # pool; constexpr: a model has one or two layouts, and contiguous banks compile exactly as
+    # before); TC: 0 = FMA path, 1/2 = tensor cores with bf16/fp16 activations
     if MXFP4:
-        w_base = w_ptr + slot * w_stride
-        s_base = s_ptr + slot * s_stride
+        w_base = w_ptr + slot * W_STRIDE
+        s_base = s_ptr + slot * S_STRIDE
         if TC != 0:
             acc = _mxfp4_rows_dot_tc(w_base, s_base, rows, rmask, x_row, KDIM, NROWS, BLOCK_K, TC)
         else:
             acc = _mxfp4_rows_dot_fma(w_base, s_base, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
     else:
-        acc = _dense_rows_dot(w_ptr + slot * w_stride, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
+        acc = _dense_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
     return acc
 
 
 @triton.jit
-def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride, s_stride, b_stride,
-                    H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr,
+def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
+                    W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, TC: tl.constexpr):
     pair = tl.program_id(0)
@@ -214,10 +216,10 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_
     rows = tl.reshape(tl.join(gate_rows, up_rows), [2 * BLOCK_N])
     rmask = tl.reshape(tl.join(nmask, nmask), [2 * BLOCK_N])
     x_row = x_ptr + (pair // TOPK) * H
-    acc = _rows_dot(w_ptr, s_ptr, slot, w_stride, s_stride, rows, rmask, x_row, 2 * I, H, 2 * BLOCK_N, MXFP4,
+    acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, x_row, 2 * I, H, 2 * BLOCK_N, MXFP4,
                     BLOCK_K, TC)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * b_stride + rows, mask=rmask, other=0.0).to(tl.float32)
+        acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     # round like the reference, which holds gate_up in the compute dtype
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
@@ -231,24 +233,24 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_
 
 
 @triton.jit
-def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr, w_stride, s_stride, b_stride,
-               H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
+               W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < H
-    acc = _rows_dot(w_ptr, s_ptr, slot, w_stride, s_stride, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N, MXFP4,
+    acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N, MXFP4,
                     BLOCK_K, TC)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * b_stride + rows, mask=rmask, other=0.0).to(tl.float32)
+        acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     acc *= tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * H + rows, acc, mask=rmask)
 
 
 @triton.jit
-def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, w_stride, s_stride, b_stride,
-                   H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MXFP4: tl.constexpr,
+def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr,
+                   W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MXFP4: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
     # _w2_kernel for all K pairs of one token, summed in fp32 in k order, stored in out's dtype
     t = tl.program_id(0)
@@ -258,10 +260,10 @@ def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, w_s
     for kk in tl.static_range(TOPK):
         pair = t * TOPK + kk
         slot = tl.load(ids_ptr + pair).to(tl.int64)
-        acc = _rows_dot(w_ptr, s_ptr, slot, w_stride, s_stride, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N,
+        acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N,
                         MXFP4, BLOCK_K, TC)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + slot * b_stride + rows, mask=rmask, other=0.0).to(tl.float32)
+            acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
         total += acc * tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(out_ptr + t * H + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -320,20 +322,20 @@ def fused_moe_decode(
         _check_expert_contiguous(b13, "w13_bias")
         _check_expert_contiguous(b2, "w2_bias")
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
-    st13 = (w13.stride(0), s13.stride(0), b13.stride(0) if has_bias else 0)
-    st2 = (w2.stride(0), s2.stride(0), b2.stride(0) if has_bias else 0)
+    st13 = dict(W_STRIDE=w13.stride(0), S_STRIDE=s13.stride(0), B_STRIDE=b13.stride(0) if has_bias else 0)
+    st2 = dict(W_STRIDE=w2.stride(0), S_STRIDE=s2.stride(0), B_STRIDE=b2.stride(0) if has_bias else 0)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     common = dict(MXFP4=FORMATS[fmt], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   TC=_tensor_core_mode(cfg, fmt, x.dtype), num_warps=cfg.num_warps)
     _w13_act_kernel[(t * k, triton.cdiv(inter, cfg.block_n))](
-        x, ids, w13, s13, b13, h, float(alpha), float(limit), *st13,
+        x, ids, w13, s13, b13, h, float(alpha), float(limit), **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
     if cfg.fuse_k:
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)  # [T, H]
         _w2_sum_kernel[(t, triton.cdiv(hidden, cfg.block_n))](
-            h, ids, w2, s2, b2, tw, out, *st2, H=hidden, I=inter, TOPK=k, **common)
+            h, ids, w2, s2, b2, tw, out, **st2, H=hidden, I=inter, TOPK=k, **common)
         return out
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, cfg.block_n))](
-        h, ids, w2, s2, b2, tw, y, *st2, H=hidden, I=inter, **common)
+        h, ids, w2, s2, b2, tw, y, **st2, H=hidden, I=inter, **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
