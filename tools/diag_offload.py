@@ -84,6 +84,9 @@ def prefill(llm: LLM, n: int) -> None:
     prof.disable()
     wall = time.perf_counter() - t0
     e1 = llm.stats()["experts"]
+    plan = llm.engine.plan
+    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB of the plan's "
+          f"{plan.total_bytes / 2**30:.2f} GiB (activations planned: {plan.activation_bytes / 2**30:.2f} GiB)")
     moved = e1["bytes_h2d"] - e0["bytes_h2d"]
     print(f"prefill {n} tokens: {wall:.2f} s ({n / wall:.0f} tok/s), {moved / 1e9:.2f} GB copied "
           f"({moved / wall / 1e9:.1f} GB/s), h2d {e1['h2d_seconds'] - e0['h2d_seconds']:.2f} s, "
