@@ -55,8 +55,15 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 cpu_experts=a.cpu_experts, calibration=a.calibration)
 
 
+def _env_help() -> str:
+    """The environment variables ferryman reads, with any set value, for the top-level --help."""
+    from ferryman.envs import describe
+
+    return describe()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION, epilog=_env_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

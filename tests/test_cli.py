@@ -45,3 +45,15 @@ def test_run_without_tokenizer_shows_token_ids(tmp_path, capsys: pytest.CaptureF
     assert len(output.split()) == 5 and all(0 <= int(t) < 256 for t in output.split())
     assert "no tokenizer" in captured.err
     assert main(["run", str(tmp_path / "m"), "-p", "hi", "--chat", "--device", "cpu"]) == 2
+
+
+def test_top_level_help_lists_the_environment_variables(capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.envs import all_vars
+
+    monkeypatch.setenv("FERRYMAN_SEGMENT_GRAPHS", "0")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert all(v.name in out for v in all_vars())
+    assert "[set: 0]" in out
