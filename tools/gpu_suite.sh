@@ -57,6 +57,8 @@ for s in "${@:-tests decode kernels}"; do
                pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
                stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json"
+               stage ab_resident 90 python3 benchmarks/bench_offload.py --target gpt-oss-20b:40GiB --decode-tokens 256 \
+                 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/ab_resident.json"
                stage ab_chunk4096 90 $pre --ttft-prompt 4096 --chunk 4096 --decode-tokens 64 --json "$OUT/ab_chunk4096.json"
                q="python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --decode-tokens 64 --ttft-prompt 0 --prefill-prompt 0"
                stage ab_qwen 90 $q --json "$OUT/ab_qwen.json"
