@@ -43,7 +43,14 @@ class ExpertStore:
         src = tensor.transpose(-1, -2) if target.transpose else tensor
         if tuple(src.shape) != tuple(dst.shape):
             raise WeightError(source_name, file, expected=dst.shape, actual=src.shape)
-        dst.copy_(src.to(dst.dtype) if dst.dtype != torch.uint8 else src)
+        src = src.to(dst.dtype) if dst.dtype != torch.uint8 else src
+        if target.expert is None and not dst.is_contiguous() and dst[0].is_contiguous():
+            # a whole bank into the expert-major host store: one contiguous copy per expert (a
+            # device -> pinned copy then runs at link speed, not through a pageable temporary)
+            for e in range(dst.shape[0]):
+                dst[e].copy_(src[e])
+            return
+        dst.copy_(src)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for b in self.banks.values() for t in b.values())
