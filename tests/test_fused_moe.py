@@ -187,6 +187,57 @@ print(json.dumps(out))
 """
 
 
+# Experts addressed by row (RowAddresses): half of them in one buffer ("cache slots"), half in
+# another ("pinned host memory"), in shuffled rows; the kernel must follow addr[e] for each pair.
+_INTERP_ROWS_SCRIPT = """
+import json, torch
+from ferryman.experts.host_store import ExpertLayout
+from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
+from ferryman.layers.fused_moe_triton import DecodeConfig, RowAddresses, fused_moe_decode
+from ferryman.quant import get_format
+e, h, i, t, k = 6, 96, 64, 3, 2
+out = []
+for seed, (fmt, kind, dtype) in enumerate([("mxfp4", "swiglu_oai", torch.float32), ("dense", "silu", torch.float32),
+                                           ("mxfp4", "silu", torch.bfloat16)]):
+    gen = torch.Generator().manual_seed(seed)
+    form = get_format(fmt)
+    banks = form.random_banks(e, h, i, True, dtype, gen)
+    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
+    slots = torch.zeros(e // 2, layout.row_bytes, dtype=torch.uint8)
+    host = torch.zeros(e - e // 2, layout.row_bytes, dtype=torch.uint8)
+    addr = torch.zeros(e, dtype=torch.int64)
+    for ex in range(e):  # expert ex -> a row of slots (odd ex, reversed) or of host (even ex)
+        buf, r = (slots, (e // 2 - 1) - ex // 2) if ex % 2 else (host, ex // 2)
+        views = layout.views(buf[r : r + 1])
+        for name, bank in banks.items():
+            views[name][0].copy_(bank[ex])
+        addr[ex] = buf.data_ptr() + r * layout.row_bytes
+    x = (torch.randn(t, h, generator=gen) * 3).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    act = MoEActivation(kind)
+    ref = fused_moe_reference(form, banks, x, ids, w, act)
+    carriers = layout.views(slots)  # dtypes and dims only
+    for fuse_k in (False, True):
+        got = fused_moe_decode(fmt, carriers, x, ids, w, kind, act.alpha, act.limit,
+                               DecodeConfig(block_n=64, block_k=64, fuse_k=fuse_k), RowAddresses(addr, layout.offsets))
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}", err=err, dtype=str(dtype), dtype_ok=got.dtype == dtype))
+print(json.dumps(out))
+"""
+
+
+def test_triton_decode_follows_row_addresses_in_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _INTERP_ROWS_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert case["dtype_ok"], case
+        assert case["err"] < _INTERP_TOL[case["dtype"]], case
+
+
 # The interpreter casts fp32 -> bf16 by truncation (GPUs round to nearest), hence bf16's wider bound.
 _INTERP_TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3e-2}
 

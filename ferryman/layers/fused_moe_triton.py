@@ -197,12 +197,30 @@ def _rows_dot(w_ptr, s_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr
 
 
 @triton.jit
-def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
-                    W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr,
+def _expert_bases(w_ptr, s_ptr, b_ptr, addr_ptr, slot, INDIRECT: tl.constexpr, W_OFF: tl.constexpr,
+                  S_OFF: tl.constexpr, B_OFF: tl.constexpr):
+    # INDIRECT: `slot` is an expert id and addr[slot] the address of that expert's row of bytes
+    # (a cache slot on the device, or pinned host memory read over the link: zero-copy), its banks
+    # at fixed byte offsets in the row. Returns the bank pointers of that row and slot 0, which
+    # _rows_dot and the bias loads then use unchanged. Otherwise the arguments, unchanged.
+    if INDIRECT:
+        row = tl.load(addr_ptr + slot).to(tl.pointer_type(tl.uint8))
+        w_ptr = (row + W_OFF).to(w_ptr.dtype, bitcast=True)
+        s_ptr = (row + S_OFF).to(s_ptr.dtype, bitcast=True)
+        b_ptr = (row + B_OFF).to(b_ptr.dtype, bitcast=True)
+        slot = slot * 0
+    return w_ptr, s_ptr, b_ptr, slot
+
+
+@triton.jit
+def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, addr_ptr,
+                    W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, INDIRECT: tl.constexpr,
+                    W_OFF: tl.constexpr, S_OFF: tl.constexpr, B_OFF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr,
                     MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, TC: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
+    w_ptr, s_ptr, b_ptr, slot = _expert_bases(w_ptr, s_ptr, b_ptr, addr_ptr, slot, INDIRECT, W_OFF, S_OFF, B_OFF)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
     nmask = n < I
     # silu: gate = row n, up = row I + n; swiglu_oai: gate = row 2n, up = row 2n + 1
@@ -233,11 +251,13 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
 
 
 @triton.jit
-def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
-               W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr, addr_ptr,
+               W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, INDIRECT: tl.constexpr,
+               W_OFF: tl.constexpr, S_OFF: tl.constexpr, B_OFF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
+    w_ptr, s_ptr, b_ptr, slot = _expert_bases(w_ptr, s_ptr, b_ptr, addr_ptr, slot, INDIRECT, W_OFF, S_OFF, B_OFF)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < H
     acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N, MXFP4,
@@ -249,8 +269,9 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
 
 
 @triton.jit
-def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr,
-                   W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MXFP4: tl.constexpr,
+def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr, addr_ptr,
+                   W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, INDIRECT: tl.constexpr,
+                   W_OFF: tl.constexpr, S_OFF: tl.constexpr, B_OFF: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, MXFP4: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TC: tl.constexpr):
     # _w2_kernel for all K pairs of one token, summed in fp32 in k order, stored in out's dtype
     t = tl.program_id(0)
@@ -260,10 +281,11 @@ def _w2_sum_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, out_ptr,
     for kk in tl.static_range(TOPK):
         pair = t * TOPK + kk
         slot = tl.load(ids_ptr + pair).to(tl.int64)
-        acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N,
+        wp, sp, bp, slot = _expert_bases(w_ptr, s_ptr, b_ptr, addr_ptr, slot, INDIRECT, W_OFF, S_OFF, B_OFF)
+        acc = _rows_dot(wp, sp, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, H, I, BLOCK_N,
                         MXFP4, BLOCK_K, TC)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
+            acc += tl.load(bp + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
         total += acc * tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(out_ptr + t * H + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
 
@@ -293,6 +315,25 @@ def _tensor_core_mode(cfg: DecodeConfig, fmt: str, dtype: torch.dtype) -> int:
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 
+@dataclass(frozen=True)
+class RowAddresses:
+    """Experts addressed by row instead of by slot: `addr[e]` (int64, on the device) is where expert
+    e's row of bytes starts (a cache slot in device memory, or pinned host memory that the kernel
+    reads over the link), each bank at `offsets[name]` bytes into the row (host_store.ExpertLayout)."""
+
+    addr: torch.Tensor  # [E] int64
+    offsets: dict[str, int]
+
+    def constexprs(self, fmt: str, proj: str, has_bias: bool) -> dict[str, int | bool]:
+        w = self.offsets[f"{proj}_blocks" if fmt == "mxfp4" else proj]
+        s = self.offsets[f"{proj}_scales"] if fmt == "mxfp4" else w
+        b = self.offsets[f"{proj}_bias"] if has_bias else 0
+        return {"INDIRECT": True, "W_OFF": w, "S_OFF": s, "B_OFF": b}
+
+
+_DIRECT = {"INDIRECT": False, "W_OFF": 0, "S_OFF": 0, "B_OFF": 0}
+
+
 def fused_moe_decode(
     fmt: str,
     banks: Banks,
@@ -303,8 +344,10 @@ def fused_moe_decode(
     alpha: float,
     limit: float,
     cfg: DecodeConfig | None = None,
+    rows: RowAddresses | None = None,
 ) -> torch.Tensor:
-    """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
+    """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller.
+    rows: topk_ids are expert ids read through `rows.addr` (banks then only give dtypes and dims)."""
     if fmt not in FORMATS:
         raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(FORMATS)}")
     cfg = cfg or default_decode_config()
@@ -322,20 +365,23 @@ def fused_moe_decode(
         _check_expert_contiguous(b13, "w13_bias")
         _check_expert_contiguous(b2, "w2_bias")
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
-    st13 = dict(W_STRIDE=w13.stride(0), S_STRIDE=s13.stride(0), B_STRIDE=b13.stride(0) if has_bias else 0)
-    st2 = dict(W_STRIDE=w2.stride(0), S_STRIDE=s2.stride(0), B_STRIDE=b2.stride(0) if has_bias else 0)
+    st13 = dict(W_STRIDE=w13.stride(0), S_STRIDE=s13.stride(0), B_STRIDE=b13.stride(0) if has_bias else 0,
+                **(rows.constexprs(fmt, "w13", has_bias) if rows else _DIRECT))
+    st2 = dict(W_STRIDE=w2.stride(0), S_STRIDE=s2.stride(0), B_STRIDE=b2.stride(0) if has_bias else 0,
+               **(rows.constexprs(fmt, "w2", has_bias) if rows else _DIRECT))
+    addr = rows.addr if rows is not None else ids  # unread unless INDIRECT
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     common = dict(MXFP4=FORMATS[fmt], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   TC=_tensor_core_mode(cfg, fmt, x.dtype), num_warps=cfg.num_warps)
     _w13_act_kernel[(t * k, triton.cdiv(inter, cfg.block_n))](
-        x, ids, w13, s13, b13, h, float(alpha), float(limit), **st13,
+        x, ids, w13, s13, b13, h, float(alpha), float(limit), addr, **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
     if cfg.fuse_k:
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)  # [T, H]
         _w2_sum_kernel[(t, triton.cdiv(hidden, cfg.block_n))](
-            h, ids, w2, s2, b2, tw, out, **st2, H=hidden, I=inter, TOPK=k, **common)
+            h, ids, w2, s2, b2, tw, out, addr, **st2, H=hidden, I=inter, TOPK=k, **common)
         return out
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, cfg.block_n))](
-        h, ids, w2, s2, b2, tw, y, **st2, H=hidden, I=inter, **common)
+        h, ids, w2, s2, b2, tw, y, addr, **st2, H=hidden, I=inter, **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
