@@ -90,7 +90,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     slot_bytes = eng.plan.slot_bytes
     bw = link_bandwidth(slot_bytes, eng.device)
     gen = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(1, eng.cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    vocab = eng.cfg.vocab_size
+    rand = lambda n: torch.randint(1, vocab, (n,), generator=gen).tolist()  # noqa: E731
     dec = generate(llm, rand(128), a.decode_tokens)
     ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
     pre_len = min(a.prefill_prompt, eng.max_model_len - 2)

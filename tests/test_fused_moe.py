@@ -354,3 +354,32 @@ def test_cpu_decode_paths_match_reference_for_big_dense_experts() -> None:
     ref = fused_moe_reference(form, banks, x, ids, w, act)
     for got in (fm.fused_moe_gathered(form, banks, x, ids, w, act), fused_moe("dense", banks, x, ids, w, act)):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) -> None:
+    """Zero-copy: the kernel follows RowAddresses into page-locked host memory (UVA) and computes
+    bit for bit what it computes from device memory."""
+    from ferryman.experts.host_store import ExpertLayout, allocate_rows
+    from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode
+
+    form, e, h, i = get_format("mxfp4"), 8, 2880, 2880
+    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
+    dev_flat = torch.empty(e, layout.row_bytes, dtype=torch.uint8, device="cuda")
+    views = layout.views(dev_flat)
+    for name, bank in form.random_banks(e, h, i, True, dtype, _gen(12, "cuda"), "cuda").items():
+        views[name].copy_(bank)
+    host, pinned = allocate_rows(e, layout.row_bytes, pin=True)
+    assert pinned
+    host.copy_(dev_flat.cpu())
+    addr = torch.tensor([host.data_ptr() + r * layout.row_bytes for r in range(e)], dtype=torch.int64, device="cuda")
+    gen = _gen(13, "cuda")
+    x = torch.randn(2, h, generator=gen, device="cuda").to(dtype)
+    ids, w = _routing(2, 4, e, gen, "cuda")
+    act = MoEActivation("swiglu_oai")
+    want = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit)
+    got = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit,
+                           rows=RowAddresses(addr, layout.offsets))
+    assert torch.equal(got, want)

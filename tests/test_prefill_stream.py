@@ -7,7 +7,6 @@ the whole cache every chunk."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

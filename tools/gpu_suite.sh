@@ -9,7 +9,8 @@
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
 #   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
-#   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
+#   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
+#   one MoE layer reading its experts zero-copy vs copying them first); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,7 +64,9 @@ for s in "${@:-tests decode kernels}"; do
                q="python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --decode-tokens 64 --ttft-prompt 0 --prefill-prompt 0"
                stage ab_qwen 90 $q --json "$OUT/ab_qwen.json"
                stage ab_qwen_hybrid 90 $q --cpu-experts auto --json "$OUT/ab_qwen_hybrid.json" ;;
-      uva)     stage uva 60 python3 benchmarks/bench_uva.py ;;
+      uva)     stage uva 60 python3 benchmarks/bench_uva.py
+               stage zero_copy 60 python3 benchmarks/bench_zero_copy_moe.py
+               stage zero_copy_120b 90 python3 benchmarks/bench_zero_copy_moe.py --model gpt-oss-120b ;;
       diag)    stage diag 200 python3 tools/diag_offload.py --tokens 48 --prefill 4096 ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
