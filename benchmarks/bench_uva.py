@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,6 +23,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import cuda_seconds  # noqa: E402
 from ferryman.experts.host_store import allocate_rows  # noqa: E402
 
 
@@ -53,16 +54,6 @@ def read_with_kernel(src: object, n_words: int, out: torch.Tensor, block: int, i
     _read_kernel[grid](src, out, n_words, BLOCK=block, ITERS=iters, num_warps=4)
 
 
-def timed(fn, reps: int) -> float:  # noqa: ANN001
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=1024)
@@ -81,10 +72,10 @@ def main() -> None:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     out = torch.empty(triton.cdiv(words, a.block * a.iters) * a.block, dtype=torch.int32, device="cuda")
     src_host = HostPointer(host.view(-1).view(torch.int32))
-    copy_s = timed(lambda: dev.copy_(host.view(-1), non_blocking=True), a.reps)
-    host_s = timed(lambda: read_with_kernel(src_host, words, out, a.block, a.iters), a.reps)
+    copy_s = cuda_seconds(lambda: dev.copy_(host.view(-1), non_blocking=True), a.reps)
+    host_s = cuda_seconds(lambda: read_with_kernel(src_host, words, out, a.block, a.iters), a.reps)
     check = out.clone()
-    dev_s = timed(lambda: read_with_kernel(dev.view(torch.int32), words, out, a.block, a.iters), a.reps)
+    dev_s = cuda_seconds(lambda: read_with_kernel(dev.view(torch.int32), words, out, a.block, a.iters), a.reps)
     same = torch.equal(check, out)  # the kernel read the same bytes from host and from device
     gb = nbytes / 1e9
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "

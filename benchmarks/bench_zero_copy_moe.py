@@ -18,29 +18,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import cuda_seconds  # noqa: E402
 from ferryman.config import ModelConfig  # noqa: E402
 from ferryman.experts.host_store import ExpertLayout, allocate_rows  # noqa: E402
 from ferryman.layers.fused_moe import MoEActivation  # noqa: E402
 from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode  # noqa: E402
 from ferryman.quant import get_format  # noqa: E402
 from ferryman.weights.presets import get_preset  # noqa: E402
-
-
-def timed(fn, reps: int) -> float:  # noqa: ANN001
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
 
 
 def main() -> None:
@@ -95,7 +85,7 @@ def main() -> None:
     moved = pairs * layout.row_bytes
     print(f"device: {torch.cuda.get_device_name()}, {a.model} layer: {e} experts x {layout.row_bytes / 2**20:.2f} MiB, "
           f"{a.tokens} token(s) x top-{k} = {pairs} experts per call; zero-copy equals resident: {same}")
-    times = {m: timed(lambda m=m: run(m), a.reps) for m in ("resident", "zero-copy", "copy+compute")}
+    times = {m: cuda_seconds(lambda m=m: run(m), a.reps) for m in ("resident", "zero-copy", "copy+compute")}
     for m, t in times.items():
         rate = "" if m == "resident" else f"  {moved / t / 1e9:6.1f} GB/s of experts"
         print(f"{m:>13}: {t * 1e6:8.1f} us per layer call{rate}")

@@ -4,10 +4,6 @@ reference (interpreter on CPU in a subprocess, compiled on CUDA with @pytest.mar
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,12 +11,12 @@ import torch
 from ferryman.layers.fused_moe import MoEActivation, fused_moe, fused_moe_reference
 from ferryman.quant import Banks, dequant_mxfp4, get_format
 from ferryman.quant.dense import DenseFormat
+from triton_interp import run_interpreted
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -228,14 +224,7 @@ print(json.dumps(out))
 
 
 def test_triton_decode_follows_row_addresses_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_ROWS_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case in json.loads(proc.stdout.strip().splitlines()[-1]):
-        assert case["dtype_ok"], case
-        assert case["err"] < _INTERP_TOL[case["dtype"]], case
+    _check_interpreted(_INTERP_ROWS_SCRIPT)
 
 
 # The interpreter casts fp32 -> bf16 by truncation (GPUs round to nearest), hence bf16's wider bound.
@@ -243,12 +232,12 @@ _INTERP_TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3
 
 
 def test_triton_kernels_match_reference_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case in json.loads(proc.stdout.strip().splitlines()[-1]):
+    _check_interpreted(_INTERP_SCRIPT)
+
+
+def _check_interpreted(script: str) -> None:
+    """Run a case script under the interpreter; each case's relative error within its dtype's bound."""
+    for case in json.loads(run_interpreted(script).strip().splitlines()[-1]):
         assert case["dtype_ok"], case
         assert case["err"] < _INTERP_TOL[case["dtype"]], case
 
