@@ -277,9 +277,26 @@ def describe_plan(plan: MemoryPlan) -> str:
                     f"({plan.expert_slots / max(1, r.total_experts):.1%}) on the device"),
         ("strategy", plan.strategy),
     ]
+    if plan.strategy == "offload":
+        rows.append(("decode link", _link_estimate(plan)))
     if r.budget is not None:
         rows.append(("unused", g(r.budget - plan.total_bytes)))
     return "\n".join(f"{k:>12}: {v}" for k, v in rows)
+
+
+# host -> device links for the estimate in `describe_plan` (bytes/s, pinned copies as measured in
+# practice: PCIe 4.0 x16 ~25 GB/s; PCIe 5.0 x16 ~55 GB/s on the H200 machine, shared/notes/device.md)
+REFERENCE_LINKS = (("PCIe 4.0", 25e9), ("PCIe 5.0", 55e9))
+
+
+def _link_estimate(plan: MemoryPlan) -> str:
+    """Batch-1 decode bound by the link if routing were uniform (no locality: a floor on hits)."""
+    r = plan.request
+    misses = len(r.cfg.moe_layers) * r.cfg.top_k * (1 - plan.expert_slots / max(1, r.total_experts))
+    per_token = misses * plan.slot_bytes
+    rates = ", ".join(f"{name} <= {bw / per_token:.0f} tok/s" for name, bw in REFERENCE_LINKS)
+    return (f"~{misses:.0f} misses x {plan.slot_bytes / MiB:.1f} MiB = {per_token / GiB:.2f} GiB per token if routing "
+            f"were uniform: {rates} (real routing hits more; `ferryman bench bw` measures your link)")
 
 
 def request_from(hf: dict[str, Any], dtype: torch.dtype, budget: int | None, max_model_len: int,

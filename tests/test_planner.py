@@ -97,6 +97,11 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     assert 0.10 < plan.expert_slots / req.total_experts < 0.20
     text = plan.describe()
     assert "offload" in text and f"{plan.expert_slots} of {req.total_experts}" in text
+    # the uniform-routing link bound: 36 layers x top-4 x the uncached share, one slot each
+    misses = 36 * 4 * (1 - plan.expert_slots / req.total_experts)
+    per_token = misses * plan.slot_bytes
+    assert f"~{misses:.0f} misses" in text and f"PCIe 5.0 <= {55e9 / per_token:.0f} tok/s" in text
+    assert "decode link" not in plan_memory(_req("gpt-oss-120b", "139GiB")).describe()  # resident
 
 
 def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
