@@ -125,6 +125,11 @@ class Envs:
         "FERRYMAN_SEGMENT_GRAPHS", bool, True,
         "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
     )
+    ZERO_COPY = EnvVar(
+        "FERRYMAN_ZERO_COPY", bool, False,
+        "offloaded experts, experimental: decode kernels read uncached experts straight from pinned host "
+        "memory (no per-layer sync, whole-step CUDA graphs); prefill still fills the cache",
+    )
     DEBUG = EnvVar(
         "FERRYMAN_DEBUG", bool, False, "extra checks and logging (slow); full tracebacks",
     )

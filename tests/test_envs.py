@@ -14,6 +14,7 @@ EXPECTED_NAMES = [
     "FERRYMAN_LOG_LEVEL",
     "FERRYMAN_DISABLE_CUDA_GRAPHS",
     "FERRYMAN_SEGMENT_GRAPHS",
+    "FERRYMAN_ZERO_COPY",
     "FERRYMAN_DEBUG",
 ]
 
@@ -33,6 +34,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,
         "FERRYMAN_SEGMENT_GRAPHS": True,
+        "FERRYMAN_ZERO_COPY": False,
         "FERRYMAN_DEBUG": False,
     }
     assert isinstance(Envs.MOE_BACKEND, EnvVar)  # class access gives the descriptor

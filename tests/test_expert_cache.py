@@ -50,9 +50,9 @@ class RecordingTransfer(SyncTransfer):
         super().__init__()
         self.log: list[tuple] = []
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool, after: object = None) -> None:
         self.log.append(("fetch", tuple(slots), demand, len(copies)))
-        super().fetch(copies, slots, demand)
+        super().fetch(copies, slots, demand, after)
 
     def wait(self, slots: list[int]) -> None:
         self.log.append(("wait", tuple(slots)))
@@ -289,3 +289,36 @@ def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
     g = guesser.stats()["per_layer_guess"]
     assert g[1]["prefetch"] is False and g[1]["precision"] == 0.0
     assert g[2]["prefetch"] is True and g[2]["recall"] == 1.0
+
+
+# ---- row addresses (zero-copy decode) -------------------------------------------------------
+def test_row_addresses_follow_fills_and_evictions() -> None:
+    """Every key's address is its host row until an acquire (after the copy's wait) points it at
+    its slot; an eviction points it back at the host row before the slot is refilled."""
+    store = _store("mxfp4", True)
+    cache = ExpertCache(store, 2, torch.device("cpu"), LRUPolicy(), True, RecordingTransfer())
+    rows = cache.enable_row_addresses()
+    row, e = store.layout.row_bytes, store.cfg.num_experts
+    host = lambda layer, ex: store.flat[layer].data_ptr() + ex * row  # noqa: E731
+    slot = lambda s: cache.pool.flat.data_ptr() + s * row  # noqa: E731
+    i1 = cache.moe_index[1]
+    assert rows.layer(i1).tolist() == [host(1, ex) for ex in range(e)]
+    slots = cache.acquire(1, [2, 3])
+    cache.release(1, [2, 3], slots)
+    assert rows.layer(i1)[2].item() == slot(slots[0]) and rows.layer(i1)[3].item() == slot(slots[1])
+    cache.prefetch(1, [5])  # admitted unreferenced: evicts an expert, not pointed at until acquired
+    assert rows.layer(i1)[5].item() == host(1, 5)
+    evicted = [ex for ex in (2, 3) if not cache.contains(1, ex)]
+    assert len(evicted) == 1 and rows.layer(i1)[evicted[0]].item() == host(1, evicted[0])
+    slots = cache.acquire(1, [5])
+    assert rows.layer(i1)[5].item() == slot(slots[0])
+    # the table reads back the very bytes of each expert: slot rows equal host rows
+    for ex in range(e):
+        a = rows.layer(i1)[ex].item()
+        src = cache.pool.flat[(a - cache.pool.flat.data_ptr()) // row] if a != host(1, ex) else store.flat[1][ex]
+        assert torch.equal(src, store.flat[1][ex])
+    with pytest.raises(ValueError, match="before the cache holds experts"):
+        cache.enable_row_addresses()
+    bank_major = ExpertCache(store, 2, torch.device("cpu"), LRUPolicy(), False, RecordingTransfer())
+    with pytest.raises(ValueError, match="expert-major"):
+        bank_major.enable_row_addresses()

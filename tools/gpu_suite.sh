@@ -7,7 +7,7 @@
 #   device run --carry .whl: tools/gpu_suite.sh offload serve
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
-#   decode A/Bs: layer graphs, prefetch, pool layout; prefill: reference vs grouped;
+#   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
@@ -55,6 +55,7 @@ for s in "${@:-tests decode kernels}"; do
                stage ab_eager 90 $ab --eager --json "$OUT/ab_eager.json"
                stage ab_noprefetch 90 $ab --no-prefetch --json "$OUT/ab_noprefetch.json"
                stage ab_bankmajor 90 $ab --bank-major --json "$OUT/ab_bankmajor.json"
+               stage ab_zerocopy 90 env FERRYMAN_ZERO_COPY=1 $ab --json "$OUT/ab_zerocopy.json"
                pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
                stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json"

@@ -21,6 +21,7 @@ import torch
 
 from ferryman.experts.host_store import ExpertLayout, HostExpertStore
 from ferryman.experts.policies import ReplacementPolicy
+from ferryman.experts.row_addresses import RowAddressTable
 from ferryman.experts.transfer import Copy, Transfer, make_transfer
 
 
@@ -124,8 +125,8 @@ class SlotPool:
     """Slot banks on the device.
 
     expert_major: one `[S, row_bytes]` buffer laid out like the host store, so a run of
-    consecutive experts into consecutive slots is one copy; bank views are strided (the torch
-    reference reads them; the Triton decode kernel wants contiguous banks).
+    consecutive experts into consecutive slots is one copy; bank views are strided (every kernel
+    reads them).
     bank-major: one contiguous `[S, ...]` tensor per bank; one copy per bank per expert.
     """
 
@@ -199,6 +200,7 @@ class ExpertCache:
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
+        self.rows: RowAddressTable | None = None  # zero-copy decode (enable_row_addresses)
 
     @property
     def banks(self) -> dict[str, torch.Tensor]:
@@ -224,12 +226,24 @@ class ExpertCache:
         self.prefetched.difference_update(look.hits)
         self._fetch(layer, look, demand=True)
         self.transfer.wait(look.slots)
+        if self.rows is not None:  # the copies are waited for: kernels may read these slots
+            self.rows.point([self.key(layer, e) for e in experts], look.slots)
         return look.slots
 
     def release(self, layer: int, experts: list[int], slots: list[int]) -> None:
         """The kernels reading `slots` are issued: unpin (copies into them will wait for those)."""
         self.transfer.mark_used(slots)
         self.table.release([self.key(layer, e) for e in experts])
+
+    def enable_row_addresses(self) -> RowAddressTable:
+        """Keep every expert's row address on the device for zero-copy decode kernels: its slot
+        once acquired, else its pinned host row (experts/row_addresses.py). Call before any fetch."""
+        if self.pool.flat is None:
+            raise ValueError("zero-copy decode needs the expert-major slot pool")
+        if self.table.slot_of:
+            raise ValueError("enable_row_addresses must come before the cache holds experts")
+        self.rows = RowAddressTable(self.store, self.pool.flat, self.moe_index)
+        return self.rows
 
     def demote_fetched(self) -> int:
         """Scan resistance for a prefill stream: once the cache is full, the experts the last
@@ -264,7 +278,9 @@ class ExpertCache:
             return
         base = self.moe_index[layer] * self.num_experts
         pairs = [(k - base, s) for k, s in look.filled]
-        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand)
+        # zero-copy readers of the evicted experts go to host rows before their slots are refilled
+        after = self.rows.unpoint(look.evicted) if self.rows is not None else None
+        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand, after)
 
     def stats(self) -> dict:
         c = self.counters

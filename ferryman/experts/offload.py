@@ -30,15 +30,22 @@ from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
-from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.errors import ConfigError
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
 
 class OffloadExperts:
-    graph_safe = False  # the slot table lives on the host: one sync per MoE layer
-
     def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None,
-                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None) -> None:
+                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None, zero_copy: bool = False) -> None:
         self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
+        # zero_copy: decode-sized calls read every expert where it is (slot or pinned host row) in
+        # the kernel, with no host sync, so whole decode steps are graph-safe; otherwise the slot
+        # table lives on the host and each MoE layer syncs once
+        self.zero_copy = zero_copy
+        self.graph_safe = zero_copy
+        if zero_copy:
+            _check_zero_copy(cache, hybrid)
+            cache.enable_row_addresses()
         self.cpu: CPUExperts | None = None
         if hybrid is not None and hybrid.decision.enabled:  # cpu_thread None: a worker on CUDA only
             threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
@@ -59,6 +66,8 @@ class OffloadExperts:
             if self.hybrid is not None:
                 self.hybrid.history.advance()
         self._last_layer = layer
+        if self.zero_copy and topk_ids.numel() <= DECODE_MAX_PAIRS:
+            return self._zero_copy(layer, x, topk_ids, topk_w)
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         guess = self._guess(layer, x, streaming)
         used, guessed, host_ids = _host_ids(topk_ids, None if guess is None else guess[1])
@@ -73,6 +82,16 @@ class OffloadExperts:
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(guess, guessed, streaming)
         return out
+
+    def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Cached experts from their slots, the rest from pinned host memory over the link, in one
+        kernel pass; the cache is neither consulted on the host nor changed (prefill fills it)."""
+        from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode
+
+        assert self.cache.rows is not None  # enabled in __init__
+        rows = RowAddresses(self.cache.rows.layer(self.cache.moe_index[layer]), self.cache.pool.layout.offsets)
+        return fused_moe_decode(self.fmt, self.cache.banks, x, topk_ids, topk_w, self.act.kind, self.act.alpha,
+                                self.act.limit, rows=rows)
 
     def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
         if not self.prefetch_enabled or self.guesser is None:
@@ -163,6 +182,7 @@ class OffloadExperts:
 
     def stats(self) -> dict:
         out = self.cache.stats()
+        out["zero_copy"] = self.zero_copy  # its decode reads are not counted as hits or misses
         if self.guesser is not None:
             out.update(self.guesser.stats())
         if self.hybrid is not None:
@@ -170,6 +190,17 @@ class OffloadExperts:
         if self.cpu is not None:
             out.update(self.cpu.stats())
         return out
+
+
+def _check_zero_copy(cache: ExpertCache, hybrid: HybridSplit | None) -> None:
+    if cache.device.type != "cuda":
+        raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) needs a CUDA device: its kernels read pinned "
+                          "host memory through unified addressing")
+    if not cache.store.pinned:
+        raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) needs the experts in pinned host memory, and "
+                          "pinning failed here (see the warning above); turn it off")
+    if hybrid is not None and hybrid.decision.enabled:
+        raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) and --cpu-experts are exclusive; pick one")
 
 
 def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor]:

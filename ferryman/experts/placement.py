@@ -89,12 +89,13 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
-                    cpu_thread: bool | None = None) -> Any:
+                    cpu_thread: bool | None = None, zero_copy: bool | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
     expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
-    cpu_thread: the CPU part in a worker thread (default: on CUDA)."""
+    cpu_thread: the CPU part in a worker thread (default: on CUDA); zero_copy: decode kernels read
+    uncached experts from pinned host memory (default: FERRYMAN_ZERO_COPY)."""
     from ferryman.experts.gpu_cache import ExpertCache
     from ferryman.experts.hybrid import make_hybrid
     from ferryman.experts.offload import OffloadExperts
@@ -104,8 +105,10 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
     gates = {block.layer: block.gate for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
+    from ferryman.envs import envs
+
     return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k) if prefetch else None,
-                          hybrid, cpu_thread)
+                          hybrid, cpu_thread, envs.ZERO_COPY if zero_copy is None else zero_copy)
 
 
 def rebind_offload(runner: Any, **options: Any) -> Any:
@@ -125,4 +128,8 @@ def rebind_offload(runner: Any, **options: Any) -> Any:
     runner.experts = offload_backend(store, runner.model, device, slots, act, **options)
     for block in runner.model.moe_blocks():
         block.experts = runner.experts
+    from ferryman.engine.cuda_graph import DecodeGraphs
+
+    if isinstance(runner.graphs, DecodeGraphs):  # whole-step graphs captured the old slot pool and table
+        runner.graphs = None
     return runner.experts

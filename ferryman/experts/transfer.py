@@ -44,8 +44,10 @@ class Transfer(ABC):
         self._stall_s = 0.0
 
     @abstractmethod
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
-        """Start `copies`, which fill `slots`. demand: the current layer waits for them (a miss)."""
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
+              after: torch.cuda.Event | None = None) -> None:
+        """Start `copies`, which fill `slots`. demand: the current layer waits for them (a miss).
+        after: a compute-stream event the copies must also wait for (experts/row_addresses.py)."""
 
     @abstractmethod
     def wait(self, slots: list[int]) -> None:
@@ -67,7 +69,8 @@ class Transfer(ABC):
 class SyncTransfer(Transfer):
     """Copies at once on the calling thread; nothing is ever in flight."""
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
+              after: torch.cuda.Event | None = None) -> None:
         start = time.perf_counter()
         for c in copies:
             c.dst.copy_(c.src)
@@ -95,11 +98,12 @@ class StreamTransfer(Transfer):
         self.free: list[torch.cuda.Event | None] = [None] * num_slots
         self.timed: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()  # (start, end, is_stall)
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
+              after: torch.cuda.Event | None = None) -> None:
         if not copies:
             return
         with torch.cuda.stream(self.stream):
-            for ev in _distinct(self.free[s] for s in slots):
+            for ev in _distinct([*(self.free[s] for s in slots), after]):
                 self.stream.wait_event(ev)  # readers of the old contents are done
             start = self._event(self.stream)
             for c in copies:
