@@ -3,8 +3,9 @@
 # $OUT (or ./gpu-out), packed into $OUT/suite.tgz at the end. Plan one or two `device run` calls
 # (10 minutes each at most):
 #   tools/fetch_device_wheels.sh                      # here, once per session (server stages)
-#   device run --carry .whl: tools/gpu_suite.sh tests decode kernels
-#   device run --carry .whl: tools/gpu_suite.sh offload serve
+#   device run --carry .whl: tools/gpu_suite.sh "tests uva decode"        # ~5 min
+#   device run --carry .whl: tools/gpu_suite.sh offloadab                 # ~8 min, A/Bs of defaults
+#   device run --carry .whl: tools/gpu_suite.sh "offload20 offload120 offloadqwen serve"
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
