@@ -91,6 +91,9 @@ class ModelRunner:
         """Run the step; returns seq_id -> sampled token for the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device)
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
+        after_step = getattr(self.experts, "after_step", None)
+        if after_step is not None and out.is_decode_only:
+            after_step(inputs.input_ids.shape[0])  # zero-copy decode's statistics (experts/offload.py)
         self.last_logprobs = {}
         if not inputs.sample_seq_ids:
             return {}

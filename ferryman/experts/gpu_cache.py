@@ -235,6 +235,15 @@ class ExpertCache:
         self.transfer.mark_used(slots)
         self.table.release([self.key(layer, e) for e in experts])
 
+    def count_reads(self, layer: int, experts: list[int]) -> None:
+        """Zero-copy decode read `experts` of `layer` where they were: cached ones are hits (and
+        referenced for the policy), the others misses read from host memory."""
+        keys = [self.key(layer, e) for e in experts]
+        cached = [k for k in keys if k in self.table.slot_of]
+        self.counters.add(self.counters.hits, layer, len(cached))
+        self.counters.add(self.counters.misses, layer, len(keys) - len(cached))
+        self.table.policy.reference(cached)
+
     def enable_row_addresses(self) -> RowAddressTable:
         """Keep every expert's row address on the device for zero-copy decode kernels: its slot
         once acquired, else its pinned host row (experts/row_addresses.py). Call before any fetch."""

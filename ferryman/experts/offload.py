@@ -61,13 +61,13 @@ class OffloadExperts:
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
+        if self.zero_copy and topk_ids.numel() <= DECODE_MAX_PAIRS:  # its step is counted by after_step
+            return self._zero_copy(layer, x, topk_ids, topk_w)
         if layer <= self._last_layer:  # the first MoE layer of a new step
             self.cache.begin_step()
             if self.hybrid is not None:
                 self.hybrid.history.advance()
         self._last_layer = layer
-        if self.zero_copy and topk_ids.numel() <= DECODE_MAX_PAIRS:
-            return self._zero_copy(layer, x, topk_ids, topk_w)
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         guess = self._guess(layer, x, streaming)
         used, guessed, host_ids = _host_ids(topk_ids, None if guess is None else guess[1])
@@ -89,9 +89,24 @@ class OffloadExperts:
         from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode
 
         assert self.cache.rows is not None  # enabled in __init__
-        rows = RowAddresses(self.cache.rows.layer(self.cache.moe_index[layer]), self.cache.pool.layout.offsets)
+        index = self.cache.moe_index[layer]
+        self.cache.rows.record(index, topk_ids)
+        rows = RowAddresses(self.cache.rows.layer(index), self.cache.pool.layout.offsets)
         return fused_moe_decode(self.fmt, self.cache.banks, x, topk_ids, topk_w, self.act.kind, self.act.alpha,
                                 self.act.limit, rows=rows)
+
+    def after_step(self, num_rows: int) -> None:
+        """After a decode step of `num_rows` sequences: count its zero-copy reads as hits (slot) or
+        misses (host row), and let the policy see the cached experts it used. One small D2H read,
+        after the sampler has synchronised anyway; graph-replayed steps included."""
+        k = self.cache.store.cfg.top_k
+        if not self.zero_copy or num_rows * k > DECODE_MAX_PAIRS or self.cache.rows is None:
+            return
+        self.cache.begin_step()
+        seen = self.cache.rows.seen[:, : num_rows * k].cpu()  # [layers, P]
+        for layer, index in self.cache.moe_index.items():
+            used = torch.unique(seen[index]).tolist()
+            self.cache.count_reads(layer, used)
 
     def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
         if not self.prefetch_enabled or self.guesser is None:

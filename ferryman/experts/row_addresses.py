@@ -22,7 +22,8 @@ from ferryman.experts.host_store import HostExpertStore
 
 
 class RowAddressTable:
-    def __init__(self, store: HostExpertStore, slot_rows: torch.Tensor, moe_index: dict[int, int]) -> None:
+    def __init__(self, store: HostExpertStore, slot_rows: torch.Tensor, moe_index: dict[int, int],
+                 max_pairs: int = 64) -> None:
         # slot_rows: the expert-major slot pool [S, row_bytes] on the device
         layout = store.layout
         if layout is None or slot_rows.dim() != 2 or slot_rows.shape[1] != layout.row_bytes:
@@ -36,10 +37,18 @@ class RowAddressTable:
             self.host[i * e : (i + 1) * e] = store.flat[layer].data_ptr() + rows
         self.slot_base = slot_rows.data_ptr()
         self.addr = self.host.to(self.device, copy=True)  # [keys] int64: what the kernels read (never aliases host)
+        # the expert ids each MoE layer's zero-copy call used, written in the (graph-captured) step and
+        # read by the host after it: [layers, max_pairs]
+        self.seen = torch.zeros((len(moe_index), max_pairs), dtype=torch.int64, device=self.device)
 
     def layer(self, index: int) -> torch.Tensor:
         """The [E] addresses of the MoE layer with this index (a view: updates show through)."""
         return self.addr[index * self.num_experts : (index + 1) * self.num_experts]
+
+    def record(self, index: int, expert_ids: torch.Tensor) -> None:
+        """Keep what MoE layer `index` read this step (no sync: a device copy, graph-capturable)."""
+        flat = expert_ids.reshape(-1)  # [P]
+        self.seen[index, : flat.numel()].copy_(flat)
 
     def point(self, keys: list[int], slots: list[int]) -> None:
         """`keys` are in `slots` and their copies waited for on the compute stream."""
