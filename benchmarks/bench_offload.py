@@ -61,7 +61,7 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[prompt], params=params)[0]
     after = llm.stats()["experts"]
-    delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "copies_h2d", "h2d_seconds",
+    delta = {k: after[k] - before.get(k, 0) for k in ("hits", "misses", "bytes_h2d", "bytes_host_reads", "copies_h2d", "h2d_seconds",
                                                      "stall_seconds", "prefetch_fetched", "prefetch_hits", "cpu_computed")
              if k in after}
     return {"ttft_s": out.metrics.ttft_s, "decode_tok_s": out.metrics.decode_tokens_per_s, **delta}
@@ -115,7 +115,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "cpu_experts": a.cpu_experts, "cpu_computed_per_token": dec.get("cpu_computed", 0) / max(1, a.decode_tokens),
         "hybrid": experts.get("hybrid"),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
-        "h2d_mib_per_token": dec.get("bytes_h2d", 0) / 2**20 / max(1, a.decode_tokens),
+        "h2d_mib_per_token": (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / 2**20 / max(1, a.decode_tokens),
         "copies_per_token": dec.get("copies_h2d", 0) / max(1, a.decode_tokens),
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / max(1, a.decode_tokens),
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,

@@ -174,6 +174,7 @@ class CacheCounters:
     prefetch_fetched: dict[int, int] = field(default_factory=dict)
     prefetch_hits: dict[int, int] = field(default_factory=dict)
     evictions: int = 0
+    host_reads: int = 0  # experts zero-copy decode read from host memory (over the link)
 
     @staticmethod
     def add(table: dict[int, int], layer: int, n: int) -> None:
@@ -242,6 +243,7 @@ class ExpertCache:
         cached = [k for k in keys if k in self.table.slot_of]
         self.counters.add(self.counters.hits, layer, len(cached))
         self.counters.add(self.counters.misses, layer, len(keys) - len(cached))
+        self.counters.host_reads += len(keys) - len(cached)
         self.table.policy.reference(cached)
 
     def enable_row_addresses(self) -> RowAddressTable:
@@ -308,6 +310,8 @@ class ExpertCache:
             "prefetch_hits": sum(c.prefetch_hits.values()),
             "evictions": c.evictions,
             "bytes_h2d": self.transfer.bytes,
+            # zero-copy decode: expert bytes kernels read from host memory (also over the link)
+            "bytes_host_reads": c.host_reads * self.pool.layout.row_bytes,
             "copies_h2d": self.transfer.copies,
             "h2d_seconds": h2d_s,
             "stall_seconds": stall_s,

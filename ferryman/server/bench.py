@@ -63,7 +63,7 @@ def first_model(cfg: BenchConfig) -> str:
 
 
 def link_bytes(cfg: BenchConfig) -> int | None:
-    """Expert bytes the server copied host -> device so far (ferryman's /v1/stats); None elsewhere."""
+    """Expert bytes the server moved host -> device so far (ferryman's /v1/stats); None elsewhere."""
     req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/stats", headers=_headers(cfg))
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
@@ -71,8 +71,10 @@ def link_bytes(cfg: BenchConfig) -> int | None:
     except (OSError, ValueError):  # a peer without /v1/stats, or an unreadable answer
         return None
     experts = stats.get("experts") if isinstance(stats, dict) else None
-    value = experts.get("bytes_h2d") if isinstance(experts, dict) else None
-    return int(value) if isinstance(value, (int, float)) else None
+    if not isinstance(experts, dict) or not isinstance(experts.get("bytes_h2d"), (int, float)):
+        return None
+    # copies into the cache, plus what zero-copy decode kernels read from host memory
+    return int(experts["bytes_h2d"]) + int(experts.get("bytes_host_reads", 0))
 
 
 def _sse_data(resp: Any) -> Any:
