@@ -19,11 +19,14 @@ from __future__ import annotations
 import torch
 
 from ferryman.experts.host_store import HostExpertStore
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS
 
 
 class RowAddressTable:
+    """Keys are flat expert ids over the MoE layers, `moe_index[layer] * E + expert` (gpu_cache)."""
+
     def __init__(self, store: HostExpertStore, slot_rows: torch.Tensor, moe_index: dict[int, int],
-                 max_pairs: int = 64) -> None:
+                 max_pairs: int = DECODE_MAX_PAIRS) -> None:
         # slot_rows: the expert-major slot pool [S, row_bytes] on the device
         layout = store.layout
         if layout is None or slot_rows.dim() != 2 or slot_rows.shape[1] != layout.row_bytes:
