@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ferryman.errors import FerrymanError
 
@@ -347,6 +348,34 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def setup_logging() -> None:
+    """The `ferryman` loggers to stderr at FERRYMAN_LOG_LEVEL (the CLI's; a library user configures
+    logging themselves)."""
+    import logging
+
+    from ferryman.envs import envs
+
+    class StderrHandler(logging.StreamHandler):
+        """Writes to whatever sys.stderr is when a record comes (redirections and captures apply)."""
+
+        ferryman_cli = True
+
+        @property  # type: ignore[override]
+        def stream(self) -> Any:
+            return sys.stderr
+
+        @stream.setter
+        def stream(self, _value: Any) -> None:
+            pass
+
+    logger = logging.getLogger("ferryman")
+    if not any(getattr(h, "ferryman_cli", False) for h in logger.handlers):
+        handler = StderrHandler()
+        handler.setFormatter(logging.Formatter("[ferryman] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(envs.LOG_LEVEL)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -354,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        setup_logging()
         if a.command == "plan":
             return cmd_plan(a)
         return {"run": cmd_run, "info": cmd_info, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)

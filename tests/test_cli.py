@@ -57,3 +57,19 @@ def test_top_level_help_lists_the_environment_variables(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert all(v.name in out for v in all_vars())
     assert "[set: 0]" in out
+
+
+def test_log_level_applies_to_the_ferryman_loggers(capsys: pytest.CaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    monkeypatch.setenv("FERRYMAN_LOG_LEVEL", "DEBUG")
+    assert main(["plan", "--gpu-memory", "1GiB"]) == 0
+    assert logging.getLogger("ferryman").level == logging.DEBUG
+    logging.getLogger("ferryman.experts").info("a message from the experts")
+    assert "[ferryman] INFO a message from the experts" in capsys.readouterr().err
+    monkeypatch.setenv("FERRYMAN_LOG_LEVEL", "WARNING")
+    assert main(["plan", "--gpu-memory", "1GiB"]) == 0
+    logging.getLogger("ferryman.experts").info("hidden")
+    assert "hidden" not in capsys.readouterr().err
+    assert sum(getattr(h, "ferryman_cli", False) for h in logging.getLogger("ferryman").handlers) == 1

@@ -15,6 +15,7 @@ pageable memory: correct, but each copy is synchronous with the host and several
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -99,7 +100,11 @@ class HostExpertStore(ExpertStore):
         self.pinned_layers = 0
         self.layout: ExpertLayout | None = None  # the same for every layer
         self._pin_failed = False
+        start = time.perf_counter()
         super().__init__(cfg, dtype, "cpu")
+        log.info("experts in host RAM: %.2f GiB over %d MoE layers, %s (%.1f s)",
+                 sum(f.numel() for f in self.flat.values()) / 2**30, len(self.flat),
+                 _pin_state(self), time.perf_counter() - start)
         if pin and self._pin_failed:
             log.warning(
                 "could not pin host memory for the experts of %d of %d MoE layers (locked-memory "
@@ -120,3 +125,9 @@ class HostExpertStore(ExpertStore):
     @property
     def pinned(self) -> bool:
         return self.pinned_layers == len(self.flat)
+
+
+def _pin_state(store: HostExpertStore) -> str:
+    if not store.want_pin:
+        return "pageable (the CPU is the device)"
+    return "pinned" if store.pinned else f"{store.pinned_layers} of {len(store.flat)} layers pinned"

@@ -165,7 +165,7 @@ def serve(engine_kwargs: dict[str, Any], model: str | None, cfg: ServerConfig, h
     app = build_app(loop, cfg)
     loop.start()
     names = ", ".join(app.state.ferryman.model_names)
-    log.warning("ferryman serving %s on http://%s:%d (max_model_len %d)", names, host, port, engine.max_model_len)
+    log.info("serving %s on http://%s:%d (max_model_len %d)", names, host, port, engine.max_model_len)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:
