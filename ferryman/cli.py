@@ -348,9 +348,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def setup_logging() -> None:
-    """The `ferryman` loggers to stderr at FERRYMAN_LOG_LEVEL (the CLI's; a library user configures
-    logging themselves)."""
+def setup_logging(debug: bool = False) -> None:
+    """The `ferryman` loggers to stderr at FERRYMAN_LOG_LEVEL, or DEBUG with --debug (the CLI's; a
+    library user configures logging themselves)."""
     import logging
 
     from ferryman.envs import envs
@@ -373,7 +373,7 @@ def setup_logging() -> None:
         handler = StderrHandler()
         handler.setFormatter(logging.Formatter("[ferryman] %(levelname)s %(message)s"))
         logger.addHandler(handler)
-    logger.setLevel(envs.LOG_LEVEL)
+    logger.setLevel("DEBUG" if debug else envs.LOG_LEVEL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -382,13 +382,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.command is None:
         parser.print_help()
         return 2
+    from ferryman.envs import envs
+
+    debug = a.debug or envs.DEBUG
     try:
-        setup_logging()
+        setup_logging(debug)
         if a.command == "plan":
             return cmd_plan(a)
         return {"run": cmd_run, "info": cmd_info, "serve": cmd_serve, "bench": cmd_bench}[a.command](a)
     except FerrymanError as e:
-        if a.debug:
+        if debug:
             raise
         print(f"ferryman: error: {e}", file=sys.stderr)
         return e.exit_code

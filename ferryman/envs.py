@@ -131,7 +131,7 @@ class Envs:
         "memory (no per-layer sync, whole-step CUDA graphs); prefill still fills the cache",
     )
     DEBUG = EnvVar(
-        "FERRYMAN_DEBUG", bool, False, "extra checks and logging (slow); full tracebacks",
+        "FERRYMAN_DEBUG", bool, False, "as the CLI's --debug: full tracebacks, and DEBUG logs",
     )
 
 

@@ -73,3 +73,12 @@ def test_log_level_applies_to_the_ferryman_loggers(capsys: pytest.CaptureFixture
     logging.getLogger("ferryman.experts").info("hidden")
     assert "hidden" not in capsys.readouterr().err
     assert sum(getattr(h, "ferryman_cli", False) for h in logging.getLogger("ferryman").handlers) == 1
+
+
+def test_ferryman_debug_env_gives_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.errors import FerrymanError
+
+    assert main(["info", "/no/such/model"]) == 2  # one-line error
+    monkeypatch.setenv("FERRYMAN_DEBUG", "1")
+    with pytest.raises(FerrymanError, match="does not exist"):
+        main(["info", "/no/such/model"])

@@ -15,7 +15,6 @@ FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,7 +25,6 @@ from ferryman.quant import Banks, ExpertFormat, get_format
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 TRITON_FORMATS = ("dense", "mxfp4")
-BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -81,10 +79,9 @@ def triton_available() -> bool:
 
 
 def _backend() -> str:
-    name = os.environ.get("FERRYMAN_MOE_BACKEND", "auto").lower()
-    if name not in BACKENDS:
-        raise ValueError(f"FERRYMAN_MOE_BACKEND must be one of {BACKENDS}, got {name!r}")
-    return name
+    from ferryman.envs import envs
+
+    return envs.MOE_BACKEND  # FERRYMAN_MOE_BACKEND, checked against auto|torch|triton
 
 
 def _use_triton(fmt: str, x: torch.Tensor, pairs: int) -> bool:

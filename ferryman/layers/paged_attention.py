@@ -16,7 +16,6 @@ reference otherwise. FERRYMAN_ATTN_BACKEND=torch forces the reference, =triton f
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,6 @@ __all__ = [
     "paged_attention_reference",
 ]
 
-_BACKEND_ENV = "FERRYMAN_ATTN_BACKEND"
-_BACKENDS = ("auto", "torch", "triton")
 # the reference materialises [Hq, chunk, L] fp32 scores; this bounds chunk * L * Hq
 _REF_MAX_SCORE_ELEMS = 1 << 25
 
@@ -99,10 +96,9 @@ def _check_attn_inputs(
 
 
 def _backend() -> str:
-    name = os.environ.get(_BACKEND_ENV, "auto").strip().lower() or "auto"
-    if name not in _BACKENDS:
-        raise ValueError(f"{_BACKEND_ENV} must be one of {_BACKENDS}, got {name!r}")
-    return name
+    from ferryman.envs import envs
+
+    return envs.ATTN_BACKEND  # FERRYMAN_ATTN_BACKEND, checked against auto|torch|triton
 
 
 def _use_triton(device: torch.device) -> bool:
