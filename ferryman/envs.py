@@ -115,6 +115,10 @@ class Envs:
         "(one Triton grouped GEMM per projection, weights dequantised in the kernel)",
         choices=("reference", "grouped"),
     )
+    MOE_DECODE_TILES = EnvVar(
+        "FERRYMAN_MOE_DECODE_TILES", str, "",
+        "tuning: MoE decode kernel tiles block_n,block_k,num_warps,impl[,fusek] (empty: the defaults)",
+    )
     LOG_LEVEL = EnvVar(
         "FERRYMAN_LOG_LEVEL", str, "INFO", "log level of the ferryman loggers", choices=_LOG_LEVELS,
     )

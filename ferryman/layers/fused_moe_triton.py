@@ -18,7 +18,6 @@ integer work of decoding nibbles (~4 ops per element) and x handling, not by DRA
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +58,9 @@ class DecodeConfig:
 @functools.cache
 def default_decode_config() -> DecodeConfig:
     """Tiles from FERRYMAN_MOE_DECODE_TILES="block_n,block_k,num_warps,impl" (for tuning), else defaults."""
-    raw = os.environ.get("FERRYMAN_MOE_DECODE_TILES", "").strip()
+    from ferryman.envs import envs
+
+    raw = envs.MOE_DECODE_TILES
     if not raw:
         return DecodeConfig()
     try:
