@@ -153,8 +153,7 @@ def fused_moe_gathered(
     T, K = topk_ids.shape
     num_slots, hidden, _ = form.dims(banks)
     flat = topk_ids.reshape(-1).long()  # [P]
-    if flat.numel() and (flat.min() < 0 or flat.max() >= num_slots):
-        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {flat.min()}, max {flat.max()}")
+    _check_slot_range(flat, num_slots)
     bias = form.has_bias(banks)
     xs = x.repeat_interleave(K, dim=0)  # [P, H]
     gate_up = _pair_matvecs(form, banks, "w13", flat, xs)  # [P, 2I]
@@ -210,10 +209,17 @@ def _group_by_slot(topk_ids: torch.Tensor, num_slots: int) -> tuple[torch.Tensor
     flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
     sorted_ids, order = torch.sort(flat, stable=True)
     slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    bounds = torch.stack((slots.min(), slots.max())).tolist() if slots.numel() else [0, 0]
-    if bounds[0] < 0 or bounds[1] >= num_slots:
-        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {bounds[0]}, max {bounds[1]}")
+    _check_slot_range(slots, num_slots)
     return slots, order, counts.tolist()
+
+
+def _check_slot_range(ids: torch.Tensor, num_slots: int) -> None:
+    """Every id in [0, num_slots), read back with one device -> host copy."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.stack((ids.min(), ids.max())).tolist()
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {lo}, max {hi}")
 
 
 def fused_moe_reference(

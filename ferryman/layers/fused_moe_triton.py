@@ -74,6 +74,26 @@ def default_decode_config() -> DecodeConfig:
 
 
 @triton.jit
+def moe_act(gate, up, alpha, limit, ACT: tl.constexpr):
+    # ACT 0 = silu: silu(gate) * up; 1 = swiglu_oai: clamped, (up + 1) * gate * sigmoid(alpha gate)
+    if ACT == 0:
+        h = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    return h
+
+
+@triton.jit
+def gate_up_rows(n, I: tl.constexpr, ACT: tl.constexpr):
+    # rows of w13 holding gate / up column n of h. silu: n and I + n; swiglu_oai: 2n and 2n + 1
+    if ACT == 0:
+        return n, n + I
+    return 2 * n, 2 * n + 1
+
+
+@triton.jit
 def _e2m1_bits(words, N: tl.constexpr):
     # nibble N of each uint32 word (element 8j+N of the row) -> fp32 holding e2m1 x 2^-126:
     # its magnitude bits (e1 e0 m) go under fp32's exponent/mantissa boundary (bits 24..22),
@@ -224,13 +244,7 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, ad
     w_ptr, s_ptr, b_ptr, slot = _expert_bases(w_ptr, s_ptr, b_ptr, addr_ptr, slot, INDIRECT, W_OFF, S_OFF, B_OFF)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
     nmask = n < I
-    # silu: gate = row n, up = row I + n; swiglu_oai: gate = row 2n, up = row 2n + 1
-    if ACT == 0:
-        gate_rows = n
-        up_rows = n + I
-    else:
-        gate_rows = 2 * n
-        up_rows = 2 * n + 1
+    gate_rows, up_rows = gate_up_rows(n, I, ACT)
     # one pass over gate and up rows together: [BN, 2] -> [2 BN] (interleaved = contiguous rows)
     rows = tl.reshape(tl.join(gate_rows, up_rows), [2 * BLOCK_N])
     rmask = tl.reshape(tl.join(nmask, nmask), [2 * BLOCK_N])
@@ -242,12 +256,7 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, ad
     # round like the reference, which holds gate_up in the compute dtype
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
-    if ACT == 0:
-        h = gate * tl.sigmoid(gate) * up
-    else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    h = moe_act(gate, up, alpha, limit, ACT)
     tl.store(h_ptr + pair * I + n, h.to(h_ptr.dtype.element_ty), mask=nmask)
 
 

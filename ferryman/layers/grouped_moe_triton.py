@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, _check_inputs
+from ferryman.layers.fused_moe_triton import ACT_KINDS, gate_up_rows, moe_act
 from ferryman.quant.base import Banks, get_format
 
-ACT_KINDS = {"silu": 0, "swiglu_oai": 1}
 FORMATS = ("dense", "mxfp4")
 PATHS = ("auto", "gemv", "grouped")
 
@@ -74,25 +74,6 @@ def _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM: tl.constexpr, MXFP4: t
 
 
 @triton.jit
-def _act(gate, up, alpha, limit, ACT: tl.constexpr):
-    if ACT == 0:
-        h = gate * tl.sigmoid(gate) * up
-    else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-    return h
-
-
-@triton.jit
-def _gate_up_rows(n, I: tl.constexpr, ACT: tl.constexpr):
-    # silu: gate = row n, up = row I + n; swiglu_oai: gate = row 2n, up = row 2n + 1
-    if ACT == 0:
-        return n, n + I
-    return 2 * n, 2 * n + 1
-
-
-@triton.jit
 def _dot(a, w, FP32: tl.constexpr):
     # a [M, BK] x w [N, BK] -> [M, N] fp32; weights rounded to the compute dtype like the reference
     if FP32:
@@ -115,7 +96,7 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
     tok = pair // TOPK
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < I
-    g_rows, u_rows = _gate_up_rows(n, I, ACT)
+    g_rows, u_rows = gate_up_rows(n, I, ACT)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
@@ -129,7 +110,7 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
     dt = h_ptr.dtype.element_ty  # round gate_up like the reference, which holds it in x.dtype
-    h = _act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
+    h = moe_act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
     tl.store(h_ptr + pair[:, None] * I + n[None, :], h.to(dt), mask=rmask[:, None] & nmask[None, :])
 
 
@@ -168,7 +149,7 @@ def _w13_gemv(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nmask = n < I
-    g_rows, u_rows = _gate_up_rows(n, I, ACT)
+    g_rows, u_rows = gate_up_rows(n, I, ACT)
     acc_g = tl.zeros([BN], dtype=tl.float32)
     acc_u = tl.zeros([BN], dtype=tl.float32)
     w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
@@ -182,7 +163,7 @@ def _w13_gemv(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)
     dt = h_ptr.dtype.element_ty
-    h = _act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
+    h = moe_act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
     tl.store(h_ptr + pair * I + n, h.to(dt), mask=nmask)
 
 
