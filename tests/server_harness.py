@@ -10,6 +10,8 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,23 @@ def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: A
             raise RuntimeError("uvicorn did not start within 20 s")
         time.sleep(0.02)
     return LiveServer(f"http://127.0.0.1:{port}", loop, app, server, thread)
+
+
+@contextmanager
+def logits_processor(server: "LiveServer", proc: Any) -> Iterator[None]:
+    """Run the engine with `proc` between logits and sampling; the previous one comes back after."""
+    before = server.loop.engine.runner.logits_processor
+    server.loop.set_logits_processor(proc)
+    try:
+        yield
+    finally:
+        server.loop.set_logits_processor(before)
+
+
+def scripted(server: "LiveServer", text: str) -> Any:
+    """The engine writes `text` (in the server's tokens) whatever the prompt."""
+    tok = server.loop.engine.tokenizer
+    return logits_processor(server, ScriptedLogits(tok.encode(text, add_special_tokens=False)))
 
 
 class SlowLogits:

@@ -11,7 +11,7 @@ anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("llguidance")
 
 from ferryman import LLM, SamplingParams  # noqa: E402
-from server_harness import LiveServer, ScriptedLogits  # noqa: E402
+from server_harness import LiveServer, scripted  # noqa: E402
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",
            "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -84,20 +84,15 @@ def test_tool_use_round_trip(client) -> None:
 
 def test_thinking_and_tool_use_blocks(client, server: LiveServer) -> None:
     """A scripted Qwen3-style output comes back as thinking, text and tool_use blocks, whole and streamed."""
-    tok = server.loop.engine.tokenizer
     text = ('<think>\nCheck the sky.\n</think>\n\nLet me look.<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
-    proc = server.loop.engine.runner.logits_processor
-    server.loop.set_logits_processor(ScriptedLogits(tok.encode(text, add_special_tokens=False)))
-    try:
+    with scripted(server, text):
         kw = dict(model="tiny", max_tokens=80, tools=[WEATHER], thinking={"type": "enabled", "budget_tokens": 64},
                   messages=[{"role": "user", "content": "Weather?"}])
         r = client.messages.create(**kw)
         with client.messages.stream(**kw) as stream:
             kinds = [(e.type, getattr(getattr(e, "delta", None), "type", None)) for e in stream]
             final = stream.get_final_message()
-    finally:
-        server.loop.set_logits_processor(proc)
     assert [b.type for b in r.content] == ["thinking", "text", "tool_use"]
     assert r.content[0].thinking == "\nCheck the sky.\n" and r.content[1].text == "Let me look."
     assert r.content[2].input == {"city": "Paris"} and r.stop_reason == "tool_use"

@@ -11,7 +11,14 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from ferryman.server import ServerConfig  # noqa: E402
-from server_harness import LiveServer, SlowLogits, build_tiny_chat_model, start_server, wait_until  # noqa: E402
+from server_harness import (  # noqa: E402
+    LiveServer,
+    SlowLogits,
+    build_tiny_chat_model,
+    logits_processor,
+    start_server,
+    wait_until,
+)
 
 KEY = "s3cret"
 USER = [{"role": "user", "content": "hi"}]
@@ -35,10 +42,8 @@ def http(server: LiveServer) -> httpx.Client:
 @pytest.fixture
 def slow(server: LiveServer):
     """Every engine step takes 50 ms while the test runs (requests stay in flight)."""
-    proc = server.loop.engine.runner.logits_processor
-    server.loop.set_logits_processor(SlowLogits(0.05))
-    yield
-    server.loop.set_logits_processor(proc)
+    with logits_processor(server, SlowLogits(0.05)):
+        yield
 
 
 def _stats(http: httpx.Client) -> dict:

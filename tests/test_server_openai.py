@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 from ferryman import LLM, SamplingParams  # noqa: E402
-from server_harness import LiveServer, ScriptedLogits, start_server  # noqa: E402
+from server_harness import LiveServer, scripted, start_server  # noqa: E402
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -114,16 +114,11 @@ def test_tools_round_trip(client) -> None:
 
 def test_parsed_reasoning_and_tool_call(client, server: LiveServer) -> None:
     """A scripted output in Qwen3 markup comes back as reasoning_content + tool_calls (whole and streamed)."""
-    tok = server.loop.engine.tokenizer
     text = ('<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>')
-    proc = server.loop.engine.runner.logits_processor
-    server.loop.set_logits_processor(ScriptedLogits(tok.encode(text, add_special_tokens=False)))
-    try:
+    with scripted(server, text):
         r = _chat(client, "Weather?", tools=[WEATHER], max_tokens=80)
         chunks = list(_chat(client, "Weather?", tools=[WEATHER], max_tokens=80, stream=True))
-    finally:
-        server.loop.set_logits_processor(proc)
     msg = r.choices[0].message
     assert msg.reasoning_content == "\nThe user wants weather.\n" and not msg.content
     assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Oslo", "days": 3}
