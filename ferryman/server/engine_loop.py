@@ -32,6 +32,7 @@ log = logging.getLogger("ferryman.server")
 
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on the command queue
 _WATCHDOG_PERIOD_S = 0.2
+_STATS_PERIOD_S = 0.2  # /v1/stats and /metrics lag a busy engine by at most this much
 
 
 class OverloadedError(FerrymanError):
@@ -118,6 +119,7 @@ class EngineLoop:
         self._step_started: float | None = None
         self.dead_reason: str | None = None
         self.stats_snapshot: dict[str, Any] = engine.stats()
+        self._stats_time = time.monotonic()
         engine.runner.logits_processor = None
         self._thread = threading.Thread(target=self._run, name="ferryman-engine", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="ferryman-watchdog", daemon=True)
@@ -179,7 +181,7 @@ class EngineLoop:
         try:
             while not self._stop.is_set() and self.dead_reason is None:
                 if self._drain_commands(block=not self.engine.has_unfinished()):
-                    self.stats_snapshot = self.engine.stats()
+                    self._refresh_stats()
                 if self._fault is not None:
                     raise self._fault
                 if self.engine.has_unfinished():
@@ -229,7 +231,14 @@ class EngineLoop:
             handle = self._by_rid.get(d.request_id)
             if handle is not None:
                 self._deliver(handle, d, logprobs.get(d.request_id), now)
+        # statistics are for monitoring: refresh them at most every _STATS_PERIOD_S while busy (they
+        # sync the copy-stream timers of offloaded experts), and always once the work runs out
+        if now - self._stats_time >= _STATS_PERIOD_S or not self.engine.has_unfinished():
+            self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
         self.stats_snapshot = self.engine.stats()
+        self._stats_time = time.monotonic()
 
     def _deliver(self, handle: RequestHandle, d: StepDelta, lp: TokenLogprobs | None, now: float) -> None:
         if handle.matcher is not None and d.finish_reason is None:
