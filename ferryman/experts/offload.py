@@ -8,7 +8,7 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
    streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
 4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
-   (strided banks when the pool is expert-major);
+   (strided banks when the pool is expert-major: its kernels read either layout);
 5. `release` unpins: later copies into those slots wait for the kernels that read them;
 6. a streaming chunk (touching about every expert) then demotes what it brought in, so prefill
    cycles a window of slots instead of flushing the cache (`ExpertCache.demote_fetched`).
@@ -51,8 +51,6 @@ class OffloadExperts:
             threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
             self.cpu = CPUExperts(cache.store, act, threaded)
         self.fmt = cache.store.format.name
-        # either pool layout: fused_moe's kernels read strided banks (FERRYMAN_MOE_PREFILL: prefill path)
-        self.moe = fused_moe
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
@@ -128,7 +126,7 @@ class OffloadExperts:
         slots = self.cache.acquire(layer, used)
         # the guess's copies queue behind this layer's misses and overlap its kernels
         self._prefetch(guess, guessed, streaming)
-        out = self.moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, host_ids), topk_w, self.act)
+        out = fused_moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, host_ids), topk_w, self.act)
         self.cache.release(layer, used, slots)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
@@ -157,7 +155,7 @@ class OffloadExperts:
             off = torch.zeros(self.num_experts, dtype=torch.bool)
             off[on_cpu] = True
             w = topk_w.masked_fill(off.to(topk_w.device, non_blocking=True)[topk_ids], 0.0)
-            out = self.moe(self.fmt, self.cache.banks, x, ids, w, self.act)
+            out = fused_moe(self.fmt, self.cache.banks, x, ids, w, self.act)
             self.cache.release(layer, here, slots)
         else:
             self._prefetch(guess, guessed, False)
@@ -179,7 +177,7 @@ class OffloadExperts:
             mask = torch.isin(topk_ids, torch.tensor(part, device=topk_ids.device))  # [T, K]
             tok, kk = mask.nonzero(as_tuple=True)  # pairs routed to this round's experts: [P]
             ids = self._slot_ids(part, slots, topk_ids[tok, kk]).unsqueeze(1)  # [P, 1]
-            y = self.moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
+            y = fused_moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
             out.index_add_(0, tok, y)
             self.cache.release(layer, part, slots)
         return out
