@@ -114,6 +114,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
         "cpu_experts": a.cpu_experts, "cpu_computed_per_token": dec.get("cpu_computed", 0) / max(1, a.decode_tokens),
         "hybrid": experts.get("hybrid"),
+        "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / 2**20 / max(1, a.decode_tokens),
         "copies_per_token": dec.get("copies_h2d", 0) / max(1, a.decode_tokens),
@@ -128,6 +129,14 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def _prefetch_layers(experts: dict) -> str | None:
+    """'k of n': the layers whose next-layer guesses still prefetch (the precision gate's verdict)."""
+    per_layer = experts.get("per_layer_guess")
+    if not per_layer:
+        return None
+    return f"{sum(1 for g in per_layer.values() if g.get('prefetch'))} of {len(per_layer)}"
 
 
 def fmt(v: object) -> str:
@@ -163,7 +172,7 @@ def main() -> None:
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
     cols = ["model", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
-            "decode_link_limit", "decode_vs_link", "h2d_mib_per_token", "prefetch_precision", "ttft_s",
+            "decode_link_limit", "decode_vs_link", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))
