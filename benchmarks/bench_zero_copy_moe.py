@@ -17,6 +17,7 @@ copy+compute / zero-copy. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def main() -> None:
     slots_flat = torch.empty(pairs, layout.row_bytes, dtype=torch.uint8, device=dev)
     slots = layout.views(slots_flat)
     slot_ids = torch.arange(pairs, device=dev, dtype=torch.int32).view(a.tokens, k)
-    step = iter(range(1 << 30))
+    step = itertools.count()
 
     def run(mode: str) -> torch.Tensor:
         sel = ids[next(step) % sets]
