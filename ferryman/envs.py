@@ -129,6 +129,12 @@ class Envs:
         "FERRYMAN_SEGMENT_GRAPHS", bool, True,
         "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
     )
+    DECODE_PREFETCH = EnvVar(
+        "FERRYMAN_DECODE_PREFETCH", bool, False,
+        "offloaded experts: in decode, copy the next layer's guessed experts ahead (off: on an H200 it "
+        "made gpt-oss-20b decode slower at a guess precision of 0.83, docs/benchmarks.md); prefill "
+        "streaming is on either way",
+    )
     ZERO_COPY = EnvVar(
         "FERRYMAN_ZERO_COPY", bool, False,
         "offloaded experts, experimental: decode kernels read uncached experts straight from pinned host "

@@ -15,6 +15,7 @@ EXPECTED_NAMES = [
     "FERRYMAN_LOG_LEVEL",
     "FERRYMAN_DISABLE_CUDA_GRAPHS",
     "FERRYMAN_SEGMENT_GRAPHS",
+    "FERRYMAN_DECODE_PREFETCH",
     "FERRYMAN_ZERO_COPY",
     "FERRYMAN_DEBUG",
 ]
@@ -36,6 +37,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,
         "FERRYMAN_SEGMENT_GRAPHS": True,
+        "FERRYMAN_DECODE_PREFETCH": False,
         "FERRYMAN_ZERO_COPY": False,
         "FERRYMAN_DEBUG": False,
     }

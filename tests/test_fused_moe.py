@@ -350,7 +350,7 @@ def test_cpu_decode_paths_match_reference_for_big_dense_experts() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) -> None:
     """Zero-copy: the kernel follows RowAddresses into page-locked host memory (UVA) and computes
-    bit for bit what it computes from device memory."""
+    what it computes from device memory (bit for bit in bf16)."""
     from ferryman.experts.host_store import ExpertLayout, allocate_rows
     from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode
 
@@ -371,4 +371,7 @@ def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) ->
     want = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit)
     got = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit,
                            rows=RowAddresses(addr, layout.offsets))
-    assert torch.equal(got, want)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:  # the two specialisations contract multiply-adds differently: fp32 agrees to rounding (H200)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -56,7 +56,6 @@ for s in "${@:-tests decode kernels}"; do
                stage ab_eager 90 $ab --eager --json "$OUT/ab_eager.json"
                stage ab_noprefetch 90 $ab --no-prefetch --json "$OUT/ab_noprefetch.json"
                stage ab_bankmajor 90 $ab --bank-major --json "$OUT/ab_bankmajor.json"
-               stage ab_zerocopy 90 env FERRYMAN_ZERO_COPY=1 $ab --json "$OUT/ab_zerocopy.json"
                pre="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 8 --ttft-prompt 0"
                stage ab_prefill_ref 90 $pre --json "$OUT/ab_prefill_ref.json"
                stage ab_prefill_grouped 90 env FERRYMAN_MOE_PREFILL=grouped $pre --json "$OUT/ab_prefill_grouped.json"

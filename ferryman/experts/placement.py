@@ -89,9 +89,11 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
-                    cpu_thread: bool | None = None, zero_copy: bool | None = None) -> Any:
+                    cpu_thread: bool | None = None, zero_copy: bool | None = None,
+                    decode_prefetch: bool | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
     expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
+    decode_prefetch: also act on the guesses in decode steps (default: FERRYMAN_DECODE_PREFETCH);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
     cpu_thread: the CPU part in a worker thread (default: on CUDA); zero_copy: decode kernels read
@@ -107,7 +109,9 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
     from ferryman.envs import envs
 
-    return OffloadExperts(cache, act, NextLayerGuesser(gates, store.cfg.top_k) if prefetch else None,
+    decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
+    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode) if prefetch else None
+    return OffloadExperts(cache, act, guesser,
                           hybrid, cpu_thread, envs.ZERO_COPY if zero_copy is None else zero_copy)
 
 

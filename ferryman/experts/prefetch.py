@@ -14,6 +14,8 @@ a copy on the link and may evict an expert that would have hit. So it pays only 
 mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a precision below
 `min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
 random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
+Decode prefetch is off unless asked (`decode`, FERRYMAN_DECODE_PREFETCH): on the H200 even guesses
+at precision 0.83 made gpt-oss-20b decode slower (27.2 against 36.2 tok/s); prefill streaming stays.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class NextLayerGuesser:
     top_k: int
     min_precision: float = 0.75
     min_samples: int = 32
+    decode: bool = True  # prefetch in decode steps at all (offload_backend: FERRYMAN_DECODE_PREFETCH)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
     pending: dict[int, tuple[set[int], set[int]]] = field(init=False)  # layer -> (guessed, fetched)
@@ -58,7 +61,7 @@ class NextLayerGuesser:
         return nxt, torch.topk(logits, self.top_k, dim=-1).indices
 
     def wants_prefetch(self, layer: int, streaming: bool) -> bool:
-        return streaming or self.counters[layer].enabled
+        return streaming or (self.decode and self.counters[layer].enabled)
 
     def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
         """What was guessed (and copied) for `layer` in a decode step, to score when it runs."""

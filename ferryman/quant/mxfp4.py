@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 
+from ferryman.layers.triton_util import use_triton
 from ferryman.quant.base import (
     Banks,
     BankSpec,
@@ -175,7 +176,12 @@ class Mxfp4Format(ExpertFormat):
         check_proj(proj)
         blocks = self.bank(banks, f"{proj}_blocks")[idx]  # [n, out, in/32, 16]
         scales = self.bank(banks, f"{proj}_scales")[idx]  # [n, out, in/32]
-        return dequant_mxfp4(blocks, scales, dtype or self.model_dtype(banks))  # [n, out, in]
+        dtype = dtype or self.model_dtype(banks)
+        if use_triton(blocks):  # the same values in one launch, no host sync (quant/mxfp4_triton.py)
+            from ferryman.quant.mxfp4_triton import dequant_mxfp4_triton
+
+            return dequant_mxfp4_triton(blocks, scales, dtype)  # [n, out, in]
+        return dequant_mxfp4(blocks, scales, dtype)  # [n, out, in]
 
 
 MXFP4 = register_format(Mxfp4Format())
