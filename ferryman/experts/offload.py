@@ -109,10 +109,10 @@ class OffloadExperts:
     def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
         if not self.prefetch_enabled or self.guesser is None:
             return None
-        guess = self.guesser.guess(layer, x)
-        if guess is None or not self.guesser.wants_prefetch(guess[0], streaming):
-            return None
-        return guess
+        nxt = self.guesser.next_of.get(layer)
+        if nxt is None or not self.guesser.wants_prefetch(nxt, streaming):
+            return None  # no router launch, nothing more to read back
+        return self.guesser.guess(layer, x)
 
     def _prefetch(self, guess: tuple[int, torch.Tensor] | None, guessed: list[int], streaming: bool) -> None:
         if guess is None or self.guesser is None:
@@ -186,9 +186,13 @@ class OffloadExperts:
         """Expert ids -> slot ids on the cache's device, through a per-call table (ids only name
         experts in `experts`). Host ids (the usual case: read for the lookup anyway) are mapped on
         the host and copied once; device ids are mapped on the device."""
+        # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
+        if ids.device.type == "cpu" and ids.numel() <= 256:  # a few pairs: Python beats tensor ops
+            slot_of = dict(zip(experts, slots))
+            mapped = [[slot_of[e] for e in row] for row in ids.tolist()]
+            return torch.tensor(mapped, dtype=torch.int32).to(self.cache.device, non_blocking=True)
         lut = torch.zeros(self.num_experts, dtype=torch.int32)
         lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
-        # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
         if ids.device.type == "cpu":
             return lut[ids].to(self.cache.device, non_blocking=True)
         return lut.to(ids.device, non_blocking=True)[ids]
@@ -224,6 +228,7 @@ def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[l
         flat = torch.cat((flat, guess_ids.reshape(-1).to(flat.dtype)))
     host = flat.cpu()
     n = topk_ids.numel()
-    used = torch.unique(host[:n]).tolist()
-    guessed = torch.unique(host[n:]).tolist() if guess_ids is not None else []
+    values = host.tolist()
+    used = sorted(set(values[:n]))
+    guessed = sorted(set(values[n:])) if guess_ids is not None else []
     return used, guessed, host[:n].view(topk_ids.shape)

@@ -84,7 +84,7 @@ class NextLayerGuesser:
     def stats(self) -> dict:
         rows = {layer: {"recall": c.recall_hit / c.recall_total if c.recall_total else None,
                         "precision": c.useful / c.fetched if c.fetched else None,
-                        "prefetch": c.enabled}
+                        "prefetch": self.decode and c.enabled}
                 for layer, c in self.counters.items()}
         hit = sum(c.recall_hit for c in self.counters.values())
         total = sum(c.recall_total for c in self.counters.values())
