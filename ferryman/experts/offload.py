@@ -189,8 +189,8 @@ class OffloadExperts:
         # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
         if ids.device.type == "cpu" and ids.numel() <= 256:  # a few pairs: Python beats tensor ops
             slot_of = dict(zip(experts, slots))
-            mapped = [[slot_of[e] for e in row] for row in ids.tolist()]
-            return torch.tensor(mapped, dtype=torch.int32).to(self.cache.device, non_blocking=True)
+            mapped = [slot_of[e] for e in ids.reshape(-1).tolist()]
+            return torch.tensor(mapped, dtype=torch.int32).view(ids.shape).to(self.cache.device, non_blocking=True)
         lut = torch.zeros(self.num_experts, dtype=torch.int32)
         lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
         if ids.device.type == "cpu":
