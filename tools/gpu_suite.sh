@@ -7,7 +7,8 @@
 #   device run --carry .whl: tools/gpu_suite.sh offloadab                 # ~8 min, A/Bs of defaults
 #   device run --carry .whl: tools/gpu_suite.sh "offload20 offload120 offloadqwen serve"
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
-#   kernels; prefix; offload20, offload120, offloadqwen (one target each); offloadab (gpt-oss-20b
+#   kernels; prefix; offload20, offload120, offloadqwen (one target each); offload20pf (gpt-oss-20b decode with
+#   decode prefetch on); gtests (the GPU tests of the offload path and parity only); offloadab (gpt-oss-20b
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
@@ -38,6 +39,9 @@ for s in "${@:-tests decode kernels}"; do
     case "$s1" in
       tests)   stage gpu_tests 240 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  --durations=15 --deselect "$BIG_GROUPED" tests/ ;;
+      gtests)  stage gpu_tests_offload 200 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_mxfp4.py tests/test_offload_identity.py tests/test_segment_graphs.py tests/test_hf_parity.py \
+                 tests/test_prefill_stream.py tests/test_fused_moe.py tests/test_hybrid.py ;;
       grouped) stage gpu_grouped 120 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 "$BIG_GROUPED" ;;
       decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
                  --profile 64
@@ -49,6 +53,8 @@ for s in "${@:-tests decode kernels}"; do
       prefix)  stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                  --prefix-tokens 4096 --tail-tokens 128 ;;
       offload20)  stage offload20 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --json "$OUT/offload20.json" ;;
+      offload20pf) stage offload20pf 90 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-prefetch \
+                 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/offload20pf.json" ;;
       offload120) stage offload120 200 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       offloadqwen) stage offloadqwen 150 python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --json "$OUT/offloadqwen.json" ;;
       offloadab) ab="python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0"
@@ -85,7 +91,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve120)"; exit 2 ;;
     esac
   done
 done
