@@ -280,7 +280,7 @@ def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thr
 @pytest.mark.gpu
 def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     """On CUDA the CPU part runs in a worker thread while the device fetches and computes the rest;
-    the quick calibration measures the link and the CPU running together."""
+    the quick calibration measures the link and the CPU running together when the CPU is fast enough."""
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
@@ -288,7 +288,14 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     assert hybrid.engine.runner.experts.cpu.pool is not None
     assert greedy_ids(hybrid, ids, 32) == greedy_ids(resident, ids, 32)
     st = hybrid.stats()["experts"]
-    assert st["cpu_computed"] > 0 and "measured together" in st["hybrid"]["source"]
+    h = st["hybrid"]
+    assert st["cpu_computed"] > 0
+    # together unless the CPU alone ran below MIN_CPU_SHARE x the link (on the H200 it lands on
+    # either side of that line from run to run)
+    from ferryman.experts.hybrid import MIN_CPU_SHARE
+
+    together = h["cpu_experts_per_s"] >= MIN_CPU_SHARE * h["link_experts_per_s"] or "measured together" in h["source"]
+    assert ("measured together" in h["source"]) == together, h
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 BLOCK_BYTES = 16  # bytes per 32-value scale group
+_BB = tl.constexpr(BLOCK_BYTES)  # the same, as kernels may read it (plain globals do not compile)
 
 
 @triton.jit
@@ -41,8 +42,8 @@ def _dequant_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, GROUPS: tl.conste
     # program p: scale groups p*GROUPS .. +GROUPS of the flattened [N, 16] blocks -> [N, 32] out
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
     gmask = g < n_groups
-    j = tl.arange(0, BLOCK_BYTES)  # byte within a group
-    byte = tl.load(blocks_ptr + g[:, None] * BLOCK_BYTES + j[None, :], mask=gmask[:, None], other=0).to(tl.int32)
+    j = tl.arange(0, _BB)  # byte within a group
+    byte = tl.load(blocks_ptr + g[:, None] * _BB + j[None, :], mask=gmask[:, None], other=0).to(tl.int32)
     s = tl.load(scales_ptr + g, mask=gmask, other=127).to(tl.int32)  # [GROUPS]
     scale = _scale_value(s)[:, None]
     twice = (s == 255)[:, None]
@@ -50,7 +51,7 @@ def _dequant_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, GROUPS: tl.conste
     hi = _e2m1_value(byte >> 4) * scale  # element 2j + 1
     lo = tl.where(twice, lo * 2.0, lo)
     hi = tl.where(twice, hi * 2.0, hi)
-    base = out_ptr + g[:, None] * (2 * BLOCK_BYTES) + 2 * j[None, :]
+    base = out_ptr + g[:, None] * (2 * _BB) + 2 * j[None, :]
     omask = gmask[:, None]
     tl.store(base, lo.to(out_ptr.dtype.element_ty), mask=omask)
     tl.store(base + 1, hi.to(out_ptr.dtype.element_ty), mask=omask)
