@@ -90,8 +90,9 @@ class _SpyDense(DenseFormat):
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[int]]] = []
 
-    def dequant(self, banks: Banks, proj: str, idx: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.calls.append((proj, idx.tolist()))
+    def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None) -> torch.Tensor:
+        ids = list(range(idx.start, idx.stop)) if isinstance(idx, slice) else idx.tolist()
+        self.calls.append((proj, ids))
         return super().dequant(banks, proj, idx, dtype)
 
 

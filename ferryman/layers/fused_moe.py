@@ -187,30 +187,36 @@ def _pair_matvecs(form: ExpertFormat, banks: Banks, proj: str, flat: torch.Tenso
 
 
 def _expert_forward(
-    form: ExpertFormat, banks: Banks, slot: torch.Tensor, xs: torch.Tensor, act: MoEActivation
+    form: ExpertFormat, banks: Banks, slot: int, xs: torch.Tensor, act: MoEActivation
 ) -> torch.Tensor:
-    """One expert on its tokens. slot: [1] id, xs: [n, H] -> [n, H] in xs.dtype."""
+    """One expert on its tokens. slot: a host int (views of the banks: no gather, no device sync),
+    xs: [n, H] -> [n, H] in xs.dtype."""
     bias = form.has_bias(banks)
-    w13 = form.dequant(banks, "w13", slot, xs.dtype)[0]  # [2I, H], transient
+    one = slice(slot, slot + 1)
+    w13 = form.dequant(banks, "w13", one, xs.dtype)[0]  # [2I, H], transient
     gate_up = xs @ w13.T  # [n, 2I]
     del w13
     if bias:  # added after the matmul, not fused (HF: x @ W + b)
-        gate_up = gate_up + banks["w13_bias"][slot[0]].to(xs.dtype)
+        gate_up = gate_up + banks["w13_bias"][slot].to(xs.dtype)
     h = apply_activation(gate_up, act)  # [n, I]
-    w2 = form.dequant(banks, "w2", slot, xs.dtype)[0]  # [H, I], transient
+    w2 = form.dequant(banks, "w2", one, xs.dtype)[0]  # [H, I], transient
     y = h @ w2.T  # [n, H]
     if bias:
-        y = y + banks["w2_bias"][slot[0]].to(xs.dtype)
+        y = y + banks["w2_bias"][slot].to(xs.dtype)
     return y
 
 
-def _group_by_slot(topk_ids: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(slots used [U] ascending, pair ids [P] sorted by slot, pairs per used slot [U])."""
+def _group_by_slot(topk_ids: torch.Tensor, num_slots: int) -> tuple[list[int], torch.Tensor, list[int]]:
+    """(slots used, ascending, on the host; pair ids [P] sorted by slot; pairs per used slot), with
+    one device -> host read for the slots and their counts together."""
     flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
     sorted_ids, order = torch.sort(flat, stable=True)
     slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    _check_slot_range(slots, num_slots)
-    return slots, order, counts.tolist()
+    host_slots, host_counts = torch.stack((slots, counts)).tolist()
+    if host_slots and (host_slots[0] < 0 or host_slots[-1] >= num_slots):
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {host_slots[0]}, "
+                         f"max {host_slots[-1]}")
+    return host_slots, order, host_counts
 
 
 def _check_slot_range(ids: torch.Tensor, num_slots: int) -> None:
@@ -241,7 +247,7 @@ def fused_moe_reference(
         pairs = order[start : start + n]  # [n] pairs routed to this slot
         start += n
         tokens = pairs // k
-        y = _expert_forward(form, banks, slots[u : u + 1], x[tokens], act)  # [n, H]
+        y = _expert_forward(form, banks, slots[u], x[tokens], act)  # [n, H]
         # weight product in the promoted dtype (fp32 weights: one rounding, as HF with
         # weights already in x.dtype), then accumulate in x.dtype like HF's index_add_
         y = y * flat_w[pairs, None]

@@ -82,9 +82,10 @@ class ExpertFormat(ABC):
 
     @abstractmethod
     def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor, dtype: torch.dtype | None = None
+        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Weights of experts `idx` ([n]) for `proj` ("w13" | "w2") -> [n, out, in].
+        """Weights of experts `idx` ([n] ids, or a slice: views where the format stores weights as they
+        are) for `proj` ("w13" | "w2") -> [n, out, in].
 
         `dtype` is the compute dtype (default: `model_dtype(banks)`). Only the n selected
         experts are materialised.

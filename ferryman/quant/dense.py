@@ -60,7 +60,7 @@ class DenseFormat(ExpertFormat):
         return banks
 
     def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor, dtype: torch.dtype | None = None
+        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         check_proj(proj)
         w = self.bank(banks, proj)[idx]  # [n, out, in]

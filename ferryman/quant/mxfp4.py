@@ -171,7 +171,7 @@ class Mxfp4Format(ExpertFormat):
         return banks
 
     def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor, dtype: torch.dtype | None = None
+        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         check_proj(proj)
         blocks = self.bank(banks, f"{proj}_blocks")[idx]  # [n, out, in/32, 16]
