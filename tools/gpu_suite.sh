@@ -12,7 +12,8 @@
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
-#   one MoE layer reading its experts zero-copy vs copying them first); serve; serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
+#   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
+#   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +85,13 @@ for s in "${@:-tests decode kernels}"; do
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                curl -s 127.0.0.1:8123/v1/stats > "$OUT/serve_stats.json"
                kill "$srv" 2>/dev/null ;;
+      serve4k) python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
+                 --max-num-seqs 16 --max-num-batched-tokens 4096 --port 8125 --log-level warning > "$OUT/serve4k_server.log" 2>&1 &
+               srv=$!
+               for _ in $(seq 1 120); do curl -sf 127.0.0.1:8125/health >/dev/null && break; sleep 1; done
+               stage serve4k 240 python3 -m ferryman bench serve http://127.0.0.1:8125 --concurrency 1,4,16 \
+                 --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve4k.json"
+               kill "$srv" 2>/dev/null ;;
       serve120) python3 -m ferryman serve gpt-oss-120b --load-format dummy --gpu-memory 16GiB --max-model-len 1536 \
                  --max-num-seqs 32 --port 8124 --log-level warning > "$OUT/serve120_server.log" 2>&1 &
                srv=$!
@@ -91,7 +99,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done
