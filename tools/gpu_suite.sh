@@ -28,8 +28,14 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 
 BIG_GROUPED="tests/test_grouped_moe.py::test_grouped_moe_on_cuda_gpt_oss_20b_layer[300]"
 
+# SUITE_BUDGET (seconds, default 560): stages are cut short or skipped so the archive is always
+# written before a `device run` limit kills the command.
+SUITE_END=$(( $(date +%s) + ${SUITE_BUDGET:-560} - 20 ))
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
+  local left=$(( SUITE_END - $(date +%s) ))
+  if [ "$left" -lt 30 ]; then echo "=== $name skipped: the suite budget is spent"; return; fi
+  [ "$secs" -gt "$left" ] && secs=$left
   echo "=== $name (limit ${secs}s): $*"
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 25 "$OUT/$name.log"; echo "=== $name rc=$rc"
