@@ -31,6 +31,7 @@ BIG_GROUPED="tests/test_grouped_moe.py::test_grouped_moe_on_cuda_gpt_oss_20b_lay
 # SUITE_BUDGET (seconds, default 560): stages are cut short or skipped so the archive is always
 # written before a `device run` limit kills the command.
 SUITE_END=$(( $(date +%s) + ${SUITE_BUDGET:-560} - 20 ))
+have() { [ $(( SUITE_END - $(date +%s) )) -ge "$1" ]; }  # have SECONDS: that much budget is left
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 secs=$2; shift 2
   local left=$(( SUITE_END - $(date +%s) ))
@@ -83,7 +84,8 @@ for s in "${@:-tests decode kernels}"; do
                stage zero_copy_120b 90 python3 benchmarks/bench_zero_copy_moe.py --model gpt-oss-120b ;;
       diag)    stage diag 200 python3 tools/diag_offload.py --tokens 48 --prefill 4096 ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
-      serve)   python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
+      serve)   have 90 || { echo "=== serve skipped: the suite budget is spent"; continue; }
+               python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
                  --max-num-seqs 16 --port 8123 --log-level warning > "$OUT/serve_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 120); do curl -sf 127.0.0.1:8123/health >/dev/null && break; sleep 1; done
@@ -91,14 +93,16 @@ for s in "${@:-tests decode kernels}"; do
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve.json"
                curl -s 127.0.0.1:8123/v1/stats > "$OUT/serve_stats.json"
                kill "$srv" 2>/dev/null ;;
-      serve4k) python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
+      serve4k) have 90 || { echo "=== serve4k skipped: the suite budget is spent"; continue; }
+               python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
                  --max-num-seqs 16 --max-num-batched-tokens 4096 --port 8125 --log-level warning > "$OUT/serve4k_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 120); do curl -sf 127.0.0.1:8125/health >/dev/null && break; sleep 1; done
                stage serve4k 240 python3 -m ferryman bench serve http://127.0.0.1:8125 --concurrency 1,4,16 \
                  --prompt-tokens 1024 --output-tokens 128 --json "$OUT/serve4k.json"
                kill "$srv" 2>/dev/null ;;
-      serve120) python3 -m ferryman serve gpt-oss-120b --load-format dummy --gpu-memory 16GiB --max-model-len 1536 \
+      serve120) have 90 || { echo "=== serve120 skipped: the suite budget is spent"; continue; }
+               python3 -m ferryman serve gpt-oss-120b --load-format dummy --gpu-memory 16GiB --max-model-len 1536 \
                  --max-num-seqs 32 --port 8124 --log-level warning > "$OUT/serve120_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 240); do curl -sf 127.0.0.1:8124/health >/dev/null && break; sleep 1; done
