@@ -228,7 +228,9 @@ def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[l
         flat = torch.cat((flat, guess_ids.reshape(-1).to(flat.dtype)))
     host = flat.cpu()
     n = topk_ids.numel()
-    values = host.tolist()
-    used = sorted(set(values[:n]))
-    guessed = sorted(set(values[n:])) if guess_ids is not None else []
-    return used, guessed, host[:n].view(topk_ids.shape)
+    if host.numel() <= 512:  # decode-sized: Python sets beat tensor ops on a few ids
+        values = host.tolist()
+        used, guessed = sorted(set(values[:n])), sorted(set(values[n:]))
+    else:
+        used, guessed = torch.unique(host[:n]).tolist(), torch.unique(host[n:]).tolist()
+    return used, guessed if guess_ids is not None else [], host[:n].view(topk_ids.shape)
