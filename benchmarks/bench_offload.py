@@ -94,6 +94,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         rebind_offload(eng.runner, policy=a.policy, prefetch=not a.no_prefetch,
                        expert_major=False if a.bank_major else None, decode_prefetch=a.decode_prefetch or None)
     experts = eng.stats()["experts"]
+    chunk = eng.plan.request.max_num_batched_tokens
     slot_bytes = eng.plan.slot_bytes
     bw = link_bandwidth(slot_bytes, eng.device)
     gen = torch.Generator().manual_seed(0)
@@ -119,7 +120,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "decode_link_limit": bw / (misses_per_token * slot_bytes) if misses_per_token else None,
         "no_hit_limit": bw / (len(cfg.moe_layers) * cfg.top_k * slot_bytes),
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
-        "prefill_stream_limit": a.chunk * bw / uncached if uncached and pre_len > 0 else None,
+        "chunk": chunk,
+        "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
         "cpu_experts": a.cpu_experts, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
         "hybrid": experts.get("hybrid"),
@@ -161,7 +163,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=16384)
-    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="prefill chunk (max_num_batched_tokens; default: the planner's, 4096 when offloaded)")
     ap.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the TTFT run (0: skip)")
     ap.add_argument("--prefill-prompt", type=int, default=8192, help="prompt tokens of the prefill run (0: skip)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the per-layer graphs of offload decode)")

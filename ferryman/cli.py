@@ -27,7 +27,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
                         "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
     _expert_flags(g)
@@ -227,7 +228,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
                         "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (prefill chunk size)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
     _expert_flags(g)
 
 

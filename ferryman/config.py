@@ -228,7 +228,8 @@ class EngineConfig:
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
     max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick (planner.py)
-    max_num_batched_tokens: int = 2048  # per step: prefill chunks + decodes
+    # per step: prefill chunks + decodes; None: 2048, or 4096 when experts are offloaded (planner.py)
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: sized from memory (CUDA) or max_num_seqs x 2 x context cap (CPU)
     enable_prefix_caching: bool = True

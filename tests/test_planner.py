@@ -92,7 +92,8 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     cfg = req.cfg
     assert plan.strategy == "offload"
     assert plan.kv_tokens == 32768 and plan.kv_bytes == 32768 * kv_bytes_per_token(cfg, torch.bfloat16)
-    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 2048, 1)
+    assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
+    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1)
     assert plan.total_bytes <= req.budget < plan.total_bytes + plan.slot_bytes
     assert 0.10 < plan.expert_slots / req.total_experts < 0.20
     text = plan.describe()
@@ -198,3 +199,18 @@ def test_auto_concurrency_leaves_experts_half_the_free_budget() -> None:
 def test_auto_concurrency_still_refuses_an_impossible_budget() -> None:
     with pytest.raises(ConfigError, match=r"missing .* GiB.*max_num_seqs \(1\)"):
         _auto("gpt-oss-20b", 4, 32768)
+
+
+def test_step_size_defaults_by_strategy_and_an_explicit_one_is_kept() -> None:
+    from dataclasses import replace
+
+    assert plan_memory(_req("gpt-oss-20b", "40GiB", max_num_seqs=4)).request.max_num_batched_tokens == 2048  # resident
+    off = _req("gpt-oss-20b", "8GiB", max_num_seqs=1)
+    assert plan_memory(off).request.max_num_batched_tokens == 4096
+    assert plan_memory(replace(off, max_num_batched_tokens=1024)).request.max_num_batched_tokens == 1024
+    # a budget that holds a 2048-token step but not a 4096-token one keeps 2048
+    at_2048 = plan_memory(replace(off, max_num_batched_tokens=2048))
+    extra = activation_bytes(off.cfg, torch.bfloat16, 4096, 1) - at_2048.activation_bytes
+    tight = replace(off, budget=at_2048.total_bytes - at_2048.expert_cache_bytes
+                    + off.cfg.top_k * at_2048.slot_bytes + extra // 2)
+    assert plan_memory(tight).request.max_num_batched_tokens == 2048

@@ -49,8 +49,9 @@ class LLMEngine:
         # budget split, resident vs offloaded experts, KV size (ferryman/planner.py); cap the GPU first
         enforce_budget(ecfg, self.device)
         self.plan = engine_plan(ecfg, self.cfg, resolve_dtype(ecfg.dtype, self.cfg), self.device, self.max_model_len)
-        # the concurrency the plan was made for (the planner picks it when max_num_seqs is None)
-        self.ecfg = ecfg = replace(ecfg, max_num_seqs=self.plan.request.max_num_seqs)
+        # the concurrency and step size the plan was made for (the planner picks them when None)
+        self.ecfg = ecfg = replace(ecfg, max_num_seqs=self.plan.request.max_num_seqs,
+                                   max_num_batched_tokens=self.plan.request.max_num_batched_tokens)
         loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
                              max_positions=None, progress=ecfg.progress,
                              store_factory=store_factory(self.plan, self.device))
