@@ -74,7 +74,9 @@ def prefill(llm: LLM, n: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     p = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompt_token_ids=[list(range(7000, 7512))], params=p)  # warm-up: kernel compiles
     prompt = [list(range(100, 100 + n))]
+    m0 = torch.cuda.memory_stats()
     e0 = llm.stats()["experts"]
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -91,12 +93,19 @@ def prefill(llm: LLM, n: int) -> None:
     print(f"prefill {n} tokens: {wall:.2f} s ({n / wall:.0f} tok/s), {moved / 1e9:.2f} GB copied "
           f"({moved / wall / 1e9:.1f} GB/s), h2d {e1['h2d_seconds'] - e0['h2d_seconds']:.2f} s, "
           f"stall {e1['stall_seconds'] - e0['stall_seconds']:.2f} s")
+    m1 = torch.cuda.memory_stats()
+    print({k: m1.get(k, 0) - m0.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    other = [[t + n for t in prompt[0]]]  # new token ids: the prefix cache must not skip the work
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as pr:
-        llm.generate(prompt_token_ids=prompt, params=p)
+        llm.generate(prompt_token_ids=other, params=p)
         torch.cuda.synchronize()
-    kernels = sorted(pr.key_averages(), key=lambda e: -e.self_device_time_total)[:15]
-    for e in kernels:
+    wall = time.perf_counter() - t0
+    events = pr.key_averages()
+    busy = sum(e.self_device_time_total for e in events if "Memcpy" not in e.key) / 1e6
+    print(f"profiled prefill: wall {wall:.2f} s, kernels {busy:.2f} s (copies excluded)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
 
 
