@@ -92,7 +92,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     eng = llm.engine
     if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.bank_major or a.decode_prefetch):
         rebind_offload(eng.runner, policy=a.policy, prefetch=not a.no_prefetch,
-                       expert_major=False if a.bank_major else None, decode_prefetch=a.decode_prefetch or None)
+                       expert_major=False if a.bank_major else None, decode_prefetch=a.decode_prefetch)
     experts = eng.stats()["experts"]
     chunk = eng.plan.request.max_num_batched_tokens
     slot_bytes = eng.plan.slot_bytes
@@ -172,8 +172,9 @@ def main() -> None:
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
-    ap.add_argument("--decode-prefetch", action="store_true",
-                    help="also prefetch guessed experts in decode steps (default off: FERRYMAN_DECODE_PREFETCH)")
+    ap.add_argument("--decode-prefetch", nargs="?", const="early", choices=("off", "early", "late"), default=None,
+                    help="prefetch guessed experts in decode steps: early (the flag alone) or late "
+                         "(default: FERRYMAN_DECODE_PREFETCH, off)")
     ap.add_argument("--bank-major", action="store_true",
                     help="bank-major slot pool (one copy per bank of each expert; default: expert-major)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],

@@ -130,10 +130,11 @@ class Envs:
         "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
     )
     DECODE_PREFETCH = EnvVar(
-        "FERRYMAN_DECODE_PREFETCH", bool, False,
-        "offloaded experts: in decode, copy the next layer's guessed experts ahead (off: on an H200 it "
-        "made gpt-oss-20b decode slower at a guess precision of 0.83, docs/benchmarks.md); prefill "
-        "streaming is on either way",
+        "FERRYMAN_DECODE_PREFETCH", str, "off",
+        "offloaded experts, decode: copy the next layer's guessed experts ahead. early = the next router on "
+        "this layer's MoE input (measured slower on an H200); late = on the residual after this layer's MoE "
+        "(layer-graph decode only; not yet measured on a GPU). Prefill streaming is on either way",
+        choices=("off", "early", "late"),
     )
     ZERO_COPY = EnvVar(
         "FERRYMAN_ZERO_COPY", bool, False,

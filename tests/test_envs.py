@@ -37,7 +37,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,
         "FERRYMAN_SEGMENT_GRAPHS": True,
-        "FERRYMAN_DECODE_PREFETCH": False,
+        "FERRYMAN_DECODE_PREFETCH": "off",
         "FERRYMAN_ZERO_COPY": False,
         "FERRYMAN_DEBUG": False,
     }

@@ -53,7 +53,7 @@ def test_tiny_model_offload_scores_match_resident(tiny: tuple[str, Path], device
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_demo_model_offload_10pct_equals_resident(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "1")  # decode guesses act, and are graded
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")  # decode guesses act, and are graded
     prompts = ["def quicksort(xs):", "import os\nimport sys\n\n\nclass ", "    for i in range(", "# "]
     kw = dict(device="cpu", dtype=dtype, max_num_batched_tokens=32)
     resident = LLM(**kw)
@@ -66,7 +66,7 @@ def test_demo_model_offload_10pct_equals_resident(dtype: str, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", expert_major=False, decode_prefetch=True)])
+@pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", expert_major=False, decode_prefetch="early")])
 def test_demo_model_every_policy_and_layout_equals_resident(device: str, options: dict) -> None:
     """Policies, pool layouts and prefetch change what is copied when, never the answer. On CUDA the
     bank-major pool runs fused_moe's kernels, the expert-major one the same decode kernel on strided
@@ -92,7 +92,7 @@ def test_cuda_copy_stream_never_races_the_kernels(expert_major: bool, monkeypatc
     different token."""
     from ferryman.experts.placement import rebind_offload
 
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "1")
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
     resident = LLM(**kw)
     ids = [resident.encode("import os\nimport sys\n\ndef main(")]

@@ -45,6 +45,30 @@ def test_segments_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     assert st["misses"] > 0 and st["hits"] > 0
 
 
+def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_DECODE_PREFETCH=late: after each MoE layer the next one's experts are guessed from
+    the residual stream and copied before its sync; tokens stay the resident ones, and the guesses
+    are copied and graded in decode steps (the early guess is not made there)."""
+    arch, folder = tiny
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "late")
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
+    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 12)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
+    runner = offload.engine.runner
+    assert runner.experts.late_guess
+    runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device, capture=False)
+    early = []
+    guess = runner.experts.guesser.guess
+    runner.experts.guesser.guess = lambda layer, x: early.append(x.shape[0]) or guess(layer, x)  # type: ignore[method-assign]
+    assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: late prefetch changed the tokens"
+    st = offload.stats()["experts"]
+    assert st["prefetch_fetched"] > 0 and st["guess_recall"] is not None
+    assert all(0 <= g["recall"] <= 1 for g in st["per_layer_guess"].values() if g["recall"] is not None)
+    # early guesses only for prefill chunks touching about every expert, never for decode rows
+    assert all(n * runner.experts.cache.store.cfg.top_k >= runner.experts.num_experts for n in early)
+
+
 @pytest.mark.gpu
 def test_cuda_layer_graphs_equal_resident_and_are_used(tiny: tuple[str, Path]) -> None:
     arch, folder = tiny
@@ -57,3 +81,17 @@ def test_cuda_layer_graphs_equal_resident_and_are_used(tiny: tuple[str, Path]) -
     calls = _count_runs(seg)
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: per-layer graphs differ from resident"
     assert calls[0] >= 11
+
+
+@pytest.mark.gpu
+def test_cuda_late_decode_prefetch_equals_resident(tiny: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The late guess on CUDA: its ids come back through a pinned buffer and an event while the next
+    layer's graph runs; copies into slots the graphs' kernels read stay ordered by the cache's events."""
+    arch, folder = tiny
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "late")
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=16)
+    want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS, 12)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", max_num_seqs=4, **kw)
+    assert offload.stats()["cuda_graph_mode"] == "layer" and offload.engine.runner.experts.late_guess
+    assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: late prefetch changed the tokens"
+    assert offload.stats()["experts"]["guess_recall"] is not None

@@ -5,7 +5,9 @@ a whole step cannot be one graph (engine/cuda_graph.py). Between two such syncs 
 static: segment i = (residual add +) norm, attention, norm, router of layer i (a dense MLP too for
 layers without experts); the last segment is the final norm + lm_head. Each segment is captured
 once per batch bucket. A step replays segment 0, runs MoE layer 0 eagerly on its B real rows,
-replays segment 1, ... : one launch per segment instead of ~12 eager ones.
+replays segment 1, ... : one launch per segment instead of ~12 eager ones. With late decode
+prefetch (FERRYMAN_DECODE_PREFETCH=late) each MoE layer is followed by the backend's guess of the
+next one from the residual stream (`OffloadExperts.guess_after`).
 
 Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 - `x`: the previous block's output, not yet added; `res`: the residual stream before it. Segment i
@@ -113,6 +115,8 @@ class SegmentedDecode:
             if block is not None:
                 assert self.ids is not None and self.w is not None  # set by the segment above
                 self.x[:B].copy_(block.compute(self.h[:B], self.ids[:B], self.w[:B]))
+                if getattr(block.experts, "late_guess", False):  # the residual the next layer starts from
+                    block.experts.guess_after(i, self.res[:B] + self.x[:B])
         logits = self._run_segment(n, bs, fns)
         return logits[:B]
 

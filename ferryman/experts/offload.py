@@ -54,6 +54,9 @@ class OffloadExperts:
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
+        # late decode prefetch (guess_after): the next layer's guess, read back on arrival
+        self.late_guess = guesser is not None and guesser.decode == "late" and not zero_copy
+        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None  # (layer, ids, event)
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -67,6 +70,7 @@ class OffloadExperts:
                 self.hybrid.history.advance()
         self._last_layer = layer
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
+        self._take_late_guess(layer)  # its copies start before this layer's sync
         guess = self._guess(layer, x, streaming)
         used, guessed, host_ids = _host_ids(topk_ids, None if guess is None else guess[1])
         if self.guesser is not None:
@@ -106,8 +110,39 @@ class OffloadExperts:
             used = torch.unique(seen[index]).tolist()
             self.cache.count_reads(layer, used)
 
+    def guess_after(self, layer: int, residual: torch.Tensor) -> None:
+        """Late decode prefetch: after `layer`'s MoE kernels are issued, guess the next MoE layer's
+        experts from the residual stream [B, H] that follows them. The ids come back to the host
+        without blocking it; the next forward() reads them (waiting only for these kernels, not the
+        next attention) and starts the copies before its own sync."""
+        if not self.late_guess or self.guesser is None:
+            return
+        nxt = self.guesser.next_of.get(layer)
+        if nxt is None or not self.guesser.wants_prefetch(nxt, False):
+            return
+        guess = self.guesser.guess_residual(layer, residual)
+        assert guess is not None  # nxt exists
+        ids = guess[1]
+        if ids.device.type != "cuda":
+            self._pending = (nxt, ids, None)
+            return
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(ids.device))
+        self._pending = (nxt, host, done)
+
+    def _take_late_guess(self, layer: int) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != layer:
+            return
+        _, ids, done = pending
+        if done is not None:
+            done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
+        self._prefetch((layer, ids), sorted(set(ids.reshape(-1).tolist())), False)
+
     def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
-        if not self.prefetch_enabled or self.guesser is None:
+        if not self.prefetch_enabled or self.guesser is None or (self.late_guess and not streaming):
             return None
         nxt = self.guesser.next_of.get(layer)
         if nxt is None or not self.guesser.wants_prefetch(nxt, streaming):

@@ -90,10 +90,10 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
                     cpu_thread: bool | None = None, zero_copy: bool | None = None,
-                    decode_prefetch: bool | None = None) -> Any:
+                    decode_prefetch: str | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
     expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
-    decode_prefetch: also act on the guesses in decode steps (default: FERRYMAN_DECODE_PREFETCH);
+    decode_prefetch: off | early | late, guesses acted on in decode steps (default: FERRYMAN_DECODE_PREFETCH);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
     cpu_thread: the CPU part in a worker thread (default: on CUDA); zero_copy: decode kernels read
@@ -110,7 +110,8 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     from ferryman.envs import envs
 
     decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
-    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode) if prefetch else None
+    norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
+    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms) if prefetch else None
     return OffloadExperts(cache, act, guesser,
                           hybrid, cpu_thread, envs.ZERO_COPY if zero_copy is None else zero_copy)
 

@@ -14,8 +14,10 @@ a copy on the link and may evict an expert that would have hit. So it pays only 
 mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a precision below
 `min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
 random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
-Decode prefetch is off unless asked (`decode`, FERRYMAN_DECODE_PREFETCH): on the H200 even guesses
-at precision 0.83 made gpt-oss-20b decode slower (27.2 against 36.2 tok/s); prefill streaming stays.
+Decode prefetch is off unless asked (`decode`, FERRYMAN_DECODE_PREFETCH): on the H200 the early
+guess (precision 0.80) gave 40.0 against 41.5 tok/s without it; prefill streaming stays. The late
+guess (`guess_residual`) reads a closer input and is issued right after this layer's MoE kernel, so
+its copies cover the next attention, router and host sync, the window in which the link idles.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+DECODE_MODES = ("off", "early", "late")
 
 
 @dataclass
@@ -41,12 +46,20 @@ class NextLayerGuesser:
     top_k: int
     min_precision: float = 0.75
     min_samples: int = 32
-    decode: bool = True  # prefetch in decode steps at all (offload_backend: FERRYMAN_DECODE_PREFETCH)
+    # decode steps: off | early (the next router on this layer's MoE input, while this layer's
+    # misses copy) | late (the next layer's norm + router on the residual after this layer's MoE,
+    # `guess_residual`; per-layer graph decode only). offload_backend: FERRYMAN_DECODE_PREFETCH
+    decode: str = "early"
+    norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
     pending: dict[int, tuple[set[int], set[int]]] = field(init=False)  # layer -> (guessed, fetched)
 
     def __post_init__(self) -> None:
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.decode == "late" and set(self.norms) != set(self.gates):
+            raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
         self.next_of = dict(zip(layers, layers[1:]))
         self.counters = {layer: GuessCounters() for layer in layers[1:]}
@@ -60,8 +73,17 @@ class NextLayerGuesser:
         logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
         return nxt, torch.topk(logits, self.top_k, dim=-1).indices
 
+    def guess_residual(self, layer: int, residual: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """Late guess: (next MoE layer, ids [T, K]) from the residual stream [T, H] after layer
+        `layer`'s MoE: the next router on its own norm of it (the next attention's part missing)."""
+        nxt = self.next_of.get(layer)
+        if nxt is None:
+            return None
+        logits = self.gates[nxt](self.norms[nxt](residual))  # [T, E]
+        return nxt, torch.topk(logits, self.top_k, dim=-1).indices
+
     def wants_prefetch(self, layer: int, streaming: bool) -> bool:
-        return streaming or (self.decode and self.counters[layer].enabled)
+        return streaming or (self.decode != "off" and self.counters[layer].enabled)
 
     def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
         """What was guessed (and copied) for `layer` in a decode step, to score when it runs."""
@@ -84,7 +106,7 @@ class NextLayerGuesser:
     def stats(self) -> dict:
         rows = {layer: {"recall": c.recall_hit / c.recall_total if c.recall_total else None,
                         "precision": c.useful / c.fetched if c.fetched else None,
-                        "prefetch": self.decode and c.enabled}
+                        "prefetch": self.decode != "off" and c.enabled}
                 for layer, c in self.counters.items()}
         hit = sum(c.recall_hit for c in self.counters.values())
         total = sum(c.recall_total for c in self.counters.values())
