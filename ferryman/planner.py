@@ -89,12 +89,13 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (x1.25, + 256 MiB).
 
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
-    routed pair the MoE gate_up / activation ([2I] + [I]) and an fp32 output row; once: one
+    routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
+    copy of its input row (H, fused_moe_reference); once: one
     expert dequantised by the torch path (w13 + w2 = 3 I H) and fp32 logits of the sampled rows."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
-    per_token = item * (6 * h + 2 * q + kv) + k * (item * 3 * i + 4 * h)
+    per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
     once = 3 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return int(1.25 * (chunk_tokens * per_token + once)) + _FIXED_HEADROOM
 

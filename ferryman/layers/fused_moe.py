@@ -240,16 +240,18 @@ def fused_moe_reference(
     num_slots, _, _ = form.dims(banks)
     k = topk_ids.shape[1]
     out = torch.zeros_like(x)  # [T, H]
-    flat_w = topk_w.reshape(-1)  # [P]
     slots, order, counts = _group_by_slot(topk_ids, num_slots)
+    # pairs sorted by slot, gathered once: each expert then takes slices (views, no launches)
+    tokens_sorted = order // k  # [P]
+    w_sorted = topk_w.reshape(-1)[order]  # [P]
+    x_sorted = x[tokens_sorted]  # [P, H]
     start = 0
     for u, n in enumerate(counts):
-        pairs = order[start : start + n]  # [n] pairs routed to this slot
+        part = slice(start, start + n)  # the pairs routed to this slot
         start += n
-        tokens = pairs // k
-        y = _expert_forward(form, banks, slots[u], x[tokens], act)  # [n, H]
+        y = _expert_forward(form, banks, slots[u], x_sorted[part], act)  # [n, H]
         # weight product in the promoted dtype (fp32 weights: one rounding, as HF with
         # weights already in x.dtype), then accumulate in x.dtype like HF's index_add_
-        y = y * flat_w[pairs, None]
-        out.index_add_(0, tokens, y.to(x.dtype))
+        y = y * w_sorted[part, None]
+        out.index_add_(0, tokens_sorted[part], y.to(x.dtype))
     return out
