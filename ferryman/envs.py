@@ -111,9 +111,10 @@ class Envs:
     )
     MOE_PREFILL = EnvVar(
         "FERRYMAN_MOE_PREFILL", str, "reference",
-        "MoE of prefill-sized batches on CUDA: reference (per expert: dequantise + cuBLAS) or grouped "
-        "(one Triton grouped GEMM per projection, weights dequantised in the kernel)",
-        choices=("reference", "grouped"),
+        "MoE of prefill-sized batches on CUDA: reference (per expert: dequantise + cuBLAS), grouped "
+        "(one Triton grouped GEMM per projection, weights dequantised in the kernel) or batched (4 experts "
+        "per dequantise + batched GEMM; not yet measured on a GPU)",
+        choices=("reference", "grouped", "batched"),
     )
     MOE_DECODE_TILES = EnvVar(
         "FERRYMAN_MOE_DECODE_TILES", str, "",

@@ -8,7 +8,8 @@
 #   device run --carry .whl: tools/gpu_suite.sh "offload20 offload120 offloadqwen serve"
 # Stages: tests; grouped (the 300-token grouped-kernel test, apart); decode (two runs); fusek;
 #   kernels; prefix; offload20, offload120, offloadqwen (one target each); offload20pf (gpt-oss-20b decode with
-#   early decode prefetch); late (gpt-oss-20b and -120b decode with late decode prefetch); gtests (the GPU tests of the offload path and parity only); offloadab (gpt-oss-20b
+#   early decode prefetch); late (gpt-oss-20b and -120b decode with late decode prefetch);
+#   prefillab (TTFT 4k + prefill 8k: reference vs FERRYMAN_MOE_PREFILL=batched); gtests (the GPU tests of the offload path and parity only); offloadab (gpt-oss-20b
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
@@ -63,6 +64,12 @@ for s in "${@:-tests decode kernels}"; do
       offload20)  stage offload20 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --json "$OUT/offload20.json" ;;
       offload20pf) stage offload20pf 90 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-prefetch \
                  --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/offload20pf.json" ;;
+      prefillab) pre="python3 benchmarks/bench_offload.py --decode-tokens 8 --ttft-prompt 4096"
+               stage pre20_ref 100 $pre --target gpt-oss-20b:8GiB --json "$OUT/pre20_ref.json"
+               stage pre20_batched 100 env FERRYMAN_MOE_PREFILL=batched $pre --target gpt-oss-20b:8GiB \
+                 --json "$OUT/pre20_batched.json"
+               stage pre120_batched 150 env FERRYMAN_MOE_PREFILL=batched $pre --target gpt-oss-120b:16GiB \
+                 --json "$OUT/pre120_batched.json" ;;
       late)    stage offload20late 90 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-prefetch late \
                  --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/offload20late.json"
                stage offload120late 150 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --decode-prefetch late \
@@ -113,7 +120,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done

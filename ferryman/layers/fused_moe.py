@@ -10,6 +10,8 @@
 - Triton decode (CUDA, T*K <= DECODE_MAX_PAIRS): ferryman/layers/fused_moe_triton.py.
 - Triton grouped GEMM for larger batches on CUDA when FERRYMAN_MOE_PREFILL=grouped
   (ferryman/layers/grouped_moe_triton.py: two launches per layer instead of ~15 per expert).
+- groups of experts through padded torch.bmm on CUDA when FERRYMAN_MOE_PREFILL=batched
+  (ferryman/layers/batched_moe.py: the reference's launches shared by 4 experts).
 FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 """
 
@@ -103,6 +105,13 @@ def _use_grouped(fmt: str, x: torch.Tensor) -> bool:
             and envs.MOE_PREFILL == "grouped")
 
 
+def _use_batched(x: torch.Tensor) -> bool:
+    """Prefill-sized batches in groups of experts (asked by FERRYMAN_MOE_PREFILL=batched)."""
+    from ferryman.envs import envs
+
+    return x.is_cuda and envs.MOE_PREFILL == "batched"
+
+
 def fused_moe(
     fmt: str,
     banks: Banks,
@@ -123,6 +132,10 @@ def fused_moe(
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
         return grouped_moe(fmt, banks, x, topk_ids, topk_w, act, path="grouped")
+    if _use_batched(x):
+        from ferryman.layers.batched_moe import fused_moe_batched
+
+        return fused_moe_batched(form, banks, x, topk_ids, topk_w, act)
     if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act)

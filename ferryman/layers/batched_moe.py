@@ -1,0 +1,96 @@
+"""Prefill-sized MoE in groups of experts: padded batched GEMMs instead of a loop of small ones.
+
+`fused_moe_batched` computes what `fused_moe_reference` computes with `group` experts per launch.
+The reference launches ~20 kernels per expert; on the H200 a gpt-oss prefill chunk cost about
+0.5-0.6 ms per expert whether the expert had 64 or 256 tokens (docs/benchmarks.md), which points
+at a host-bound loop. Here a group's pairs are padded to its longest run (`[G, m, H]`), its
+weights dequantised together (`[G, 2I, H]`), and two `torch.bmm` do the products.
+
+Invariants:
+- padding rows read a real row of their own expert (finite values), get weight 0, and are written
+  to a spare row P of the output that nothing reads;
+- each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
+  the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
+Memory: `group` experts dequantised at once (3 I H values each, in the compute dtype), counted by
+the planner when this path is selected (FERRYMAN_MOE_PREFILL=batched, CUDA; not yet measured).
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+
+from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation
+from ferryman.quant import Banks, ExpertFormat
+
+DEFAULT_GROUP = 4  # experts per launch
+
+
+def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_w: torch.Tensor, act: MoEActivation, group: int = DEFAULT_GROUP) -> torch.Tensor:
+    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype."""
+    if group < 1:
+        raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
+    T, K = topk_ids.shape
+    num_slots, hidden, _ = form.dims(banks)
+    slots, order, counts = _group_by_slot(topk_ids, num_slots)
+    P = T * K
+    tokens_sorted = order // K  # [P] pairs sorted by slot
+    w_sorted = topk_w.reshape(-1)[order]  # [P]
+    x_sorted = x[tokens_sorted]  # [P, H]
+    y_sorted = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device)  # row P: padding sink
+    starts = [0, *accumulate(counts)]
+    for g0 in range(0, len(slots), group):
+        g1 = min(g0 + group, len(slots))
+        idx, valid = _padded_rows(starts[g0:g1], counts[g0:g1], x.device)  # [G, m]
+        sel = torch.tensor(slots[g0:g1], device=x.device)
+        y = _group_forward(form, banks, sel, x_sorted[idx], act)  # [G, m, H]
+        w = torch.where(valid, w_sorted[idx], torch.zeros((), dtype=w_sorted.dtype, device=x.device))
+        # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
+        y = (y * w[..., None]).to(x.dtype)
+        sink = torch.where(valid, idx, torch.full_like(idx, P))
+        y_sorted.index_copy_(0, sink.reshape(-1), y.reshape(-1, hidden))
+    return _sum_in_slot_order(y_sorted[:P], order, topk_ids, x)
+
+
+def _padded_rows(starts: list[int], counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the slot-sorted pair axis per expert of a group, padded to the longest:
+    (idx [G, m], valid [G, m]); a padding entry repeats its expert's first row."""
+    m = max(counts)
+    first = torch.tensor(starts, device=device)[:, None]  # [G, 1]
+    n = torch.tensor(counts, device=device)[:, None]
+    ar = torch.arange(m, device=device)[None, :]  # [1, m]
+    valid = ar < n
+    return torch.where(valid, first + ar, first), valid
+
+
+def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor,
+                   act: MoEActivation) -> torch.Tensor:
+    """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> [G, m, H] in xs.dtype."""
+    bias = form.has_bias(banks)
+    w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
+    gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
+    del w13
+    if bias:  # after the product, as the reference (HF: x @ W + b)
+        gate_up = gate_up + banks["w13_bias"][sel].to(xs.dtype)[:, None, :]
+    h = apply_activation(gate_up, act)  # [G, m, I]
+    w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
+    y = torch.bmm(h, w2.transpose(1, 2))  # [G, m, H]
+    if bias:
+        y = y + banks["w2_bias"][sel].to(xs.dtype)[:, None, :]
+    return y
+
+
+def _sum_in_slot_order(y_sorted: torch.Tensor, order: torch.Tensor, topk_ids: torch.Tensor,
+                       x: torch.Tensor) -> torch.Tensor:
+    """Per-pair outputs in slot-sorted order [P, H] -> per-token sums [T, H], each token's K terms
+    added one by one in ascending slot order in x.dtype (the reference's index_add_ order)."""
+    T, K = topk_ids.shape
+    y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(T, K, -1)  # pair p = t*K + k
+    by_slot = topk_ids.long().argsort(dim=1, stable=True)  # [T, K]
+    y_pairs = y_pairs.gather(1, by_slot[:, :, None].expand(T, K, y_pairs.shape[2]))
+    out = torch.zeros_like(x)  # [T, H]
+    for k in range(K):
+        out = out + y_pairs[:, k]
+    return out

@@ -1,0 +1,90 @@
+"""Prefill MoE in groups of experts (layers/batched_moe.py) against the per-expert reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferryman.layers.batched_moe import fused_moe_batched
+from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
+from ferryman.quant import get_format
+
+
+def _skewed_routing(t: int, k: int, e: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token; expert 0 in every token and expert 1 in none, so groups pad
+    runs of very different lengths and skip an expert. -> ids [T, K] int32, w [T, K] fp32."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rest = torch.stack([torch.randperm(e - 2, generator=gen, device=device)[: k - 1] + 2 for _ in range(t)])
+    ids = torch.cat((torch.zeros(t, 1, dtype=rest.dtype, device=device), rest), dim=1)
+    w = torch.softmax(torch.randn(t, k, generator=gen, device=device), dim=-1)
+    return ids.int(), w
+
+
+@pytest.mark.parametrize("fmt,act", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 64])
+def test_batched_equals_reference(fmt: str, act: str, dtype: torch.dtype, group: int) -> None:
+    form = get_format(fmt)
+    gen = torch.Generator().manual_seed(3)
+    banks = form.random_banks(10, 64, 32, fmt == "mxfp4", dtype, gen)
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    ids, w = _skewed_routing(37, 4, 10, 4)
+    a = MoEActivation(act)
+    want = fused_moe_reference(form, banks, x, ids, w, a)
+    got = fused_moe_batched(form, banks, x, ids, w, a, group=group)
+    assert got.dtype == dtype and got.shape == want.shape
+    # same terms, same per-token order; only bmm against mm may round differently
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_batched_rejects_a_bad_group() -> None:
+    form = get_format("dense")
+    banks = form.random_banks(4, 32, 16, False, torch.float32, torch.Generator().manual_seed(0))
+    ids, w = _skewed_routing(3, 2, 4, 0)
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        fused_moe_batched(form, banks, torch.zeros(3, 32), ids, w, MoEActivation(), group=0)
+
+
+def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.config import ModelConfig
+    from ferryman.weights.presets import get_preset
+    from ferryman.planner import activation_bytes
+
+    cfg = ModelConfig.from_hf(get_preset("gpt-oss-20b"))
+    base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
+    extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
+    one_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    assert int(1.25 * 3 * one_expert) - 1 <= extra <= int(1.25 * 3 * one_expert) + 1  # 3 more experts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_batched_equals_reference_at_gpt_oss_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.layers.fused_moe import fused_moe
+
+    form = get_format("mxfp4")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    banks = form.random_banks(32, 2880, 2880, True, torch.bfloat16, gen, "cuda")
+    x = torch.randn(512, 2880, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, w = _skewed_routing(512, 4, 32, 6, "cuda")
+    a = MoEActivation("swiglu_oai")
+    want = fused_moe_reference(form, banks, x, ids, w, a)
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
+    got = fused_moe("mxfp4", banks, x, ids, w, a)  # the dispatcher takes the batched path
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_demo_model_offload_with_batched_prefill_equals_resident(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman import LLM
+    from tiny_models import greedy_ids
+
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64, enforce_eager=True)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in ("def quicksort(xs):", "import os\nimport sys\n\n\nclass ")]
+    offload = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    assert greedy_ids(offload, ids, 24) == greedy_ids(resident, ids, 24)
