@@ -40,29 +40,40 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     w_sorted = topk_w.reshape(-1)[order]  # [P]
     x_sorted = x[tokens_sorted]  # [P, H]
     y_sorted = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device)  # row P: padding sink
-    starts = [0, *accumulate(counts)]
-    for g0 in range(0, len(slots), group):
-        g1 = min(g0 + group, len(slots))
-        idx, valid = _padded_rows(starts[g0:g1], counts[g0:g1], x.device)  # [G, m]
-        sel = torch.tensor(slots[g0:g1], device=x.device)
+    groups = _padded_groups(slots, counts, group, x.device)
+    zero = w_sorted.new_zeros(())
+    for sel, idx, valid in groups:  # sel [G] slots, idx / valid [G, m]
         y = _group_forward(form, banks, sel, x_sorted[idx], act)  # [G, m, H]
-        w = torch.where(valid, w_sorted[idx], torch.zeros((), dtype=w_sorted.dtype, device=x.device))
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
-        y = (y * w[..., None]).to(x.dtype)
+        y = (y * torch.where(valid, w_sorted[idx], zero)[..., None]).to(x.dtype)
         sink = torch.where(valid, idx, torch.full_like(idx, P))
         y_sorted.index_copy_(0, sink.reshape(-1), y.reshape(-1, hidden))
     return _sum_in_slot_order(y_sorted[:P], order, topk_ids, x)
 
 
-def _padded_rows(starts: list[int], counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the slot-sorted pair axis per expert of a group, padded to the longest:
-    (idx [G, m], valid [G, m]); a padding entry repeats its expert's first row."""
-    m = max(counts)
-    first = torch.tensor(starts, device=device)[:, None]  # [G, 1]
-    n = torch.tensor(counts, device=device)[:, None]
-    ar = torch.arange(m, device=device)[None, :]  # [1, m]
-    valid = ar < n
-    return torch.where(valid, first + ar, first), valid
+def _padded_groups(slots: list[int], counts: list[int], group: int,
+                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per group of `group` experts: (slots [G], idx [G, m], valid [G, m]): rows of the slot-sorted
+    pair axis of each expert, padded to the group's longest run (a padding entry repeats its
+    expert's first row). Built on the host and moved in one asynchronous copy: a tensor made on
+    the device from a list would synchronise the stream once per group."""
+    starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
+    shapes, parts = [], [torch.tensor(slots)]
+    for g0 in range(0, len(slots), group):
+        cnt = torch.tensor(counts[g0 : g0 + group])[:, None]  # [G, 1]
+        first = torch.tensor(starts[g0 : g0 + group])[:, None]
+        ar = torch.arange(int(cnt.max()))[None, :]  # [1, m]
+        valid = ar < cnt
+        parts += [torch.where(valid, first + ar, first).reshape(-1), valid.reshape(-1).long()]
+        shapes.append((g0, *valid.shape))
+    flat = torch.cat(parts).to(device, non_blocking=True)  # one host -> device copy
+    out, pos = [], len(slots)
+    for g0, g, m in shapes:
+        idx = flat[pos : pos + g * m].view(g, m)
+        valid = flat[pos + g * m : pos + 2 * g * m].view(g, m).bool()
+        out.append((flat[g0 : g0 + g], idx, valid))
+        pos += 2 * g * m
+    return out
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor,
