@@ -18,6 +18,8 @@ Per target:
 A 512-token request with 8 decode steps runs first, unmeasured, so no figure includes a kernel compile
 or graph capture. Decode uses the per-layer CUDA graphs of offloaded models unless --eager. Dummy weights route like
 random text: no locality, so hit rates are a floor (bench_cache_policies.py replays real routing).
+On CUDA each row also keeps the peak allocated memory against the plan's total and activation
+estimate, and the allocator's retries (a plan that under-estimates shows as retries or an OOM).
 Print a markdown table; --json keeps everything.
 """
 
@@ -132,6 +134,11 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
     }
+    if torch.cuda.is_available() and eng.device.type == "cuda":  # is the plan's activation estimate honest?
+        row["peak_gib"] = torch.cuda.max_memory_allocated(eng.device) / 2**30
+        row["plan_gib"] = eng.plan.total_bytes / 2**30
+        row["plan_activation_gib"] = eng.plan.activation_bytes / 2**30
+        row["alloc_retries"] = torch.cuda.memory_stats(eng.device).get("num_alloc_retries", 0)
     if row["decode_link_limit"] and row["decode_tok_s"]:
         row["decode_vs_link"] = row["decode_tok_s"] / row["decode_link_limit"]
     if row["prefill_stream_limit"] and row["prefill_tok_s"]:
@@ -139,6 +146,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     del llm, eng
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return row
 
 
