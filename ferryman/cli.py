@@ -17,18 +17,23 @@ or, with --load-format dummy, a built-in preset with random weights
 (gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b)."""
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+def _plan_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags `ferryman plan` shares with the engine commands (they size the memory plan)."""
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy = random weights of the exact shapes (no files needed)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
                         "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights of the exact shapes (no files needed)")
+    _plan_flags(g)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--seed-weights", type=int, default=0, help="seed of dummy weights")
     _expert_flags(g)
@@ -223,13 +228,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                                       "a minimal expert cache), saying how much is missing.")
     plan.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
     g = plan.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: model's, capped at 32768)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences decoded together (default: 32, or under --gpu-memory the largest of "
-                        "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
+    _plan_flags(g)
     _expert_flags(g)
 
 

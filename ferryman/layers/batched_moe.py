@@ -21,7 +21,7 @@ from itertools import accumulate
 
 import torch
 
-from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation
+from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation, sum_in_slot_order
 from ferryman.quant import Banks, ExpertFormat
 
 DEFAULT_GROUP = 4  # experts per launch
@@ -48,7 +48,8 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
         y = (y * torch.where(valid, w_sorted[idx], zero)[..., None]).to(x.dtype)
         sink = torch.where(valid, idx, torch.full_like(idx, P))
         y_sorted.index_copy_(0, sink.reshape(-1), y.reshape(-1, hidden))
-    return _sum_in_slot_order(y_sorted[:P], order, topk_ids, x)
+    y_pairs = torch.empty_like(y_sorted[:P]).index_copy_(0, order, y_sorted[:P])  # pair p = t*K + k
+    return sum_in_slot_order(y_pairs.view(T, K, hidden), topk_ids)
 
 
 def _padded_groups(slots: list[int], counts: list[int], group: int,
@@ -91,17 +92,3 @@ def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torc
     if bias:
         y = y + banks["w2_bias"][sel].to(xs.dtype)[:, None, :]
     return y
-
-
-def _sum_in_slot_order(y_sorted: torch.Tensor, order: torch.Tensor, topk_ids: torch.Tensor,
-                       x: torch.Tensor) -> torch.Tensor:
-    """Per-pair outputs in slot-sorted order [P, H] -> per-token sums [T, H], each token's K terms
-    added one by one in ascending slot order in x.dtype (the reference's index_add_ order)."""
-    T, K = topk_ids.shape
-    y_pairs = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted).view(T, K, -1)  # pair p = t*K + k
-    by_slot = topk_ids.long().argsort(dim=1, stable=True)  # [T, K]
-    y_pairs = y_pairs.gather(1, by_slot[:, :, None].expand(T, K, y_pairs.shape[2]))
-    out = torch.zeros_like(x)  # [T, H]
-    for k in range(K):
-        out = out + y_pairs[:, k]
-    return out

@@ -177,9 +177,17 @@ def fused_moe_gathered(
     if bias:
         y = y + banks["w2_bias"][flat].to(x.dtype)
     y = (y * topk_w.reshape(-1)[:, None]).to(x.dtype).view(T, K, hidden)
+    return sum_in_slot_order(y, topk_ids)
+
+
+def sum_in_slot_order(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """y [T, K, H] (pair t*K + k's weighted output, in the output dtype) -> [T, H]: each token's K
+    terms added one by one in ascending slot order from zero, the order in which the reference's
+    (and transformers') index_add_ accumulates them."""
+    T, K, hidden = y.shape
     order = topk_ids.long().argsort(dim=1, stable=True)  # [T, K] ascending slot per token
     y = y.gather(1, order[:, :, None].expand(T, K, hidden))
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(y[:, 0])
     for k in range(K):
         out = out + y[:, k]
     return out
