@@ -116,6 +116,10 @@ class Envs:
         "per dequantise + batched GEMM; not yet measured on a GPU)",
         choices=("reference", "grouped", "batched"),
     )
+    MOE_PREFILL_GROUP = EnvVar(
+        "FERRYMAN_MOE_PREFILL_GROUP", int, 4,
+        "experts per dequantise + batched GEMM with FERRYMAN_MOE_PREFILL=batched (the planner counts them)",
+    )
     MOE_DECODE_TILES = EnvVar(
         "FERRYMAN_MOE_DECODE_TILES", str, "",
         "tuning: MoE decode kernel tiles block_n,block_k,num_warps,impl[,fusek] (empty: the defaults)",

@@ -105,9 +105,9 @@ def _dequantised_experts() -> int:
     from ferryman.envs import envs
 
     if envs.MOE_PREFILL == "batched":
-        from ferryman.layers.batched_moe import DEFAULT_GROUP
+        from ferryman.layers.batched_moe import default_group
 
-        return DEFAULT_GROUP
+        return default_group()
     return 1
 
 

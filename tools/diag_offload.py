@@ -33,9 +33,17 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
     ap.add_argument("--eager", action="store_true", help="no per-layer CUDA graphs")
     a = ap.parse_args()
-    llm = LLM(a.model, load_format="dummy", gpu_memory=a.budget, max_model_len=4096, max_num_seqs=1,
+    llm = LLM(a.model, load_format="dummy", gpu_memory=a.budget, max_model_len=max(4096, a.prefill + 64), max_num_seqs=1,
               enforce_eager=a.eager)
-    print("cuda graphs:", llm.stats()["cuda_graph_mode"])
+    print("cuda graphs:", llm.stats()["cuda_graph_mode"], "slots:", llm.stats()["experts"]["slots"])
+    if a.tokens > 0:
+        decode(llm, a.tokens)
+    if a.prefill:
+        prefill(llm, a.prefill)
+
+
+def decode(llm: LLM, tokens: int) -> None:
+    """Offloaded decode: rate, expert counters, allocator, host profile, copy kinds."""
     run(llm, 8)
     keys = ("hits", "misses", "prefetch_fetched", "prefetch_hits", "bytes_h2d", "copies_h2d", "h2d_seconds",
             "stall_seconds", "host_pinned", "slots")
@@ -43,7 +51,7 @@ def main() -> None:
     m0 = torch.cuda.memory_stats()
     prof = cProfile.Profile()
     prof.enable()
-    rate = run(llm, a.tokens)
+    rate = run(llm, tokens)
     prof.disable()
     e1 = llm.stats()["experts"]
     m1 = torch.cuda.memory_stats()
@@ -56,7 +64,7 @@ def main() -> None:
     st.sort_stats("tottime").print_stats(22)
     st.sort_stats("cumtime").print_stats(30)
     rebind_offload(llm.engine.runner, prefetch=False)
-    print(f"no prefetch: {run(llm, a.tokens):.1f} tok/s")
+    print(f"no prefetch: {run(llm, tokens):.1f} tok/s")
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
@@ -65,8 +73,6 @@ def main() -> None:
     rows = [e for e in pr.key_averages() if "Memcpy" in e.key or "memcpy" in e.key.lower()]
     for e in rows:
         print("copy kind:", e.key, e.count)
-    if a.prefill:
-        prefill(llm, a.prefill)
 
 
 def prefill(llm: LLM, n: int) -> None:
@@ -98,15 +104,20 @@ def prefill(llm: LLM, n: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     other = [[t + n for t in prompt[0]]]  # new token ids: the prefix cache must not skip the work
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as pr:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         llm.generate(prompt_token_ids=other, params=p)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     events = pr.key_averages()
     busy = sum(e.self_device_time_total for e in events if "Memcpy" not in e.key) / 1e6
-    print(f"profiled prefill: wall {wall:.2f} s, kernels {busy:.2f} s (copies excluded)")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+    copy = sum(e.self_device_time_total for e in events if "Memcpy" in e.key) / 1e6
+    print(f"profiled prefill: wall {wall:.2f} s, kernels {busy:.2f} s (copies excluded), copies {copy:.2f} s")
+    print("GPU time:")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
+    print("host time (self):")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:18]:
+        print(f"  {e.self_cpu_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
 
 
 if __name__ == "__main__":

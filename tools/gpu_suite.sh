@@ -12,7 +12,8 @@
 #   prefillab (TTFT 4k + prefill 8k: reference vs FERRYMAN_MOE_PREFILL=batched); gtests (the GPU tests of the offload path and parity only); offloadab (gpt-oss-20b
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
-#   where offloaded decode and prefill time goes); uva (kernel reads of pinned host memory, and
+#   where offloaded decode and prefill time goes); diagpre (prefill profiles: reference, batched groups of
+#   4 and 16, 120b); hybrid (the hybrid GPU tests); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -94,6 +95,12 @@ for s in "${@:-tests decode kernels}"; do
                stage zero_copy 60 python3 benchmarks/bench_zero_copy_moe.py
                stage zero_copy_120b 90 python3 benchmarks/bench_zero_copy_moe.py --model gpt-oss-120b ;;
       diag)    stage diag 200 python3 tools/diag_offload.py --tokens 48 --prefill 4096 ;;
+      diagpre) d="python3 tools/diag_offload.py --tokens 0 --prefill 4096"
+               stage diagpre20_ref 100 $d
+               stage diagpre20_b4 100 env FERRYMAN_MOE_PREFILL=batched $d
+               stage diagpre20_b16 100 env FERRYMAN_MOE_PREFILL=batched FERRYMAN_MOE_PREFILL_GROUP=16 $d
+               stage diagpre120_b4 150 env FERRYMAN_MOE_PREFILL=batched $d --model gpt-oss-120b --budget 16GiB ;;
+      hybrid)  stage gpu_hybrid 90 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_hybrid.py ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   have 90 || { echo "=== serve skipped: the suite budget is spent"; continue; }
                python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
@@ -120,7 +127,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done

@@ -24,12 +24,17 @@ import torch
 from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation, sum_in_slot_order
 from ferryman.quant import Banks, ExpertFormat
 
-DEFAULT_GROUP = 4  # experts per launch
+def default_group() -> int:
+    """Experts per launch (FERRYMAN_MOE_PREFILL_GROUP, default 4)."""
+    from ferryman.envs import envs
+
+    return envs.MOE_PREFILL_GROUP
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_w: torch.Tensor, act: MoEActivation, group: int = DEFAULT_GROUP) -> torch.Tensor:
+                      topk_w: torch.Tensor, act: MoEActivation, group: int | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype."""
+    group = default_group() if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
