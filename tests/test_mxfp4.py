@@ -186,6 +186,45 @@ def test_triton_dequant_equals_transformers_on_every_byte() -> None:
     assert run_interpreted(_TRITON_DEQUANT).strip().endswith("ok")
 
 
+_TRITON_ROWS = """
+import torch
+from ferryman.experts.host_store import ExpertLayout
+from ferryman.quant import get_format
+from ferryman.quant.mxfp4 import dequant_mxfp4
+from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows
+fmt = get_format("mxfp4")
+specs = fmt.bank_specs(5, 64, 32, True, torch.bfloat16)
+layout = ExpertLayout.of(specs)
+g = torch.Generator().manual_seed(9)
+flat = torch.randint(0, 256, (5, layout.row_bytes), generator=g, dtype=torch.uint8)
+banks = layout.views(flat)  # strided rows, as the expert-major slot pool
+for proj in ("w13", "w2"):
+    b, s = banks[proj + "_blocks"], banks[proj + "_scales"]
+    s.clamp_(8, 247)
+    assert not b.is_contiguous()
+    for idx in (slice(1, 2), slice(0, 5), slice(3, 3), torch.tensor([4, 0, 4, 2]), torch.tensor([], dtype=torch.int64)):
+        for dtype in (torch.float32, torch.bfloat16):
+            ours = dequant_mxfp4_rows(b, s, idx, dtype, groups_per_program=16)
+            want = dequant_mxfp4(b[idx], s[idx], dtype)
+            assert ours.shape == want.shape and torch.equal(ours, want), (proj, idx, dtype)
+try:
+    dequant_mxfp4_rows(banks["w2_blocks"], banks["w2_scales"], torch.tensor([[0]]), torch.float32)
+except ValueError as e:
+    assert "1-D int tensor" in str(e)
+else:
+    raise AssertionError("2-D idx accepted")
+print("ok")
+"""
+
+
+def test_triton_dequant_reads_rows_in_place() -> None:
+    """Rows of a strided (expert-major) bank by slice and by index tensor, repeats included, equal
+    the reference on the gathered rows, under the interpreter."""
+    from triton_interp import run_interpreted
+
+    assert run_interpreted(_TRITON_ROWS).strip().endswith("ok")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_dequant_equals_transformers_at_gpt_oss_shapes() -> None:
@@ -198,3 +237,13 @@ def test_gpu_triton_dequant_equals_transformers_at_gpt_oss_shapes() -> None:
         ours = dequant_mxfp4_triton(blocks, scales, dtype)
         theirs = hf_mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype).transpose(1, 2)
         assert torch.equal(ours, theirs)
+    # rows read in place from a strided bank (the expert-major slot pool's views), by index tensor
+    from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows
+
+    pool = torch.zeros((3, 2, 5760, 90 * 17), dtype=torch.uint8, device="cuda")  # 3 rows, room for both
+    b = pool.view(3, -1)[:, : 5760 * 90 * 16].view(3, 5760, 90, 16)
+    s = pool.view(3, -1)[:, 5760 * 90 * 16 : 5760 * 90 * 17].view(3, 5760, 90)
+    b[1:], s[1:] = blocks, scales
+    got = dequant_mxfp4_rows(b, s, torch.tensor([2, 1], device="cuda"), torch.bfloat16)
+    want = hf_mxfp4.convert_moe_packed_tensors(blocks.flip(0), scales.flip(0), dtype=torch.bfloat16).transpose(1, 2)
+    assert torch.equal(got, want)

@@ -13,7 +13,8 @@
 #   decode A/Bs: layer graphs, prefetch, pool layout, zero-copy; prefill: reference vs grouped;
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); diagpre (prefill profiles: reference, batched groups of
-#   4 and 16, 120b); hybrid (the hybrid GPU tests); uva (kernel reads of pinned host memory, and
+#   4 and 16, 120b); hybrid (the hybrid GPU tests); dequant
+#   (bench_dequant.py); qtests (the prefill MoE GPU tests); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -69,6 +70,8 @@ for s in "${@:-tests decode kernels}"; do
                stage pre20_ref 100 $pre --target gpt-oss-20b:8GiB --json "$OUT/pre20_ref.json"
                stage pre20_batched 100 env FERRYMAN_MOE_PREFILL=batched $pre --target gpt-oss-20b:8GiB \
                  --json "$OUT/pre20_batched.json"
+               stage pre20_batched8 100 env FERRYMAN_MOE_PREFILL=batched FERRYMAN_MOE_PREFILL_GROUP=8 $pre \
+                 --target gpt-oss-20b:8GiB --json "$OUT/pre20_batched8.json"
                stage pre120_batched 150 env FERRYMAN_MOE_PREFILL=batched $pre --target gpt-oss-120b:16GiB \
                  --json "$OUT/pre120_batched.json" ;;
       late)    stage offload20late 90 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-prefetch late \
@@ -100,6 +103,9 @@ for s in "${@:-tests decode kernels}"; do
                stage diagpre20_b4 100 env FERRYMAN_MOE_PREFILL=batched $d
                stage diagpre20_b16 100 env FERRYMAN_MOE_PREFILL=batched FERRYMAN_MOE_PREFILL_GROUP=16 $d
                stage diagpre120_b4 150 env FERRYMAN_MOE_PREFILL=batched $d --model gpt-oss-120b --budget 16GiB ;;
+      dequant) stage dequant 60 python3 benchmarks/bench_dequant.py ;;
+      qtests)  stage gpu_tests_prefill 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_mxfp4.py tests/test_batched_moe.py tests/test_fused_moe.py tests/test_prefill_stream.py ;;
       hybrid)  stage gpu_hybrid 90 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_hybrid.py ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   have 90 || { echo "=== serve skipped: the suite budget is spent"; continue; }
@@ -127,7 +133,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency 1,2,4,8,16,32 \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done

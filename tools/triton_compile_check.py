@@ -14,13 +14,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_check(qualname: str, signature: dict[str, str], constexprs: dict[str, int], stage: str = "ttgir") -> str:
+def compile_check(qualname: str, signature: dict[str, str], constexprs: dict[str, int], stage: str = "ttgir",
+                  divisible: tuple[str, ...] = ()) -> str:
+    """The kernel's `stage` text (ttgir, llir, ptx). `divisible`: arguments that a launch would find
+    divisible by 16 (pointers 16-byte aligned), the specialisation that lets loads vectorise."""
     mod, name = qualname.split(":")
     fn = getattr(importlib.import_module(mod), name)
     sig = dict(signature)
     for k, v in constexprs.items():
         sig[k] = "constexpr"
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32))
     return out.asm[stage] if stage in out.asm else ""
 

@@ -174,14 +174,17 @@ class Mxfp4Format(ExpertFormat):
         self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         check_proj(proj)
-        blocks = self.bank(banks, f"{proj}_blocks")[idx]  # [n, out, in/32, 16]
-        scales = self.bank(banks, f"{proj}_scales")[idx]  # [n, out, in/32]
+        blocks = self.bank(banks, f"{proj}_blocks")  # [E, out, in/32, 16]
+        scales = self.bank(banks, f"{proj}_scales")  # [E, out, in/32]
         dtype = dtype or self.model_dtype(banks)
-        if use_triton(blocks):  # the same values in one launch, no host sync (quant/mxfp4_triton.py)
-            from ferryman.quant.mxfp4_triton import dequant_mxfp4_triton
+        if use_triton(blocks):  # the same values in one launch, read in place (quant/mxfp4_triton.py)
+            from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows, dequant_mxfp4_triton
 
-            return dequant_mxfp4_triton(blocks, scales, dtype)  # [n, out, in]
-        return dequant_mxfp4(blocks, scales, dtype)  # [n, out, in]
+            if isinstance(idx, slice) or idx.dim() == 1:
+                rows = idx if isinstance(idx, slice) else idx.to(blocks.device, non_blocking=True)
+                return dequant_mxfp4_rows(blocks, scales, rows, dtype)  # [n, out, in]
+            return dequant_mxfp4_triton(blocks[idx], scales[idx], dtype)
+        return dequant_mxfp4(blocks[idx], scales[idx], dtype)  # [n, out, in]
 
 
 MXFP4 = register_format(Mxfp4Format())

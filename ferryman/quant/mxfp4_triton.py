@@ -18,6 +18,7 @@ import triton.language as tl
 
 BLOCK_BYTES = 16  # bytes per 32-value scale group
 _BB = tl.constexpr(BLOCK_BYTES)  # the same, as kernels may read it (plain globals do not compile)
+_BV = tl.constexpr(2 * BLOCK_BYTES)  # values per scale group
 
 
 @triton.jit
@@ -38,37 +39,84 @@ def _scale_value(s):
 
 
 @triton.jit
-def _dequant_kernel(blocks_ptr, scales_ptr, out_ptr, n_groups, GROUPS: tl.constexpr):
-    # program p: scale groups p*GROUPS .. +GROUPS of the flattened [N, 16] blocks -> [N, 32] out
+def _dequant_kernel(blocks_ptr, scales_ptr, idx_ptr, out_ptr, slot0, groups_per_row, blocks_row_stride,
+                    scales_row_stride, GROUPS: tl.constexpr, HAS_IDX: tl.constexpr):
+    # program (p, r): scale groups p*GROUPS .. +GROUPS of bank row (expert slot) idx[r] (HAS_IDX)
+    # or slot0 + r -> output row r. A row's [groups, 16] bytes and [groups] scales are contiguous;
+    # rows are blocks_row_stride / scales_row_stride apart (strided slot pools included).
+    r = tl.program_id(1)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + r).to(tl.int64)
+    else:
+        slot = slot0 + r.to(tl.int64)
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
-    gmask = g < n_groups
+    gmask = g < groups_per_row
     j = tl.arange(0, _BB)  # byte within a group
-    byte = tl.load(blocks_ptr + g[:, None] * _BB + j[None, :], mask=gmask[:, None], other=0).to(tl.int32)
-    s = tl.load(scales_ptr + g, mask=gmask, other=127).to(tl.int32)  # [GROUPS]
+    src = blocks_ptr + slot * blocks_row_stride + g[:, None] * _BB + j[None, :]
+    byte = tl.load(src, mask=gmask[:, None], other=0).to(tl.int32)  # [GROUPS, 16]
+    s = tl.load(scales_ptr + slot * scales_row_stride + g, mask=gmask, other=127).to(tl.int32)
     scale = _scale_value(s)[:, None]
     twice = (s == 255)[:, None]
     lo = _e2m1_value(byte & 0xF) * scale  # element 2j
     hi = _e2m1_value(byte >> 4) * scale  # element 2j + 1
     lo = tl.where(twice, lo * 2.0, lo)
     hi = tl.where(twice, hi * 2.0, hi)
-    base = out_ptr + g[:, None] * (2 * _BB) + 2 * j[None, :]
-    omask = gmask[:, None]
-    tl.store(base, lo.to(out_ptr.dtype.element_ty), mask=omask)
-    tl.store(base + 1, hi.to(out_ptr.dtype.element_ty), mask=omask)
+    # interleave in registers, then one contiguous store per group (coalesced, vectorised)
+    vals = tl.reshape(tl.join(lo, hi), (GROUPS, _BV))  # [GROUPS, 32]: lo0 hi0 lo1 hi1 ...
+    k = tl.arange(0, _BV)
+    dst = out_ptr + (r.to(tl.int64) * groups_per_row + g[:, None]) * _BV + k[None, :]
+    tl.store(dst, vals.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
-def dequant_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
-                         groups_per_program: int = 64) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype` (one launch)."""
+GROUPS_PER_PROGRAM = 128
+
+
+def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(expected blocks = scales.shape + ({BLOCK_BYTES},))")
-    blocks, scales = blocks.contiguous(), scales.contiguous()
-    out = torch.empty((*scales.shape, 2 * BLOCK_BYTES), dtype=dtype, device=blocks.device)  # [..., G, 32]
-    n = scales.numel()
-    if n:
-        grid = (triton.cdiv(n, groups_per_program),)
-        _dequant_kernel[grid](blocks, scales, out, n, GROUPS=groups_per_program)
-    return out.flatten(-2)  # [..., G*32]
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Everything but dim 0 is one contiguous run (dim 0 may have any stride)."""
+    return t[0].is_contiguous() if t.shape[0] else True
+
+
+def dequant_mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor | slice,
+                       dtype: torch.dtype, groups_per_program: int = GROUPS_PER_PROGRAM) -> torch.Tensor:
+    """Rows `idx` of banks blocks [E, ..., G, 16] + scales [E, ..., G] -> [n, ..., G*32] in `dtype`,
+    read in place: no gather of the packed rows first (one launch). idx: a step-1 slice or a 1-D
+    integer tensor on the banks' device. Banks whose rows are not contiguous inside are gathered."""
+    _check(blocks, scales)
+    if not (_rows_contiguous(blocks) and _rows_contiguous(scales)):
+        return dequant_mxfp4_triton(blocks[idx], scales[idx], dtype, groups_per_program)
+    if isinstance(idx, slice):
+        start, stop, step = idx.indices(blocks.shape[0])
+        if step != 1:
+            return dequant_mxfp4_triton(blocks[idx], scales[idx], dtype, groups_per_program)
+        n, slot0, index = max(0, stop - start), start, None
+    else:
+        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.device != blocks.device:
+            raise ValueError(f"mxfp4 rows: idx must be a 1-D int tensor on {blocks.device}, got "
+                             f"{tuple(idx.shape)} {idx.dtype} on {idx.device}")
+        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    out = torch.empty((n, *scales.shape[1:], 2 * BLOCK_BYTES), dtype=dtype, device=blocks.device)  # [n, ..., G, 32]
+    per_row = scales[0].numel() if scales.shape[0] else 0
+    if n and per_row:
+        grid = (triton.cdiv(per_row, groups_per_program), n)
+        _dequant_kernel[grid](blocks, scales, index if index is not None else scales, out, slot0, per_row,
+                              blocks.stride(0), scales.stride(0), GROUPS=groups_per_program,
+                              HAS_IDX=index is not None)
+    return out.flatten(-2)  # [n, ..., G*32]
+
+
+def dequant_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                         groups_per_program: int = GROUPS_PER_PROGRAM) -> torch.Tensor:
+    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype` (one launch)."""
+    _check(blocks, scales)
+    shape = scales.shape
+    b = blocks.contiguous().view(1, -1, BLOCK_BYTES)  # one row of all groups
+    out = dequant_mxfp4_rows(b, scales.contiguous().view(1, -1), slice(0, 1), dtype, groups_per_program)
+    return out.view(*shape[:-1], shape[-1] * 2 * BLOCK_BYTES) if len(shape) else out.view(-1)
