@@ -110,14 +110,14 @@ class Envs:
         "paged-attention kernels: auto = triton on CUDA, torch otherwise", choices=_BACKENDS,
     )
     MOE_PREFILL = EnvVar(
-        "FERRYMAN_MOE_PREFILL", str, "reference",
-        "MoE of prefill-sized batches on CUDA: reference (per expert: dequantise + cuBLAS), grouped "
-        "(one Triton grouped GEMM per projection, weights dequantised in the kernel) or batched (4 experts "
-        "per dequantise + batched GEMM; not yet measured on a GPU)",
+        "FERRYMAN_MOE_PREFILL", str, "batched",
+        "MoE of prefill-sized batches on CUDA: batched (groups of experts dequantised together + batched GEMM), "
+        "reference (per expert: dequantise + cuBLAS) or grouped (one Triton grouped GEMM per projection, "
+        "weights dequantised in the kernel; measured slower)",
         choices=("reference", "grouped", "batched"),
     )
     MOE_PREFILL_GROUP = EnvVar(
-        "FERRYMAN_MOE_PREFILL_GROUP", int, 4,
+        "FERRYMAN_MOE_PREFILL_GROUP", int, 8,
         "experts per dequantise + batched GEMM with FERRYMAN_MOE_PREFILL=batched (the planner counts them)",
     )
     MOE_DECODE_TILES = EnvVar(

@@ -90,18 +90,20 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
     routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
-    copy of its input row (H, fused_moe_reference); once: the experts dequantised at a time by the
-    torch path (w13 + w2 = 3 I H each; one, or a group with FERRYMAN_MOE_PREFILL=batched) and fp32 logits of the sampled rows."""
+    copy of its input row (H); once: the experts dequantised at a time by the torch paths (w13 = 2 I H
+    each, freed before w2's I H are made; one, or a group with FERRYMAN_MOE_PREFILL=batched, the
+    default on CUDA) and fp32 logits of the sampled rows."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
     per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
-    once = _dequantised_experts() * 3 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    once = _dequantised_experts() * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return int(1.25 * (chunk_tokens * per_token + once)) + _FIXED_HEADROOM
 
 
 def _dequantised_experts() -> int:
-    """Experts the prefill MoE path dequantises at once: one, or a group (FERRYMAN_MOE_PREFILL=batched)."""
+    """Experts the prefill MoE path dequantises at once: a group (FERRYMAN_MOE_PREFILL=batched, the
+    default; the path is CUDA-only, but the plan does not depend on the device) or one."""
     from ferryman.envs import envs
 
     if envs.MOE_PREFILL == "batched":

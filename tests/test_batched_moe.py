@@ -38,6 +38,22 @@ def test_batched_equals_reference(fmt: str, act: str, dtype: torch.dtype, group:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("path", ["batched", "reference"])
+def test_host_ids_group_without_a_device_read(path: str) -> None:
+    """Given the ids on the host too, both prefill paths give the same tensor as without them."""
+    form = get_format("mxfp4")
+    gen = torch.Generator().manual_seed(8)
+    banks = form.random_banks(10, 64, 32, True, torch.float32, gen)
+    x = torch.randn(29, 64, generator=gen)
+    ids, w = _skewed_routing(29, 4, 10, 2)
+    a = MoEActivation("swiglu_oai")
+    fn = fused_moe_batched if path == "batched" else fused_moe_reference
+    want = fn(form, banks, x, ids, w, a)
+    assert torch.equal(fn(form, banks, x, ids, w, a, host_ids=ids.clone()), want)
+    with pytest.raises(ValueError, match="host_ids"):
+        fn(form, banks, x, ids, w, a, host_ids=ids[:3])
+
+
 def test_batched_rejects_a_bad_group() -> None:
     form = get_format("dense")
     banks = form.random_banks(4, 32, 16, False, torch.float32, torch.Generator().manual_seed(0))
@@ -52,11 +68,15 @@ def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) 
     from ferryman.planner import activation_bytes
 
     cfg = ModelConfig.from_hf(get_preset("gpt-oss-20b"))
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")  # the default, groups of 8
     extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
-    one_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
-    assert int(1.25 * 3 * one_expert) - 1 <= extra <= int(1.25 * 3 * one_expert) + 1  # 3 more experts
+    one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # bf16 w13 of one expert
+    assert int(1.25 * 7 * one_w13) - 1 <= extra <= int(1.25 * 7 * one_w13) + 1  # 7 more experts' w13
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL_GROUP", "3")
+    extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
+    assert int(1.25 * 2 * one_w13) - 1 <= extra <= int(1.25 * 2 * one_w13) + 1
 
 
 @pytest.mark.gpu

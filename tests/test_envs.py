@@ -11,6 +11,7 @@ EXPECTED_NAMES = [
     "FERRYMAN_MOE_BACKEND",
     "FERRYMAN_ATTN_BACKEND",
     "FERRYMAN_MOE_PREFILL",
+    "FERRYMAN_MOE_PREFILL_GROUP",
     "FERRYMAN_MOE_DECODE_TILES",
     "FERRYMAN_LOG_LEVEL",
     "FERRYMAN_DISABLE_CUDA_GRAPHS",
@@ -32,7 +33,8 @@ def test_registry_and_defaults() -> None:
     assert snapshot() == {
         "FERRYMAN_MOE_BACKEND": "auto",
         "FERRYMAN_ATTN_BACKEND": "auto",
-        "FERRYMAN_MOE_PREFILL": "reference",
+        "FERRYMAN_MOE_PREFILL": "batched",
+        "FERRYMAN_MOE_PREFILL_GROUP": 8,
         "FERRYMAN_MOE_DECODE_TILES": "",
         "FERRYMAN_LOG_LEVEL": "INFO",
         "FERRYMAN_DISABLE_CUDA_GRAPHS": False,

@@ -161,7 +161,8 @@ class OffloadExperts:
         slots = self.cache.acquire(layer, used)
         # the guess's copies queue behind this layer's misses and overlap its kernels
         self._prefetch(guess, guessed, streaming)
-        out = fused_moe(self.fmt, self.cache.banks, x, self._slot_ids(used, slots, host_ids), topk_w, self.act)
+        dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
+        out = fused_moe(self.fmt, self.cache.banks, x, dev_ids, topk_w, self.act, host_ids=host_slots)
         self.cache.release(layer, used, slots)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
@@ -186,7 +187,7 @@ class OffloadExperts:
             # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
             # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
             # keeps its [T, K] shape and per-token summation order.
-            ids = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
+            ids, _ = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
             off = torch.zeros(self.num_experts, dtype=torch.bool)
             off[on_cpu] = True
             w = topk_w.masked_fill(off.to(topk_w.device, non_blocking=True)[topk_ids], 0.0)
@@ -211,26 +212,28 @@ class OffloadExperts:
             slots = self.cache.acquire(layer, part)
             mask = torch.isin(topk_ids, torch.tensor(part, device=topk_ids.device))  # [T, K]
             tok, kk = mask.nonzero(as_tuple=True)  # pairs routed to this round's experts: [P]
-            ids = self._slot_ids(part, slots, topk_ids[tok, kk]).unsqueeze(1)  # [P, 1]
+            ids = self._slot_ids(part, slots, topk_ids[tok, kk])[0].unsqueeze(1)  # [P, 1]
             y = fused_moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
             out.index_add_(0, tok, y)
             self.cache.release(layer, part, slots)
         return out
 
-    def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Expert ids -> slot ids on the cache's device, through a per-call table (ids only name
-        experts in `experts`). Host ids (the usual case: read for the lookup anyway) are mapped on
-        the host and copied once; device ids are mapped on the device."""
+    def _slot_ids(self, experts: list[int], slots: list[int],
+                  ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert ids -> (slot ids on the cache's device, the same on the host or None), through a
+        per-call table (ids only name experts in `experts`). Host ids (the usual case: read for the
+        lookup anyway) are mapped on the host and copied once; device ids are mapped on the device."""
         # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
         if ids.device.type == "cpu" and ids.numel() <= 256:  # a few pairs: Python beats tensor ops
             slot_of = dict(zip(experts, slots))
-            mapped = [slot_of[e] for e in ids.reshape(-1).tolist()]
-            return torch.tensor(mapped, dtype=torch.int32).view(ids.shape).to(self.cache.device, non_blocking=True)
+            host = torch.tensor([slot_of[e] for e in ids.reshape(-1).tolist()], dtype=torch.int32).view(ids.shape)
+            return host.to(self.cache.device, non_blocking=True), host
         lut = torch.zeros(self.num_experts, dtype=torch.int32)
         lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
         if ids.device.type == "cpu":
-            return lut[ids].to(self.cache.device, non_blocking=True)
-        return lut.to(ids.device, non_blocking=True)[ids]
+            host = lut[ids]
+            return host.to(self.cache.device, non_blocking=True), host
+        return lut.to(ids.device, non_blocking=True)[ids], None
 
     def stats(self) -> dict:
         out = self.cache.stats()

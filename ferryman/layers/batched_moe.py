@@ -1,22 +1,26 @@
 """Prefill-sized MoE in groups of experts: padded batched GEMMs instead of a loop of small ones.
 
-`fused_moe_batched` computes what `fused_moe_reference` computes with `group` experts per launch.
-The reference launches ~20 kernels per expert; on the H200 a gpt-oss prefill chunk cost about
-0.5-0.6 ms per expert whether the expert had 64 or 256 tokens (docs/benchmarks.md), which points
-at a host-bound loop. Here a group's pairs are padded to its longest run (`[G, m, H]`), its
-weights dequantised together (`[G, 2I, H]`), and two `torch.bmm` do the products.
+`fused_moe_batched` computes what `fused_moe_reference` computes with `group` experts per launch;
+it is the default prefill path on CUDA (FERRYMAN_MOE_PREFILL=batched). The reference launches ~20
+kernels per expert. Here every padded row of every group is gathered once, each group of experts
+is dequantised together (`[G, 2I, H]`, read in place from the slot banks) and multiplied by two
+`torch.bmm`, ~15 launches per group, and the outputs go back to pair order in one scatter. With
+the pair grouping done on the host from the caller's host ids, a layer needs no device sync.
+Measured on the H200 (docs/benchmarks.md, session 9): gpt-oss-20b at 8 GiB, TTFT of a 4k prompt
+1.59 s (reference) -> 0.53 s (groups of 4) -> 0.39 s (groups of 8).
 
 Invariants:
 - padding rows read a real row of their own expert (finite values), get weight 0, and are written
   to a spare row P of the output that nothing reads;
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
-Memory: `group` experts dequantised at once (3 I H values each, in the compute dtype), counted by
-the planner when this path is selected (FERRYMAN_MOE_PREFILL=batched, CUDA; not yet measured).
+Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2's I H are
+made), counted by the planner (planner.activation_bytes).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -24,76 +28,94 @@ import torch
 from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation, sum_in_slot_order
 from ferryman.quant import Banks, ExpertFormat
 
+
 def default_group() -> int:
-    """Experts per launch (FERRYMAN_MOE_PREFILL_GROUP, default 4)."""
+    """Experts per launch (FERRYMAN_MOE_PREFILL_GROUP, default 8)."""
     from ferryman.envs import envs
 
     return envs.MOE_PREFILL_GROUP
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_w: torch.Tensor, act: MoEActivation, group: int | None = None) -> torch.Tensor:
-    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype."""
+                      topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
+                      host_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
+    ids on the host, if the caller has them (then no device -> host read)."""
     group = default_group() if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
     num_slots, hidden, _ = form.dims(banks)
-    slots, order, counts = _group_by_slot(topk_ids, num_slots)
+    slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids)
     P = T * K
-    tokens_sorted = order // K  # [P] pairs sorted by slot
-    w_sorted = topk_w.reshape(-1)[order]  # [P]
-    x_sorted = x[tokens_sorted]  # [P, H]
-    y_sorted = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device)  # row P: padding sink
-    groups = _padded_groups(slots, counts, group, x.device)
-    zero = w_sorted.new_zeros(())
-    for sel, idx, valid in groups:  # sel [G] slots, idx / valid [G, m]
-        y = _group_forward(form, banks, sel, x_sorted[idx], act)  # [G, m, H]
+    layout = _padded_layout(slots, counts, group, x.device)
+    pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
+    xs = x[pair // K]  # [R, H], all groups' inputs in one gather
+    w = torch.where(layout.valid, topk_w.reshape(-1)[pair], 0.0)  # [R]: padding rows weigh 0
+    y = torch.empty((layout.rows.numel(), hidden), dtype=x.dtype, device=x.device)  # [R, H]
+    bias = _gathered_bias(form, banks, layout.slots, x.dtype)
+    for g0, g, m, r0 in layout.groups:
+        rows = slice(r0, r0 + g * m)
+        y_g = y[rows].view(g, m, hidden)
+        _group_forward(form, banks, layout.slots[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
+                       None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
-        y = (y * torch.where(valid, w_sorted[idx], zero)[..., None]).to(x.dtype)
-        sink = torch.where(valid, idx, torch.full_like(idx, P))
-        y_sorted.index_copy_(0, sink.reshape(-1), y.reshape(-1, hidden))
-    y_pairs = torch.empty_like(y_sorted[:P]).index_copy_(0, order, y_sorted[:P])  # pair p = t*K + k
+        y_g.copy_(y_g * w[rows].view(g, m, 1))
+    sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
+    y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
     return sum_in_slot_order(y_pairs.view(T, K, hidden), topk_ids)
 
 
-def _padded_groups(slots: list[int], counts: list[int], group: int,
-                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per group of `group` experts: (slots [G], idx [G, m], valid [G, m]): rows of the slot-sorted
-    pair axis of each expert, padded to the group's longest run (a padding entry repeats its
-    expert's first row). Built on the host and moved in one asynchronous copy: a tensor made on
-    the device from a list would synchronise the stream once per group."""
+@dataclass(frozen=True)
+class PaddedLayout:
+    """The slot-sorted pairs, regrouped: `group` experts at a time, each expert's run padded to the
+    group's longest run. Group j holds g experts x m rows at rows r0 .. r0 + g*m."""
+
+    slots: torch.Tensor  # [U] used slots, ascending (device)
+    rows: torch.Tensor  # [R] slot-sorted pair row of each padded row (device)
+    valid: torch.Tensor  # [R] bool: a real pair, not padding (device)
+    groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
+
+
+def _padded_layout(slots: list[int], counts: list[int], group: int, device: torch.device) -> PaddedLayout:
+    """Built on the host and moved in one asynchronous copy (a tensor made on the device from a
+    list would synchronise the stream). A padding row repeats its expert's first row (finite)."""
     starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
-    shapes, parts = [], [torch.tensor(slots)]
+    rows, valid, groups, r0 = [], [], [], 0
     for g0 in range(0, len(slots), group):
-        cnt = torch.tensor(counts[g0 : g0 + group])[:, None]  # [G, 1]
+        cnt = torch.tensor(counts[g0 : g0 + group])[:, None]  # [g, 1]
         first = torch.tensor(starts[g0 : g0 + group])[:, None]
         ar = torch.arange(int(cnt.max()))[None, :]  # [1, m]
-        valid = ar < cnt
-        parts += [torch.where(valid, first + ar, first).reshape(-1), valid.reshape(-1).long()]
-        shapes.append((g0, *valid.shape))
-    flat = torch.cat(parts).to(device, non_blocking=True)  # one host -> device copy
-    out, pos = [], len(slots)
-    for g0, g, m in shapes:
-        idx = flat[pos : pos + g * m].view(g, m)
-        valid = flat[pos + g * m : pos + 2 * g * m].view(g, m).bool()
-        out.append((flat[g0 : g0 + g], idx, valid))
-        pos += 2 * g * m
-    return out
+        ok = ar < cnt  # [g, m]
+        rows.append(torch.where(ok, first + ar, first).reshape(-1))
+        valid.append(ok.reshape(-1).long())
+        groups.append((g0, ok.shape[0], ok.shape[1], r0))
+        r0 += ok.numel()
+    flat = torch.cat([torch.tensor(slots, dtype=torch.long), *rows, *valid]).to(device, non_blocking=True)
+    u = len(slots)
+    return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
 
 
-def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor,
-                   act: MoEActivation) -> torch.Tensor:
-    """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> [G, m, H] in xs.dtype."""
-    bias = form.has_bias(banks)
+def _gathered_bias(form: ExpertFormat, banks: Banks, slots: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(w13 bias [U, 2I], w2 bias [U, H]) of the used slots in the compute dtype, or None."""
+    if not form.has_bias(banks):
+        return None
+    return banks["w13_bias"][slots].to(dtype), banks["w2_bias"][slots].to(dtype)
+
+
+def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,
+                   bias: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+    """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> out [G, m, H] in xs.dtype.
+    bias: their (w13 [G, 2I], w2 [G, H]) biases in xs.dtype, added after each product (HF: x @ W + b)."""
     w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
     gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
-    del w13
-    if bias:  # after the product, as the reference (HF: x @ W + b)
-        gate_up = gate_up + banks["w13_bias"][sel].to(xs.dtype)[:, None, :]
+    del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
+    if bias is not None:
+        gate_up += bias[0][:, None, :]
     h = apply_activation(gate_up, act)  # [G, m, I]
+    del gate_up
     w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
-    y = torch.bmm(h, w2.transpose(1, 2))  # [G, m, H]
-    if bias:
-        y = y + banks["w2_bias"][sel].to(xs.dtype)[:, None, :]
-    return y
+    torch.bmm(h, w2.transpose(1, 2), out=out)  # [G, m, H]
+    if bias is not None:
+        out += bias[1][:, None, :]

@@ -119,8 +119,11 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_w: torch.Tensor,
     act: MoEActivation,
+    host_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype."""
+    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
+    slot ids on the host when the caller has them (offloaded experts): the prefill paths then
+    group the pairs without reading the ids back from the device (no sync)."""
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     _check_inputs(x, topk_ids, topk_w, hidden)
@@ -135,10 +138,10 @@ def fused_moe(
     if _use_batched(x):
         from ferryman.layers.batched_moe import fused_moe_batched
 
-        return fused_moe_batched(form, banks, x, topk_ids, topk_w, act)
+        return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
     if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
-    return fused_moe_reference(form, banks, x, topk_ids, topk_w, act)
+    return fused_moe_reference(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
 
 
 # CPU decode: dequantise the few experts a step uses into one batch and run two bmm calls,
@@ -227,13 +230,23 @@ def _expert_forward(
     return y
 
 
-def _group_by_slot(topk_ids: torch.Tensor, num_slots: int) -> tuple[list[int], torch.Tensor, list[int]]:
-    """(slots used, ascending, on the host; pair ids [P] sorted by slot; pairs per used slot), with
-    one device -> host read for the slots and their counts together."""
-    flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
-    sorted_ids, order = torch.sort(flat, stable=True)
-    slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    host_slots, host_counts = torch.stack((slots, counts)).tolist()
+def _group_by_slot(topk_ids: torch.Tensor, num_slots: int,
+                   host_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
+    """(slots used, ascending, on the host; pair ids [P] sorted by slot, on topk_ids' device; pairs
+    per used slot). From host_ids (the same ids on the host) with no device sync; else with one
+    device -> host read for the slots and their counts together."""
+    if host_ids is not None:
+        if host_ids.shape != topk_ids.shape:
+            raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+        sorted_ids, order = torch.sort(host_ids.reshape(-1).long(), stable=True)
+        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        host_slots, host_counts = slots.tolist(), counts.tolist()
+        order = order.to(topk_ids.device, non_blocking=True)  # a fresh tensor: staged at once
+    else:
+        flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
+        sorted_ids, order = torch.sort(flat, stable=True)
+        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        host_slots, host_counts = torch.stack((slots, counts)).tolist()
     if host_slots and (host_slots[0] < 0 or host_slots[-1] >= num_slots):
         raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {host_slots[0]}, "
                          f"max {host_slots[-1]}")
@@ -256,12 +269,13 @@ def fused_moe_reference(
     topk_ids: torch.Tensor,
     topk_w: torch.Tensor,
     act: MoEActivation,
+    host_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference on any device. x [T, H] -> [T, H] in x.dtype."""
     num_slots, _, _ = form.dims(banks)
     k = topk_ids.shape[1]
     out = torch.zeros_like(x)  # [T, H]
-    slots, order, counts = _group_by_slot(topk_ids, num_slots)
+    slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids)
     # pairs sorted by slot, gathered once: each expert then takes slices (views, no launches)
     tokens_sorted = order // k  # [P]
     w_sorted = topk_w.reshape(-1)[order]  # [P]
