@@ -10,8 +10,9 @@ Targets (dummy weights of the real shapes, one request at a time, greedy):
 Per target:
 - link bandwidth: pinned host -> device copies of one expert row at a time (what a miss moves);
 - decode: 128-token prompt, then --decode-tokens tokens; tok/s, hit rate, misses per token, and
-  the link limit bw / (misses per token x bytes per expert): measured / limit says how close the
-  copies run to the link (1.0 = every miss at full link speed, nothing else costs);
+  the link limit bw / (bytes copied per token: misses, and prefetched experts right or wrong):
+  measured / limit says how close the copies run to the link (1.0 = every byte at full link
+  speed, nothing else costs);
 - TTFT of a 4k prompt (--ttft-prompt);
 - 8k prefill tok/s (--prefill-prompt) against the streaming limit chunk x bw / (expert bytes not cached): each prefill
   chunk must bring every uncached expert once.
@@ -113,13 +114,15 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     uncached = max(0, total_experts - experts.get("slots", total_experts)) * slot_bytes
     decode_steps = max(1, a.decode_tokens - 1)  # the counters start after the first token
     misses_per_token = dec.get("misses", 0) / decode_steps
+    # every byte that crossed the link per token (misses, and prefetched copies right or wrong)
+    moved_per_token = (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / decode_steps
     row = {
         "model": model, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
         "slots": experts.get("slots"), "cache_fraction": experts.get("slots", total_experts) / total_experts,
         "link_gb_s": bw / 1e9, "decode_tok_s": dec["decode_tok_s"],
         "decode_hit_rate": dec.get("hits", 0) / max(1, dec.get("hits", 0) + dec.get("misses", 0)),
         "misses_per_token": misses_per_token,
-        "decode_link_limit": bw / (misses_per_token * slot_bytes) if misses_per_token else None,
+        "decode_link_limit": bw / moved_per_token if moved_per_token else None,
         "no_hit_limit": bw / (len(cfg.moe_layers) * cfg.top_k * slot_bytes),
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
         "chunk": chunk,
@@ -129,7 +132,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "hybrid": experts.get("hybrid"),
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
-        "h2d_mib_per_token": (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / 2**20 / decode_steps,
+        "h2d_mib_per_token": moved_per_token / 2**20,
         "copies_per_token": dec.get("copies_h2d", 0) / decode_steps,
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
