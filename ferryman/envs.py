@@ -134,6 +134,11 @@ class Envs:
         "FERRYMAN_SEGMENT_GRAPHS", bool, True,
         "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
     )
+    HOST_EMBEDDING = EnvVar(
+        "FERRYMAN_HOST_EMBEDDING", bool, True,
+        "offloaded experts: keep the token-embedding table in host RAM (a row gather + copy per step), "
+        "its GPU bytes going to expert slots",
+    )
     DECODE_PREFETCH = EnvVar(
         "FERRYMAN_DECODE_PREFETCH", str, "off",
         "offloaded experts, decode: copy the next layer's guessed experts ahead. early = the next router on "

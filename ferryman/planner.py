@@ -130,6 +130,17 @@ def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return total * dtype.itemsize  # a tied lm_head is absent from the checkpoint and shares memory
 
 
+def host_embedding_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the token-embedding table an offloaded plan keeps in host RAM (as llama.cpp does):
+    a lookup is a row gather on the host and a [T, H] copy, and its vocab x hidden bytes become
+    expert slots. 0 when lm_head shares the table (tied) or FERRYMAN_HOST_EMBEDDING=0."""
+    from ferryman.envs import envs
+
+    if cfg.tie_word_embeddings or not envs.HOST_EMBEDDING:
+        return 0
+    return cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+
+
 def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one cache slot: one expert, all its banks, aligned as the host store lays it out."""
     from ferryman.experts.host_store import ExpertLayout
@@ -173,6 +184,11 @@ class MemoryPlan:
     activation_bytes: int
     slot_bytes: int  # one expert (a cache slot)
     expert_slots: int  # == total experts when resident
+    host_embedding_bytes: int = 0  # the token-embedding table kept in host RAM (offload), not in weights_bytes
+
+    @property
+    def host_embedding(self) -> bool:
+        return self.host_embedding_bytes > 0
 
     @property
     def expert_cache_bytes(self) -> int:
@@ -228,6 +244,8 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token
     strategy = _strategy(req, rest, per_slot)
+    host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
+    weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
     if strategy == "resident":
         slots = total
     elif req.expert_cache is not None:
@@ -241,7 +259,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     wanted = req.kv_cache_tokens or req.max_num_seqs * req.max_model_len
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_tokens * per_token, act, per_slot, slots)
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_tokens * per_token, act, per_slot, slots, host)
 
 
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
@@ -283,7 +301,8 @@ def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> 
     if strategy == "offload" and req.expert_cache is None:
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
-    return MemoryPlan(req, strategy, weights, None, 0, act, per_slot, slots)
+    host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
+    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,
@@ -308,7 +327,9 @@ def describe_plan(plan: MemoryPlan) -> str:
         ("model", f"{cfg.model_type}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
                   f"{cfg.expert_format}, {plan.slot_bytes / MiB:.2f} MiB per expert"),
         ("budget", g(r.budget) if r.budget is not None else "unlimited"),
-        ("weights", f"{g(plan.weights_bytes)}  non-expert, {str(r.dtype).removeprefix('torch.')}"),
+        ("weights", f"{g(plan.weights_bytes)}  non-expert, {str(r.dtype).removeprefix('torch.')}"
+                    + (f"; token embedding ({plan.host_embedding_bytes / GiB:.2f} GiB) in host RAM"
+                       if plan.host_embedding else "")),
         ("kv cache", f"{g(plan.kv_bytes)}  {kv}; {r.max_num_seqs} seqs x {r.max_model_len} context"),
         ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"),
         ("experts", f"{g(plan.expert_cache_bytes)}  {plan.expert_slots} of {r.total_experts} "

@@ -25,6 +25,10 @@ def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], devic
     want = greedy_ids(resident, PROMPTS, 16)
     got = greedy_ids(offload, PROMPTS, 16)
     assert got == want, f"{arch}: offloaded greedy tokens differ from resident"
+    # on CUDA an offloaded plan keeps an untied token-embedding table in host RAM
+    host_table = device == "cuda" and not offload.engine.cfg.tie_word_embeddings
+    assert offload.engine.plan.host_embedding == (not offload.engine.cfg.tie_word_embeddings)
+    assert (offload.engine.runner.model.embed_tokens.weight.device.type == "cpu") == (host_table or device == "cpu")
     st = offload.stats()["experts"]
     total = len(offload.engine.cfg.moe_layers) * offload.engine.cfg.num_experts
     assert st["slots"] == max(1, round(0.1 * total))  # 2 slots: prefill chunks run in rounds

@@ -15,6 +15,7 @@ from ferryman.planner import (
     GiB,
     PlanRequest,
     activation_bytes,
+    host_embedding_bytes,
     kv_bytes_per_token,
     non_expert_bytes,
     parse_bytes,
@@ -103,6 +104,20 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     per_token = misses * plan.slot_bytes
     assert f"~{misses:.0f} misses" in text and f"PCIe 5.0 <= {55e9 / per_token:.0f} tok/s" in text
     assert "decode link" not in plan_memory(_req("gpt-oss-120b", "139GiB")).describe()  # resident
+    # offloaded: the token-embedding table (vocab x hidden) stays in host RAM and its bytes are slots
+    table = cfg.vocab_size * cfg.hidden_size * 2
+    assert plan.host_embedding_bytes == table == host_embedding_bytes(cfg, torch.bfloat16)
+    assert plan.weights_bytes == non_expert_bytes(cfg, torch.bfloat16) - table
+    assert "token embedding (1.08 GiB) in host RAM" in text
+    assert plan_memory(_req("gpt-oss-120b", "139GiB")).host_embedding_bytes == 0  # resident: on the device
+
+
+def test_host_embedding_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    on = plan_memory(_req("gpt-oss-20b", "8GiB"))
+    monkeypatch.setenv("FERRYMAN_HOST_EMBEDDING", "0")
+    off = plan_memory(_req("gpt-oss-20b", "8GiB"))
+    assert off.host_embedding_bytes == 0 and off.weights_bytes == on.weights_bytes + on.host_embedding_bytes
+    assert off.expert_slots < on.expert_slots
 
 
 def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
@@ -116,7 +131,8 @@ def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
 def test_refusals_say_how_much_is_missing() -> None:
     req = _req("gpt-oss-120b", "16GiB", max_num_seqs=32)
     per_token = kv_bytes_per_token(req.cfg, torch.bfloat16)
-    need = (non_expert_bytes(req.cfg, torch.bfloat16) + 32 * 32768 * per_token
+    need = (non_expert_bytes(req.cfg, torch.bfloat16) - host_embedding_bytes(req.cfg, torch.bfloat16)
+            + 32 * 32768 * per_token
             + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + 4 * slot_bytes(req.cfg, torch.bfloat16))
     with pytest.raises(ConfigError, match=rf"missing {(need - 16 * GiB) / GiB:.2f} GiB.*max_num_seqs \(32\)"):
         plan_memory(req)

@@ -78,6 +78,10 @@ def test_cuda_layer_graphs_equal_resident_and_are_used(tiny: tuple[str, Path]) -
     assert offload.stats()["cuda_graph_mode"] == "layer"
     seg = offload.engine.runner.graphs
     assert isinstance(seg, SegmentedDecode) and sorted(seg.graphs) == [1, 2, 4]
+    # an untied token-embedding table stays in host RAM; the graphs read the rows `fill` copies in
+    untied = not offload.engine.cfg.tie_word_embeddings
+    assert (offload.engine.runner.model.embed_tokens.weight.device.type == "cpu") == untied
+    assert (seg.static.embeds is not None) == untied
     calls = _count_runs(seg)
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: per-layer graphs differ from resident"
     assert calls[0] >= 11

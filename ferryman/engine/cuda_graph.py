@@ -23,9 +23,16 @@ def buckets(max_bs: int) -> list[int]:
 class StaticDecodeInputs:
     """The decode-step inputs at fixed addresses, for up to `max_bs` sequences."""
 
-    def __init__(self, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
+    def __init__(self, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device,
+                 model: nn.Module | None = None) -> None:
         self.max_bs, self.max_seq_len = max_bs, max_seq_len
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # a token-embedding table in host RAM cannot be read inside a graph: `fill` looks the
+        # step's rows up and copies them into `embeds` [max_bs, H], which the graphs read instead
+        self.model, self.embeds = model, None
+        if model is not None and model.embed_tokens.weight.device.type != torch.device(device).type:
+            self.embeds = torch.zeros(max_bs, model.cfg.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                                      device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
@@ -52,6 +59,8 @@ class StaticDecodeInputs:
         bs = next(b for b in sorted(sizes) if b >= B)
         m = inputs.meta
         self.input_ids[:B].copy_(inputs.input_ids)
+        if self.embeds is not None and self.model is not None:
+            self.embeds[:B].copy_(self.model.embed(inputs.input_ids, inputs.host_ids))
         self.positions[:B].copy_(inputs.positions)
         self.slot_mapping[:B].copy_(m.slot_mapping)
         self.slot_mapping[B:bs].fill_(-1)
@@ -60,13 +69,18 @@ class StaticDecodeInputs:
         self.block_tables[:B, : m.block_tables.shape[1]].copy_(m.block_tables)
         return B, bs
 
+    def token_embeds(self, bs: int) -> torch.Tensor | None:
+        """The embeds buffer's first bs rows when the table is on the host, else None (the graph
+        looks the rows up itself from input_ids)."""
+        return None if self.embeds is None else self.embeds[:bs]
+
 
 class DecodeGraphs:
     """Whole decode steps as graphs (resident experts: the MoE kernels never sync with the host)."""
 
     def __init__(self, model: nn.Module, max_bs: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
         self.model, self.max_bs, self.device = model, max_bs, device
-        self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, device)
+        self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, device, model)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -75,7 +89,7 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> torch.Tensor:
         st = self.static
-        hidden = self.model(st.input_ids[:bs], st.positions[:bs], st.meta(bs))
+        hidden = self.model(st.input_ids[:bs], st.positions[:bs], st.meta(bs), embeds=st.token_embeds(bs))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()

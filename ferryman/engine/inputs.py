@@ -17,6 +17,7 @@ class StepInputs:
     meta: AttnMetadata
     logits_indices: torch.Tensor  # [B_s] int64, row of the last token of each sampling sequence
     sample_seq_ids: list[int]  # seq ids in the order of logits_indices
+    host_ids: torch.Tensor  # [T] int64 input_ids on the host (a host embedding table reads them)
 
 
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
@@ -54,4 +55,6 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) 
         max_query_len=max(s.num_tokens for s in out.scheduled),
         max_seq_len=max(seq_lens),
     )
-    return StepInputs(t(ids, torch.int64), t(positions, torch.int64), meta, t(logits_idx, torch.int64), sample_ids)
+    host_ids = torch.tensor(ids, dtype=torch.int64)  # fresh: the async copy stages it at once
+    return StepInputs(host_ids.to(device, non_blocking=True), t(positions, torch.int64), meta,
+                      t(logits_idx, torch.int64), sample_ids, host_ids)

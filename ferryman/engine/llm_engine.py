@@ -54,7 +54,8 @@ class LLMEngine:
                                    max_num_batched_tokens=self.plan.request.max_num_batched_tokens)
         loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
                              max_positions=None, progress=ecfg.progress,
-                             store_factory=store_factory(self.plan, self.device))
+                             store_factory=store_factory(self.plan, self.device),
+                             host_embedding=self.plan.host_embedding and self.device.type == "cuda")
         self.tokenizer = load_tokenizer(loaded.folder)
         dtype = next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(dtype)
@@ -187,7 +188,7 @@ class LLMEngine:
                 seqs.append(seq)
             step = SchedulerOutput([ScheduledSeq(s, s.num_tokens, 0, False) for s in seqs])
             inputs = prepare_inputs(step, self.ecfg.block_size, self.device)
-            hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+            hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
             logits = self.runner.model.compute_logits(hidden)
             return list(logits.split([len(p) for p in prompts]))
         finally:

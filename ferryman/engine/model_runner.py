@@ -111,7 +111,7 @@ class ModelRunner:
         """logits [B_s, V] fp32 for the sampling rows."""
         if decode_only and self.graphs is not None and self.graphs.fits(inputs):
             return self.graphs.run(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [T, H]
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logits_indices])

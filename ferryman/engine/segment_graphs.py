@@ -37,7 +37,7 @@ class SegmentedDecode:
     def __init__(self, model: MoETransformer, max_bs: int, max_blocks: int, max_seq_len: int,
                  device: torch.device, capture: bool) -> None:
         self.model, self.device, self.capture = model, torch.device(device), capture
-        self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, self.device)
+        self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, self.device, model)
         dtype = model.embed_tokens.weight.dtype
         self.x = torch.zeros(max_bs, model.cfg.hidden_size, dtype=dtype, device=self.device)  # [max_bs, H]
         self.res = torch.zeros_like(self.x)
@@ -58,7 +58,9 @@ class SegmentedDecode:
         st, layer = self.static, self.model.layers[i]
         positions, meta = st.positions[:bs], st.meta(bs)
         if i == 0:
-            h, res = layer.attend(positions, self.model.embed_tokens(st.input_ids[:bs]), None, meta)
+            emb = st.token_embeds(bs)
+            h, res = layer.attend(positions, self.model.embed_tokens(st.input_ids[:bs]) if emb is None else emb,
+                                  None, meta)
         else:
             h, res = layer.attend(positions, self.x[:bs], self.res[:bs], meta)
         self.res[:bs].copy_(res)

@@ -66,9 +66,21 @@ class MoETransformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, H] (final norm applied)
-        x, residual = self.embed_tokens(input_ids), None
+    def embed(self, input_ids: torch.Tensor, host_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> [T, H] on input_ids' device. A table kept in host RAM (offloaded plans,
+        weights/build.py) gathers its rows on the host, from host_ids (the same ids, already on the
+        host) when given, and copies them over in one transfer."""
+        table = self.embed_tokens.weight
+        if table.device == input_ids.device:
+            return self.embed_tokens(input_ids)
+        ids = host_ids if host_ids is not None else input_ids.cpu()
+        return torch.nn.functional.embedding(ids, table).to(input_ids.device, non_blocking=True)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
+                host_ids: torch.Tensor | None = None, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, H] (final norm applied); host_ids: input_ids on the
+        # host (for a host embedding table); embeds: [T, H] already looked up (CUDA graphs' buffer)
+        x, residual = (self.embed(input_ids, host_ids) if embeds is None else embeds), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
         return self.norm.add_forward(x, residual)[0]

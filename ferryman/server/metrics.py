@@ -33,7 +33,9 @@ def memory_split(engine: LLMEngine) -> dict[str, int]:
     """Device bytes by use: non-expert weights, routed experts on the device (all of them when
     resident, the cache slots when offloading), KV cache; and experts kept in host RAM."""
     model = engine.runner.model
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    device = engine.device
+    # a token-embedding table kept in host RAM (offloaded plans) is not device memory
+    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device.type)
     kv = 0
     for attn in model.attention_layers():
         for t in (attn.k_cache, attn.v_cache):

@@ -57,8 +57,10 @@ def build_model(
     seed: int = 0,
     progress: bool = False,
     store_factory: Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore] | None = None,
+    host_embedding: bool = False,
 ) -> LoadedModel:
-    """store_factory: where routed experts live (experts/placement.py); default: on `device`."""
+    """store_factory: where routed experts live (experts/placement.py); default: on `device`.
+    host_embedding: keep the token-embedding table in host RAM (an offloaded plan's choice)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     hf, folder = resolve_hf_config(model, load_format)
@@ -66,7 +68,7 @@ def build_model(
     arch = get_architecture(cfg.model_type)
     torch_dtype = resolve_dtype(dtype, cfg)
     positions = max_positions or cfg.max_position_embeddings
-    net = _instantiate(cfg, torch_dtype, device, positions)
+    net = _instantiate(cfg, torch_dtype, device, positions, host_embedding and not cfg.tie_word_embeddings)
     store = (store_factory or ExpertStore)(cfg, torch_dtype, device)
     source: TensorSource
     if load_format == "dummy":
@@ -78,8 +80,10 @@ def build_model(
     return LoadedModel(cfg, net.eval(), store, folder)
 
 
-def _instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, positions: int) -> MoETransformer:
-    """Build on the meta device (no init cost), then allocate uninitialised storage on `device`."""
+def _instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, positions: int,
+                 host_embedding: bool = False) -> MoETransformer:
+    """Build on the meta device (no init cost), then allocate uninitialised storage on `device`
+    (the token-embedding table in host RAM with host_embedding: it never touches the device)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -87,7 +91,12 @@ def _instantiate(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, pos
             net = MoETransformer(cfg, positions)
     finally:
         torch.set_default_dtype(previous)
+    table = net.embed_tokens if host_embedding else None
+    if table is not None:
+        net.embed_tokens = None  # type: ignore[assignment]  # left out of the device move
     net = net.to_empty(device=device)
+    if table is not None:
+        net.embed_tokens = table.to_empty(device="cpu")
     if cfg.tie_word_embeddings:  # to_empty unties shared parameters
         net.lm_head.weight = net.embed_tokens.weight
     net.rotary.build(device)
