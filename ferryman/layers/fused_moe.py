@@ -3,15 +3,16 @@
     out[t] = sum_k topk_w[t, k] * expert_{topk_ids[t, k]}(x[t])
     expert(x) = act(x @ W13^T + b13) @ W2^T + b2
 
-`topk_ids` are slot ids into the banks (the caller maps expert ids to slots). Two backends:
-- torch reference (CPU, prefill, or no Triton): experts one at a time, ascending id, each
-  dequantised alone and dropped after use; the order of casts follows transformers'
-  GptOssExperts / Qwen3MoeExperts (compute in x.dtype, product with the weight, then index_add).
+`topk_ids` are slot ids into the banks (the caller maps expert ids to slots). Backends:
+- torch reference (CPU, or CUDA prefill with FERRYMAN_MOE_PREFILL=reference): experts one at a
+  time, ascending id, each dequantised alone and dropped after use; the order of casts follows
+  transformers' GptOssExperts / Qwen3MoeExperts (compute in x.dtype, product with the weight, then
+  index_add).
 - Triton decode (CUDA, T*K <= DECODE_MAX_PAIRS): ferryman/layers/fused_moe_triton.py.
-- Triton grouped GEMM for larger batches on CUDA when FERRYMAN_MOE_PREFILL=grouped
-  (ferryman/layers/grouped_moe_triton.py: two launches per layer instead of ~15 per expert).
-- groups of experts through padded torch.bmm on CUDA when FERRYMAN_MOE_PREFILL=batched
-  (ferryman/layers/batched_moe.py: the reference's launches shared by 4 experts).
+- groups of experts through padded torch.bmm, the CUDA prefill default (FERRYMAN_MOE_PREFILL=
+  batched; ferryman/layers/batched_moe.py: 8 experts per group, the reference's per-token order).
+- Triton grouped GEMM on CUDA when FERRYMAN_MOE_PREFILL=grouped (ferryman/layers/grouped_moe_triton.py:
+  two launches per layer; measured slower than the reference in session 8).
 FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 """
 
