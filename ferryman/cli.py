@@ -26,6 +26,9 @@ def _plan_flags(g: argparse._ArgumentGroup) -> None:
                         "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache storage: auto (the model's dtype) or fp8 (e4m3, half the bytes: more context "
+                        "or more expert slots in the same budget; needs compute capability >= 8.9 on CUDA)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -59,7 +62,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 enforce_eager=a.enforce_eager, seed=a.seed_weights, progress=sys.stderr.isatty(),
                 gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache,
-                cpu_experts=a.cpu_experts, calibration=a.calibration)
+                cpu_experts=a.cpu_experts, calibration=a.calibration, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def _env_help() -> str:
@@ -241,7 +244,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     model = a.model or default_model()
     ecfg = EngineConfig(model=model, device="auto", dtype=a.dtype, max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                        gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache)
+                        gpu_memory=a.gpu_memory, moe_strategy=a.moe_strategy, expert_cache=a.expert_cache,
+                        kv_cache_dtype=a.kv_cache_dtype)
     cfg = ModelConfig.from_hf(resolve_hf_config(model, "dummy")[0])
     ctx = cfg.max_position_embeddings
     max_len = min(ctx, 32768) if a.max_model_len is None else a.max_model_len

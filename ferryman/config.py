@@ -217,6 +217,24 @@ def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The KV cache's storage dtype: the model's (auto) or float8 e4m3 (fp8: values saturate at
+    +-448, no scale, as vLLM's fp8 KV without calibration). fp8 on CUDA needs compute capability
+    8.9 or newer (the kernels convert with the hardware's e4m3 instructions)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"kv_cache_dtype fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper or newer); "
+                          f"this one is {major}.{minor}: use kv_cache_dtype auto")
+    return torch.float8_e4m3fn
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` and the CLI flags set. Validated once, here."""
@@ -246,6 +264,9 @@ class EngineConfig:
     # ~/.cache/ferryman/calibration-<fingerprint>.json, written by `ferryman bench bw`)
     cpu_experts: str = "off"
     calibration: str | None = None
+    # KV cache storage: auto (the model's dtype) | fp8 (e4m3, half of bf16's bytes; the attention
+    # reads it back in the model's dtype). See `kv_dtype`.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
@@ -272,6 +293,8 @@ class EngineConfig:
             parse_expert_cache(self.expert_cache)
         if self.cpu_experts not in ("off", "auto", "on"):
             raise ConfigError(f"cpu_experts must be one of off, auto, on, got {self.cpu_experts!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
 
     def torch_device(self) -> torch.device:
         """The device, with an index on CUDA (some torch.cuda calls refuse a bare 'cuda')."""

@@ -162,6 +162,11 @@ class PlanRequest:
     kv_cache_tokens: int | None = None
     strategy: str = "auto"
     expert_cache: float | int | None = None
+    kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
+
+    @property
+    def kv_per_token(self) -> int:
+        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype)
 
     @property
     def total_experts(self) -> int:
@@ -240,7 +245,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     per_slot = slot_bytes(cfg, req.dtype) if total else 0
     if req.budget is None:
         return _unlimited_plan(req, weights, act, per_slot)
-    per_token = kv_bytes_per_token(cfg, req.dtype)
+    per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token
     strategy = _strategy(req, rest, per_slot)
@@ -281,7 +286,7 @@ def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
         if req.budget is None or plan.strategy == "resident":
             return plan
         free = req.budget - plan.weights_bytes - plan.activation_bytes
-        if trial.kv_floor_tokens * kv_bytes_per_token(req.cfg, req.dtype) <= free // 2 or n == AUTO_NUM_SEQS[-1]:
+        if trial.kv_floor_tokens * req.kv_per_token <= free // 2 or n == AUTO_NUM_SEQS[-1]:
             return plan
     assert last_error is not None  # every trial raised: report the smallest one's shortfall
     raise last_error
@@ -323,6 +328,8 @@ def describe_plan(plan: MemoryPlan) -> str:
     g = lambda n: f"{n / GiB:8.2f} GiB"  # noqa: E731
     kv = (f"{plan.kv_tokens} tokens (floor {r.kv_floor_tokens})" if plan.kv_tokens is not None
           else "sized by the engine (no budget)")
+    if r.kv_dtype is not None and r.kv_dtype != r.dtype:
+        kv += f", stored as {str(r.kv_dtype).removeprefix('torch.')}"
     rows = [
         ("model", f"{cfg.model_type}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, top-{cfg.top_k}, "
                   f"{cfg.expert_format}, {plan.slot_bytes / MiB:.2f} MiB per expert"),

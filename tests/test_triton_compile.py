@@ -33,3 +33,37 @@ def test_mxfp4_dequant_kernel_compiles_for_sm90_with_vector_memory_ops(out: str,
         raise
     assert "ld.global.v4.b32" in ptx  # 16 packed bytes at once
     assert "st.global.v4.b32" in ptx and "st.global.b16" not in ptx and "st.global.b32 " not in ptx
+
+
+def _compile_or_skip(qualname: str, sig: dict[str, str], constexprs: dict, stage: str = "ttgir") -> str:
+    from triton_compile_check import compile_check
+
+    try:
+        return compile_check(qualname, sig, constexprs, stage=stage)
+    except (ImportError, RuntimeError) as e:  # no NVIDIA backend in this triton build
+        if "backend" in str(e).lower():
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_kv_write_and_attention_kernels_compile_for_sm90(cache: str) -> None:
+    """The paged-attention kernels with a bf16 cache and with the fp8 (e4m3) one
+    (kv_cache_dtype fp8): stores convert to e4m3, loads convert back to q's dtype."""
+    strides = lambda *names: {n: "i64" for n in names}  # noqa: E731
+    write_sig = {"k": "*bf16", "v": "*bf16", "k_cache": f"*{cache}", "v_cache": f"*{cache}", "slot_mapping": "*i64",
+                 **strides("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kcn", "stride_kcs",
+                           "stride_kch", "stride_vcn", "stride_vcs", "stride_vch")}
+    ptx = _compile_or_skip("ferryman.layers.paged_attention_triton:_write_kv_kernel", write_sig,
+                           {"NUM_KV_HEADS": 8, "H_PAD": 8, "HEAD_DIM": 64, "D_PAD": 64, "BLOCK_SIZE": 16}, stage="ptx")
+    assert "st.global" in ptx and (cache != "fp8e4nv" or "cvt.rn.satfinite.e4m3x2" in ptx)  # saturating
+    attn_sig = {"out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32", "q": "*bf16", "k_cache": f"*{cache}",
+                "v_cache": f"*{cache}", "sinks": "*fp32", "query_start_loc": "*i32", "seq_lens": "*i32",
+                "block_tables": "*i32", "num_seqs": "i32", "num_tokens": "i32", "num_q_heads": "i32",
+                "scale_log2": "fp32", "window": "i32",
+                **strides("stride_qt", "stride_qh", "stride_kn", "stride_ks", "stride_kh", "stride_vn", "stride_vs",
+                          "stride_vh", "stride_ot", "stride_oh", "stride_bt")}
+    cx = {"G": 8, "G_PAD": 8, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "D_PAD": 64, "BLOCK_SIZE": 16,
+          "NUM_SPLITS": 1, "USE_WINDOW": True, "USE_SINKS": True, "DOT_PRECISION": "tf32", "INTERPRET": False}
+    ptx = _compile_or_skip("ferryman.layers.paged_attention_triton:_paged_attn_kernel", attn_sig, cx, stage="ptx")
+    assert "mma" in ptx and (cache != "fp8e4nv" or "cvt.rn.f16x2.e4m3x2" in ptx)  # e4m3 read back

@@ -53,7 +53,7 @@ for s in "${@:-tests decode kernels}"; do
       gtests)  stage gpu_tests_offload 200 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  tests/test_mxfp4.py tests/test_offload_identity.py tests/test_segment_graphs.py tests/test_hf_parity.py \
                  tests/test_prefill_stream.py tests/test_fused_moe.py tests/test_hybrid.py tests/test_batched_moe.py \
-                 tests/test_host_embedding.py ;;
+                 tests/test_host_embedding.py tests/test_kv_fp8.py ;;
       grouped) stage gpu_grouped 120 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 "$BIG_GROUPED" ;;
       decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
                  --profile 64

@@ -57,8 +57,9 @@ class LLMEngine:
                              store_factory=store_factory(self.plan, self.device),
                              host_embedding=self.plan.host_embedding and self.device.type == "cuda")
         self.tokenizer = load_tokenizer(loaded.folder)
-        dtype = next(loaded.model.parameters()).dtype
-        num_blocks = self._num_blocks(dtype)
+        # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
+        kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
+        num_blocks = self._num_blocks(kv)
         eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -74,7 +75,8 @@ class LLMEngine:
         graphs = not (ecfg.enforce_eager or envs.DISABLE_CUDA_GRAPHS)
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
-                                  expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration))
+                                  expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration),
+                                  kv_dtype=kv)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped

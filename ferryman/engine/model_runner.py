@@ -45,6 +45,7 @@ class ModelRunner:
         use_cuda_graphs: bool,
         plan: MemoryPlan | None = None,
         expert_options: dict[str, Any] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -55,11 +56,12 @@ class ModelRunner:
                                     **(expert_options or {}))
         for block in self.model.moe_blocks():
             block.experts = self.experts
-        # k_cache, v_cache per layer: [N, S, Hkv, D]
+        # k_cache, v_cache per layer: [N, S, Hkv, D], in the model's dtype or fp8 (kv_cache_dtype)
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_dtype = kv_dtype or self.dtype
         for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.sampler = Sampler()
         # Optional hook between logits and sampling (the server's grammar masks):
         # (logits [B_s, V] fp32, sampling seqs) -> logits [B_s, V]. Runs in the engine thread.

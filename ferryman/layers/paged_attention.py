@@ -29,6 +29,10 @@ __all__ = [
     "paged_attention_reference",
 ]
 
+# the fp8 KV cache's storage (kv_cache_dtype fp8): written with a saturating cast, read back into
+# q's dtype (Triton) or fp32 (the reference)
+FP8_KV = torch.float8_e4m3fn
+
 # the reference materialises [Hq, chunk, L] fp32 scores; this bounds chunk * L * Hq
 _REF_MAX_SCORE_ELEMS = 1 << 25
 
@@ -82,8 +86,8 @@ def _check_attn_inputs(
         raise ValueError(f"q head_dim {head_dim} != k_cache head_dim {k_cache.shape[3]}")
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != kv cache dtype {k_cache.dtype}")
+    if k_cache.dtype not in (q.dtype, FP8_KV):
+        raise ValueError(f"kv cache dtype {k_cache.dtype} must be q's ({q.dtype}) or {FP8_KV}")
     num_seqs = meta.seq_lens.shape[0]
     if meta.query_start_loc.shape != (num_seqs + 1,):
         raise ValueError(f"query_start_loc must be [B+1={num_seqs + 1}], got {tuple(meta.query_start_loc.shape)}")

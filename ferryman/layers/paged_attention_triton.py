@@ -63,6 +63,7 @@ def _attend_block(
     slot_off = kv_pos % BLOCK_SIZE
     k_off = block * stride_kn + slot_off * stride_ks
     k_t = tl.load(k_head + k_off[None, :] + dims[:, None], mask=kv_ok[None, :] & dim_ok[:, None], other=0.0)
+    k_t = k_t.to(q_tile.dtype)  # an fp8 cache is read back in q's dtype (a no-op otherwise)
     s = tl.dot(q_tile, k_t, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
     if (start < full_lo) | (start >= full_hi):
         visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
@@ -76,6 +77,7 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = block * stride_vn + slot_off * stride_vs
     v_tile = tl.load(v_head + v_off[:, None] + dims[None, :], mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)
+    v_tile = v_tile.to(q_tile.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
