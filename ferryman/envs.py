@@ -134,6 +134,11 @@ class Envs:
         "FERRYMAN_SEGMENT_GRAPHS", bool, True,
         "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
     )
+    PREFILL_LOOKAHEAD = EnvVar(
+        "FERRYMAN_PREFILL_LOOKAHEAD", int, 1,
+        "offloaded experts, prefill streaming: how many layers ahead a chunk's experts start copying "
+        "(1: the next layer; 2: also the one after, so the link never waits for the host; not yet measured)",
+    )
     HOST_EMBEDDING = EnvVar(
         "FERRYMAN_HOST_EMBEDDING", bool, True,
         "offloaded experts: keep the token-embedding table in host RAM (a row gather + copy per step), "

@@ -162,3 +162,30 @@ def test_registry_and_bad_arguments() -> None:
     with pytest.raises(ValueError, match="half_life"):
         LRFUPolicy(half_life=0)
     assert math.isclose(LRFUPolicy(4.0).half_life, 4.0)
+
+
+def test_prefetched_keys_queue_behind_demoted_ones_under_lrfu() -> None:
+    """A prefill stream's demoted keys go before keys prefetched for a later layer (lookahead 2)."""
+    p = make_policy("lrfu")
+    p.reference([1, 2])
+    p.insert_prefetched(5)  # prefetched for layer L+1
+    p.insert_unreferenced(7)  # demoted after layer L-1
+    p.insert_prefetched(6)  # prefetched for layer L+2
+    assert _drain(p) == [7, 5, 6, 1, 2]
+
+
+def test_lru_treats_prefetched_as_unreferenced() -> None:
+    p = make_policy("lru")
+    p.reference([1])
+    p.insert_prefetched(5)
+    assert _drain(p) == [5, 1]
+
+
+def test_demoted_victim_is_only_a_demoted_key() -> None:
+    p = make_policy("lrfu")
+    p.reference([1])
+    p.insert_prefetched(5)
+    assert p.demoted_victim(NONE_PINNED) is None  # 5 is wanted by a later layer, 1 was used
+    p.insert_unreferenced(7)
+    assert p.demoted_victim(NONE_PINNED) == 7 and p.demoted_victim(lambda k: k == 7) is None
+    assert make_policy("lru").demoted_victim(NONE_PINNED) is None

@@ -14,7 +14,9 @@
 #   qwen3 with CPU-computed misses); offload (all three); diag (tools/diag_offload.py:
 #   where offloaded decode and prefill time goes); diagpre (prefill profiles: reference, batched groups of
 #   4 and 16, 120b); hybrid (the hybrid GPU tests); dequant
-#   (bench_dequant.py); qtests (the prefill MoE GPU tests); uva (kernel reads of pinned host memory, and
+#   (bench_dequant.py); qtests (the prefill MoE GPU tests); lookab (120b prefill, lookahead 1 vs 2);
+#   lateab (decode with and without late prefetch, in one call); embab (20b, embedding table on the
+#   device vs in host RAM); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -104,6 +106,17 @@ for s in "${@:-tests decode kernels}"; do
                stage diagpre20_b4 100 env FERRYMAN_MOE_PREFILL=batched $d
                stage diagpre20_b16 100 env FERRYMAN_MOE_PREFILL=batched FERRYMAN_MOE_PREFILL_GROUP=16 $d
                stage diagpre120_b4 150 env FERRYMAN_MOE_PREFILL=batched $d --model gpt-oss-120b --budget 16GiB ;;
+      lookab)  pre="python3 benchmarks/bench_offload.py --decode-tokens 8 --ttft-prompt 4096 --target gpt-oss-120b:16GiB"
+               stage look120_1 150 env FERRYMAN_PREFILL_LOOKAHEAD=1 $pre --json "$OUT/look120_1.json"
+               stage look120_2 150 env FERRYMAN_PREFILL_LOOKAHEAD=2 $pre --json "$OUT/look120_2.json" ;;
+      lateab)  d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0"
+               stage late20_off 90 $d --target gpt-oss-20b:8GiB --json "$OUT/late20_off.json"
+               stage late20_on 90 $d --target gpt-oss-20b:8GiB --decode-prefetch late --json "$OUT/late20_on.json"
+               stage late120_off 120 $d --target gpt-oss-120b:16GiB --json "$OUT/late120_off.json"
+               stage late120_on 120 $d --target gpt-oss-120b:16GiB --decode-prefetch late --json "$OUT/late120_on.json" ;;
+      embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
+               stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
+               stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
       dequant) stage dequant 60 python3 benchmarks/bench_dequant.py ;;
       qtests)  stage gpu_tests_prefill 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  tests/test_mxfp4.py tests/test_batched_moe.py tests/test_fused_moe.py tests/test_prefill_stream.py ;;
@@ -134,7 +147,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done

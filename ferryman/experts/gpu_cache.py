@@ -77,9 +77,10 @@ class SlotTable:
         self.policy.reference(keys)
         return look
 
-    def admit(self, keys: list[int]) -> Lookup:
+    def admit(self, keys: list[int], demoted_only: bool = False) -> Lookup:
         """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
-        free or evictable; a key admitted here is not evicted by a later key of the same call."""
+        free or evictable (demoted_only: free, or holding a demoted key); a key admitted here is not
+        evicted by a later key of the same call."""
         look = Lookup(slots=[])
         taken: list[int] = []
         for k in keys:
@@ -87,8 +88,14 @@ class SlotTable:
                 continue
             if self.available() == 0:
                 break
-            self._fill(k, look)
-            self.policy.insert_unreferenced(k)
+            if demoted_only and not self.free:
+                victim = self.policy.demoted_victim(self.is_pinned)
+                if victim is None:
+                    break
+                self._fill(k, look, victim)
+            else:
+                self._fill(k, look)
+            self.policy.insert_prefetched(k)
             self._pin(self.slot_of[k])
             taken.append(k)
         look.slots = [self.slot_of[k] for k in taken]
@@ -107,11 +114,11 @@ class SlotTable:
         self.num_pinned += int(self.pins[slot] == 0)
         self.pins[slot] += 1
 
-    def _fill(self, key: int, look: Lookup) -> None:
+    def _fill(self, key: int, look: Lookup, victim: int | None = None) -> None:
         if self.free:
             slot = heapq.heappop(self.free)
         else:
-            victim = self.policy.victim(self.is_pinned)
+            victim = self.policy.victim(self.is_pinned) if victim is None else victim
             if victim is None:  # acquire/admit checked available() first
                 raise RuntimeError("expert cache: every slot is pinned")
             slot = self.slot_of.pop(victim)
@@ -269,10 +276,12 @@ class ExpertCache:
         self.last_fetched = []
         return len(demoted)
 
-    def prefetch(self, layer: int, experts: list[int]) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], depth: int = 1) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there
-        are such slots); returns the experts whose copies started."""
-        look = self.table.admit([self.key(layer, e) for e in experts])
+        are such slots); returns the experts whose copies started. depth > 1 (a prefill stream's
+        lookahead past the next layer) takes only free slots and demoted experts' slots: it never
+        evicts what the layers before it still need."""
+        look = self.table.admit([self.key(layer, e) for e in experts], demoted_only=depth > 1)
         self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
         self.prefetched.update(k for k, _ in look.filled)
         self._fetch(layer, look, demand=False)

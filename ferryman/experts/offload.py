@@ -6,7 +6,9 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 2. `ExpertCache.acquire` pins the union, copies the misses in, and orders the kernels after
    the copies; hits are used in place, never fetched again;
 3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
-   streaming, experts/prefetch.py), behind this layer's misses on the copy stream;
+   streaming, experts/prefetch.py), behind this layer's misses on the copy stream; a streaming
+   chunk with FERRYMAN_PREFILL_LOOKAHEAD=2 also queues the layer after, into free or demoted
+   slots only (it never evicts what the next layer was given);
 4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
    (strided banks when the pool is expert-major: its kernels read either layout);
 5. `release` unpins: later copies into those slots wait for the kernels that read them;
@@ -24,6 +26,8 @@ thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H]
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ferryman.experts.cpu_compute import CPUExperts
@@ -31,13 +35,23 @@ from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.errors import ConfigError
+
+Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K] on the device)
+Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host, ascending
+MAX_LOOKAHEAD = 4
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
 
 class OffloadExperts:
     def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None,
-                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None, zero_copy: bool = False) -> None:
+                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None, zero_copy: bool = False,
+                 lookahead: int | None = None) -> None:
         self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
+        # prefill streaming: a chunk's experts start copying this many MoE layers ahead
+        self.lookahead = _lookahead() if lookahead is None else lookahead
+        if not 1 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ConfigError(f"prefill lookahead (FERRYMAN_PREFILL_LOOKAHEAD) must be 1..{MAX_LOOKAHEAD} layers, "
+                              f"got {self.lookahead}")
         # zero_copy: decode-sized calls read every expert where it is (slot or pinned host row) in
         # the kernel, with no host sync, so whole decode steps are graph-safe; otherwise the slot
         # table lives on the host and each MoE layer syncs once
@@ -71,18 +85,19 @@ class OffloadExperts:
         self._last_layer = layer
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         self._take_late_guess(layer)  # its copies start before this layer's sync
-        guess = self._guess(layer, x, streaming)
-        used, guessed, host_ids = _host_ids(topk_ids, None if guess is None else guess[1])
+        guesses = self._guesses(layer, x, streaming)
+        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
+        prefetches = list(zip(guesses, guessed))
         if self.guesser is not None:
             self.guesser.score(layer, used)
         if self.hybrid is not None and self.hybrid.applies(x.shape[0], streaming):
             self.hybrid.history.use([(layer, e) for e in used])
-            return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, guess, guessed)
+            return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, prefetches)
         if len(used) <= self.cache.available():
-            out = self._compute(layer, x, host_ids, topk_w, used, guess, guessed, streaming)
+            out = self._compute(layer, x, host_ids, topk_w, used, prefetches, streaming)
         else:
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
-            self._prefetch(guess, guessed, streaming)
+            self._prefetch(prefetches, streaming)
         return out
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -139,28 +154,37 @@ class OffloadExperts:
         _, ids, done = pending
         if done is not None:
             done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
-        self._prefetch((layer, ids), sorted(set(ids.reshape(-1).tolist())), False)
+        self._prefetch([((layer, ids), sorted(set(ids.reshape(-1).tolist())))], False)
 
-    def _guess(self, layer: int, x: torch.Tensor, streaming: bool) -> tuple[int, torch.Tensor] | None:
+    def _guesses(self, layer: int, x: torch.Tensor, streaming: bool) -> list[Guess]:
+        """The next layer's guess when prefetch applies, and for a streaming chunk the layers up to
+        `lookahead` ahead (their copies queue behind the next layer's)."""
         if not self.prefetch_enabled or self.guesser is None or (self.late_guess and not streaming):
-            return None
+            return []
         nxt = self.guesser.next_of.get(layer)
         if nxt is None or not self.guesser.wants_prefetch(nxt, streaming):
-            return None  # no router launch, nothing more to read back
-        return self.guesser.guess(layer, x)
+            return []  # no router launch, nothing more to read back
+        first = self.guesser.guess(layer, x)
+        out = [first] if first is not None else []
+        for depth in range(2, self.lookahead + 1 if streaming else 2):
+            ahead = self.guesser.guess_ahead(layer, x, depth)
+            if ahead is None:
+                break
+            out.append(ahead)
+        return out
 
-    def _prefetch(self, guess: tuple[int, torch.Tensor] | None, guessed: list[int], streaming: bool) -> None:
-        if guess is None or self.guesser is None:
+    def _prefetch(self, prefetches: list[Prefetch], streaming: bool) -> None:
+        if self.guesser is None:
             return
-        fetched = self.cache.prefetch(guess[0], guessed)
-        self.guesser.remember(guess[0], guessed, fetched, streaming)
+        for depth, ((target, _), guessed) in enumerate(prefetches, start=1):  # in layer order
+            fetched = self.cache.prefetch(target, guessed, depth)
+            self.guesser.remember(target, guessed, fetched, streaming)
 
     def _compute(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
-                 used: list[int], guess: tuple[int, torch.Tensor] | None, guessed: list[int],
-                 streaming: bool) -> torch.Tensor:
+                 used: list[int], prefetches: list[Prefetch], streaming: bool) -> torch.Tensor:
         slots = self.cache.acquire(layer, used)
-        # the guess's copies queue behind this layer's misses and overlap its kernels
-        self._prefetch(guess, guessed, streaming)
+        # the guesses' copies queue behind this layer's misses and overlap its kernels
+        self._prefetch(prefetches, streaming)
         dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
         out = fused_moe(self.fmt, self.cache.banks, x, dev_ids, topk_w, self.act, host_ids=host_slots)
         self.cache.release(layer, used, slots)
@@ -169,21 +193,20 @@ class OffloadExperts:
         return out
 
     def _compute_hybrid(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                        host_ids: torch.Tensor, used: list[int], guess: tuple[int, torch.Tensor] | None,
-                        guessed: list[int]) -> torch.Tensor:
+                        host_ids: torch.Tensor, used: list[int], prefetches: list[Prefetch]) -> torch.Tensor:
         assert self.hybrid is not None and self.cpu is not None  # applies() implies both
         misses = [e for e in used if not self.cache.contains(layer, e)]
         # hits are cached and not in use between layers, so room >= 0
         room = self.cache.available() - (len(used) - len(misses))
         _, on_cpu = self.hybrid.split(layer, misses, room)  # the fetched ones are fetched by acquire
         if not on_cpu:
-            return self._compute(layer, x, host_ids, topk_w, used, guess, guessed, False)
+            return self._compute(layer, x, host_ids, topk_w, used, prefetches, False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
         cpu_set = set(on_cpu)
         here = [e for e in used if e not in cpu_set]
         if here:
             slots = self.cache.acquire(layer, here)
-            self._prefetch(guess, guessed, False)
+            self._prefetch(prefetches, False)
             # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
             # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
             # keeps its [T, K] shape and per-token summation order.
@@ -194,7 +217,7 @@ class OffloadExperts:
             out = fused_moe(self.fmt, self.cache.banks, x, ids, w, self.act)
             self.cache.release(layer, here, slots)
         else:
-            self._prefetch(guess, guessed, False)
+            self._prefetch(prefetches, False)
             out = torch.zeros_like(x)  # [T, H]
         return out + self.cpu.result(job).to(x.device, non_blocking=True)
 
@@ -258,17 +281,23 @@ def _check_zero_copy(cache: ExpertCache, hybrid: HybridSplit | None) -> None:
         raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) and --cpu-experts are exclusive; pick one")
 
 
-def _host_ids(topk_ids: torch.Tensor, guess_ids: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor]:
-    """Distinct expert ids used, and guessed, ascending, and topk_ids on the host: one device -> host
-    copy for all."""
-    flat = topk_ids.reshape(-1)
-    if guess_ids is not None:
-        flat = torch.cat((flat, guess_ids.reshape(-1).to(flat.dtype)))
-    host = flat.cpu()
-    n = topk_ids.numel()
+def _host_ids(topk_ids: torch.Tensor,
+              guesses: list[torch.Tensor]) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """Distinct expert ids used, and of each guess, ascending, and topk_ids on the host: one device
+    -> host copy for all."""
+    parts = [topk_ids.reshape(-1), *(g.reshape(-1).to(topk_ids.dtype) for g in guesses)]
+    host = (torch.cat(parts) if guesses else parts[0]).cpu()
+    bounds = [0, *itertools.accumulate(p.numel() for p in parts)]
     if host.numel() <= 512:  # decode-sized: Python sets beat tensor ops on a few ids
         values = host.tolist()
-        used, guessed = sorted(set(values[:n])), sorted(set(values[n:]))
+        distinct = [sorted(set(values[a:b])) for a, b in zip(bounds, bounds[1:])]
     else:
-        used, guessed = torch.unique(host[:n]).tolist(), torch.unique(host[n:]).tolist()
-    return used, guessed if guess_ids is not None else [], host[:n].view(topk_ids.shape)
+        distinct = [torch.unique(host[a:b]).tolist() for a, b in zip(bounds, bounds[1:])]
+    n = topk_ids.numel()
+    return distinct[0], distinct[1:], host[:n].view(topk_ids.shape)
+
+
+def _lookahead() -> int:
+    from ferryman.envs import envs
+
+    return envs.PREFILL_LOOKAHEAD

@@ -14,7 +14,10 @@ victims, passing the keys it must skip (pinned: in use by the current layer step
   kept (the key space, layers x experts, is small).
 
 Prefetched keys (brought in on a guess, not yet referenced) enter at the eviction end: a wrong
-guess is the first thing to go, a right one is referenced when its layer runs.
+guess is the first thing to go, a right one is referenced when its layer runs. Under lrfu they
+queue behind keys demoted by a prefill stream (`insert_unreferenced`), so a prefetch made two
+layers ahead (FERRYMAN_PREFILL_LOOKAHEAD=2) evicts the experts a chunk has finished with, not the
+ones prefetched for the next layer.
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ class ReplacementPolicy(ABC):
     def insert_unreferenced(self, key: int) -> None:
         """`key` was cached without being used (prefetch), or is a prefill stream's use-once
         expert (already cached): first in line for eviction."""
+
+    def insert_prefetched(self, key: int) -> None:
+        """`key` was copied in on a guess: evicted early, but after demoted keys where the policy
+        can tell them apart (lrfu; lru puts both first in line)."""
+        self.insert_unreferenced(key)
+
+    def demoted_victim(self, pinned: Pinned) -> int | None:
+        """A victim among demoted keys only (a prefill stream's finished experts), or None: what a
+        prefetch several layers ahead may take without evicting anything still wanted. Policies
+        that do not tell demoted keys apart (lru) have none."""
+        return None
 
     @abstractmethod
     def remove(self, key: int) -> None:
@@ -123,6 +137,13 @@ class LRFUPolicy(ReplacementPolicy):
     def insert_unreferenced(self, key: int) -> None:
         self._push(key, -math.inf)  # its history (crf, last) is kept for when it is referenced
 
+    def insert_prefetched(self, key: int) -> None:
+        self._push(key, _PREFETCHED)  # after every demoted key (-inf), before every referenced one
+
+    def demoted_victim(self, pinned: Pinned) -> int | None:
+        found = self.victim(pinned)
+        return found if found is not None and self.prio.get(found) == -math.inf else None
+
     def remove(self, key: int) -> None:
         # Only the heap membership goes: the history stays, so an expert evicted by a burst of
         # one-time keys comes back with its frequency (without it, a pool smaller than a step's
@@ -147,6 +168,10 @@ class LRFUPolicy(ReplacementPolicy):
     def __len__(self) -> int:
         return len(self.prio)
 
+
+# an unreferenced prefetched key's lrfu priority: above -inf (demoted), below any referenced key's
+# log2(crf) + now / half_life (>= 0)
+_PREFETCHED = -1e300
 
 POLICIES: dict[str, Callable[[], ReplacementPolicy]] = {"lru": LRUPolicy, "lrfu": LRFUPolicy}
 # benchmarks/bench_cache_policies.py, demo model held-out routing replayed as decode, one pool:

@@ -73,6 +73,16 @@ class NextLayerGuesser:
         logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
         return nxt, torch.topk(logits, self.top_k, dim=-1).indices
 
+    def guess_ahead(self, layer: int, x: torch.Tensor, depth: int) -> tuple[int, torch.Tensor] | None:
+        """(the MoE layer `depth` after `layer`, guessed ids [T, K]) from layer `layer`'s MoE input:
+        that layer's router on x. For a prefill chunk the union is about every expert anyway."""
+        target: int | None = layer
+        for _ in range(depth):
+            target = self.next_of.get(target) if target is not None else None
+        if target is None:
+            return None
+        return target, torch.topk(self.gates[target](x), self.top_k, dim=-1).indices
+
     def guess_residual(self, layer: int, residual: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """Late guess: (next MoE layer, ids [T, K]) from the residual stream [T, H] after layer
         `layer`'s MoE: the next router on its own norm of it (the next attention's part missing)."""
