@@ -144,6 +144,11 @@ class Envs:
         "offloaded experts: keep the token-embedding table in host RAM (a row gather + copy per step), "
         "its GPU bytes going to expert slots",
     )
+    MOE_GRAPHS = EnvVar(
+        "FERRYMAN_MOE_GRAPHS", bool, True,
+        "offloaded experts, layer-graph decode: run each layer's MoE kernel as a CUDA graph on static slot ids "
+        "(0: eagerly between the segment graphs, as before; not yet measured on a GPU)",
+    )
     DECODE_PREFETCH = EnvVar(
         "FERRYMAN_DECODE_PREFETCH", str, "off",
         "offloaded experts, decode: copy the next layer's guessed experts ahead. early = the next router on "

@@ -39,10 +39,57 @@ def test_segments_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
                                           capture=False)
     calls = _count_runs(seg)
+    moe_runs = _count_moe(seg)
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: per-layer decode differs from resident"
     assert calls[0] >= 11  # every decode step went through the segments
+    # MoE layers ran their (here: eager) MoE graph function on slot ids, except in steps with more
+    # (token, k) pairs than the 25% cache has slots (those run in rounds, eagerly)
+    assert 0 < moe_runs[0] <= calls[0] * len(seg.moe)
     st = offload.stats()["experts"]
     assert st["misses"] > 0 and st["hits"] > 0
+
+
+def _count_moe(seg: SegmentedDecode) -> list[int]:
+    calls = [0]
+    moe = seg._moe
+
+    def counted(i, bs):  # noqa: ANN001, ANN202
+        calls[0] += 1
+        return moe(i, bs)
+
+    seg._moe = counted  # type: ignore[method-assign]
+    return calls
+
+
+def test_moe_graphs_can_be_turned_off(tiny: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    arch, folder = tiny
+    monkeypatch.setenv("FERRYMAN_MOE_GRAPHS", "0")
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
+    runner = offload.engine.runner
+    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
+                                          capture=False)
+    moe_runs = _count_moe(seg)
+    greedy_ids(offload, PROMPTS[:1], 4)
+    assert moe_runs[0] == 0 and not any(key[0] == "moe" for key in seg._functions(1))
+
+
+def test_rebound_backend_runs_its_moe_eagerly(tiny: tuple[str, Path]) -> None:
+    """A backend bound after the graphs were captured (rebind_offload) has other slot banks than
+    the captured MoE graphs read: those steps run the MoE eagerly, with the same tokens."""
+    from ferryman.experts.placement import rebind_offload
+
+    arch, folder = tiny
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
+    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 8)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
+    runner = offload.engine.runner
+    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
+                                          capture=False)
+    rebind_offload(runner, policy="lru")
+    moe_runs = _count_moe(seg)
+    assert greedy_ids(offload, PROMPTS, 8) == want, f"{arch}: eager MoE after a rebind differs"
+    assert moe_runs[0] == 0
 
 
 def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Path],
@@ -57,11 +104,14 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
     runner = offload.engine.runner
     assert runner.experts.late_guess
-    runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device, capture=False)
+    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
+                                          capture=False)
+    moe_runs = _count_moe(seg)  # the late guess needs the eager MoE
     early = []
     guess = runner.experts.guesser.guess
     runner.experts.guesser.guess = lambda layer, x: early.append(x.shape[0]) or guess(layer, x)  # type: ignore[method-assign]
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: late prefetch changed the tokens"
+    assert moe_runs[0] == 0
     st = offload.stats()["experts"]
     assert st["prefetch_fetched"] > 0 and st["guess_recall"] is not None
     assert all(0 <= g["recall"] <= 1 for g in st["per_layer_guess"].values() if g["recall"] is not None)
@@ -78,6 +128,7 @@ def test_cuda_layer_graphs_equal_resident_and_are_used(tiny: tuple[str, Path]) -
     assert offload.stats()["cuda_graph_mode"] == "layer"
     seg = offload.engine.runner.graphs
     assert isinstance(seg, SegmentedDecode) and sorted(seg.graphs) == [1, 2, 4]
+    assert all(("moe", i) in seg.graphs[bs] for i in seg.moe for bs in (1, 2, 4))  # MoE kernels as graphs
     # an untied token-embedding table stays in host RAM; the graphs read the rows `fill` copies in
     untied = not offload.engine.cfg.tie_word_embeddings
     assert (offload.engine.runner.model.embed_tokens.weight.device.type == "cpu") == untied

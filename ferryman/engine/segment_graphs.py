@@ -5,14 +5,20 @@ a whole step cannot be one graph (engine/cuda_graph.py). Between two such syncs 
 static: segment i = (residual add +) norm, attention, norm, router of layer i (a dense MLP too for
 layers without experts); the last segment is the final norm + lm_head. Each segment is captured
 once per batch bucket. A step replays segment 0, runs MoE layer 0 eagerly on its B real rows,
-replays segment 1, ... : one launch per segment instead of ~12 eager ones. With late decode
-prefetch (FERRYMAN_DECODE_PREFETCH=late) each MoE layer is followed by the backend's guess of the
-next one from the residual stream (`OffloadExperts.guess_after`).
+replays segment 1, ... : one launch per segment instead of ~12 eager ones. The MoE kernel itself
+is a graph too when the batch fits the Triton decode kernel: the backend does the layer's sync,
+lookup and fetches (`OffloadExperts.prepare_decode`), its slot ids go into a static buffer, and the
+layer's MoE graph replays (the Python and launch cost of fused_moe, ~0.3 ms per layer on the H200
+host, is the part of decode where the link idled). Steps that need the eager MoE (a hybrid CPU
+split, the late guess, a backend rebound after capture) run it between the segments as before.
+With late decode prefetch (FERRYMAN_DECODE_PREFETCH=late) each MoE layer is followed by the
+backend's guess of the next one from the residual stream (`OffloadExperts.guess_after`).
 
 Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 - `x`: the previous block's output, not yet added; `res`: the residual stream before it. Segment i
   reads x and res and writes res, `h` (its MLP input) and, for a MoE layer, `ids` / `w` (the
-  routing); the eager MoE then writes x[:B]. A dense layer's segment writes x itself.
+  routing); the eager MoE then writes x[:B], or the MoE graph x[:bs] from `slots` (the slot of
+  each pair; padding rows repeat row 0's). A dense layer's segment writes x itself.
 - Rows B..bs are padding: they hold stale finite values, write their KV to slot -1, and never
   reach the experts (no expert is fetched for them).
 - Segments replay in order on one stream, so one memory pool serves every graph: no two graphs'
@@ -29,8 +35,12 @@ import torch
 
 from ferryman.engine.cuda_graph import StaticDecodeInputs, buckets
 from ferryman.engine.inputs import StepInputs
+from ferryman.experts.offload import OffloadExperts
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, fused_moe
 from ferryman.layers.moe import SparseMoE
 from ferryman.models.transformer import MoETransformer
+
+Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers)
 
 
 class SegmentedDecode:
@@ -45,8 +55,11 @@ class SegmentedDecode:
         self.ids: torch.Tensor | None = None  # [max_bs, K]; allocated at the first routing (router's dtype)
         self.w: torch.Tensor | None = None
         self.moe = {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)}
+        self.slots = torch.zeros(max_bs, model.cfg.top_k, dtype=torch.int32, device=self.device)  # [max_bs, K]
+        # the backend each MoE graph was captured against: its slot banks are baked into the graph
+        self.captured = {i: self._graph_backend(i) for i in self.moe}
         self.sizes = buckets(max_bs)
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bs -> one graph per segment
+        self.graphs: dict[int, dict[Key, torch.cuda.CUDAGraph]] = {}  # bs -> a graph per segment / MoE
         self.logits: dict[int, torch.Tensor] = {}  # bs -> the final segment's output [bs, V]
         self.pool = None
         if capture:
@@ -76,28 +89,55 @@ class SegmentedDecode:
         self.ids[:bs].copy_(ids)
         self.w[:bs].copy_(w)
 
+    def _moe(self, i: int, bs: int) -> None:
+        """Layer i's experts on the static rows: x[:bs] from h, the slots and the weights."""
+        experts = self.moe[i].experts
+        assert isinstance(experts, OffloadExperts) and self.w is not None  # _moe_keys / the segment
+        self.x[:bs].copy_(fused_moe(experts.fmt, experts.cache.banks, self.h[:bs], self.slots[:bs], self.w[:bs],
+                                    experts.act))
+
+    def _graph_backend(self, i: int) -> OffloadExperts | None:
+        from ferryman.envs import envs
+
+        experts = self.moe[i].experts
+        usable = isinstance(experts, OffloadExperts) and not experts.zero_copy and envs.MOE_GRAPHS
+        return experts if usable else None
+
     def _final(self, bs: int) -> torch.Tensor:
         hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]
         return self.model.compute_logits(hidden)  # [bs, V] fp32
 
-    def _functions(self, bs: int) -> list[Callable[[], torch.Tensor | None]]:
-        return [partial(self._segment, i, bs) for i in range(len(self.model.layers))] + [partial(self._final, bs)]
+    def _functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
+        """In replay order: segment i, then layer i's MoE graph when it has one; the final segment."""
+        fns: dict[Key, Callable[[], torch.Tensor | None]] = {}
+        n = len(self.model.layers)
+        for i in range(n):
+            fns[("seg", i)] = partial(self._segment, i, bs)
+            if self._moe_graph(i, bs):
+                fns[("moe", i)] = partial(self._moe, i, bs)
+        fns[("final", n)] = partial(self._final, bs)
+        return fns
+
+    def _moe_graph(self, i: int, bs: int) -> bool:
+        """Layer i's MoE runs as a graph at batch bs: an offloaded (not zero-copy) backend whose
+        decode kernel needs no host sync (bs x K pairs within the Triton decode kernel's range)."""
+        return self.captured.get(i) is not None and bs * self.model.cfg.top_k <= DECODE_MAX_PAIRS
 
     @torch.inference_mode()
     def _capture(self, bs: int) -> None:
         fns = self._functions(bs)
         for _ in range(2):  # warm up (Triton compiles) without the experts: no fetch, no statistics
-            for f in fns:
+            for f in fns.values():
                 f()
         torch.cuda.synchronize(self.device)
-        graphs = []
-        for f in fns:
+        graphs = {}
+        for key, f in fns.items():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = f()
             if self.pool is None:
                 self.pool = graph.pool()
-            graphs.append(graph)
+            graphs[key] = graph
         assert out is not None  # the final segment returns the logits
         self.logits[bs] = out
         self.graphs[bs] = graphs
@@ -112,19 +152,36 @@ class SegmentedDecode:
         fns = None if self.capture else self._functions(bs)
         n = len(self.model.layers)
         for i in range(n):
-            self._run_segment(i, bs, fns)
+            self._run(("seg", i), bs, fns)
             block = self.moe.get(i)
-            if block is not None:
+            if block is not None and not self._moe_step(i, B, bs, fns):
                 assert self.ids is not None and self.w is not None  # set by the segment above
                 self.x[:B].copy_(block.compute(self.h[:B], self.ids[:B], self.w[:B]))
                 if getattr(block.experts, "late_guess", False):  # the residual the next layer starts from
                     block.experts.guess_after(i, self.res[:B] + self.x[:B])
-        logits = self._run_segment(n, bs, fns)
+        logits = self._run(("final", n), bs, fns)
         return logits[:B]
 
-    def _run_segment(self, j: int, bs: int, fns: list[Callable[[], torch.Tensor | None]] | None) -> torch.Tensor:
+    def _moe_step(self, i: int, B: int, bs: int, fns: dict[Key, Callable[[], torch.Tensor | None]] | None) -> bool:
+        """Layer i's MoE through its graph; False when this step needs the eager path."""
+        block, experts = self.moe[i], self.moe[i].experts
+        if (not self._moe_graph(i, bs) or experts is not self.captured[i] or block.trace is not None
+                or self.ids is None):
+            return False
+        assert isinstance(experts, OffloadExperts)  # captured[i] is one
+        step = experts.prepare_decode(i, self.h[:B], self.ids[:B])
+        if step is None:
+            return False
+        self.slots[:B].copy_(step.slot_ids)
+        if bs > B:  # padding rows read row 0's slots: valid, finite, and their output is unused
+            self.slots[B:bs].copy_(self.slots[:1].expand(bs - B, -1))
+        self._run(("moe", i), bs, fns)
+        experts.finish_decode(step)
+        return True
+
+    def _run(self, key: Key, bs: int, fns: dict[Key, Callable[[], torch.Tensor | None]] | None) -> torch.Tensor:
         if fns is not None:
-            out = fns[j]()
+            out = fns[key]()
             return out if out is not None else self.x
-        self.graphs[bs][j].replay()
+        self.graphs[bs][key].replay()
         return self.logits[bs]

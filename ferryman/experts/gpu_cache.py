@@ -142,10 +142,11 @@ class SlotPool:
         self.expert_major = expert_major
         self.flat: torch.Tensor | None = None
         if expert_major:
-            self.flat = torch.empty((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
+            # zeroed: a captured MoE graph may read a slot no copy has filled yet (padding rows)
+            self.flat = torch.zeros((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
             self.banks = layout.views(self.flat)
         else:
-            self.banks = {n: torch.empty((num_slots, *shape), dtype=layout.dtypes[n], device=device)
+            self.banks = {n: torch.zeros((num_slots, *shape), dtype=layout.dtypes[n], device=device)
                           for n, shape in layout.shapes.items()}
 
     @property

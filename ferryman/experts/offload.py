@@ -27,6 +27,7 @@ thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H]
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,17 @@ Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K]
 Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host, ascending
 MAX_LOOKAHEAD = 4
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode-sized MoE layer step prepared for a kernel run elsewhere (a per-layer CUDA graph):
+    its experts are acquired (pinned) until `OffloadExperts.finish_decode`."""
+
+    layer: int
+    used: list[int]  # distinct expert ids, ascending
+    slots: list[int]  # their slots
+    slot_ids: torch.Tensor  # [T, K] int32 slot of each (token, k) pair, on the cache's device
 
 
 class OffloadExperts:
@@ -78,11 +90,7 @@ class OffloadExperts:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
         if self.zero_copy and topk_ids.numel() <= DECODE_MAX_PAIRS:  # its step is counted by after_step
             return self._zero_copy(layer, x, topk_ids, topk_w)
-        if layer <= self._last_layer:  # the first MoE layer of a new step
-            self.cache.begin_step()
-            if self.hybrid is not None:
-                self.hybrid.history.advance()
-        self._last_layer = layer
+        self._enter(layer)
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         self._take_late_guess(layer)  # its copies start before this layer's sync
         guesses = self._guesses(layer, x, streaming)
@@ -99,6 +107,34 @@ class OffloadExperts:
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(prefetches, streaming)
         return out
+
+    def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> DecodeStep | None:
+        """What `forward` does for a decode-sized step, up to the kernel: the one sync, lookup,
+        fetches, prefetch and slot mapping. The caller runs fused_moe on the slot ids (in a CUDA
+        graph) and then calls `finish_decode`. None when the step needs the eager path: zero-copy,
+        a hybrid CPU split, the late guess, or more pairs than free slots (rounds)."""
+        if (self.zero_copy or self.late_guess or topk_ids.numel() > self.cache.available()
+                or (self.hybrid is not None and self.hybrid.applies(x.shape[0], False))):
+            return None
+        self._enter(layer)
+        guesses = self._guesses(layer, x, False)
+        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
+        if self.guesser is not None:
+            self.guesser.score(layer, used)
+        slots = self.cache.acquire(layer, used)
+        self._prefetch(list(zip(guesses, guessed)), False)  # behind this layer's misses
+        return DecodeStep(layer, used, slots, self._slot_ids(used, slots, host_ids)[0])
+
+    def finish_decode(self, step: DecodeStep) -> None:
+        """The kernel reading `step`'s slots is issued: unpin them."""
+        self.cache.release(step.layer, step.used, step.slots)
+
+    def _enter(self, layer: int) -> None:
+        if layer <= self._last_layer:  # the first MoE layer of a new step
+            self.cache.begin_step()
+            if self.hybrid is not None:
+                self.hybrid.history.advance()
+        self._last_layer = layer
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Cached experts from their slots, the rest from pinned host memory over the link, in one
