@@ -17,27 +17,42 @@ from tiny_models import greedy_ids
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)]]
 
 
-def _count_runs(seg: SegmentedDecode) -> list[int]:
+def _count(seg: SegmentedDecode, method: str) -> list[int]:
+    """Wrap seg.<method> to count its calls (in [0])."""
     calls = [0]
-    run = seg.run
+    inner = getattr(seg, method)
 
-    def counted(inputs):  # noqa: ANN001, ANN202
+    def counted(*args):  # noqa: ANN002, ANN202
         calls[0] += 1
-        return run(inputs)
+        return inner(*args)
 
-    seg.run = counted  # type: ignore[method-assign]
+    setattr(seg, method, counted)
     return calls
+
+
+def _count_runs(seg: SegmentedDecode) -> list[int]:
+    return _count(seg, "run")
+
+
+def _count_moe(seg: SegmentedDecode) -> list[int]:
+    return _count(seg, "_moe")
+
+
+def _cpu_offload_with_segments(folder: Path, tokens: int) -> tuple[list[list[int]], LLM, SegmentedDecode]:
+    """(resident greedy tokens, an offloaded LLM with a 25% cache, its CPU SegmentedDecode): 3
+    sequences run in the bucket of 4, one padding row through every segment."""
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
+    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, tokens)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
+    runner = offload.engine.runner
+    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
+                                          capture=False)
+    return want, offload, seg
 
 
 def test_segments_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     arch, folder = tiny
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
-    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 12)
-    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
-    runner = offload.engine.runner
-    # 3 sequences run in the bucket of 4: one padding row through every segment
-    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
-                                          capture=False)
+    want, offload, seg = _cpu_offload_with_segments(folder, 12)
     calls = _count_runs(seg)
     moe_runs = _count_moe(seg)
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: per-layer decode differs from resident"
@@ -49,28 +64,12 @@ def test_segments_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     assert st["misses"] > 0 and st["hits"] > 0
 
 
-def _count_moe(seg: SegmentedDecode) -> list[int]:
-    calls = [0]
-    moe = seg._moe
-
-    def counted(i, bs):  # noqa: ANN001, ANN202
-        calls[0] += 1
-        return moe(i, bs)
-
-    seg._moe = counted  # type: ignore[method-assign]
-    return calls
-
-
 def test_moe_graphs_can_be_turned_off(tiny: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     arch, folder = tiny
     monkeypatch.setenv("FERRYMAN_MOE_GRAPHS", "0")
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
-    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
-    runner = offload.engine.runner
-    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
-                                          capture=False)
+    want, offload, seg = _cpu_offload_with_segments(folder, 4)
     moe_runs = _count_moe(seg)
-    greedy_ids(offload, PROMPTS[:1], 4)
+    assert greedy_ids(offload, PROMPTS, 4) == want
     assert moe_runs[0] == 0 and not any(key[0] == "moe" for key in seg._functions(1))
 
 
@@ -80,13 +79,8 @@ def test_rebound_backend_runs_its_moe_eagerly(tiny: tuple[str, Path]) -> None:
     from ferryman.experts.placement import rebind_offload
 
     arch, folder = tiny
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
-    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 8)
-    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
-    runner = offload.engine.runner
-    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
-                                          capture=False)
-    rebind_offload(runner, policy="lru")
+    want, offload, seg = _cpu_offload_with_segments(folder, 8)
+    rebind_offload(offload.engine.runner, policy="lru")
     moe_runs = _count_moe(seg)
     assert greedy_ids(offload, PROMPTS, 8) == want, f"{arch}: eager MoE after a rebind differs"
     assert moe_runs[0] == 0
@@ -99,13 +93,9 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     are copied and graded in decode steps (the early guess is not made there)."""
     arch, folder = tiny
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "late")
-    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, enforce_eager=True)
-    want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 12)
-    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", **kw)
+    want, offload, seg = _cpu_offload_with_segments(folder, 12)
     runner = offload.engine.runner
     assert runner.experts.late_guess
-    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
-                                          capture=False)
     moe_runs = _count_moe(seg)  # the late guess needs the eager MoE
     early = []
     guess = runner.experts.guesser.guess
