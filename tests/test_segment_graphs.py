@@ -96,12 +96,12 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     want, offload, seg = _cpu_offload_with_segments(folder, 12)
     runner = offload.engine.runner
     assert runner.experts.late_guess
-    moe_runs = _count_moe(seg)  # the late guess needs the eager MoE
+    moe_runs = _count_moe(seg)  # the late guess follows the MoE graph too
     early = []
     guess = runner.experts.guesser.guess
     runner.experts.guesser.guess = lambda layer, x: early.append(x.shape[0]) or guess(layer, x)  # type: ignore[method-assign]
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: late prefetch changed the tokens"
-    assert moe_runs[0] == 0
+    assert moe_runs[0] > 0
     st = offload.stats()["experts"]
     assert st["prefetch_fetched"] > 0 and st["guess_recall"] is not None
     assert all(0 <= g["recall"] <= 1 for g in st["per_layer_guess"].values() if g["recall"] is not None)

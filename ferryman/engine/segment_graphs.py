@@ -10,7 +10,7 @@ is a graph too when the batch fits the Triton decode kernel: the backend does th
 lookup and fetches (`OffloadExperts.prepare_decode`), its slot ids go into a static buffer, and the
 layer's MoE graph replays (the Python and launch cost of fused_moe, ~0.3 ms per layer on the H200
 host, is the part of decode where the link idled). Steps that need the eager MoE (a hybrid CPU
-split, the late guess, a backend rebound after capture) run it between the segments as before.
+split, rounds, a backend rebound after capture) run it between the segments as before.
 With late decode prefetch (FERRYMAN_DECODE_PREFETCH=late) each MoE layer is followed by the
 backend's guess of the next one from the residual stream (`OffloadExperts.guess_after`).
 
@@ -177,6 +177,8 @@ class SegmentedDecode:
             self.slots[B:bs].copy_(self.slots[:1].expand(bs - B, -1))
         self._run(("moe", i), bs, fns)
         experts.finish_decode(step)
+        if experts.late_guess:  # the residual the next layer starts from
+            experts.guess_after(i, self.res[:B] + self.x[:B])
         return True
 
     def _run(self, key: Key, bs: int, fns: dict[Key, Callable[[], torch.Tensor | None]] | None) -> torch.Tensor:

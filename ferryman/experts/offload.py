@@ -112,11 +112,12 @@ class OffloadExperts:
         """What `forward` does for a decode-sized step, up to the kernel: the one sync, lookup,
         fetches, prefetch and slot mapping. The caller runs fused_moe on the slot ids (in a CUDA
         graph) and then calls `finish_decode`. None when the step needs the eager path: zero-copy,
-        a hybrid CPU split, the late guess, or more pairs than free slots (rounds)."""
-        if (self.zero_copy or self.late_guess or topk_ids.numel() > self.cache.available()
+        a hybrid CPU split, or more pairs than free slots (rounds)."""
+        if (self.zero_copy or topk_ids.numel() > self.cache.available()
                 or (self.hybrid is not None and self.hybrid.applies(x.shape[0], False))):
             return None
         self._enter(layer)
+        self._take_late_guess(layer)  # its copies start before this layer's sync
         guesses = self._guesses(layer, x, False)
         used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
         if self.guesser is not None:
