@@ -132,7 +132,8 @@ class Envs:
     )
     SEGMENT_GRAPHS = EnvVar(
         "FERRYMAN_SEGMENT_GRAPHS", bool, True,
-        "offloaded experts: decode with each layer's dense part as a CUDA graph (MoE eager)",
+        "offloaded experts: decode with each layer's dense part as a CUDA graph (the MoE kernel too with "
+        "FERRYMAN_MOE_GRAPHS)",
     )
     PREFILL_LOOKAHEAD = EnvVar(
         "FERRYMAN_PREFILL_LOOKAHEAD", int, 1,
@@ -153,7 +154,7 @@ class Envs:
         "FERRYMAN_DECODE_PREFETCH", str, "off",
         "offloaded experts, decode: copy the next layer's guessed experts ahead. early = the next router on "
         "this layer's MoE input (measured slower on an H200); late = on the residual after this layer's MoE "
-        "(layer-graph decode only; not yet measured on a GPU). Prefill streaming is on either way",
+        "(layer-graph decode only; measured once, a gain inside run-to-run spread). Prefill streaming is on either way",
         choices=("off", "early", "late"),
     )
     ZERO_COPY = EnvVar(

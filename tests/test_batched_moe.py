@@ -62,6 +62,15 @@ def test_batched_rejects_a_bad_group() -> None:
         fused_moe_batched(form, banks, torch.zeros(3, 32), ids, w, MoEActivation(), group=0)
 
 
+def test_a_bad_group_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.errors import ConfigError
+    from ferryman.layers.batched_moe import default_group
+
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL_GROUP", "0")
+    with pytest.raises(ConfigError, match="FERRYMAN_MOE_PREFILL_GROUP must be >= 1"):
+        default_group()
+
+
 def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
     from ferryman.config import ModelConfig
     from ferryman.weights.presets import get_preset

@@ -7,21 +7,19 @@ the whole cache every chunk."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from ferryman import LLM, SamplingParams
+from ferryman import LLM
 from tiny_models import greedy_ids
 
-LAYERS, EXPERTS = 8, 64
-CONFIG = {
-    "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 128, "num_hidden_layers": LAYERS,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192,
-    "num_experts": EXPERTS, "num_experts_per_tok": 4, "moe_intermediate_size": 64, "intermediate_size": 256,
-    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32",
-    "rope_theta": 10000.0,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # not an installed package
+from bench_prefill_stream import UNIFORM as CONFIG, moved_per_chunk as _fetched_per_chunk  # noqa: E402
+
+LAYERS, EXPERTS = CONFIG["num_hidden_layers"], CONFIG["num_experts"]
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +27,6 @@ def uniform_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("uniform")
     (folder / "config.json").write_text(json.dumps(CONFIG))
     return str(folder)
-
-
-def _fetched_per_chunk(llm: LLM, prompt: list[int], chunk: int) -> float:
-    s0 = llm.stats()["experts"]
-    llm.generate(prompt_token_ids=[prompt], params=SamplingParams(max_tokens=1))
-    s1 = llm.stats()["experts"]
-    moved = (s1["misses"] - s0["misses"]) + (s1["prefetch_fetched"] - s0["prefetch_fetched"])
-    return moved / (len(prompt) // chunk)
 
 
 def test_chunks_keep_what_fits_beside_the_stream_window(uniform_model: str) -> None:

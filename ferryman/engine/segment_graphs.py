@@ -176,7 +176,7 @@ class SegmentedDecode:
         if bs > B:  # padding rows read row 0's slots: valid, finite, and their output is unused
             self.slots[B:bs].copy_(self.slots[:1].expand(bs - B, -1))
         self._run(("moe", i), bs, fns)
-        experts.finish_decode(step)
+        experts.finish_step(step)
         if experts.late_guess:  # the residual the next layer starts from
             experts.guess_after(i, self.res[:B] + self.x[:B])
         return True

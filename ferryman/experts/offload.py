@@ -44,14 +44,16 @@ from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
 
 @dataclass(frozen=True)
-class DecodeStep:
-    """A decode-sized MoE layer step prepared for a kernel run elsewhere (a per-layer CUDA graph):
-    its experts are acquired (pinned) until `OffloadExperts.finish_decode`."""
+class LayerStep:
+    """A MoE layer step whose experts are acquired (pinned) and mapped to slots, ready for its
+    kernel (run by `forward`, or by a per-layer CUDA graph after `prepare_decode`) until
+    `OffloadExperts.finish_step`."""
 
     layer: int
     used: list[int]  # distinct expert ids, ascending
     slots: list[int]  # their slots
     slot_ids: torch.Tensor  # [T, K] int32 slot of each (token, k) pair, on the cache's device
+    host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
 
 
 class OffloadExperts:
@@ -90,52 +92,56 @@ class OffloadExperts:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
         if self.zero_copy and topk_ids.numel() <= DECODE_MAX_PAIRS:  # its step is counted by after_step
             return self._zero_copy(layer, x, topk_ids, topk_w)
-        self._enter(layer)
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
-        self._take_late_guess(layer)  # its copies start before this layer's sync
-        guesses = self._guesses(layer, x, streaming)
-        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
-        prefetches = list(zip(guesses, guessed))
-        if self.guesser is not None:
-            self.guesser.score(layer, used)
+        used, prefetches, host_ids = self._route(layer, x, topk_ids, streaming)
         if self.hybrid is not None and self.hybrid.applies(x.shape[0], streaming):
             self.hybrid.history.use([(layer, e) for e in used])
             return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, prefetches)
-        if len(used) <= self.cache.available():
-            out = self._compute(layer, x, host_ids, topk_w, used, prefetches, streaming)
-        else:
+        if len(used) > self.cache.available():
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(prefetches, streaming)
-        return out
+            return out
+        return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, streaming), streaming)
 
-    def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> DecodeStep | None:
+    def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> LayerStep | None:
         """What `forward` does for a decode-sized step, up to the kernel: the one sync, lookup,
         fetches, prefetch and slot mapping. The caller runs fused_moe on the slot ids (in a CUDA
-        graph) and then calls `finish_decode`. None when the step needs the eager path: zero-copy,
+        graph) and then calls `finish_step`. None when the step needs the eager path: zero-copy,
         a hybrid CPU split, or more pairs than free slots (rounds)."""
         if (self.zero_copy or topk_ids.numel() > self.cache.available()
                 or (self.hybrid is not None and self.hybrid.applies(x.shape[0], False))):
             return None
-        self._enter(layer)
-        self._take_late_guess(layer)  # its copies start before this layer's sync
-        guesses = self._guesses(layer, x, False)
-        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
-        if self.guesser is not None:
-            self.guesser.score(layer, used)
-        slots = self.cache.acquire(layer, used)
-        self._prefetch(list(zip(guesses, guessed)), False)  # behind this layer's misses
-        return DecodeStep(layer, used, slots, self._slot_ids(used, slots, host_ids)[0])
+        used, prefetches, host_ids = self._route(layer, x, topk_ids, False)
+        return self._acquire(layer, used, host_ids, prefetches, False)
 
-    def finish_decode(self, step: DecodeStep) -> None:
+    def finish_step(self, step: LayerStep) -> None:
         """The kernel reading `step`'s slots is issued: unpin them."""
         self.cache.release(step.layer, step.used, step.slots)
 
-    def _enter(self, layer: int) -> None:
+    def _route(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+               streaming: bool) -> tuple[list[int], list[Prefetch], torch.Tensor]:
+        """Start of a layer step: (distinct experts used, the guesses to prefetch, topk_ids on the
+        host), read back with the layer's one sync; the late guess's copies start before it."""
         if layer <= self._last_layer:  # the first MoE layer of a new step
             self.cache.begin_step()
             if self.hybrid is not None:
                 self.hybrid.history.advance()
         self._last_layer = layer
+        self._take_late_guess(layer)
+        guesses = self._guesses(layer, x, streaming)
+        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
+        if self.guesser is not None:
+            self.guesser.score(layer, used)
+        return used, list(zip(guesses, guessed)), host_ids
+
+    def _acquire(self, layer: int, used: list[int], host_ids: torch.Tensor, prefetches: list[Prefetch],
+                 streaming: bool) -> LayerStep:
+        """Pin `used` (copying the misses in), queue the guesses' copies behind them (they overlap
+        this layer's kernels), map the pairs to slots."""
+        slots = self.cache.acquire(layer, used)
+        self._prefetch(prefetches, streaming)
+        dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
+        return LayerStep(layer, used, slots, dev_ids, host_slots)
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Cached experts from their slots, the rest from pinned host memory over the link, in one
@@ -217,14 +223,9 @@ class OffloadExperts:
             fetched = self.cache.prefetch(target, guessed, depth)
             self.guesser.remember(target, guessed, fetched, streaming)
 
-    def _compute(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
-                 used: list[int], prefetches: list[Prefetch], streaming: bool) -> torch.Tensor:
-        slots = self.cache.acquire(layer, used)
-        # the guesses' copies queue behind this layer's misses and overlap its kernels
-        self._prefetch(prefetches, streaming)
-        dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
-        out = fused_moe(self.fmt, self.cache.banks, x, dev_ids, topk_w, self.act, host_ids=host_slots)
-        self.cache.release(layer, used, slots)
+    def _compute(self, x: torch.Tensor, topk_w: torch.Tensor, step: LayerStep, streaming: bool) -> torch.Tensor:
+        out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, topk_w, self.act, host_ids=step.host_slot_ids)
+        self.finish_step(step)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
         return out
@@ -237,7 +238,7 @@ class OffloadExperts:
         room = self.cache.available() - (len(used) - len(misses))
         _, on_cpu = self.hybrid.split(layer, misses, room)  # the fetched ones are fetched by acquire
         if not on_cpu:
-            return self._compute(layer, x, host_ids, topk_w, used, prefetches, False)
+            return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, False), False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
         cpu_set = set(on_cpu)
         here = [e for e in used if e not in cpu_set]

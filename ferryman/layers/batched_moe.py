@@ -25,6 +25,7 @@ from itertools import accumulate
 
 import torch
 
+from ferryman.errors import ConfigError
 from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation, sum_in_slot_order
 from ferryman.quant import Banks, ExpertFormat
 
@@ -33,7 +34,10 @@ def default_group() -> int:
     """Experts per launch (FERRYMAN_MOE_PREFILL_GROUP, default 8)."""
     from ferryman.envs import envs
 
-    return envs.MOE_PREFILL_GROUP
+    group = envs.MOE_PREFILL_GROUP
+    if group < 1:
+        raise ConfigError(f"FERRYMAN_MOE_PREFILL_GROUP must be >= 1 experts, got {group}")
+    return group
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
