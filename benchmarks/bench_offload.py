@@ -139,6 +139,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     }
     if torch.cuda.is_available() and eng.device.type == "cuda":  # is the plan's activation estimate honest?
         row["peak_gib"] = torch.cuda.max_memory_allocated(eng.device) / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(eng.device) / 2**30  # what the cap limits
         row["plan_gib"] = eng.plan.total_bytes / 2**30
         row["plan_activation_gib"] = eng.plan.activation_bytes / 2**30
         row["alloc_retries"] = torch.cuda.memory_stats(eng.device).get("num_alloc_retries", 0)

@@ -16,7 +16,8 @@
 #   4 and 16, 120b); hybrid (the hybrid GPU tests); dequant
 #   (bench_dequant.py); qtests (the prefill MoE GPU tests); lookab (120b prefill, lookahead 1 vs 2);
 #   lateab (decode with and without late prefetch, in one call); embab (20b, embedding table on the
-#   device vs in host RAM); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
+#   device vs in host RAM); expab (20b, the caching allocator's expandable segments off vs on: peak
+#   reserved memory, retries); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -119,6 +120,12 @@ for s in "${@:-tests decode kernels}"; do
                stage moeg20_on 90 $d --target gpt-oss-20b:8GiB --json "$OUT/moeg20_on.json"
                stage moeg120_off 120 env FERRYMAN_MOE_GRAPHS=0 $d --target gpt-oss-120b:16GiB --json "$OUT/moeg120_off.json"
                stage moeg120_on 120 $d --target gpt-oss-120b:16GiB --json "$OUT/moeg120_on.json" ;;
+      expab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
+               stage exp20_off 90 $d --json "$OUT/exp20_off.json"
+               stage exp20_on 90 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $d --json "$OUT/exp20_on.json" ;;
+      moegab20) d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
+               stage moeg20_off 90 env FERRYMAN_MOE_GRAPHS=0 $d --json "$OUT/moeg20_off.json"
+               stage moeg20_on 90 $d --json "$OUT/moeg20_on.json" ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
                stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
                stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
@@ -152,7 +159,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done
