@@ -138,17 +138,25 @@ class Envs:
     PREFILL_LOOKAHEAD = EnvVar(
         "FERRYMAN_PREFILL_LOOKAHEAD", int, 1,
         "offloaded experts, prefill streaming: how many layers ahead a chunk's experts start copying "
-        "(1: the next layer; 2: also the one after, so the link never waits for the host; not yet measured)",
+        "(1: the next layer; 2: also the one after; on the H200 gpt-oss-120b prefilled 2635 tok/s with 2 "
+        "against 2738 with 1)",
     )
     HOST_EMBEDDING = EnvVar(
         "FERRYMAN_HOST_EMBEDDING", bool, True,
         "offloaded experts: keep the token-embedding table in host RAM (a row gather + copy per step), "
         "its GPU bytes going to expert slots",
     )
+    EXPANDABLE_SEGMENTS = EnvVar(
+        "FERRYMAN_EXPANDABLE_SEGMENTS", bool, True,
+        "CUDA: turn on the caching allocator's expandable segments (unless PYTORCH_CUDA_ALLOC_CONF or "
+        "PYTORCH_ALLOC_CONF already says), so fragmentation does not eat the GPU budget: on the H200, "
+        "gpt-oss-20b at 8 GiB reserved 7.78 GiB for 7.28 GiB allocated without, 7.37 GiB with",
+    )
     MOE_GRAPHS = EnvVar(
         "FERRYMAN_MOE_GRAPHS", bool, True,
         "offloaded experts, layer-graph decode: run each layer's MoE kernel as a CUDA graph on static slot ids "
-        "(0: eagerly between the segment graphs, as before; not yet measured on a GPU)",
+        "(0: eagerly between the segment graphs, as before; on the H200, gpt-oss-20b at 8 GiB decoded 44.7 "
+        "tok/s with them against 36.9 without)",
     )
     DECODE_PREFETCH = EnvVar(
         "FERRYMAN_DECODE_PREFETCH", str, "off",

@@ -34,7 +34,11 @@ GiB = 1 << 30
 MiB = 1 << 20
 CONTEXT_CAP = 32768  # the KV floor's per-sequence context cap
 STRATEGIES = ("auto", "resident", "offload")
-_FIXED_HEADROOM = 256 * MiB  # allocator slack, cuBLAS workspace, CUDA graph pool
+# allocator slack, cuBLAS workspace, CUDA graph pools. The estimate below carries no other margin:
+# on the H200 (expandable segments, docs/benchmarks.md) gpt-oss-20b's 4096-token chunk peaked at
+# 0.85 GiB reserved beyond weights, KV and slots, against 1.16 GiB planned; -120b 0.69 GiB allocated
+# (1.15 GiB reserved before expandable segments, experts/placement.py).
+_FIXED_HEADROOM = 192 * MiB
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
@@ -86,7 +90,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int) -> int:
-    """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (x1.25, + 256 MiB).
+    """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ 192 MiB).
 
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
     routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
@@ -98,7 +102,7 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
     per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
     once = _dequantised_experts() * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
-    return int(1.25 * (chunk_tokens * per_token + once)) + _FIXED_HEADROOM
+    return chunk_tokens * per_token + once + _FIXED_HEADROOM
 
 
 def _dequantised_experts() -> int:

@@ -230,3 +230,29 @@ def test_step_size_defaults_by_strategy_and_an_explicit_one_is_kept() -> None:
     tight = replace(off, budget=at_2048.total_bytes - at_2048.expert_cache_bytes
                     + off.cfg.top_k * at_2048.slot_bytes + extra // 2)
     assert plan_memory(tight).request.max_num_batched_tokens == 2048
+
+
+def test_expandable_segments_are_turned_on_unless_the_user_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.experts.placement import expandable_segments
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "FERRYMAN_EXPANDABLE_SEGMENTS"):
+        monkeypatch.delenv(name, raising=False)
+    assert expandable_segments() and calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's word stands
+    assert not expandable_segments() and len(calls) == 1
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("FERRYMAN_EXPANDABLE_SEGMENTS", "0")
+    assert not expandable_segments() and len(calls) == 1
+
+
+def test_activation_estimate_carries_only_the_fixed_headroom() -> None:
+    # gpt-oss-20b, a 4096-token chunk, one sequence: the H200 measured 0.85 GiB reserved for it
+    # (docs/benchmarks.md); the estimate must stay above that, with its terms counted once
+    cfg = _cfg("gpt-oss-20b")
+    one = activation_bytes(cfg, torch.bfloat16, 4096, 1)
+    assert 0.85 * GiB < one < 1.25 * GiB
+    two, three = (activation_bytes(cfg, torch.bfloat16, n, 1) for n in (8192, 12288))
+    assert three - two == two - one  # linear in the chunk: no factor on top
+    assert activation_bytes(cfg, torch.bfloat16, 4096, 2) - one == 2 * cfg.vocab_size * 4  # one more logits row pair

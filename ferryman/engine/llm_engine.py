@@ -217,8 +217,18 @@ class LLMEngine:
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
             "experts": self.expert_stats(),
+            **self.memory_stats(),
             **self.scheduler.stats(),
         }
+
+    def memory_stats(self) -> dict:
+        """On CUDA, the plan's device budget and activation headroom against the peaks the caching
+        allocator saw (`reserved` is what the budget caps), in bytes; {} elsewhere."""
+        if self.device.type != "cuda":
+            return {}
+        return {"memory": {"plan_total": self.plan.total_bytes, "plan_activations": self.plan.activation_bytes,
+                           "peak_allocated": torch.cuda.max_memory_allocated(self.device),
+                           "peak_reserved": torch.cuda.max_memory_reserved(self.device)}}
 
 
 def _metrics(seq: Sequence) -> RequestMetrics:

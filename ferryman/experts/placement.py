@@ -53,8 +53,12 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
 
 
 def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
-    """Cap what this process may allocate on a CUDA device at gpu_memory (no-op elsewhere)."""
-    if ecfg.gpu_memory is None or device.type != "cuda":
+    """Cap what this process may allocate on a CUDA device at gpu_memory (no-op elsewhere), with
+    expandable segments on so the cap is not spent on fragmentation (FERRYMAN_EXPANDABLE_SEGMENTS)."""
+    if device.type != "cuda":
+        return
+    expandable_segments()
+    if ecfg.gpu_memory is None:
         return
     budget = parse_bytes(ecfg.gpu_memory)
     total = torch.cuda.get_device_properties(device).total_memory
@@ -62,6 +66,25 @@ def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
         raise ConfigError(f"gpu_memory {budget / 2**30:.2f} GiB exceeds the device's {total / 2**30:.2f} GiB")
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(budget / total, index)
+
+
+def expandable_segments() -> bool:
+    """Turn on the CUDA caching allocator's expandable segments for segments made from now on,
+    unless FERRYMAN_EXPANDABLE_SEGMENTS=0 or the user's allocator settings already name them.
+    Returns whether this call turned them on."""
+    import os
+    import warnings
+
+    from ferryman.envs import envs
+
+    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if not envs.EXPANDABLE_SEGMENTS or "expandable_segments" in user:
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+    with warnings.catch_warnings():  # older torch: the (later deprecated) cuda spelling
+        warnings.simplefilter("ignore", FutureWarning)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+    return True
 
 
 def store_factory(plan: MemoryPlan, device: torch.device) -> StoreFactory:

@@ -69,6 +69,12 @@ class _EngineCollector(Collector):
         for kind, value in self.memory.items():
             mem.add_metric([kind], float(value))
         yield mem
+        peaks = s.get("memory") if isinstance(s.get("memory"), dict) else {}
+        if peaks:  # CUDA: what the caching allocator peaked at (reserved is what the budget caps)
+            peak = GaugeMetricFamily("ferryman_memory_peak_bytes", "device memory peak since start", labels=["kind"])
+            for kind in ("allocated", "reserved"):
+                peak.add_metric([kind], float(peaks[f"peak_{kind}"]))
+            yield peak
         yield CounterMetricFamily("ferryman_preemptions", "sequences preempted", value=float(s.get("num_preemptions", 0)))
         experts = s.get("experts") if isinstance(s.get("experts"), dict) else {}
         for name, (key, doc) in _EXPERT_COUNTERS.items():
