@@ -184,9 +184,10 @@ def main() -> None:
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
-    ap.add_argument("--decode-prefetch", nargs="?", const="early", choices=("off", "early", "late"), default=None,
-                    help="prefetch guessed experts in decode steps: early (the flag alone) or late "
-                         "(default: FERRYMAN_DECODE_PREFETCH, off)")
+    ap.add_argument("--decode-prefetch", nargs="?", const="early", choices=("off", "early", "late", "late2"), default=None,
+                    help="prefetch guessed experts in decode steps: early (the flag alone), late or late2 "
+                         "(default: FERRYMAN_DECODE_PREFETCH, off). The flag rebinds the backend after the "
+                         "graphs were captured, so its MoE runs eagerly: A/B through the variable instead")
     ap.add_argument("--bank-major", action="store_true",
                     help="bank-major slot pool (one copy per bank of each expert; default: expert-major)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],

@@ -162,8 +162,9 @@ class Envs:
         "FERRYMAN_DECODE_PREFETCH", str, "off",
         "offloaded experts, decode: copy the next layer's guessed experts ahead. early = the next router on "
         "this layer's MoE input (measured slower on an H200); late = on the residual after this layer's MoE "
-        "(layer-graph decode only; measured once, a gain inside run-to-run spread). Prefill streaming is on either way",
-        choices=("off", "early", "late"),
+        "(layer-graph decode only; measured once, a gain inside run-to-run spread); late2 = late for the next "
+        "two MoE layers, held until used, the far one on a second copy stream. Prefill streaming is on either way",
+        choices=("off", "early", "late", "late2"),
     )
     ZERO_COPY = EnvVar(
         "FERRYMAN_ZERO_COPY", bool, False,

@@ -50,7 +50,8 @@ class RecordingTransfer(SyncTransfer):
         super().__init__()
         self.log: list[tuple] = []
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool, after: object = None) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool, after: object = None,
+              side: bool = False) -> None:
         self.log.append(("fetch", tuple(slots), demand, len(copies)))
         super().fetch(copies, slots, demand, after)
 
@@ -128,6 +129,39 @@ def test_admit_fills_free_slots_without_touching_pinned_or_its_own() -> None:
     t.release([1, 2])
     look = t.acquire([9])  # prefetched-but-unused keys go first (LRU: the last admitted), before 1, 2
     assert look.evicted == [8]
+
+
+def test_held_prefetch_survives_the_layer_in_between_and_is_given_back_by_its_own() -> None:
+    """late2: experts guessed two layers ahead are held (pinned) until their layer acquires them, so
+    the next layer's misses evict something else; a wrong guess is then the first victim."""
+    cache = ExpertCache(_store(), 4, torch.device("cpu"), make_policy("lru"))
+    for layer, experts in ((0, [0, 1]), (1, [0, 1])):
+        cache.release(layer, experts, cache.acquire(layer, experts))  # the cache is full: 4 of 4
+    assert cache.prefetch(2, [5, 6], depth=2, hold=True) == [5, 6]  # evicts layer 0's 0, 1
+    assert cache.held == {2: [2 * 8 + 5, 2 * 8 + 6]} and cache.table.available() == 2
+    cache.prefetch(2, [5], depth=1, hold=True)  # a second guess naming 5 again holds it once
+    assert cache.held[2].count(2 * 8 + 5) == 1
+    slots = cache.acquire(1, [2, 3])  # layer 1's misses take layer 1's old slots, not the held ones
+    assert cache.contains(2, 5) and cache.contains(2, 6)
+    cache.release(1, [2, 3], slots)
+    slots = cache.acquire(2, [5, 7])  # 5 was right, 6 wrong; the acquire gives both holds back
+    assert not cache.held and cache.counters.prefetch_hits[2] == 1
+    cache.release(2, [5, 7], slots)
+    assert cache.table.num_pinned == 0
+    cache.acquire(0, [4])
+    assert not cache.contains(2, 6)  # the unused guess went first
+
+
+def test_holds_yield_to_a_step_that_needs_their_slots() -> None:
+    cache = ExpertCache(_store(), 3, torch.device("cpu"), make_policy("lrfu"))
+    cache.prefetch(2, [5, 6], depth=2, hold=True)
+    assert cache.table.available() == 1 and cache.available() == 3  # holds count as available
+    slots = cache.acquire(0, [0, 1, 2])  # needs every slot: the holds are taken back first
+    assert sorted(slots) == [0, 1, 2] and not cache.held
+    cache.release(0, [0, 1, 2], slots)
+    cache.prefetch(1, [3], depth=1, hold=True)
+    cache.begin_step()  # a new step: guesses for layers the last one did not reach are given back
+    assert not cache.held and cache.table.num_pinned == 0
 
 
 def test_lru_replay_matches_trace_lru_hit_rate() -> None:

@@ -86,13 +86,15 @@ def test_rebound_backend_runs_its_moe_eagerly(tiny: tuple[str, Path]) -> None:
     assert moe_runs[0] == 0
 
 
-def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Path],
+@pytest.mark.parametrize("mode", ["late", "late2"])
+def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Path], mode: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """FERRYMAN_DECODE_PREFETCH=late: after each MoE layer the next one's experts are guessed from
-    the residual stream and copied before its sync; tokens stay the resident ones, and the guesses
-    are copied and graded in decode steps (the early guess is not made there)."""
+    the residual stream and copied before its sync (late2: the next two layers', held until used);
+    tokens stay the resident ones, and the guesses are copied and graded in decode steps (the early
+    guess is not made there)."""
     arch, folder = tiny
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "late")
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", mode)
     want, offload, seg = _cpu_offload_with_segments(folder, 12)
     runner = offload.engine.runner
     assert runner.experts.late_guess
@@ -107,6 +109,8 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     assert all(0 <= g["recall"] <= 1 for g in st["per_layer_guess"].values() if g["recall"] is not None)
     # early guesses only for prefill chunks touching about every expert, never for decode rows
     assert all(n * runner.experts.cache.store.cfg.top_k >= runner.experts.num_experts for n in early)
+    cache = runner.experts.cache
+    assert cache.table.num_pinned == 0 and not cache.held  # every hold was given back
 
 
 @pytest.mark.gpu
@@ -129,11 +133,14 @@ def test_cuda_layer_graphs_equal_resident_and_are_used(tiny: tuple[str, Path]) -
 
 
 @pytest.mark.gpu
-def test_cuda_late_decode_prefetch_equals_resident(tiny: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["late", "late2"])
+def test_cuda_late_decode_prefetch_equals_resident(tiny: tuple[str, Path], mode: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The late guess on CUDA: its ids come back through a pinned buffer and an event while the next
-    layer's graph runs; copies into slots the graphs' kernels read stay ordered by the cache's events."""
+    layer's graph runs; copies into slots the graphs' kernels read stay ordered by the cache's events
+    (late2: across the copy stream and the side stream too)."""
     arch, folder = tiny
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "late")
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", mode)
     kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=16)
     want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS, 12)
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", max_num_seqs=4, **kw)

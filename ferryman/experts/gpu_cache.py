@@ -33,6 +33,7 @@ class Lookup:
     hits: list[int] = field(default_factory=list)  # keys already cached
     filled: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to copy in
     evicted: list[int] = field(default_factory=list)  # keys that lost their slot, in order
+    held: list[int] = field(default_factory=list)  # admit(hold=True): keys left pinned by this call
 
 
 class SlotTable:
@@ -77,14 +78,18 @@ class SlotTable:
         self.policy.reference(keys)
         return look
 
-    def admit(self, keys: list[int], demoted_only: bool = False) -> Lookup:
+    def admit(self, keys: list[int], demoted_only: bool = False, hold: bool = False) -> Lookup:
         """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
         free or evictable (demoted_only: free, or holding a demoted key); a key admitted here is not
-        evicted by a later key of the same call."""
+        evicted by a later key of the same call. hold: every key of the call that is cached at the
+        end (admitted or already there) stays pinned, listed in `held`, until the caller releases it."""
         look = Lookup(slots=[])
         taken: list[int] = []
         for k in keys:
             if k in self.slot_of:
+                if hold:
+                    self._pin(self.slot_of[k])
+                    look.held.append(k)
                 continue
             if self.available() == 0:
                 break
@@ -99,7 +104,10 @@ class SlotTable:
             self._pin(self.slot_of[k])
             taken.append(k)
         look.slots = [self.slot_of[k] for k in taken]
-        self.release(taken)
+        if hold:
+            look.held.extend(taken)
+        else:
+            self.release(taken)
         return look
 
     def release(self, keys: list[int]) -> None:
@@ -210,6 +218,8 @@ class ExpertCache:
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
         self.rows: RowAddressTable | None = None  # zero-copy decode (enable_row_addresses)
+        # prefetch(hold=True): target layer -> keys pinned for it until its acquire (or the step's end)
+        self.held: dict[int, list[int]] = {}
 
     @property
     def banks(self) -> dict[str, torch.Tensor]:
@@ -220,13 +230,28 @@ class ExpertCache:
 
     def begin_step(self) -> None:
         self.table.policy.advance()
+        self.release_all_held()  # guesses for layers the last step did not reach
+
+    def release_all_held(self) -> None:
+        for layer in list(self.held):
+            self.release_held(layer)
+
+    def release_held(self, layer: int) -> None:
+        """Unpin what `prefetch(hold=True)` held for `layer` (a wrong guess becomes a first victim)."""
+        self.table.release(self.held.pop(layer, []))
 
     def available(self) -> int:
-        return self.table.available()
+        """Slots a layer step may pin: those not pinned, and those only held for a guess (an
+        acquire that needs them takes the holds back first)."""
+        return self.table.available() + sum(len(keys) for keys in self.held.values())
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Make `experts` of `layer` resident and pinned; kernels issued next may read their slots."""
-        look = self.table.acquire([self.key(layer, e) for e in experts])
+        keys = [self.key(layer, e) for e in experts]
+        if len(keys) > self.table.available():  # a small cache: guesses give their holds back first
+            self.release_all_held()
+        look = self.table.acquire(keys)
+        self.release_held(layer)  # after the acquire: the held keys it uses are pinned again
         c = self.counters
         c.add(c.hits, layer, len(look.hits))
         c.add(c.misses, layer, len(look.filled))
@@ -277,22 +302,32 @@ class ExpertCache:
         self.last_fetched = []
         return len(demoted)
 
-    def prefetch(self, layer: int, experts: list[int], depth: int = 1) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], depth: int = 1, hold: bool = False,
+                 side: bool = False) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there
         are such slots); returns the experts whose copies started. depth > 1 (a prefill stream's
         lookahead past the next layer) takes only free slots and demoted experts' slots: it never
-        evicts what the layers before it still need."""
-        look = self.table.admit([self.key(layer, e) for e in experts], demoted_only=depth > 1)
+        evicts what the layers before it still need. hold (late2 decode guesses): the experts,
+        copied or already cached, stay pinned until `layer`'s acquire, so the guesses for the layer
+        in between cannot evict them, and victims may be any unpinned expert. side: the copies go
+        on the transfer's second stream, so the next layer's demand copies do not queue behind them."""
+        keys = [self.key(layer, e) for e in experts]
+        if hold:  # each key is held once (a second guess for the layer may name it again)
+            held = set(self.held.get(layer, ()))
+            keys = [k for k in keys if k not in held]
+        look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold)
+        if look.held:
+            self.held.setdefault(layer, []).extend(look.held)
         self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
         self.prefetched.update(k for k, _ in look.filled)
-        self._fetch(layer, look, demand=False)
+        self._fetch(layer, look, demand=False, side=side)
         base = self.moe_index[layer] * self.num_experts
         return [k - base for k, _ in look.filled]
 
     def contains(self, layer: int, expert: int) -> bool:
         return self.key(layer, expert) in self.table.slot_of
 
-    def _fetch(self, layer: int, look: Lookup, demand: bool) -> None:
+    def _fetch(self, layer: int, look: Lookup, demand: bool, side: bool = False) -> None:
         self.counters.evictions += len(look.evicted)
         self.prefetched.difference_update(look.evicted)
         if not look.filled:
@@ -301,7 +336,7 @@ class ExpertCache:
         pairs = [(k - base, s) for k, s in look.filled]
         # zero-copy readers of the evicted experts go to host rows before their slots are refilled
         after = self.rows.unpoint(look.evicted) if self.rows is not None else None
-        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand, after)
+        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand, after, side)
 
     def stats(self) -> dict:
         c = self.counters

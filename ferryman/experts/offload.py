@@ -44,6 +44,15 @@ from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
 
 @dataclass(frozen=True)
+class LateGuess:
+    """Late decode guesses made after one MoE layer, taken by the next MoE layer's step (`at`)."""
+
+    at: int
+    guesses: list[tuple[int, int, torch.Tensor]]  # (target MoE layer, layers ahead, ids [B, K] on the host)
+    done: torch.cuda.Event | None  # the ids' copy to the host has landed (CUDA)
+
+
+@dataclass(frozen=True)
 class LayerStep:
     """A MoE layer step whose experts are acquired (pinned) and mapped to slots, ready for its
     kernel (run by `forward`, or by a per-layer CUDA graph after `prepare_decode`) until
@@ -82,9 +91,10 @@ class OffloadExperts:
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
-        # late decode prefetch (guess_after): the next layer's guess, read back on arrival
-        self.late_guess = guesser is not None and guesser.decode == "late" and not zero_copy
-        self._pending: tuple[int, torch.Tensor, torch.cuda.Event | None] | None = None  # (layer, ids, event)
+        # late decode prefetch (guess_after): the next layer's guess (late2: the next two layers'),
+        # read back on arrival; the layer whose step takes it, its guesses, the ids' ready event
+        self.late_guess = guesser is not None and guesser.late_depth > 0 and not zero_copy
+        self._pending: LateGuess | None = None
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -170,34 +180,43 @@ class OffloadExperts:
 
     def guess_after(self, layer: int, residual: torch.Tensor) -> None:
         """Late decode prefetch: after `layer`'s MoE kernels are issued, guess the next MoE layer's
-        experts from the residual stream [B, H] that follows them. The ids come back to the host
-        without blocking it; the next forward() reads them (waiting only for these kernels, not the
-        next attention) and starts the copies before its own sync."""
-        if not self.late_guess or self.guesser is None:
+        experts (late2: and the layer after's) from the residual stream [B, H] that follows them.
+        The ids come back to the host without blocking it; the next forward() reads them (waiting
+        only for these kernels, not the next attention) and starts the copies before its sync."""
+        guesser = self.guesser
+        if not self.late_guess or guesser is None:
             return
-        nxt = self.guesser.next_of.get(layer)
-        if nxt is None or not self.guesser.wants_prefetch(nxt, False):
+        nxt = guesser.next_of.get(layer)
+        targets = [(d, t) for d in range(1, guesser.late_depth + 1)
+                   if (t := guesser.ahead(layer, d)) is not None and guesser.wants_prefetch(t, False)]
+        if nxt is None or not targets:
             return
-        guess = self.guesser.guess_residual(layer, residual)
-        assert guess is not None  # nxt exists
-        ids = guess[1]
-        if ids.device.type != "cuda":
-            self._pending = (nxt, ids, None)
-            return
-        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-        host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(ids.device))
-        self._pending = (nxt, host, done)
+        guesses = [(d, guesser.guess_residual(layer, residual, d)) for d, _ in targets]
+        ids = torch.cat([g[1] for _, g in guesses if g is not None])  # [depths x B, K]
+        done = None
+        if ids.device.type == "cuda":
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(ids.device))
+            ids = host
+        rows = residual.shape[0]
+        self._pending = LateGuess(nxt, [(t, d, ids[i * rows : (i + 1) * rows]) for i, (d, t) in enumerate(targets)],
+                                  done)
 
     def _take_late_guess(self, layer: int) -> None:
+        """Start the late guesses' copies before `layer`'s sync: the next layer's on the copy
+        stream, late2's layer after on the side stream, both held until their layer runs."""
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] != layer:
+        if pending is None or pending.at != layer or self.guesser is None:
             return
-        _, ids, done = pending
-        if done is not None:
-            done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
-        self._prefetch([((layer, ids), sorted(set(ids.reshape(-1).tolist())))], False)
+        if pending.done is not None:
+            pending.done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
+        hold = self.guesser.late_depth > 1
+        for target, depth, ids in pending.guesses:
+            guessed = sorted(set(ids.reshape(-1).tolist()))
+            fetched = self.cache.prefetch(target, guessed, depth, hold=hold, side=depth > 1)
+            self.guesser.remember(target, guessed, fetched, False)
 
     def _guesses(self, layer: int, x: torch.Tensor, streaming: bool) -> list[Guess]:
         """The next layer's guess when prefetch applies, and for a streaming chunk the layers up to

@@ -116,7 +116,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
                     decode_prefetch: str | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
     expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
-    decode_prefetch: off | early | late, guesses acted on in decode steps (default: FERRYMAN_DECODE_PREFETCH);
+    decode_prefetch: off | early | late | late2, guesses acted on in decode steps (default: FERRYMAN_DECODE_PREFETCH);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
     cpu_thread: the CPU part in a worker thread (default: on CUDA); zero_copy: decode kernels read

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 
-DECODE_MODES = ("off", "early", "late")
+DECODE_MODES = ("off", "early", "late", "late2")
 
 
 @dataclass
@@ -48,7 +48,9 @@ class NextLayerGuesser:
     min_samples: int = 32
     # decode steps: off | early (the next router on this layer's MoE input, while this layer's
     # misses copy) | late (the next layer's norm + router on the residual after this layer's MoE,
-    # `guess_residual`; per-layer graph decode only). offload_backend: FERRYMAN_DECODE_PREFETCH
+    # `guess_residual`; per-layer graph decode only) | late2 (late, for the next two MoE layers: their
+    # copies are held until their layer runs, so the link always has the next layer's experts
+    # queued). offload_backend: FERRYMAN_DECODE_PREFETCH
     decode: str = "early"
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
@@ -58,12 +60,24 @@ class NextLayerGuesser:
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
-        if self.decode == "late" and set(self.norms) != set(self.gates):
+        if self.late_depth and set(self.norms) != set(self.gates):
             raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
         self.next_of = dict(zip(layers, layers[1:]))
         self.counters = {layer: GuessCounters() for layer in layers[1:]}
         self.pending = {}
+
+    @property
+    def late_depth(self) -> int:
+        """How many MoE layers ahead the late decode guess reaches (0: no late guess)."""
+        return {"late": 1, "late2": 2}.get(self.decode, 0)
+
+    def ahead(self, layer: int, depth: int) -> int | None:
+        """The MoE layer `depth` after `layer`, if there is one."""
+        target: int | None = layer
+        for _ in range(depth):
+            target = self.next_of.get(target) if target is not None else None
+        return target
 
     def guess(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         """(next MoE layer, guessed ids [T, K]) from layer `layer`'s MoE input x [T, H]."""
@@ -76,29 +90,30 @@ class NextLayerGuesser:
     def guess_ahead(self, layer: int, x: torch.Tensor, depth: int) -> tuple[int, torch.Tensor] | None:
         """(the MoE layer `depth` after `layer`, guessed ids [T, K]) from layer `layer`'s MoE input:
         that layer's router on x. For a prefill chunk the union is about every expert anyway."""
-        target: int | None = layer
-        for _ in range(depth):
-            target = self.next_of.get(target) if target is not None else None
+        target = self.ahead(layer, depth)
         if target is None:
             return None
         return target, torch.topk(self.gates[target](x), self.top_k, dim=-1).indices
 
-    def guess_residual(self, layer: int, residual: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """Late guess: (next MoE layer, ids [T, K]) from the residual stream [T, H] after layer
-        `layer`'s MoE: the next router on its own norm of it (the next attention's part missing)."""
-        nxt = self.next_of.get(layer)
-        if nxt is None:
+    def guess_residual(self, layer: int, residual: torch.Tensor, depth: int = 1) -> tuple[int, torch.Tensor] | None:
+        """Late guess: (the MoE layer `depth` after `layer`, ids [T, K]) from the residual stream
+        [T, H] after layer `layer`'s MoE: that layer's router on its own norm of it (the attention
+        blocks in between are missing)."""
+        target = self.ahead(layer, depth)
+        if target is None:
             return None
-        logits = self.gates[nxt](self.norms[nxt](residual))  # [T, E]
-        return nxt, torch.topk(logits, self.top_k, dim=-1).indices
+        logits = self.gates[target](self.norms[target](residual))  # [T, E]
+        return target, torch.topk(logits, self.top_k, dim=-1).indices
 
     def wants_prefetch(self, layer: int, streaming: bool) -> bool:
         return streaming or (self.decode != "off" and self.counters[layer].enabled)
 
     def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
-        """What was guessed (and copied) for `layer` in a decode step, to score when it runs."""
+        """What was guessed (and copied) for `layer` in a decode step, to score when it runs; a
+        second guess for the same layer (late2: two layers ahead, then one) adds to the first."""
         if not streaming:
-            self.pending[layer] = (set(guessed), set(fetched))
+            old_guessed, old_fetched = self.pending.get(layer, (set(), set()))
+            self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched))
 
     def score(self, layer: int, used: list[int]) -> None:
         """`layer` runs with experts `used`: grade the guess made for it, if any."""

@@ -10,7 +10,10 @@ Invariants kept here, for every slot s:
 - the GPU never reads s before its copy finished: `wait(slots)` makes the compute stream wait
   on the ready events of the slots a kernel is about to read;
 - a copy never overwrites s while a kernel may still read it: `fetch` makes the copy stream wait
-  on s's free event, recorded by `mark_used` after the kernels reading s were enqueued.
+  on s's free event, recorded by `mark_used` after the kernels reading s were enqueued;
+- two copies into s never overlap: `fetch` also waits on s's ready event while one is pending
+  (copies may run on a second stream, `side`, next to the first).
+With copies on both streams at once, `h2d_seconds` sums overlapping intervals.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ class Transfer(ABC):
 
     @abstractmethod
     def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None) -> None:
+              after: torch.cuda.Event | None = None, side: bool = False) -> None:
         """Start `copies`, which fill `slots`. demand: the current layer waits for them (a miss).
-        after: a compute-stream event the copies must also wait for (experts/row_addresses.py)."""
+        after: a compute-stream event the copies must also wait for (experts/row_addresses.py).
+        side: on the second copy stream (guesses two layers ahead), beside the first's copies."""
 
     @abstractmethod
     def wait(self, slots: list[int]) -> None:
@@ -70,7 +74,7 @@ class SyncTransfer(Transfer):
     """Copies at once on the calling thread; nothing is ever in flight."""
 
     def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None) -> None:
+              after: torch.cuda.Event | None = None, side: bool = False) -> None:
         start = time.perf_counter()
         for c in copies:
             c.dst.copy_(c.src)
@@ -94,21 +98,26 @@ class StreamTransfer(Transfer):
         super().__init__()
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.side: torch.cuda.Stream | None = None  # made at the first side fetch
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
         self.free: list[torch.cuda.Event | None] = [None] * num_slots
         self.timed: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()  # (start, end, is_stall)
 
     def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None) -> None:
+              after: torch.cuda.Event | None = None, side: bool = False) -> None:
         if not copies:
             return
-        with torch.cuda.stream(self.stream):
-            for ev in _distinct([*(self.free[s] for s in slots), after]):
-                self.stream.wait_event(ev)  # readers of the old contents are done
-            start = self._event(self.stream)
+        if side and self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        stream = self.side if side and self.side is not None else self.stream
+        with torch.cuda.stream(stream):
+            # readers of the old contents are done, and so is a copy into the slot not yet read
+            for ev in _distinct([*(self.free[s] for s in slots), *(self.ready[s] for s in slots), after]):
+                stream.wait_event(ev)
+            start = self._event(stream)
             for c in copies:
                 c.dst.copy_(c.src, non_blocking=True)
-            done = self._event(self.stream)
+            done = self._event(stream)
         for s in slots:
             self.ready[s] = done
         self.timed.append((start, done, False))
