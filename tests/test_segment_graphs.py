@@ -102,8 +102,12 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     early = []
     guess = runner.experts.guesser.guess
     runner.experts.guesser.guess = lambda layer, x: early.append(x.shape[0]) or guess(layer, x)  # type: ignore[method-assign]
+    made = []  # guesses computed by the MoE graph functions and handed over after them
+    handed = runner.experts.guesses_made
+    runner.experts.guesses_made = lambda layer, ids: made.append(ids.shape[0]) or handed(layer, ids)  # type: ignore[method-assign]
     assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: late prefetch changed the tokens"
-    assert moe_runs[0] > 0
+    assert moe_runs[0] > 0 and len(made) == moe_runs[0]
+    assert set(made) == {2 if mode == "late2" else 1}  # one row of ids per layer ahead
     st = offload.stats()["experts"]
     assert st["prefetch_fetched"] > 0 and st["guess_recall"] is not None
     assert all(0 <= g["recall"] <= 1 for g in st["per_layer_guess"].values() if g["recall"] is not None)

@@ -183,16 +183,30 @@ class OffloadExperts:
         experts (late2: and the layer after's) from the residual stream [B, H] that follows them.
         The ids come back to the host without blocking it; the next forward() reads them (waiting
         only for these kernels, not the next attention) and starts the copies before its sync."""
+        targets = self._late_targets(layer)
+        if not targets or self.guesser is None:
+            return
+        guesses = [self.guesser.guess_residual(layer, residual, d) for d, _ in targets]
+        self._read_guesses(layer, targets, torch.stack([g[1] for g in guesses if g is not None]))  # [D, B, K]
+
+    def guesses_made(self, layer: int, ids: torch.Tensor) -> None:
+        """The late guesses of `layer` computed elsewhere (inside its MoE CUDA graph): ids [D, B, K],
+        row d - 1 the guess for the MoE layer d after `layer`, for every d up to the guess depth."""
+        targets = self._late_targets(layer)
+        if targets:
+            rows = [d - 1 for d, _ in targets]
+            self._read_guesses(layer, targets, ids if rows == list(range(ids.shape[0])) else ids[rows])
+
+    def _late_targets(self, layer: int) -> list[tuple[int, int]]:
+        """(layers ahead, target MoE layer) of the late guesses after `layer` that may prefetch."""
         guesser = self.guesser
         if not self.late_guess or guesser is None:
-            return
-        nxt = guesser.next_of.get(layer)
-        targets = [(d, t) for d in range(1, guesser.late_depth + 1)
-                   if (t := guesser.ahead(layer, d)) is not None and guesser.wants_prefetch(t, False)]
-        if nxt is None or not targets:
-            return
-        guesses = [(d, guesser.guess_residual(layer, residual, d)) for d, _ in targets]
-        ids = torch.cat([g[1] for _, g in guesses if g is not None])  # [depths x B, K]
+            return []
+        return [(d, t) for d in range(1, guesser.late_depth + 1)
+                if (t := guesser.ahead(layer, d)) is not None and guesser.wants_prefetch(t, False)]
+
+    def _read_guesses(self, layer: int, targets: list[tuple[int, int]], ids: torch.Tensor) -> None:
+        """Start reading ids [len(targets), B, K] back to the host (one copy, an event on CUDA)."""
         done = None
         if ids.device.type == "cuda":
             host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -200,8 +214,8 @@ class OffloadExperts:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(ids.device))
             ids = host
-        rows = residual.shape[0]
-        self._pending = LateGuess(nxt, [(t, d, ids[i * rows : (i + 1) * rows]) for i, (d, t) in enumerate(targets)],
+        assert self.guesser is not None  # _late_targets found some
+        self._pending = LateGuess(self.guesser.next_of[layer], [(t, d, ids[j]) for j, (d, t) in enumerate(targets)],
                                   done)
 
     def _take_late_guess(self, layer: int) -> None:
