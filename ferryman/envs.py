@@ -152,6 +152,12 @@ class Envs:
         "PYTORCH_ALLOC_CONF already says), so fragmentation does not eat the GPU budget: on the H200, "
         "gpt-oss-20b at 8 GiB reserved 7.78 GiB for 7.28 GiB allocated without, 7.37 GiB with",
     )
+    PREFETCH_AFTER_KERNELS = EnvVar(
+        "FERRYMAN_PREFETCH_AFTER_KERNELS", bool, True,
+        "offloaded experts: start a layer's guessed copies (prefill streaming, decode prefetch) after its "
+        "kernels and their small host -> device inputs are issued, so those inputs never queue behind "
+        "the large copies on a copy engine (0: right after the layer's own misses, as before)",
+    )
     MOE_GRAPHS = EnvVar(
         "FERRYMAN_MOE_GRAPHS", bool, True,
         "offloaded experts, layer-graph decode: run each layer's MoE kernel as a CUDA graph on static slot ids "

@@ -295,15 +295,18 @@ class FixedGate(torch.nn.Module):
         return self.logits.expand(x.shape[0], -1)
 
 
-def test_next_layer_guess_is_prefetched_then_hit() -> None:
+@pytest.mark.parametrize("after_kernels", [True, False])
+def test_next_layer_guess_is_prefetched_then_hit(after_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRYMAN_PREFETCH_AFTER_KERNELS", "1" if after_kernels else "0")
     store = _store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
     backend, rec = _backend(store, 6, NextLayerGuesser(gates, top_k=2))
     x, _, w = _routing(1, 8, 2, seed=7)
     backend.forward(0, x, torch.tensor([[2, 3]]), w)
-    # layer 0's misses, then the guess for layer 1 (experts 5, 6) behind them, then the kernel
-    assert rec.log == [("fetch", (0, 1), True, 1), ("wait", (0, 1)), ("fetch", (2, 3), False, 1),
-                       ("used", (0, 1))]
+    # layer 0's misses, the kernel, then the guess for layer 1 (experts 5, 6): its copies start
+    # after every input of the kernel was issued (FERRYMAN_PREFETCH_AFTER_KERNELS=0: before them)
+    guess, used = ("fetch", (2, 3), False, 1), ("used", (0, 1))
+    assert rec.log == [("fetch", (0, 1), True, 1), ("wait", (0, 1)), *((used, guess) if after_kernels else (guess, used))]
     backend.forward(1, x, torch.tensor([[6, 7]]), w)  # one right guess, one miss
     st = backend.stats()
     assert st["prefetch_hits"] == 1 and st["prefetch_fetched"] == 4  # 5, 6 for layer 1; 0, 1 for layer 2

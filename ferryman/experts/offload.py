@@ -27,7 +27,7 @@ thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H]
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,6 +63,8 @@ class LayerStep:
     slots: list[int]  # their slots
     slot_ids: torch.Tensor  # [T, K] int32 slot of each (token, k) pair, on the cache's device
     host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
+    prefetches: list[Prefetch] = field(default_factory=list)  # guesses to copy once the kernel is issued
+    streaming: bool = False
 
 
 class OffloadExperts:
@@ -95,6 +97,7 @@ class OffloadExperts:
         # read back on arrival; the layer whose step takes it, its guesses, the ids' ready event
         self.late_guess = guesser is not None and guesser.late_depth > 0 and not zero_copy
         self._pending: LateGuess | None = None
+        self._deferred: list[tuple[int, int, torch.Tensor]] = []  # late2 guesses waiting for finish_step
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -110,6 +113,7 @@ class OffloadExperts:
         if len(used) > self.cache.available():
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(prefetches, streaming)
+            self._issue_deferred()
             return out
         return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, streaming), streaming)
 
@@ -125,8 +129,14 @@ class OffloadExperts:
         return self._acquire(layer, used, host_ids, prefetches, False)
 
     def finish_step(self, step: LayerStep) -> None:
-        """The kernel reading `step`'s slots is issued: unpin them."""
+        """The kernel reading `step`'s slots is issued: unpin them, then start the guesses' copies.
+
+        Invariant: speculative copies are issued after every host -> device copy the layer's kernel
+        needs (slot ids, the prefill path's pair layout). Those small copies run on the compute
+        stream, and a copy engine may serve them only after the large copies queued before them."""
         self.cache.release(step.layer, step.used, step.slots)
+        self._prefetch(step.prefetches, step.streaming)
+        self._issue_deferred()
 
     def _route(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                streaming: bool) -> tuple[list[int], list[Prefetch], torch.Tensor]:
@@ -149,9 +159,11 @@ class OffloadExperts:
         """Pin `used` (copying the misses in), queue the guesses' copies behind them (they overlap
         this layer's kernels), map the pairs to slots."""
         slots = self.cache.acquire(layer, used)
-        self._prefetch(prefetches, streaming)
+        if not _prefetch_after_kernels():
+            self._prefetch(prefetches, streaming)
+            prefetches = []
         dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
-        return LayerStep(layer, used, slots, dev_ids, host_slots)
+        return LayerStep(layer, used, slots, dev_ids, host_slots, prefetches, streaming)
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Cached experts from their slots, the rest from pinned host memory over the link, in one
@@ -226,11 +238,22 @@ class OffloadExperts:
             return
         if pending.done is not None:
             pending.done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
-        hold = self.guesser.late_depth > 1
         for target, depth, ids in pending.guesses:
-            guessed = sorted(set(ids.reshape(-1).tolist()))
-            fetched = self.cache.prefetch(target, guessed, depth, hold=hold, side=depth > 1)
-            self.guesser.remember(target, guessed, fetched, False)
+            if depth == 1:  # this layer's own experts: before its sync
+                self._late_prefetch(target, depth, ids)
+            else:  # later layers': after this layer's kernel inputs (finish_step's invariant)
+                self._deferred.append((target, depth, ids))
+
+    def _late_prefetch(self, target: int, depth: int, ids: torch.Tensor) -> None:
+        assert self.guesser is not None  # a late guess was made
+        guessed = sorted(set(ids.reshape(-1).tolist()))
+        fetched = self.cache.prefetch(target, guessed, depth, hold=self.guesser.late_depth > 1, side=depth > 1)
+        self.guesser.remember(target, guessed, fetched, False)
+
+    def _issue_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for target, depth, ids in deferred:
+            self._late_prefetch(target, depth, ids)
 
     def _guesses(self, layer: int, x: torch.Tensor, streaming: bool) -> list[Guess]:
         """The next layer's guess when prefetch applies, and for a streaming chunk the layers up to
@@ -277,7 +300,6 @@ class OffloadExperts:
         here = [e for e in used if e not in cpu_set]
         if here:
             slots = self.cache.acquire(layer, here)
-            self._prefetch(prefetches, False)
             # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
             # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
             # keeps its [T, K] shape and per-token summation order.
@@ -288,8 +310,9 @@ class OffloadExperts:
             out = fused_moe(self.fmt, self.cache.banks, x, ids, w, self.act)
             self.cache.release(layer, here, slots)
         else:
-            self._prefetch(prefetches, False)
             out = torch.zeros_like(x)  # [T, H]
+        self._prefetch(prefetches, False)
+        self._issue_deferred()
         return out + self.cpu.result(job).to(x.device, non_blocking=True)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -366,6 +389,12 @@ def _host_ids(topk_ids: torch.Tensor,
         distinct = [torch.unique(host[a:b]).tolist() for a, b in zip(bounds, bounds[1:])]
     n = topk_ids.numel()
     return distinct[0], distinct[1:], host[:n].view(topk_ids.shape)
+
+
+def _prefetch_after_kernels() -> bool:
+    from ferryman.envs import envs
+
+    return envs.PREFETCH_AFTER_KERNELS
 
 
 def _lookahead() -> int:
