@@ -19,7 +19,8 @@
 #   device vs in host RAM); expab (20b, the caching allocator's expandable segments off vs on: peak
 #   reserved memory, retries); ltests (GPU tests of late/late2 prefetch, holds, planner); late2ab (decode
 #   off / late / late2 through FERRYMAN_DECODE_PREFETCH, no rebind: 20b, and 120b off / late2); late2ab20
-#   (its 20b half); pakab (speculative copies after the kernels: 120b prefill, 20b on vs off); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
+#   (its 20b half); pakab (speculative copies after the kernels: 120b prefill, 20b on vs off); pak120ab
+#   (120b 8k prefill, off vs on); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -148,6 +149,9 @@ for s in "${@:-tests decode kernels}"; do
                stage pak20_on 100 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --json "$OUT/pak20_on.json"
                stage pak20_off 100 env FERRYMAN_PREFETCH_AFTER_KERNELS=0 python3 benchmarks/bench_offload.py \
                  --target gpt-oss-20b:8GiB --json "$OUT/pak20_off.json" ;;
+      pak120ab) p="python3 benchmarks/bench_offload.py --decode-tokens 8 --ttft-prompt 0 --target gpt-oss-120b:16GiB"
+               stage pak120_off 110 env FERRYMAN_PREFETCH_AFTER_KERNELS=0 $p --json "$OUT/pak120_off.json"
+               stage pak120_on 110 $p --json "$OUT/pak120_on.json" ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
                stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
                stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
@@ -181,7 +185,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab ltests late2ab late2ab20 sgtests diagpre120 pakab uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab ltests late2ab late2ab20 sgtests diagpre120 pakab pak120ab uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done
