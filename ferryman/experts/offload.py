@@ -33,6 +33,7 @@ import torch
 
 from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.late_guess import LateGuesses
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.errors import ConfigError
@@ -41,15 +42,6 @@ Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K]
 Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host, ascending
 MAX_LOOKAHEAD = 4
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
-
-
-@dataclass(frozen=True)
-class LateGuess:
-    """Late decode guesses made after one MoE layer, taken by the next MoE layer's step (`at`)."""
-
-    at: int
-    guesses: list[tuple[int, int, torch.Tensor]]  # (target MoE layer, layers ahead, ids [B, K] on the host)
-    done: torch.cuda.Event | None  # the ids' copy to the host has landed (CUDA)
 
 
 @dataclass(frozen=True)
@@ -93,11 +85,10 @@ class OffloadExperts:
         self.num_experts = cache.num_experts
         self.prefetch_enabled = guesser is not None
         self._last_layer = 1 << 30
-        # late decode prefetch (guess_after): the next layer's guess (late2: the next two layers'),
-        # read back on arrival; the layer whose step takes it, its guesses, the ids' ready event
+        # late decode prefetch: the next layer's guess (late2: the next two layers') from the
+        # residual after each MoE layer, read back on arrival (experts/late_guess.py)
         self.late_guess = guesser is not None and guesser.late_depth > 0 and not zero_copy
-        self._pending: LateGuess | None = None
-        self._deferred: list[tuple[int, int, torch.Tensor]] = []  # late2 guesses waiting for finish_step
+        self.late = LateGuesses(cache, guesser if self.late_guess else None)
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -113,7 +104,7 @@ class OffloadExperts:
         if len(used) > self.cache.available():
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._prefetch(prefetches, streaming)
-            self._issue_deferred()
+            self.late.issue_deferred()
             return out
         return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, streaming), streaming)
 
@@ -136,7 +127,7 @@ class OffloadExperts:
         stream, and a copy engine may serve them only after the large copies queued before them."""
         self.cache.release(step.layer, step.used, step.slots)
         self._prefetch(step.prefetches, step.streaming)
-        self._issue_deferred()
+        self.late.issue_deferred()
 
     def _route(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                streaming: bool) -> tuple[list[int], list[Prefetch], torch.Tensor]:
@@ -147,7 +138,7 @@ class OffloadExperts:
             if self.hybrid is not None:
                 self.hybrid.history.advance()
         self._last_layer = layer
-        self._take_late_guess(layer)
+        self.late.take(layer)
         guesses = self._guesses(layer, x, streaming)
         used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
         if self.guesser is not None:
@@ -191,69 +182,12 @@ class OffloadExperts:
             self.cache.count_reads(layer, used)
 
     def guess_after(self, layer: int, residual: torch.Tensor) -> None:
-        """Late decode prefetch: after `layer`'s MoE kernels are issued, guess the next MoE layer's
-        experts (late2: and the layer after's) from the residual stream [B, H] that follows them.
-        The ids come back to the host without blocking it; the next forward() reads them (waiting
-        only for these kernels, not the next attention) and starts the copies before its sync."""
-        targets = self._late_targets(layer)
-        if not targets or self.guesser is None:
-            return
-        guesses = [self.guesser.guess_residual(layer, residual, d) for d, _ in targets]
-        self._read_guesses(layer, targets, torch.stack([g[1] for g in guesses if g is not None]))  # [D, B, K]
+        """Late decode prefetch after `layer`'s eager MoE: guess from the residual [B, H] (late_guess.py)."""
+        self.late.after(layer, residual)
 
     def guesses_made(self, layer: int, ids: torch.Tensor) -> None:
-        """The late guesses of `layer` computed elsewhere (inside its MoE CUDA graph): ids [D, B, K],
-        row d - 1 the guess for the MoE layer d after `layer`, for every d up to the guess depth."""
-        targets = self._late_targets(layer)
-        if targets:
-            rows = [d - 1 for d, _ in targets]
-            self._read_guesses(layer, targets, ids if rows == list(range(ids.shape[0])) else ids[rows])
-
-    def _late_targets(self, layer: int) -> list[tuple[int, int]]:
-        """(layers ahead, target MoE layer) of the late guesses after `layer` that may prefetch."""
-        guesser = self.guesser
-        if not self.late_guess or guesser is None:
-            return []
-        return [(d, t) for d in range(1, guesser.late_depth + 1)
-                if (t := guesser.ahead(layer, d)) is not None and guesser.wants_prefetch(t, False)]
-
-    def _read_guesses(self, layer: int, targets: list[tuple[int, int]], ids: torch.Tensor) -> None:
-        """Start reading ids [len(targets), B, K] back to the host (one copy, an event on CUDA)."""
-        done = None
-        if ids.device.type == "cuda":
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(ids.device))
-            ids = host
-        assert self.guesser is not None  # _late_targets found some
-        self._pending = LateGuess(self.guesser.next_of[layer], [(t, d, ids[j]) for j, (d, t) in enumerate(targets)],
-                                  done)
-
-    def _take_late_guess(self, layer: int) -> None:
-        """Start the late guesses' copies before `layer`'s sync: the next layer's on the copy
-        stream, late2's layer after on the side stream, both held until their layer runs."""
-        pending, self._pending = self._pending, None
-        if pending is None or pending.at != layer or self.guesser is None:
-            return
-        if pending.done is not None:
-            pending.done.synchronize()  # the guess kernels only: they ran right after the last MoE layer
-        for target, depth, ids in pending.guesses:
-            if depth == 1:  # this layer's own experts: before its sync
-                self._late_prefetch(target, depth, ids)
-            else:  # later layers': after this layer's kernel inputs (finish_step's invariant)
-                self._deferred.append((target, depth, ids))
-
-    def _late_prefetch(self, target: int, depth: int, ids: torch.Tensor) -> None:
-        assert self.guesser is not None  # a late guess was made
-        guessed = sorted(set(ids.reshape(-1).tolist()))
-        fetched = self.cache.prefetch(target, guessed, depth, hold=self.guesser.late_depth > 1, side=depth > 1)
-        self.guesser.remember(target, guessed, fetched, False)
-
-    def _issue_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for target, depth, ids in deferred:
-            self._late_prefetch(target, depth, ids)
+        """Late guesses of `layer` computed inside its MoE CUDA graph, ids [D, B, K] (late_guess.py)."""
+        self.late.made(layer, ids)
 
     def _guesses(self, layer: int, x: torch.Tensor, streaming: bool) -> list[Guess]:
         """The next layer's guess when prefetch applies, and for a streaming chunk the layers up to
@@ -312,7 +246,7 @@ class OffloadExperts:
         else:
             out = torch.zeros_like(x)  # [T, H]
         self._prefetch(prefetches, False)
-        self._issue_deferred()
+        self.late.issue_deferred()
         return out + self.cpu.result(job).to(x.device, non_blocking=True)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
