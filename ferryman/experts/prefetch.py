@@ -18,6 +18,9 @@ Decode prefetch is off unless asked (`decode`, FERRYMAN_DECODE_PREFETCH): on the
 guess (precision 0.80) gave 40.0 against 41.5 tok/s without it; prefill streaming stays. The late
 guess (`guess_residual`) reads a closer input and is issued right after this layer's MoE kernel, so
 its copies cover the next attention, router and host sync, the window in which the link idles.
+`late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
+Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
+slightly faster on -120b; both stay opt-in.
 """
 
 from __future__ import annotations
