@@ -102,3 +102,25 @@ def test_watchdog_catches_a_hung_step(server: LiveServer) -> None:
         client.completions.create(model="tiny", prompt="hang", max_tokens=4)
     assert time.monotonic() - t0 < 2.0
     assert httpx.get(server.url + "/health").status_code == 503
+
+
+def test_metrics_report_device_memory_peaks_when_the_engine_has_them() -> None:
+    """On CUDA the engine's stats carry the allocator's peaks (`LLMEngine.memory_stats`); /metrics
+    turns them into ferryman_memory_peak_bytes, and leaves the family out on CPU (no peaks)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ferryman.server.metrics import _EngineCollector
+
+    def scrape(snapshot: dict) -> dict[str, float]:
+        registry = CollectorRegistry()
+        loop = SimpleNamespace(stats_snapshot=snapshot, num_pending=0, alive=True)
+        registry.register(_EngineCollector(loop, {"weights": 1}))
+        return _samples(generate_latest(registry).decode())
+
+    peaks = {"plan_total": 8 << 30, "plan_activations": 1 << 30, "peak_allocated": 7 << 30, "peak_reserved": 3 << 31}
+    m = scrape({"memory": peaks})
+    assert m["ferryman_memory_peak_bytes{kind=allocated}"] == 7 << 30
+    assert m["ferryman_memory_peak_bytes{kind=reserved}"] == 3 << 31
+    assert not any(k.startswith("ferryman_memory_peak_bytes") for k in scrape({}))
