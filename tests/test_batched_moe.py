@@ -117,3 +117,29 @@ def test_gpu_demo_model_offload_with_batched_prefill_equals_resident(monkeypatch
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "import os\nimport sys\n\n\nclass ")]
     offload = LLM(moe_strategy="offload", expert_cache="10%", **kw)
     assert greedy_ids(offload, ids, 24) == greedy_ids(resident, ids, 24)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_padded_layout_matches_its_definition(group: int) -> None:
+    """Group j holds experts j*G.. with every run padded to the group's longest; a padding row
+    repeats its expert's first sorted row and is marked invalid. Checked row by row in Python."""
+    from ferryman.layers.batched_moe import _padded_layout
+
+    gen = torch.Generator().manual_seed(group)
+    counts = torch.randint(1, 9, (11,), generator=gen).tolist()
+    slots = sorted(torch.randperm(40, generator=gen)[:11].tolist())
+    lay = _padded_layout(slots, counts, group, torch.device("cpu"))
+    assert lay.slots.tolist() == slots
+    rows, valid, want_groups, r0, first = [], [], [], 0, 0
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    for g0 in range(0, len(slots), group):
+        run = counts[g0 : g0 + group]
+        m = max(run)
+        want_groups.append((g0, len(run), m, r0))
+        for i, c in enumerate(run):
+            first = firsts[g0 + i]
+            rows += [first + r if r < c else first for r in range(m)]
+            valid += [r < c for r in range(m)]
+        r0 += len(run) * m
+    assert lay.groups == want_groups
+    assert lay.rows.tolist() == rows and lay.valid.tolist() == valid
