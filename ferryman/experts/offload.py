@@ -5,14 +5,15 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
    share every lookup and fetch), together with the guess for the next layer;
 2. `ExpertCache.acquire` pins the union, copies the misses in, and orders the kernels after
    the copies; hits are used in place, never fetched again;
-3. the next layer's guessed experts start copying into slots not in use (prefetch / prefill
-   streaming, experts/prefetch.py), behind this layer's misses on the copy stream; a streaming
-   chunk with FERRYMAN_PREFILL_LOOKAHEAD=2 also queues the layer after, into free or demoted
-   slots only (it never evicts what the next layer was given);
-4. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
+3. expert ids become slot ids through a per-call table, and `fused_moe` runs on the slot banks
    (strided banks when the pool is expert-major: its kernels read either layout);
-5. `release` unpins: later copies into those slots wait for the kernels that read them;
-6. a streaming chunk (touching about every expert) then demotes what it brought in, so prefill
+4. `release` unpins (later copies into those slots wait for the kernels that read them), then
+   the next layer's guessed experts start copying into slots not in use (prefetch / prefill
+   streaming, experts/prefetch.py): after the kernel's small host -> device inputs, never ahead
+   of them on a copy engine (`finish_step`). A streaming chunk with FERRYMAN_PREFILL_LOOKAHEAD=2
+   also queues the layer after, into free or demoted slots only (it never evicts what the next
+   layer was given); late decode guesses: experts/late_guess.py;
+5. a streaming chunk (touching about every expert) then demotes what it brought in, so prefill
    cycles a window of slots instead of flushing the cache (`ExpertCache.demote_fetched`).
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
