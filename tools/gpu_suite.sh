@@ -20,7 +20,7 @@
 #   reserved memory, retries); ltests (GPU tests of late/late2 prefetch, holds, planner); late2ab (decode
 #   off / late / late2 through FERRYMAN_DECODE_PREFETCH, no rebind: 20b, and 120b off / late2); late2ab20
 #   (its 20b half); pakab (speculative copies after the kernels: 120b prefill, 20b on vs off); pak120ab
-#   (120b 8k prefill, off vs on); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
+#   (120b 8k prefill, off vs on); serveab (20b at 8 GiB, 16 users: default, late, late2, fp8 KV); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -49,6 +49,20 @@ stage() {  # stage NAME SECONDS COMMAND...
   echo "=== $name (limit ${secs}s): $*"
   timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n 25 "$OUT/$name.log"; echo "=== $name rc=$rc"
+}
+
+serve16() {  # serve16 NAME PORT [env VAR=VALUE...] -- [serve flags...]: gpt-oss-20b at 8 GiB, 16 users only
+  local name=$1 port=$2; shift 2
+  local envs=(); while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  have 100 || { echo "=== $name skipped: the suite budget is spent"; return; }
+  env "${envs[@]}" python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
+    --max-num-seqs 16 --port "$port" --log-level warning "$@" > "$OUT/${name}_server.log" 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 120); do curl -sf "127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+  stage "$name" 120 python3 -m ferryman bench serve "http://127.0.0.1:$port" --concurrency 16 \
+    --prompt-tokens 1024 --output-tokens 128 --json "$OUT/$name.json"
+  curl -s "127.0.0.1:$port/v1/stats" > "$OUT/${name}_stats.json"
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 }
 
 for s in "${@:-tests decode kernels}"; do
@@ -152,6 +166,10 @@ for s in "${@:-tests decode kernels}"; do
       pak120ab) p="python3 benchmarks/bench_offload.py --decode-tokens 8 --ttft-prompt 0 --target gpt-oss-120b:16GiB"
                stage pak120_off 110 env FERRYMAN_PREFETCH_AFTER_KERNELS=0 $p --json "$OUT/pak120_off.json"
                stage pak120_on 110 $p --json "$OUT/pak120_on.json" ;;
+      serveab) serve16 s16_default 8131 --
+               serve16 s16_late 8132 FERRYMAN_DECODE_PREFETCH=late --
+               serve16 s16_late2 8133 FERRYMAN_DECODE_PREFETCH=late2 --
+               serve16 s16_fp8 8134 -- --kv-cache-dtype fp8 ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
                stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
                stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
@@ -185,7 +203,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab ltests late2ab late2ab20 sgtests diagpre120 pakab pak120ab uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab ltests late2ab late2ab20 sgtests diagpre120 pakab pak120ab serveab uva serve serve4k serve120)"; exit 2 ;;
     esac
   done
 done
