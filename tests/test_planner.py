@@ -242,9 +242,26 @@ def test_expandable_segments_are_turned_on_unless_the_user_said(monkeypatch: pyt
     assert expandable_segments() and calls == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")  # the user's word stands
     assert not expandable_segments() and len(calls) == 1
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # another allocator: left alone
+    assert not expandable_segments() and len(calls) == 1
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("FERRYMAN_EXPANDABLE_SEGMENTS", "0")
     assert not expandable_segments() and len(calls) == 1
+
+
+def test_expandable_segments_refused_by_torch_is_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from ferryman.experts.placement import expandable_segments
+
+    def refuse(conf: str) -> None:
+        raise RuntimeError(f"unsupported: {conf}")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "FERRYMAN_EXPANDABLE_SEGMENTS"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level("WARNING", logger="ferryman.experts"):
+        assert not expandable_segments()
+    assert "expandable segments" in caplog.text and "unsupported" in caplog.text
 
 
 def test_activation_estimate_carries_only_the_fixed_headroom() -> None:

@@ -78,12 +78,17 @@ def expandable_segments() -> bool:
     from ferryman.envs import envs
 
     user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if not envs.EXPANDABLE_SEGMENTS or "expandable_segments" in user:
+    if not envs.EXPANDABLE_SEGMENTS or "expandable_segments" in user or "cudaMallocAsync" in user:
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
-    with warnings.catch_warnings():  # older torch: the (later deprecated) cuda spelling
-        warnings.simplefilter("ignore", FutureWarning)
-        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+    try:
+        with warnings.catch_warnings():  # older torch: the (later deprecated) cuda spelling
+            warnings.simplefilter("ignore", FutureWarning)
+            (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+    except (RuntimeError, AttributeError) as e:  # an allocator without them: fragmentation costs slots
+        log.warning("could not turn on the CUDA allocator's expandable segments (%s); the GPU budget may "
+                    "lose some memory to fragmentation (FERRYMAN_EXPANDABLE_SEGMENTS=0 silences this)", e)
+        return False
     return True
 
 
