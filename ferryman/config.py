@@ -293,8 +293,7 @@ class EngineConfig:
             parse_expert_cache(self.expert_cache)
         if self.cpu_experts not in ("off", "auto", "on"):
             raise ConfigError(f"cpu_experts must be one of off, auto, on, got {self.cpu_experts!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at engine start
 
     def torch_device(self) -> torch.device:
         """The device, with an index on CUDA (some torch.cuda calls refuse a bare 'cuda')."""

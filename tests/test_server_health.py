@@ -120,7 +120,7 @@ def test_metrics_report_device_memory_peaks_when_the_engine_has_them() -> None:
         return _samples(generate_latest(registry).decode())
 
     peaks = {"plan_total": 8 << 30, "plan_activations": 1 << 30, "peak_allocated": 7 << 30, "peak_reserved": 3 << 31}
-    m = scrape({"memory": peaks})
+    m = scrape({"memory_peaks": peaks})
     assert m["ferryman_memory_peak_bytes{kind=allocated}"] == 7 << 30
     assert m["ferryman_memory_peak_bytes{kind=reserved}"] == 3 << 31
     assert not any(k.startswith("ferryman_memory_peak_bytes") for k in scrape({}))

@@ -226,7 +226,7 @@ class LLMEngine:
         allocator saw (`reserved` is what the budget caps), in bytes; {} elsewhere."""
         if self.device.type != "cuda":
             return {}
-        return {"memory": {"plan_total": self.plan.total_bytes, "plan_activations": self.plan.activation_bytes,
+        return {"memory_peaks": {"plan_total": self.plan.total_bytes, "plan_activations": self.plan.activation_bytes,
                            "peak_allocated": torch.cuda.max_memory_allocated(self.device),
                            "peak_reserved": torch.cuda.max_memory_reserved(self.device)}}
 

@@ -104,8 +104,7 @@ class OffloadExperts:
             return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, prefetches)
         if len(used) > self.cache.available():
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
-            self._prefetch(prefetches, streaming)
-            self.late.issue_deferred()
+            self._after_kernel(prefetches, streaming)
             return out
         return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, streaming), streaming)
 
@@ -127,7 +126,11 @@ class OffloadExperts:
         needs (slot ids, the prefill path's pair layout). Those small copies run on the compute
         stream, and a copy engine may serve them only after the large copies queued before them."""
         self.cache.release(step.layer, step.used, step.slots)
-        self._prefetch(step.prefetches, step.streaming)
+        self._after_kernel(step.prefetches, step.streaming)
+
+    def _after_kernel(self, prefetches: list[Prefetch], streaming: bool) -> None:
+        """The layer's kernels are issued (finish_step's invariant): start the guesses' copies."""
+        self._prefetch(prefetches, streaming)
         self.late.issue_deferred()
 
     def _route(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -148,8 +151,8 @@ class OffloadExperts:
 
     def _acquire(self, layer: int, used: list[int], host_ids: torch.Tensor, prefetches: list[Prefetch],
                  streaming: bool) -> LayerStep:
-        """Pin `used` (copying the misses in), queue the guesses' copies behind them (they overlap
-        this layer's kernels), map the pairs to slots."""
+        """Pin `used` (copying the misses in) and map the pairs to slots; the guesses' copies wait in
+        the step for `finish_step` (or start here with FERRYMAN_PREFETCH_AFTER_KERNELS=0)."""
         slots = self.cache.acquire(layer, used)
         if not _prefetch_after_kernels():
             self._prefetch(prefetches, streaming)
@@ -246,8 +249,7 @@ class OffloadExperts:
             self.cache.release(layer, here, slots)
         else:
             out = torch.zeros_like(x)  # [T, H]
-        self._prefetch(prefetches, False)
-        self.late.issue_deferred()
+        self._after_kernel(prefetches, False)
         return out + self.cpu.result(job).to(x.device, non_blocking=True)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,

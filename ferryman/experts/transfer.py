@@ -109,7 +109,8 @@ class StreamTransfer(Transfer):
             return
         if side and self.side is None:
             self.side = torch.cuda.Stream(self.device)
-        stream = self.side if side and self.side is not None else self.stream
+        stream = self.side if side else self.stream
+        assert stream is not None  # made just above
         with torch.cuda.stream(stream):
             # readers of the old contents are done, and so is a copy into the slot not yet read
             for ev in _distinct([*(self.free[s] for s in slots), *(self.ready[s] for s in slots), after]):

@@ -69,7 +69,7 @@ class _EngineCollector(Collector):
         for kind, value in self.memory.items():
             mem.add_metric([kind], float(value))
         yield mem
-        peaks = s.get("memory") if isinstance(s.get("memory"), dict) else {}
+        peaks = s.get("memory_peaks") if isinstance(s.get("memory_peaks"), dict) else {}
         if peaks:  # CUDA: what the caching allocator peaked at (reserved is what the budget caps)
             peak = GaugeMetricFamily("ferryman_memory_peak_bytes", "device memory peak since start", labels=["kind"])
             for kind in ("allocated", "reserved"):
