@@ -20,7 +20,7 @@
 #   reserved memory, retries); ltests (GPU tests of late/late2 prefetch, holds, planner); late2ab (decode
 #   off / late / late2 through FERRYMAN_DECODE_PREFETCH, no rebind: 20b, and 120b off / late2); late2ab20
 #   (its 20b half); pakab (speculative copies after the kernels: 120b prefill, 20b on vs off); pak120ab
-#   (120b 8k prefill, off vs on); serveab (20b at 8 GiB, 16 users: default, late, late2, fp8 KV); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
+#   (120b 8k prefill, off vs on); serveab (20b at 8 GiB, 16 users: default, late, late2, fp8 KV, late + fp8 KV); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -169,7 +169,8 @@ for s in "${@:-tests decode kernels}"; do
       serveab) serve16 s16_default 8131 --
                serve16 s16_late 8132 FERRYMAN_DECODE_PREFETCH=late --
                serve16 s16_late2 8133 FERRYMAN_DECODE_PREFETCH=late2 --
-               serve16 s16_fp8 8134 -- --kv-cache-dtype fp8 ;;
+               serve16 s16_fp8 8134 -- --kv-cache-dtype fp8
+               serve16 s16_late_fp8 8135 FERRYMAN_DECODE_PREFETCH=late -- --kv-cache-dtype fp8 ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
                stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
                stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
