@@ -178,6 +178,19 @@ class Envs:
         "offloaded experts, experimental: decode kernels read uncached experts straight from pinned host "
         "memory (no per-layer sync, whole-step CUDA graphs); prefill still fills the cache",
     )
+    CPU_KERNEL = EnvVar(
+        "FERRYMAN_CPU_KERNEL", bool, True,
+        "CPU: multiply MXFP4 experts with the C kernel (ferryman/quant/csrc/mxfp4_cpu.c, built at first use "
+        "with the system C compiler) instead of dequantising them to torch tensors first (0: the torch path)",
+    )
+    CPU_THREADS = EnvVar(
+        "FERRYMAN_CPU_THREADS", int, 0,
+        "threads of the CPU MXFP4 kernel (0: torch.get_num_threads())",
+    )
+    CACHE_DIR = EnvVar(
+        "FERRYMAN_CACHE_DIR", str, "",
+        "where built CPU kernels are kept (default: $XDG_CACHE_HOME/ferryman or ~/.cache/ferryman)",
+    )
     DEBUG = EnvVar(
         "FERRYMAN_DEBUG", bool, False, "as the CLI's --debug: full tracebacks, and DEBUG logs",
     )

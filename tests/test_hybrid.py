@@ -239,8 +239,9 @@ def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates:
     assert st["hybrid"]["enabled"] and "read" in st["hybrid"]["source"]
     assert st["hybrid"]["link_experts_per_s"] == pytest.approx(rates[0])
     assert st["cpu_computed"] > 0 and st["split_steps"] > 0 and st["cpu_seconds"] > 0, st
-    if rates[1] > 1e6:  # the link is hopeless: decode misses all go to the CPU
-        assert st["split_fetch_ratio"] == 0.0
+    if rates[1] > 1e6:  # the link is hopeless: decode misses go to the CPU, but for one per layer
+        # step without a hit (the device kernel needs a slot to give the CPU's pairs)
+        assert 0.0 < st["split_fetch_ratio"] < 0.5
 
 
 def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
@@ -332,3 +333,57 @@ def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: boo
     rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
     assert greedy_ids(hybrid, ids, 32) == greedy_ids(resident, ids, 32)
     assert hybrid.stats()["experts"]["cpu_computed"] > 0
+
+
+# ---- hybrid steps through the per-layer decode graphs -------------------------------------------
+
+
+def _hybrid_segments(folder: Path, tmp_path: Path, device: str, rates: tuple[float, float]):  # noqa: ANN202
+    """(resident greedy tokens, a hybrid LLM with a 25% cache and fixed rates, its per-layer decode,
+    a count of MoE graph runs): on CPU the segment functions run eagerly over the static buffers."""
+    from ferryman.engine.segment_graphs import SegmentedDecode
+
+    cfg = ModelConfig.from_hf(folder)
+    cal = _calibration(cfg, torch.float32, *rates)
+    save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")  # on CUDA the split reads h2d
+    kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
+    want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS[:3], 12)
+    llm = LLM(str(folder), moe_strategy="offload", expert_cache="25%", cpu_experts="on",
+              calibration=str(tmp_path / "cal.json"), max_num_seqs=4, enforce_eager=device == "cpu", **kw)
+    runner = llm.engine.runner
+    if device == "cpu":
+        runner.graphs = SegmentedDecode(runner.model, 4, 64, llm.engine.max_model_len, runner.device, capture=False)
+    seg = runner.graphs
+    assert isinstance(seg, SegmentedDecode)
+    runs = [0]
+    inner = seg._moe
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        runs[0] += 1
+        return inner(*args)
+
+    seg._moe = counted  # type: ignore[method-assign]
+    return want, llm, runs
+
+
+@pytest.mark.parametrize("rates", [(1000.0, 1000.0), (1.0, 1e9)], ids=["half-on-cpu", "all-misses-on-cpu"])
+def test_hybrid_steps_run_the_moe_graph_and_equal_resident(tiny: tuple[str, Path], rates: tuple[float, float],
+                                                           tmp_path: Path) -> None:
+    """A hybrid decode step goes through the layer's MoE graph function (the CPU's pairs weigh 0
+    there, its part is added after): same greedy tokens as resident, and the CPU computed misses."""
+    arch, folder = tiny
+    want, llm, moe_runs = _hybrid_segments(folder, tmp_path, "cpu", rates)
+    assert greedy_ids(llm, PROMPTS[:3], 12) == want, f"{arch}: hybrid per-layer decode differs from resident"
+    st = llm.stats()["experts"]
+    assert moe_runs[0] > 0 and st["cpu_computed"] > 0 and st["split_steps"] > 0, st
+    assert llm.engine.runner.experts.cache.table.num_pinned == 0
+
+
+@pytest.mark.gpu
+def test_cuda_hybrid_steps_replay_the_moe_graphs(tiny: tuple[str, Path], tmp_path: Path) -> None:
+    arch, folder = tiny
+    want, llm, moe_runs = _hybrid_segments(folder, tmp_path, "cuda", (1000.0, 1000.0))
+    assert llm.stats()["cuda_graph_mode"] == "layer"
+    assert greedy_ids(llm, PROMPTS[:3], 12) == want, f"{arch}: hybrid layer graphs differ from resident"
+    st = llm.stats()["experts"]
+    assert st["cpu_computed"] > 0 and st["split_steps"] > 0, st

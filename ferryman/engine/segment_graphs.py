@@ -9,8 +9,9 @@ replays segment 1, ... : one launch per segment instead of ~12 eager ones. The M
 is a graph too when the batch fits the Triton decode kernel: the backend does the layer's sync,
 lookup and fetches (`OffloadExperts.prepare_decode`), its slot ids go into a static buffer, and the
 layer's MoE graph replays (the Python and launch cost of fused_moe, ~0.3 ms per layer on the H200
-host, is the part of decode where the link idled). Steps that need the eager MoE (a hybrid CPU
-split, rounds, a backend rebound after capture) run it between the segments as before.
+host, is the part of decode where the link idled). A hybrid split (--cpu-experts) zeroes the
+weights of the CPU's pairs in `w` before the replay and adds the CPU's part to x after it. Steps
+that need the eager MoE (rounds, a backend rebound after capture) run it between the segments.
 With late decode prefetch (FERRYMAN_DECODE_PREFETCH=late, late2) the MoE graph also computes the
 guess of the next MoE layer (late2: and the one after) from the residual stream it leaves, into
 `guess`; the backend reads it back after the replay (`OffloadExperts.guesses_made`): one copy
@@ -186,14 +187,23 @@ class SegmentedDecode:
                 or self.ids is None):
             return False
         assert isinstance(experts, OffloadExperts)  # captured[i] is one
-        step = experts.prepare_decode(i, self.h[:B], self.ids[:B])
+        assert self.w is not None  # written by the segment, with ids
+        step = experts.prepare_decode(i, self.h[:B], self.ids[:B], self.w[:B])
         if step is None:
             return False
+        if step.slot_ids is None:  # hybrid, every pair on the CPU: no kernel, no guesses
+            experts.finish_step(step)
+            self.x[:B].copy_(experts.cpu_part(step))
+            return True
+        if step.cpu_off is not None:  # hybrid: the CPU's pairs weigh 0 in the graph's kernel
+            self.w[:B].masked_fill_(step.cpu_off, 0.0)
         self.slots[:B].copy_(step.slot_ids)
         if bs > B:  # padding rows read row 0's slots: valid, finite, and their output is unused
             self.slots[B:bs].copy_(self.slots[:1].expand(bs - B, -1))
         self._run(("moe", i), bs, fns)
         experts.finish_step(step)
+        if step.cpu_job is not None:
+            self.x[:B].add_(experts.cpu_part(step))
         if experts.late_guess and self.guess is not None:  # the graph computed the guesses
             experts.guesses_made(i, self.guess[self.moe_pos[i], :, :B])
         return True

@@ -139,9 +139,12 @@ class HybridSplit:
     def applies(self, tokens: int, streaming: bool) -> bool:
         return self.decision.enabled and not streaming and tokens <= self.max_tokens
 
-    def split(self, layer: int, misses: list[int], room: int) -> tuple[list[int], list[int]]:
-        """(fetch, cpu), both ascending; at most `room` fetched (slots not in use after the hits)."""
-        f = min(split_fetch(len(misses), self.decision.link, self.decision.cpu), max(0, room))
+    def split(self, layer: int, misses: list[int], room: int, device_min: int = 0) -> tuple[list[int], list[int]]:
+        """(fetch, cpu), both ascending; at most `room` fetched (slots not in use after the hits),
+        and at least `device_min` (room allowing: the device kernel needs one slot to give the CPU's
+        pairs when the layer has no hit)."""
+        f = split_fetch(len(misses), self.decision.link, self.decision.cpu)
+        f = min(max(f, min(device_min, len(misses))), max(0, room))
         ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
         fetch, cpu = sorted(ranked[:f]), sorted(ranked[f:])
         c = self.counters

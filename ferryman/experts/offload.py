@@ -23,11 +23,14 @@ layer runs in rounds: cached experts first, then as many misses as fit, each rou
 Hybrid (cpu_experts, experts/hybrid.py): in a decode-sized step the misses split into those
 fetched and those computed on the CPU from the host store (experts/cpu_compute.py, a worker
 thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H] part is added.
+The device kernel keeps every pair, those computed on the CPU with weight 0 (`LayerStep.cpu_off`),
+so the same step runs eagerly or as the layer's MoE graph.
 """
 
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -52,12 +55,18 @@ class LayerStep:
     `OffloadExperts.finish_step`."""
 
     layer: int
-    used: list[int]  # distinct expert ids, ascending
+    used: list[int]  # distinct expert ids on the device, ascending
     slots: list[int]  # their slots
-    slot_ids: torch.Tensor  # [T, K] int32 slot of each (token, k) pair, on the cache's device
+    # [T, K] int32 slot of each (token, k) pair, on the cache's device; None when the CPU computes
+    # every pair (a hybrid step with nothing on the device)
+    slot_ids: torch.Tensor | None
     host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
     prefetches: list[Prefetch] = field(default_factory=list)  # guesses to copy once the kernel is issued
     streaming: bool = False
+    # hybrid: the CPU's [T, H] part being computed, and the [T, K] pairs it covers (on the cache's
+    # device). The device kernel gives those pairs weight 0, on a slot it reads anyway.
+    cpu_job: Future | None = None
+    cpu_off: torch.Tensor | None = None
 
 
 class OffloadExperts:
@@ -100,24 +109,31 @@ class OffloadExperts:
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
         used, prefetches, host_ids = self._route(layer, x, topk_ids, streaming)
         if self.hybrid is not None and self.hybrid.applies(x.shape[0], streaming):
-            self.hybrid.history.use([(layer, e) for e in used])
-            return self._compute_hybrid(layer, x, topk_ids, topk_w, host_ids, used, prefetches)
+            return self._compute(x, topk_w, self._hybrid_step(layer, x, topk_w, host_ids, used, prefetches), False)
         if len(used) > self.cache.available():
             out = self._compute_rounds(layer, x, topk_ids, topk_w, used)
             self._after_kernel(prefetches, streaming)
             return out
         return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, streaming), streaming)
 
-    def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> LayerStep | None:
+    def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_w: torch.Tensor) -> LayerStep | None:
         """What `forward` does for a decode-sized step, up to the kernel: the one sync, lookup,
-        fetches, prefetch and slot mapping. The caller runs fused_moe on the slot ids (in a CUDA
-        graph) and then calls `finish_step`. None when the step needs the eager path: zero-copy,
-        a hybrid CPU split, or more pairs than free slots (rounds)."""
-        if (self.zero_copy or topk_ids.numel() > self.cache.available()
-                or (self.hybrid is not None and self.hybrid.applies(x.shape[0], False))):
+        fetches, the CPU's part of a hybrid split, and the slot mapping. The caller runs fused_moe
+        on the slot ids with the pairs `cpu_off` zeroed (in a CUDA graph), calls `finish_step`, then
+        adds `cpu_part`. None when the step needs the eager path: zero-copy, or more pairs than
+        free slots (rounds)."""
+        if self.zero_copy or topk_ids.numel() > self.cache.available():
             return None
         used, prefetches, host_ids = self._route(layer, x, topk_ids, False)
+        if self.hybrid is not None and self.hybrid.applies(x.shape[0], False):
+            return self._hybrid_step(layer, x, topk_w, host_ids, used, prefetches)
         return self._acquire(layer, used, host_ids, prefetches, False)
+
+    def cpu_part(self, step: LayerStep) -> torch.Tensor:
+        """The [T, H] output of the pairs `step` sent to the CPU, on the cache's device (waits)."""
+        assert self.cpu is not None and step.cpu_job is not None  # a hybrid step made by _hybrid_step
+        return self.cpu.result(step.cpu_job).to(self.cache.device, non_blocking=True)
 
     def finish_step(self, step: LayerStep) -> None:
         """The kernel reading `step`'s slots is issued: unpin them, then start the guesses' copies.
@@ -218,39 +234,46 @@ class OffloadExperts:
             self.guesser.remember(target, guessed, fetched, streaming)
 
     def _compute(self, x: torch.Tensor, topk_w: torch.Tensor, step: LayerStep, streaming: bool) -> torch.Tensor:
-        out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, topk_w, self.act, host_ids=step.host_slot_ids)
+        if step.slot_ids is None:  # a hybrid step with every pair on the CPU
+            out = torch.zeros_like(x)  # [T, H]
+        else:
+            w = topk_w if step.cpu_off is None else topk_w.masked_fill(step.cpu_off, 0.0)
+            out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids)
         self.finish_step(step)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
-        return out
+        return out if step.cpu_job is None else out + self.cpu_part(step)
 
-    def _compute_hybrid(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                        host_ids: torch.Tensor, used: list[int], prefetches: list[Prefetch]) -> torch.Tensor:
+    def _hybrid_step(self, layer: int, x: torch.Tensor, topk_w: torch.Tensor, host_ids: torch.Tensor,
+                     used: list[int], prefetches: list[Prefetch]) -> LayerStep:
+        """Split the misses into fetched and computed on the CPU (started here, in the worker), and
+        acquire the rest: the step's kernel covers every pair, the CPU's with weight 0."""
         assert self.hybrid is not None and self.cpu is not None  # applies() implies both
+        self.hybrid.history.use([(layer, e) for e in used])
         misses = [e for e in used if not self.cache.contains(layer, e)]
+        hits = len(used) - len(misses)
         # hits are cached and not in use between layers, so room >= 0
-        room = self.cache.available() - (len(used) - len(misses))
-        _, on_cpu = self.hybrid.split(layer, misses, room)  # the fetched ones are fetched by acquire
+        room = self.cache.available() - hits
+        _, on_cpu = self.hybrid.split(layer, misses, room, device_min=0 if hits else 1)
         if not on_cpu:
-            return self._compute(x, topk_w, self._acquire(layer, used, host_ids, prefetches, False), False)
+            return self._acquire(layer, used, host_ids, prefetches, False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
         cpu_set = set(on_cpu)
         here = [e for e in used if e not in cpu_set]
-        if here:
-            slots = self.cache.acquire(layer, here)
-            # A pair sent to the CPU keeps its place in the device kernel with weight 0 on a slot the
-            # kernel reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel
-            # keeps its [T, K] shape and per-token summation order.
-            ids, _ = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
-            off = torch.zeros(self.num_experts, dtype=torch.bool)
-            off[on_cpu] = True
-            w = topk_w.masked_fill(off.to(topk_w.device, non_blocking=True)[topk_ids], 0.0)
-            out = fused_moe(self.fmt, self.cache.banks, x, ids, w, self.act)
-            self.cache.release(layer, here, slots)
-        else:
-            out = torch.zeros_like(x)  # [T, H]
-        self._after_kernel(prefetches, False)
-        return out + self.cpu.result(job).to(x.device, non_blocking=True)
+        off = torch.zeros(self.num_experts, dtype=torch.bool)
+        off[on_cpu] = True
+        cpu_off = off[host_ids].to(self.cache.device, non_blocking=True)  # [T, K]
+        if not here:  # no room at all: the CPU computes the whole layer
+            return LayerStep(layer, [], [], None, None, prefetches, False, job, cpu_off)
+        slots = self.cache.acquire(layer, here)
+        if not _prefetch_after_kernels():
+            self._prefetch(prefetches, False)
+            prefetches = []
+        # a pair sent to the CPU keeps its place in the kernel, with weight 0 on a slot the kernel
+        # reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel keeps its
+        # [T, K] shape and per-token summation order
+        dev_ids, host_slots = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
+        return LayerStep(layer, here, slots, dev_ids, host_slots, prefetches, False, job, cpu_off)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_w: torch.Tensor, used: list[int]) -> torch.Tensor:

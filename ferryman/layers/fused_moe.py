@@ -140,7 +140,7 @@ def fused_moe(
         from ferryman.layers.batched_moe import fused_moe_batched
 
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
-    if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
+    if not x.is_cuda and not _cpu_kernel(form, x) and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
 
@@ -211,21 +211,37 @@ def _pair_matvecs(form: ExpertFormat, banks: Banks, proj: str, flat: torch.Tenso
     return torch.bmm(w, vecs[:, :, None])[..., 0]
 
 
+def _cpu_kernel(form: ExpertFormat, x: torch.Tensor) -> bool:
+    """MXFP4 experts on the CPU go through the C kernel when it is built (quant/mxfp4_cpu.py)."""
+    if form.name != "mxfp4" or x.device.type != "cpu":
+        return False
+    from ferryman.quant.mxfp4_cpu import available
+
+    return available()
+
+
+def _project(form: ExpertFormat, banks: Banks, proj: str, slot: int, xs: torch.Tensor) -> torch.Tensor:
+    """xs [n, in] @ W_proj[slot]^T -> [n, out] in xs.dtype. The CPU MXFP4 kernel reads the weights
+    in place and accumulates in fp32, rounding once at the end as torch's CPU matmul does."""
+    if _cpu_kernel(form, xs):
+        from ferryman.quant.mxfp4_cpu import mxfp4_matmul
+
+        return mxfp4_matmul(xs.float(), banks[f"{proj}_blocks"][slot], banks[f"{proj}_scales"][slot]).to(xs.dtype)
+    w = form.dequant(banks, proj, slice(slot, slot + 1), xs.dtype)[0]  # [out, in], transient
+    return xs @ w.T
+
+
 def _expert_forward(
     form: ExpertFormat, banks: Banks, slot: int, xs: torch.Tensor, act: MoEActivation
 ) -> torch.Tensor:
     """One expert on its tokens. slot: a host int (views of the banks: no gather, no device sync),
     xs: [n, H] -> [n, H] in xs.dtype."""
     bias = form.has_bias(banks)
-    one = slice(slot, slot + 1)
-    w13 = form.dequant(banks, "w13", one, xs.dtype)[0]  # [2I, H], transient
-    gate_up = xs @ w13.T  # [n, 2I]
-    del w13
+    gate_up = _project(form, banks, "w13", slot, xs)  # [n, 2I]
     if bias:  # added after the matmul, not fused (HF: x @ W + b)
         gate_up = gate_up + banks["w13_bias"][slot].to(xs.dtype)
     h = apply_activation(gate_up, act)  # [n, I]
-    w2 = form.dequant(banks, "w2", one, xs.dtype)[0]  # [H, I], transient
-    y = h @ w2.T  # [n, H]
+    y = _project(form, banks, "w2", slot, h)  # [n, H]
     if bias:
         y = y + banks["w2_bias"][slot].to(xs.dtype)
     return y

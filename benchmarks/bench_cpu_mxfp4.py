@@ -1,0 +1,81 @@
+"""CPU MXFP4 expert products: the C kernel (quant/mxfp4_cpu.py) against the torch path it replaces
+(dequantise to the activation dtype, then a matmul), on gpt-oss expert shapes.
+
+    python benchmarks/bench_cpu_mxfp4.py [--tokens 1,2,4,8] [--threads 0,8] [--pool-mib 512]
+
+Prints, per token count and thread count, the time of one expert (gate_up [2I, H] then down
+[H, I]), its rate in experts/s and GB/s of MXFP4 bytes, the ratio to the torch path measured in
+the same run, and the ratio to the host read bandwidth measured in the same run. Experts cycle
+through a pool larger than the CPU caches, as misses do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
+from ferryman.quant import mxfp4_cpu
+
+
+def _experts(n: int, hidden: int, inter: int) -> list[tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(0)
+    return [(*random_mxfp4((2 * inter, hidden), gen), *random_mxfp4((hidden, inter), gen)) for _ in range(n)]
+
+
+def _time(fn, reps: int) -> float:  # noqa: ANN001
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--threads", default="0", help="kernel threads to try (0: torch.get_num_threads())")
+    ap.add_argument("--hidden", type=int, default=2880)
+    ap.add_argument("--inter", type=int, default=2880)
+    ap.add_argument("--pool-mib", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3, help="passes over the pool")
+    a = ap.parse_args()
+    if not mxfp4_cpu.available():
+        raise SystemExit("the CPU MXFP4 kernel is unavailable here (see the warning above)")
+    per_expert = 3 * a.hidden * a.inter * 17 // 32  # blocks + scales bytes of w13 and w2
+    pool = _experts(max(2, (a.pool_mib << 20) // per_expert), a.hidden, a.inter)
+    big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    read = big.numel() * 4 / _time(lambda: big.sum(), 5) / 1e9
+    del big
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+          f"{torch.get_num_threads()}; expert {per_expert / 2**20:.2f} MiB; pool {len(pool)} experts; "
+          f"host read {read:.1f} GB/s")
+    for t in (int(v) for v in a.tokens.split(",")):
+        x = torch.randn(t, a.hidden)
+        h = torch.randn(t, a.inter)
+
+        def kernel_pass() -> None:
+            for b13, s13, b2, s2 in pool:
+                mxfp4_cpu.mxfp4_matmul(x, b13, s13)
+                mxfp4_cpu.mxfp4_matmul(h, b2, s2)
+
+        def torch_pass() -> None:
+            for b13, s13, b2, s2 in pool[:4]:
+                x.bfloat16() @ dequant_mxfp4(b13, s13, torch.bfloat16).T
+                h.bfloat16() @ dequant_mxfp4(b2, s2, torch.bfloat16).T
+
+        ref = _time(torch_pass, 1) / 4
+        for threads in (int(v) for v in a.threads.split(",")):
+            os.environ["FERRYMAN_CPU_THREADS"] = str(threads)
+            sec = _time(kernel_pass, a.reps) / len(pool)
+            print(f"tokens {t:2d} threads {threads or torch.get_num_threads():2d}: {sec * 1e3:6.3f} ms/expert, "
+                  f"{1 / sec:7.0f} experts/s, {per_expert / sec / 1e9:5.1f} GB/s ({per_expert / sec / 1e9 / read:.2f} "
+                  f"of host read); torch path {ref * 1e3:.1f} ms/expert: kernel {ref / sec:.0f}x faster")
+
+
+if __name__ == "__main__":
+    main()

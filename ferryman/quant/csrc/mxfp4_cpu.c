@@ -1,0 +1,152 @@
+/* MXFP4 weights times fp32 activations on the CPU: y[t, n] = sum_k x[t, k] * W[n, k].
+ *
+ * W is stored as ferryman/quant/mxfp4.py describes: row n has G = K/32 blocks of 16 bytes (byte j
+ * holds element 2j in its low nibble and 2j+1 in its high one) and G e8m0 scale bytes (2^(s-127)).
+ * Each weight is dequantised exactly in fp32 (an e2m1 value times a power of two, with s = 255 as
+ * 2^127 then x 2, like the torch reference), then multiplied and accumulated in fp32.
+ *
+ * Built at first use by ferryman/quant/mxfp4_cpu.py with the system C compiler and -march=native;
+ * the AVX-512 path runs where the compiler targets it, the portable loop elsewhere. Rows are
+ * split between OpenMP threads when the build has OpenMP. No Python API: loaded with ctypes, which
+ * releases the GIL for the call.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define BLOCK_BYTES 16
+#define TILE 8 /* tokens per pass over the weights (one accumulator register each) */
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* 2^(s-127) for s < 255 and 2^127 for s = 255 (the caller doubles once more), from its bits:
+ * exponent field s for s >= 1, and the subnormal 2^-127 (bit 22) for s = 0 */
+static inline float scale_of(uint8_t s) {
+    uint32_t bits = s == 0 ? 0x00400000u : (uint32_t)(s == 255 ? 254 : s) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+int ferryman_mxfp4_has_avx512(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int ferryman_mxfp4_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* xd: x reordered per block as [even elements (16), odd elements (16)], [T, K] */
+static void deinterleave(const float *x, float *xd, int64_t T, int64_t K) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t g = 0; g < K / BLOCK; g++)
+            for (int j = 0; j < BLOCK_BYTES; j++) {
+                xd[t * K + g * BLOCK + j] = x[t * K + g * BLOCK + 2 * j];
+                xd[t * K + g * BLOCK + BLOCK_BYTES + j] = x[t * K + g * BLOCK + 2 * j + 1];
+            }
+}
+
+#ifdef __AVX512F__
+/* rows [n, n+1) for tokens [t0, t0+nt), nt <= TILE */
+static void row_avx512(const uint8_t *blk, const uint8_t *scl, const float *xd, int64_t K, int64_t t0, int nt,
+                       float *y, int64_t N, int64_t n) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m512i low = _mm512_set1_epi32(0xF);
+    const __m512 two = _mm512_set1_ps(2.0f);
+    __m512 acc[TILE];
+    for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t G = K / BLOCK;
+    for (int64_t g = 0; g < G; g++) {
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + g * BLOCK_BYTES)));
+        uint8_t s = scl[g];
+        __m512 sc = _mm512_set1_ps(scale_of(s));
+        __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut), sc);
+        __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), sc);
+        if (s == 255) {
+            even = _mm512_mul_ps(even, two);
+            odd = _mm512_mul_ps(odd, two);
+        }
+        const float *xg = xd + t0 * K + g * BLOCK;
+        for (int t = 0; t < nt; t++) {
+            acc[t] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xg + t * K), acc[t]);
+            acc[t] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xg + t * K + BLOCK_BYTES), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) y[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
+}
+#endif
+
+static void row_portable(const uint8_t *blk, const uint8_t *scl, const float *xd, int64_t K, int64_t t0, int nt,
+                         float *y, int64_t N, int64_t n) {
+    float acc[TILE][BLOCK_BYTES];
+    memset(acc, 0, sizeof(acc));
+    const int64_t G = K / BLOCK;
+    for (int64_t g = 0; g < G; g++) {
+        float even[BLOCK_BYTES], odd[BLOCK_BYTES];
+        uint8_t s = scl[g];
+        float sc = scale_of(s), extra = s == 255 ? 2.0f : 1.0f;
+        for (int j = 0; j < BLOCK_BYTES; j++) {
+            uint8_t b = blk[g * BLOCK_BYTES + j];
+            even[j] = E2M1[b & 0xF] * sc * extra;
+            odd[j] = E2M1[b >> 4] * sc * extra;
+        }
+        const float *xg = xd + t0 * K + g * BLOCK;
+        for (int t = 0; t < nt; t++)
+            for (int j = 0; j < BLOCK_BYTES; j++)
+                acc[t][j] += even[j] * xg[t * K + j] + odd[j] * xg[t * K + BLOCK_BYTES + j];
+    }
+    for (int t = 0; t < nt; t++) {
+        float sum = 0.0f;
+        for (int j = 0; j < BLOCK_BYTES; j++) sum += acc[t][j];
+        y[(t0 + t) * N + n] = sum;
+    }
+}
+
+/* x: [T, K] fp32; blocks: [N, K/32, 16]; scales: [N, K/32]; y: [T, N] fp32.
+ * portable != 0 forces the portable loop (tests compare the two). Returns 0, or -1 if K is not a
+ * multiple of 32 or memory ran out. */
+int ferryman_mxfp4_matmul(const float *x, int64_t T, int64_t K, const uint8_t *blocks, const uint8_t *scales,
+                          int64_t N, float *y, int threads, int portable) {
+    if (K % BLOCK != 0 || T < 0 || N < 0) return -1;
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(T * K > 0 ? T * K : 1));
+    if (xd == NULL) return -1;
+    deinterleave(x, xd, T, K);
+    const int64_t G = K / BLOCK;
+    (void)threads;
+    (void)portable;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads())
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *blk = blocks + n * G * BLOCK_BYTES, *scl = scales + n * G;
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+            int nt = (int)(T - t0 < TILE ? T - t0 : TILE);
+#ifdef __AVX512F__
+            if (!portable) {
+                row_avx512(blk, scl, xd, K, t0, nt, y, N, n);
+                continue;
+            }
+#endif
+            row_portable(blk, scl, xd, K, t0, nt, y, N, n);
+        }
+    }
+    free(xd);
+    return 0;
+}
