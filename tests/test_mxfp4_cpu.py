@@ -97,12 +97,37 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     w = torch.rand(5, 2, generator=gen)
     act = MoEActivation("swiglu_oai")
     calls = [0]
-    inner = mxfp4_cpu.mxfp4_matmul
-    monkeypatch.setattr(mxfp4_cpu, "mxfp4_matmul", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or inner(*a, **k))
+    inner = mxfp4_cpu.mxfp4_expert
+    monkeypatch.setattr(mxfp4_cpu, "mxfp4_expert", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or inner(*a, **k))
     fast = fused_moe("mxfp4", banks, x, ids, w, act)
-    assert calls[0] == 2 * 6  # two products per expert used
+    assert calls[0] == 6  # one call per expert used
     monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
     slow = fused_moe("mxfp4", banks, x, ids, w, act)
-    assert calls[0] == 12
+    assert calls[0] == 6
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, slow, **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable-loop"])
+def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, portable: bool) -> None:
+    """mxfp4_expert (both products and the activation in C) against the torch path's expert in
+    float32: dequantise, matmul, bias, apply_activation, matmul, bias."""
+    from ferryman.layers.fused_moe import _project, apply_activation
+
+    form = get_format("mxfp4")
+    banks = form.random_banks(3, 64, 96, bias, torch.float32, torch.Generator().manual_seed(7))
+    act = MoEActivation(kind)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)) * 3  # some gates past the limit
+    gate_up = _project(form, banks, "w13", 1, x)
+    if bias:
+        gate_up = gate_up + banks["w13_bias"][1]
+    want = _project(form, banks, "w2", 1, apply_activation(gate_up, act))
+    if bias:
+        want = want + banks["w2_bias"][1]
+    got = mxfp4_cpu.mxfp4_expert(x, banks, 1, kind, act.alpha, act.limit, portable=portable)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        mxfp4_cpu.mxfp4_expert(x, banks, 1, "gelu", 1.0, 1.0)

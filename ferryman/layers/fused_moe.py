@@ -221,12 +221,7 @@ def _cpu_kernel(form: ExpertFormat, x: torch.Tensor) -> bool:
 
 
 def _project(form: ExpertFormat, banks: Banks, proj: str, slot: int, xs: torch.Tensor) -> torch.Tensor:
-    """xs [n, in] @ W_proj[slot]^T -> [n, out] in xs.dtype. The CPU MXFP4 kernel reads the weights
-    in place and accumulates in fp32, rounding once at the end as torch's CPU matmul does."""
-    if _cpu_kernel(form, xs):
-        from ferryman.quant.mxfp4_cpu import mxfp4_matmul
-
-        return mxfp4_matmul(xs.float(), banks[f"{proj}_blocks"][slot], banks[f"{proj}_scales"][slot]).to(xs.dtype)
+    """xs [n, in] @ W_proj[slot]^T -> [n, out] in xs.dtype, the weights dequantised for the call."""
     w = form.dequant(banks, proj, slice(slot, slot + 1), xs.dtype)[0]  # [out, in], transient
     return xs @ w.T
 
@@ -236,6 +231,10 @@ def _expert_forward(
 ) -> torch.Tensor:
     """One expert on its tokens. slot: a host int (views of the banks: no gather, no device sync),
     xs: [n, H] -> [n, H] in xs.dtype."""
+    if _cpu_kernel(form, xs):  # the whole expert in one C call, in fp32 (quant/mxfp4_cpu.py)
+        from ferryman.quant.mxfp4_cpu import mxfp4_expert
+
+        return mxfp4_expert(xs.float(), banks, slot, act.kind, act.alpha, act.limit).to(xs.dtype)
     bias = form.has_bias(banks)
     gate_up = _project(form, banks, "w13", slot, xs)  # [n, 2I]
     if bias:  # added after the matmul, not fused (HF: x @ W + b)

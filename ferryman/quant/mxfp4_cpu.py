@@ -94,6 +94,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ferryman_mxfp4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.ferryman_mxfp4_matmul.restype = ctypes.c_int
+    lib.ferryman_mxfp4_expert.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
+                                          ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.ferryman_mxfp4_expert.restype = ctypes.c_int
     lib.ferryman_mxfp4_has_avx512.restype = ctypes.c_int
     lib.ferryman_mxfp4_has_openmp.restype = ctypes.c_int
 
@@ -120,9 +123,15 @@ def available() -> bool:
 
 
 def _threads() -> int:
+    """FERRYMAN_CPU_THREADS, else torch's thread count, less one when this process drives a GPU:
+    its thread needs a core, and one preempted OpenMP thread stalls the whole product (on the H200
+    host, measured together with the link's copies: 664 experts/s with 16 of 16 cores)."""
     from ferryman.envs import envs
 
-    return envs.CPU_THREADS if envs.CPU_THREADS > 0 else torch.get_num_threads()
+    if envs.CPU_THREADS > 0:
+        return envs.CPU_THREADS
+    n = torch.get_num_threads()
+    return n - 1 if n > 2 and torch.cuda.is_initialized() else n
 
 
 def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -154,4 +163,40 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, po
                                    blocks.shape[0], y.data_ptr(), _threads(), int(portable))
     if rc != 0:
         raise MemoryError(f"mxfp4_matmul: the kernel could not allocate its [{x.shape[0]}, {x.shape[1]}] buffer")
+    return y
+
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+def _bias(banks: dict[str, torch.Tensor], name: str, slot: int) -> torch.Tensor | None:
+    bank = banks.get(name)
+    return None if bank is None else bank[slot].float().contiguous()
+
+
+def mxfp4_expert(x: torch.Tensor, banks: dict[str, torch.Tensor], slot: int, kind: str, alpha: float,
+                 limit: float, portable: bool = False) -> torch.Tensor:
+    """One MXFP4 expert of `banks` (slot `slot`) on x [T, H] fp32 -> [T, H] fp32, in one call:
+    act(x @ W13^T + b13) @ W2^T + b2, everything in fp32 (ferryman/layers/fused_moe.py's math)."""
+    b13, s13 = banks["w13_blocks"][slot], banks["w13_scales"][slot]  # [2I, H/32, 16], [2I, H/32]
+    b2, s2 = banks["w2_blocks"][slot], banks["w2_scales"][slot]  # [H, I/32, 16], [H, I/32]
+    _check(x, b13, s13)
+    inter = b13.shape[0] // 2
+    if tuple(b2.shape[:2]) != (x.shape[1], inter // 32):
+        raise ValueError(f"mxfp4_expert: w2 blocks {tuple(b2.shape)} do not match hidden {x.shape[1]}, FFN {inter}")
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"mxfp4_expert: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU MXFP4 kernel is unavailable (see the warning logged when it was built)")
+    x = x.contiguous()
+    parts = [t.contiguous() for t in (b13, s13, b2, s2)]
+    bias13, bias2 = _bias(banks, "w13_bias", slot), _bias(banks, "w2_bias", slot)
+    y = torch.empty_like(x)  # [T, H]
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    rc = lib.ferryman_mxfp4_expert(x.data_ptr(), x.shape[0], x.shape[1], inter, ptr(parts[0]), ptr(parts[1]),
+                                   ptr(bias13), ptr(parts[2]), ptr(parts[3]), ptr(bias2), ACTIVATIONS[kind],
+                                   alpha, limit, y.data_ptr(), _threads(), int(portable))
+    if rc != 0:
+        raise MemoryError(f"mxfp4_expert: the kernel could not allocate its scratch for {x.shape[0]} tokens")
     return y

@@ -119,6 +119,86 @@ static void row_portable(const uint8_t *blk, const uint8_t *scl, const float *xd
     }
 }
 
+/* rows [n0, n1) of y = x @ W^T for every token (the body of an OpenMP loop, or all of it) */
+static void rows(const float *xd, int64_t T, int64_t K, const uint8_t *blocks, const uint8_t *scales, int64_t N,
+                 float *y, int64_t n, int portable) {
+    const int64_t G = K / BLOCK;
+    const uint8_t *blk = blocks + n * G * BLOCK_BYTES, *scl = scales + n * G;
+    (void)portable;
+    for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        int nt = (int)(T - t0 < TILE ? T - t0 : TILE);
+#ifdef __AVX512F__
+        if (!portable) {
+            row_avx512(blk, scl, xd, K, t0, nt, y, N, n);
+            continue;
+        }
+#endif
+        row_portable(blk, scl, xd, K, t0, nt, y, N, n);
+    }
+}
+
+static float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* One expert on T tokens, in one OpenMP region:
+ *   gate_up = x @ W13^T + b13        [T, 2I]
+ *   h = act(gate_up)                 [T, I]: kind 0 silu (gate = first I, up = last I); kind 1
+ *                                     swiglu_oai (gate = even, up = odd, clamped by limit)
+ *   y = h @ W2^T + b2                [T, H]
+ * x: [T, H] fp32; b13 [2I], b2 [H] fp32 or NULL. Scratch: [T, H + 4I] fp32 (x reordered, gate_up, h, h reordered). */
+int ferryman_mxfp4_expert(const float *x, int64_t T, int64_t H, int64_t I, const uint8_t *w13b, const uint8_t *w13s,
+                          const float *b13, const uint8_t *w2b, const uint8_t *w2s, const float *b2, int kind,
+                          float alpha, float limit, float *y, int threads, int portable) {
+    if (H % BLOCK != 0 || I % BLOCK != 0 || T < 0) return -1;
+    float *xd = (float *)malloc(sizeof(float) * (size_t)(T * (H + 4 * I) > 0 ? T * (H + 4 * I) : 1));
+    if (xd == NULL) return -1;
+    float *gu = xd + T * H, *h = gu + T * 2 * I, *hd = h + T * I;
+    deinterleave(x, xd, T, H);
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads > 0 ? threads : omp_get_max_threads())
+#endif
+    {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t n = 0; n < 2 * I; n++) rows(xd, T, H, w13b, w13s, 2 * I, gu, n, portable);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; t++) {
+            float *g = gu + t * 2 * I, *o = h + t * I;
+            for (int64_t i = 0; i < I; i++) {
+                if (kind == 0) {
+                    float a = g[i] + (b13 ? b13[i] : 0.0f), b = g[I + i] + (b13 ? b13[I + i] : 0.0f);
+                    o[i] = a * sigmoidf(a) * b;
+                } else {
+                    float a = g[2 * i] + (b13 ? b13[2 * i] : 0.0f), b = g[2 * i + 1] + (b13 ? b13[2 * i + 1] : 0.0f);
+                    a = a < limit ? a : limit;
+                    b = b < -limit ? -limit : (b > limit ? limit : b);
+                    o[i] = (b + 1.0f) * (a * sigmoidf(a * alpha));
+                }
+            }
+            for (int64_t g2 = 0; g2 < I / BLOCK; g2++)
+                for (int j = 0; j < BLOCK_BYTES; j++) {
+                    hd[t * I + g2 * BLOCK + j] = o[g2 * BLOCK + 2 * j];
+                    hd[t * I + g2 * BLOCK + BLOCK_BYTES + j] = o[g2 * BLOCK + 2 * j + 1];
+                }
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t n = 0; n < H; n++) rows(hd, T, I, w2b, w2s, H, y, n, portable);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < T; t++)
+            if (b2)
+                for (int64_t n = 0; n < H; n++) y[t * H + n] += b2[n];
+    }
+    free(xd);
+    return 0;
+}
+
 /* x: [T, K] fp32; blocks: [N, K/32, 16]; scales: [N, K/32]; y: [T, N] fp32.
  * portable != 0 forces the portable loop (tests compare the two). Returns 0, or -1 if K is not a
  * multiple of 32 or memory ran out. */
@@ -128,25 +208,11 @@ int ferryman_mxfp4_matmul(const float *x, int64_t T, int64_t K, const uint8_t *b
     float *xd = (float *)malloc(sizeof(float) * (size_t)(T * K > 0 ? T * K : 1));
     if (xd == NULL) return -1;
     deinterleave(x, xd, T, K);
-    const int64_t G = K / BLOCK;
     (void)threads;
-    (void)portable;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : omp_get_max_threads())
 #endif
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *blk = blocks + n * G * BLOCK_BYTES, *scl = scales + n * G;
-        for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-            int nt = (int)(T - t0 < TILE ? T - t0 : TILE);
-#ifdef __AVX512F__
-            if (!portable) {
-                row_avx512(blk, scl, xd, K, t0, nt, y, N, n);
-                continue;
-            }
-#endif
-            row_portable(blk, scl, xd, K, t0, nt, y, N, n);
-        }
-    }
+    for (int64_t n = 0; n < N; n++) rows(xd, T, K, blocks, scales, N, y, n, portable);
     free(xd);
     return 0;
 }
