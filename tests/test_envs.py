@@ -23,6 +23,9 @@ EXPECTED_NAMES = [
     "FERRYMAN_MOE_GRAPHS",
     "FERRYMAN_DECODE_PREFETCH",
     "FERRYMAN_ZERO_COPY",
+    "FERRYMAN_CPU_KERNEL",
+    "FERRYMAN_CPU_THREADS",
+    "FERRYMAN_CACHE_DIR",
     "FERRYMAN_DEBUG",
 ]
 
@@ -51,6 +54,9 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_MOE_GRAPHS": True,
         "FERRYMAN_DECODE_PREFETCH": "off",
         "FERRYMAN_ZERO_COPY": False,
+        "FERRYMAN_CPU_KERNEL": True,
+        "FERRYMAN_CPU_THREADS": 0,
+        "FERRYMAN_CACHE_DIR": "",
         "FERRYMAN_DEBUG": False,
     }
     assert isinstance(Envs.MOE_BACKEND, EnvVar)  # class access gives the descriptor
