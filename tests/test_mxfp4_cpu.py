@@ -131,3 +131,24 @@ def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, port
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="activation must be one of"):
         mxfp4_cpu.mxfp4_expert(x, banks, 1, "gelu", 1.0, 1.0)
+
+
+@needs_kernel
+def test_layer_job_sums_the_experts_like_fused_moe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One kernel call for several experts, each on its own tokens, weighted and summed: the torch
+    path's fused_moe over the same pairs (float32), and the bias rows cached by (layer, expert)."""
+    form = get_format("mxfp4")
+    banks = form.random_banks(6, 64, 96, True, torch.float32, torch.Generator().manual_seed(11))
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 64, generator=gen)
+    ids = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 3]])
+    w = torch.rand(4, 2, generator=gen)
+    pairs = {0: ([0, 2], [w[0, 0].item(), w[2, 1].item()]), 3: ([0, 1, 3], [w[0, 1].item(), w[1, 0].item(), w[3, 1].item()])}
+    bias: dict = {}
+    got = mxfp4_cpu.LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
+    assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]
+    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
+    keep = torch.isin(ids, torch.tensor([0, 3]))
+    want = fused_moe("mxfp4", banks, x, ids, w.masked_fill(~keep, 0.0), MoEActivation("swiglu_oai"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got[2].abs().sum() > 0  # token 2 reached expert 0 through its second pair

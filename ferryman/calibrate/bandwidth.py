@@ -113,15 +113,24 @@ def rows_copy_rep(rows: list[torch.Tensor], dst: torch.Tensor, k: int) -> Rep:
 
 
 def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation, dtype: torch.dtype) -> Rep:
-    """fused_moe on the CPU for one token routed to top_k distinct experts of `banks`."""
+    """One token routed to top_k distinct experts of `banks` on the CPU, the way the hybrid split
+    computes them (experts/cpu_compute.py: MXFP4 through one kernel call, else fused_moe)."""
+    from ferryman.quant import mxfp4_cpu
+
     num, hidden, _ = get_format(fmt).dims(banks[0])
     cycle = ExpertCycle(len(banks), num, top_k)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [1, H]
     w = torch.full((1, top_k), 1.0 / top_k)  # [1, K]
 
+    bias: dict = {}
+
     def rep() -> None:
         pool, ids = cycle.next()
-        fused_moe(fmt, banks[pool], x, torch.tensor([ids]), w, act)
+        if fmt == "mxfp4" and mxfp4_cpu.available():  # the hybrid's path: one kernel call per layer
+            pairs = {e: ([0], [1.0 / top_k]) for e in ids}
+            mxfp4_cpu.LayerJob(x, banks[pool], pool, pairs, act.kind, act.alpha, act.limit, bias).run()
+        else:
+            fused_moe(fmt, banks[pool], x, torch.tensor([ids]), w, act)
 
     return rep
 

@@ -2,8 +2,9 @@
 
 `CPUExperts.submit` takes the (token, k) pairs of one MoE layer routed to a given set of experts
 (misses left in host memory), copies x and the routing weights to the host once for the layer,
-and runs `fused_moe` on the host store's banks (torch's CPU kernels: torch.set_num_threads
-decides how many cores). The result is a [T, H] partial output in host memory, to be added to
+and computes them from the host store's banks: MXFP4 experts in one call of the C kernel
+(quant/mxfp4_cpu.py `LayerJob`: OpenMP threads, no torch op in the worker), other formats through
+`fused_moe` (torch's CPU kernels). The result is a [T, H] partial output in host memory, to be added to
 the device's part. On CUDA it runs in one worker thread while the calling thread issues the
 device's fetches and kernels (torch releases the GIL inside its kernels); on the CPU device it
 runs inline (there is nothing to overlap with).
@@ -14,11 +15,26 @@ from __future__ import annotations
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.quant import mxfp4_cpu
+
+
+def _pairs(host_ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> dict[int, tuple[list[int], list[float]]]:
+    """expert -> (tokens, routing weights) of the (token, k) pairs routed to it, for `experts`.
+    host_ids, w: [T, K] on the host."""
+    mine = set(experts)
+    out: dict[int, tuple[list[int], list[float]]] = {e: ([], []) for e in experts}
+    for t, (row, weights) in enumerate(zip(host_ids.tolist(), w.float().tolist())):
+        for e, wt in zip(row, weights):
+            if e in mine:
+                out[e][0].append(t)
+                out[e][1].append(wt)
+    return out
 
 
 class CPUExperts:
@@ -34,17 +50,35 @@ class CPUExperts:
         self.pairs = 0  # (token, k) pairs computed
         self.seconds = 0.0  # time computing, on the worker
         self.wait_seconds = 0.0  # time the caller waited for a result
+        self.bias: dict[tuple[int, int, str], torch.Tensor] = {}  # fp32 bias rows for the MXFP4 kernel
 
     def submit(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
                experts: list[int]) -> Future:
         """Start computing the pairs of `layer` routed to `experts` (distinct, in host memory).
         x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
         x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
+        if self.fmt == "mxfp4" and mxfp4_cpu.available():
+            # MXFP4: the whole layer in one kernel call, its arguments prepared here, so the worker
+            # runs no torch op (beside the link's driver thread, torch ops there ran ~3x slower)
+            job = mxfp4_cpu.LayerJob(x_host, self.store.banks[layer], layer, _pairs(host_ids, w_host, experts),
+                                     self.act.kind, self.act.alpha, self.act.limit, self.bias)
+            run = partial(self._timed_job, job, x_host.dtype, len(experts), host_ids, experts)
+        else:
+            run = partial(self._timed, layer, x_host, host_ids, w_host, experts)
         if self.pool is not None:
-            return self.pool.submit(self._timed, layer, x_host, host_ids, w_host, experts)
+            return self.pool.submit(run)
         done: Future = Future()
-        done.set_result(self._timed(layer, x_host, host_ids, w_host, experts))
+        done.set_result(run())
         return done
+
+    def _timed_job(self, job: "mxfp4_cpu.LayerJob", dtype: torch.dtype, n: int, host_ids: torch.Tensor,
+                   experts: list[int]) -> torch.Tensor:
+        start = time.perf_counter()
+        out = job.run().to(dtype)
+        self.seconds += time.perf_counter() - start
+        self.experts += n
+        self.pairs += int(job.tokens.numel())
+        return out
 
     def result(self, job: Future) -> torch.Tensor:
         """The [T, H] partial output (host memory) of a submitted job, waiting for it if needed."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -97,6 +98,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ferryman_mxfp4_expert.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
                                           ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
     lib.ferryman_mxfp4_expert.restype = ctypes.c_int
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.ferryman_mxfp4_experts.argtypes = [ptr, i64, i64, i64, i64, pp, pp, pp, pp, pp, pp, ptr, ptr, ptr,
+                                           ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
+    lib.ferryman_mxfp4_experts.restype = ctypes.c_int
     lib.ferryman_mxfp4_has_avx512.restype = ctypes.c_int
     lib.ferryman_mxfp4_has_openmp.restype = ctypes.c_int
 
@@ -200,3 +205,55 @@ def mxfp4_expert(x: torch.Tensor, banks: dict[str, torch.Tensor], slot: int, kin
     if rc != 0:
         raise MemoryError(f"mxfp4_expert: the kernel could not allocate its scratch for {x.shape[0]} tokens")
     return y
+
+
+class LayerJob:
+    """One layer's CPU experts as one kernel call (`run`, which holds no Python lock while it
+    computes): every argument is prepared here, on the caller's thread, from host tensors.
+
+    pairs: expert id -> (token indices, routing weights) of the pairs routed to it; x: [T, H];
+    bias: fp32 copies of the bias rows, by (layer, expert), kept by the caller between steps."""
+
+    def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int,
+                 pairs: dict[int, tuple[list[int], list[float]]], kind: str, alpha: float, limit: float,
+                 bias: dict[tuple[int, int, str], torch.Tensor]) -> None:
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"LayerJob: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
+        self.lib = _library()
+        if self.lib is None:
+            raise RuntimeError("the CPU MXFP4 kernel is unavailable (see the warning logged when it was built)")
+        self.x = x.float().contiguous()  # [T, H]
+        experts = sorted(pairs)
+        n = len(experts)
+        self.inter = banks["w13_blocks"].shape[1] // 2
+        arrays = {name: (ctypes.c_void_p * n)() for name in ("w13b", "w13s", "b13", "w2b", "w2s", "b2")}
+        for i, e in enumerate(experts):
+            arrays["w13b"][i] = banks["w13_blocks"][e].data_ptr()
+            arrays["w13s"][i] = banks["w13_scales"][e].data_ptr()
+            arrays["w2b"][i] = banks["w2_blocks"][e].data_ptr()
+            arrays["w2s"][i] = banks["w2_scales"][e].data_ptr()
+            for name, bank in (("b13", "w13_bias"), ("b2", "w2_bias")):
+                if bank in banks:
+                    key = (layer, e, bank)
+                    if key not in bias:
+                        bias[key] = banks[bank][e].float().contiguous()
+                    arrays[name][i] = bias[key].data_ptr()
+        self.arrays = arrays
+        tokens = [t for e in experts for t in pairs[e][0]]
+        self.offsets = torch.tensor([0, *itertools.accumulate(len(pairs[e][0]) for e in experts)], dtype=torch.int64)
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
+        self.weights = torch.tensor([w for e in experts for w in pairs[e][1]], dtype=torch.float32)
+        self.n, self.kind, self.alpha, self.limit = n, ACTIVATIONS[kind], alpha, limit
+        self.threads = _threads()
+
+    def run(self) -> torch.Tensor:
+        """The [T, H] fp32 sum of the experts' weighted outputs."""
+        out = torch.zeros_like(self.x)
+        a = self.arrays
+        rc = self.lib.ferryman_mxfp4_experts(
+            self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter, self.n, a["w13b"], a["w13s"], a["b13"],
+            a["w2b"], a["w2s"], a["b2"], self.offsets.data_ptr(), self.tokens.data_ptr(), self.weights.data_ptr(),
+            self.kind, self.alpha, self.limit, out.data_ptr(), self.threads, 0)
+        if rc != 0:
+            raise RuntimeError(f"mxfp4 experts kernel failed (code {rc}: -1 out of memory, -2 a token out of range)")
+        return out

@@ -216,3 +216,39 @@ int ferryman_mxfp4_matmul(const float *x, int64_t T, int64_t K, const uint8_t *b
     free(xd);
     return 0;
 }
+
+/* Several experts of one layer, each on its own tokens, summed into out [T, H] (fp32, accumulated):
+ *   out[tokens[p]] += weights[p] * expert_e(x[tokens[p]])   for p in [offsets[e], offsets[e+1])
+ * Pointer arrays give each expert's banks (b13/b2 entries may be NULL). One call per layer: the
+ * caller's thread holds no Python lock while it runs. */
+int ferryman_mxfp4_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t n_experts,
+                           const uint8_t *const *w13b, const uint8_t *const *w13s, const float *const *b13,
+                           const uint8_t *const *w2b, const uint8_t *const *w2s, const float *const *b2,
+                           const int64_t *offsets, const int64_t *tokens, const float *weights, int kind,
+                           float alpha, float limit, float *out, int threads, int portable) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < n_experts; e++)
+        if (offsets[e + 1] - offsets[e] > most) most = offsets[e + 1] - offsets[e];
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(2 * most * H > 0 ? 2 * most * H : 1));
+    if (xs == NULL) return -1;
+    float *ys = xs + most * H;
+    for (int64_t e = 0; e < n_experts; e++) {
+        int64_t n = offsets[e + 1] - offsets[e];
+        const int64_t *tok = tokens + offsets[e];
+        for (int64_t p = 0; p < n; p++) {
+            if (tok[p] < 0 || tok[p] >= T) { free(xs); return -2; }
+            memcpy(xs + p * H, x + tok[p] * H, sizeof(float) * (size_t)H);
+        }
+        int rc = ferryman_mxfp4_expert(xs, n, H, I, w13b[e], w13s[e], b13[e], w2b[e], w2s[e], b2[e], kind, alpha,
+                                       limit, ys, threads, portable);
+        if (rc != 0) { free(xs); return rc; }
+        for (int64_t p = 0; p < n; p++) {
+            float w = weights[offsets[e] + p];
+            float *o = out + tok[p] * H;
+            const float *y = ys + p * H;
+            for (int64_t h = 0; h < H; h++) o[h] += w * y[h];
+        }
+    }
+    free(xs);
+    return 0;
+}
