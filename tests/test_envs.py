@@ -25,6 +25,7 @@ EXPECTED_NAMES = [
     "FERRYMAN_ZERO_COPY",
     "FERRYMAN_CPU_KERNEL",
     "FERRYMAN_CPU_THREADS",
+    "FERRYMAN_HYBRID_MIN_CPU",
     "FERRYMAN_CACHE_DIR",
     "FERRYMAN_DEBUG",
 ]
@@ -56,6 +57,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_ZERO_COPY": False,
         "FERRYMAN_CPU_KERNEL": True,
         "FERRYMAN_CPU_THREADS": 0,
+        "FERRYMAN_HYBRID_MIN_CPU": 2,
         "FERRYMAN_CACHE_DIR": "",
         "FERRYMAN_DEBUG": False,
     }

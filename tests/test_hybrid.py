@@ -38,6 +38,24 @@ from tiny_models import greedy_ids
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 
 
+@pytest.fixture(autouse=True)
+def split_single_misses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny models miss one or two experts per layer step: let the split send a single one to
+    the CPU (the default, 2, fetches those), so these tests exercise the CPU path."""
+    monkeypatch.setenv("FERRYMAN_HYBRID_MIN_CPU", "1")
+
+
+def test_split_fetches_what_would_leave_the_cpu_too_little(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_HYBRID_MIN_CPU (default 2): a split giving the CPU fewer misses fetches them all."""
+    monkeypatch.delenv("FERRYMAN_HYBRID_MIN_CPU")
+    split = HybridSplit(decide("on", 3968.0, 1861.0, "test"))  # the H200's rates measured together
+    assert split.min_cpu == 2
+    assert split.split(0, [1, 2, 3], room=8) == ([1, 2, 3], [])  # split_fetch: 2 fetched, 1 on the CPU
+    fetch, cpu = split.split(0, list(range(10)), room=10)  # 7 and 3
+    assert len(fetch) == 7 and len(cpu) == 3
+    assert HybridSplit(decide("on", 3968.0, 1861.0, "test"), min_cpu=1).split(0, [1, 2, 3], room=8) == ([1, 2], [3])
+
+
 def _brute_force(m: int, r_link: float, r_cpu: float) -> int:
     """The largest F in 0..m minimising max(F / r_link, (m - F) / r_cpu), by trying every F."""
     def cost(f: int) -> float:

@@ -7,7 +7,9 @@ fetch F of them and compute the M - F others on the CPU at the same time, F mini
 
     max(F / r_link, (M - F) / r_cpu)        (both sides finish together)
 
-which is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`). The fetched ones are the
+which is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`); a split that would give
+the CPU fewer than FERRYMAN_HYBRID_MIN_CPU misses (default 2) fetches them all instead, since each
+CPU job costs a copy of x to the host and a hand-off. The fetched ones are the
 misses used most recently and most often (`ReuseHistory`): they will likely be used again, and
 fetching is what puts them in the cache; the others are computed on the CPU and not cached.
 
@@ -131,8 +133,12 @@ class SplitCounters:
 class HybridSplit:
     """Per layer step: which misses to fetch, which to compute on the CPU."""
 
-    def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS) -> None:
+    def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS, min_cpu: int | None = None) -> None:
+        from ferryman.envs import envs
+
         self.decision, self.max_tokens = decision, max_tokens
+        # a layer step computes misses on the CPU only if the split gives it at least this many
+        self.min_cpu = max(1, envs.HYBRID_MIN_CPU if min_cpu is None else min_cpu)
         self.history = ReuseHistory()
         self.counters = SplitCounters()
 
@@ -144,6 +150,8 @@ class HybridSplit:
         and at least `device_min` (room allowing: the device kernel needs one slot to give the CPU's
         pairs when the layer has no hit)."""
         f = split_fetch(len(misses), self.decision.link, self.decision.cpu)
+        if len(misses) - f < self.min_cpu:  # too few to pay for the CPU job's fixed cost: fetch them
+            f = len(misses)
         f = min(max(f, min(device_min, len(misses))), max(0, room))
         ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
         fetch, cpu = sorted(ranked[:f]), sorted(ranked[f:])
