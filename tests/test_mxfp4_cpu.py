@@ -97,13 +97,13 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     w = torch.rand(5, 2, generator=gen)
     act = MoEActivation("swiglu_oai")
     calls = [0]
-    inner = mxfp4_cpu.mxfp4_expert
-    monkeypatch.setattr(mxfp4_cpu, "mxfp4_expert", lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or inner(*a, **k))
+    inner = mxfp4_cpu.LayerJob.run
+    monkeypatch.setattr(mxfp4_cpu.LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
     fast = fused_moe("mxfp4", banks, x, ids, w, act)
-    assert calls[0] == 6  # one call per expert used
+    assert calls[0] == 1  # one kernel call for the layer
     monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
     slow = fused_moe("mxfp4", banks, x, ids, w, act)
-    assert calls[0] == 6
+    assert calls[0] == 1
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, slow, **tol)
 
@@ -113,8 +113,8 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable-loop"])
 def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, portable: bool) -> None:
-    """mxfp4_expert (both products and the activation in C) against the torch path's expert in
-    float32: dequantise, matmul, bias, apply_activation, matmul, bias."""
+    """One expert through LayerJob (both products and the activation in C) against the torch
+    path's expert in float32: dequantise, matmul, bias, apply_activation, matmul, bias."""
     from ferryman.layers.fused_moe import _project, apply_activation
 
     form = get_format("mxfp4")
@@ -127,10 +127,13 @@ def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, port
     want = _project(form, banks, "w2", 1, apply_activation(gate_up, act))
     if bias:
         want = want + banks["w2_bias"][1]
-    got = mxfp4_cpu.mxfp4_expert(x, banks, 1, kind, act.alpha, act.limit, portable=portable)
+    pairs = {1: (list(range(9)), [1.0] * 9)}
+    got = mxfp4_cpu.LayerJob(x, banks, 0, pairs, kind, act.alpha, act.limit).run(portable=portable)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="activation must be one of"):
-        mxfp4_cpu.mxfp4_expert(x, banks, 1, "gelu", 1.0, 1.0)
+        mxfp4_cpu.LayerJob(x, banks, 0, pairs, "gelu", 1.0, 1.0)
+    with pytest.raises(ValueError, match="x has K=32 inputs, the weights 64"):
+        mxfp4_cpu.LayerJob(x[:, :32], banks, 0, pairs, kind, act.alpha, act.limit)
 
 
 @needs_kernel
@@ -143,7 +146,9 @@ def test_layer_job_sums_the_experts_like_fused_moe(monkeypatch: pytest.MonkeyPat
     x = torch.randn(4, 64, generator=gen)
     ids = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 3]])
     w = torch.rand(4, 2, generator=gen)
-    pairs = {0: ([0, 2], [w[0, 0].item(), w[2, 1].item()]), 3: ([0, 1, 3], [w[0, 1].item(), w[1, 0].item(), w[3, 1].item()])}
+    pairs = mxfp4_cpu.pairs_of(ids, w, [0, 3])
+    assert pairs == {0: ([0, 2], [w[0, 0].item(), w[2, 1].item()]),
+                     3: ([0, 1, 3], [w[0, 1].item(), w[1, 0].item(), w[3, 1].item()])}
     bias: dict = {}
     got = mxfp4_cpu.LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
     assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]

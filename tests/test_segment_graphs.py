@@ -12,30 +12,17 @@ import pytest
 
 from ferryman import LLM
 from ferryman.engine.segment_graphs import SegmentedDecode
-from tiny_models import greedy_ids
+from tiny_models import count_calls, greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)]]
 
 
-def _count(seg: SegmentedDecode, method: str) -> list[int]:
-    """Wrap seg.<method> to count its calls (in [0])."""
-    calls = [0]
-    inner = getattr(seg, method)
-
-    def counted(*args):  # noqa: ANN002, ANN202
-        calls[0] += 1
-        return inner(*args)
-
-    setattr(seg, method, counted)
-    return calls
-
-
 def _count_runs(seg: SegmentedDecode) -> list[int]:
-    return _count(seg, "run")
+    return count_calls(seg, "run")
 
 
 def _count_moe(seg: SegmentedDecode) -> list[int]:
-    return _count(seg, "_moe")
+    return count_calls(seg, "_moe")
 
 
 def _cpu_offload_with_segments(folder: Path, tokens: int) -> tuple[list[list[int]], LLM, SegmentedDecode]:

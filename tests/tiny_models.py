@@ -104,3 +104,16 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     return out[0, len(ids):].tolist()
+
+
+def count_calls(obj: object, method: str, when=None) -> list[int]:  # noqa: ANN001
+    """Wrap obj.<method> to count its calls in [0] (only those whose arguments pass `when`)."""
+    calls = [0]
+    inner = getattr(obj, method)
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        calls[0] += int(when is None or when(*args))
+        return inner(*args)
+
+    setattr(obj, method, counted)
+    return calls

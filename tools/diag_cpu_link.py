@@ -2,9 +2,9 @@
 
     python tools/diag_cpu_link.py [--seconds 2]
 
-CPU side: gpt-oss-shaped MXFP4 experts in pinned host memory, one token each, through (a) the C
-kernel's one-call expert (quant/mxfp4_cpu.py: Python only around the call) and (b) fused_moe (the
-engine's CPU path: torch ops around it). Link side: the same experts copied host -> device on a side
+CPU side: gpt-oss-shaped MXFP4 experts in pinned host memory, one token each, through (a) one C
+kernel call per expert (quant/mxfp4_cpu.py LayerJob: Python only around the call) and (b)
+fused_moe (torch ops around the kernel). Link side: the same experts copied host -> device on a side
 stream from a second thread, synchronising every 8 copies. Each is timed alone, then together.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
-from ferryman.quant.mxfp4_cpu import mxfp4_expert
+from ferryman.quant.mxfp4_cpu import LayerJob
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
         while not stop.is_set():
             e = n % a.experts
             if kind == "one-call":
-                mxfp4_expert(x, banks, e, "swiglu_oai", 1.702, 7.0)
+                LayerJob(x, banks, 0, {e: ([0], [1.0])}, "swiglu_oai", 1.702, 7.0).run()
             else:
                 fused_moe("mxfp4", banks, x.bfloat16(), torch.tensor([[e]]), torch.ones(1, 1), act)
             n += 1

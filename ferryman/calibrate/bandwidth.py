@@ -121,13 +121,12 @@ def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation
     cycle = ExpertCycle(len(banks), num, top_k)
     x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [1, H]
     w = torch.full((1, top_k), 1.0 / top_k)  # [1, K]
-
-    bias: dict = {}
+    bias: dict = {}  # the hybrid keeps the kernel's fp32 bias rows between steps too
 
     def rep() -> None:
         pool, ids = cycle.next()
         if fmt == "mxfp4" and mxfp4_cpu.available():  # the hybrid's path: one kernel call per layer
-            pairs = {e: ([0], [1.0 / top_k]) for e in ids}
+            pairs = mxfp4_cpu.pairs_of(torch.tensor([ids]), w)
             mxfp4_cpu.LayerJob(x, banks[pool], pool, pairs, act.kind, act.alpha, act.limit, bias).run()
         else:
             fused_moe(fmt, banks[pool], x, torch.tensor([ids]), w, act)

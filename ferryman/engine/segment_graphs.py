@@ -195,14 +195,14 @@ class SegmentedDecode:
             experts.finish_step(step)
             self.x[:B].copy_(experts.cpu_part(step))
             return True
-        if step.cpu_off is not None:  # hybrid: the CPU's pairs weigh 0 in the graph's kernel
-            self.w[:B].masked_fill_(step.cpu_off, 0.0)
+        if step.cpu is not None:  # hybrid: the CPU's pairs weigh 0 in the graph's kernel
+            self.w[:B].masked_fill_(step.cpu.off, 0.0)
         self.slots[:B].copy_(step.slot_ids)
         if bs > B:  # padding rows read row 0's slots: valid, finite, and their output is unused
             self.slots[B:bs].copy_(self.slots[:1].expand(bs - B, -1))
         self._run(("moe", i), bs, fns)
         experts.finish_step(step)
-        if step.cpu_job is not None:
+        if step.cpu is not None:
             self.x[:B].add_(experts.cpu_part(step))
         if experts.late_guess and self.guess is not None:  # the graph computed the guesses
             experts.guesses_made(i, self.guess[self.moe_pos[i], :, :B])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -22,19 +23,6 @@ import torch
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import mxfp4_cpu
-
-
-def _pairs(host_ids: torch.Tensor, w: torch.Tensor, experts: list[int]) -> dict[int, tuple[list[int], list[float]]]:
-    """expert -> (tokens, routing weights) of the (token, k) pairs routed to it, for `experts`.
-    host_ids, w: [T, K] on the host."""
-    mine = set(experts)
-    out: dict[int, tuple[list[int], list[float]]] = {e: ([], []) for e in experts}
-    for t, (row, weights) in enumerate(zip(host_ids.tolist(), w.float().tolist())):
-        for e, wt in zip(row, weights):
-            if e in mine:
-                out[e][0].append(t)
-                out[e][1].append(wt)
-    return out
 
 
 class CPUExperts:
@@ -60,25 +48,18 @@ class CPUExperts:
         if self.fmt == "mxfp4" and mxfp4_cpu.available():
             # MXFP4: the whole layer in one kernel call, its arguments prepared here, so the worker
             # runs no torch op (beside the link's driver thread, torch ops there ran ~3x slower)
-            job = mxfp4_cpu.LayerJob(x_host, self.store.banks[layer], layer, _pairs(host_ids, w_host, experts),
-                                     self.act.kind, self.act.alpha, self.act.limit, self.bias)
-            run = partial(self._timed_job, job, x_host.dtype, len(experts), host_ids, experts)
+            pairs = mxfp4_cpu.pairs_of(host_ids, w_host, experts)
+            job = mxfp4_cpu.LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
+                                     self.act.limit, self.bias)
+            self.pairs += int(job.tokens.numel())
+            run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts))
         else:
-            run = partial(self._timed, layer, x_host, host_ids, w_host, experts)
+            run = partial(self._timed, partial(self.compute, layer, x_host, host_ids, w_host, experts), len(experts))
         if self.pool is not None:
             return self.pool.submit(run)
         done: Future = Future()
         done.set_result(run())
         return done
-
-    def _timed_job(self, job: "mxfp4_cpu.LayerJob", dtype: torch.dtype, n: int, host_ids: torch.Tensor,
-                   experts: list[int]) -> torch.Tensor:
-        start = time.perf_counter()
-        out = job.run().to(dtype)
-        self.seconds += time.perf_counter() - start
-        self.experts += n
-        self.pairs += int(job.tokens.numel())
-        return out
 
     def result(self, job: Future) -> torch.Tensor:
         """The [T, H] partial output (host memory) of a submitted job, waiting for it if needed."""
@@ -87,13 +68,12 @@ class CPUExperts:
         self.wait_seconds += time.perf_counter() - start
         return out
 
-    def _timed(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-               experts: list[int]) -> torch.Tensor:
+    def _timed(self, compute: Callable[[], torch.Tensor], experts: int) -> torch.Tensor:
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the worker does not inherit the caller's
-            out = self.compute(layer, x, ids, w, experts)
+            out = compute()
         self.seconds += time.perf_counter() - start
-        self.experts += len(experts)
+        self.experts += experts
         return out
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

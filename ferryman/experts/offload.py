@@ -23,8 +23,8 @@ layer runs in rounds: cached experts first, then as many misses as fit, each rou
 Hybrid (cpu_experts, experts/hybrid.py): in a decode-sized step the misses split into those
 fetched and those computed on the CPU from the host store (experts/cpu_compute.py, a worker
 thread on CUDA) while the device fetches and computes the rest; the CPU's [T, H] part is added.
-The device kernel keeps every pair, those computed on the CPU with weight 0 (`LayerStep.cpu_off`),
-so the same step runs eagerly or as the layer's MoE graph.
+The device kernel keeps every pair, those computed on the CPU with weight 0 (`CPUPart.off`), so
+the same step runs eagerly or as the layer's MoE graph.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
 
 @dataclass(frozen=True)
+class CPUPart:
+    """A hybrid step's pairs computed on the CPU: its `experts`, the running `job` (a [T, H] host
+    tensor when done) and `off`, [T, K] bool on the cache's device: the pairs it covers, which the
+    device kernel gives weight 0."""
+
+    experts: list[int]
+    job: Future
+    off: torch.Tensor
+
+
+@dataclass(frozen=True)
 class LayerStep:
     """A MoE layer step whose experts are acquired (pinned) and mapped to slots, ready for its
     kernel (run by `forward`, or by a per-layer CUDA graph after `prepare_decode`) until
@@ -63,10 +74,7 @@ class LayerStep:
     host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
     prefetches: list[Prefetch] = field(default_factory=list)  # guesses to copy once the kernel is issued
     streaming: bool = False
-    # hybrid: the CPU's [T, H] part being computed, and the [T, K] pairs it covers (on the cache's
-    # device). The device kernel gives those pairs weight 0, on a slot it reads anyway.
-    cpu_job: Future | None = None
-    cpu_off: torch.Tensor | None = None
+    cpu: CPUPart | None = None  # hybrid: what the CPU computes meanwhile
 
 
 class OffloadExperts:
@@ -120,7 +128,7 @@ class OffloadExperts:
                        topk_w: torch.Tensor) -> LayerStep | None:
         """What `forward` does for a decode-sized step, up to the kernel: the one sync, lookup,
         fetches, the CPU's part of a hybrid split, and the slot mapping. The caller runs fused_moe
-        on the slot ids with the pairs `cpu_off` zeroed (in a CUDA graph), calls `finish_step`, then
+        on the slot ids with the pairs `cpu.off` zeroed (in a CUDA graph), calls `finish_step`, then
         adds `cpu_part`. None when the step needs the eager path: zero-copy, or more pairs than
         free slots (rounds)."""
         if self.zero_copy or topk_ids.numel() > self.cache.available():
@@ -132,8 +140,8 @@ class OffloadExperts:
 
     def cpu_part(self, step: LayerStep) -> torch.Tensor:
         """The [T, H] output of the pairs `step` sent to the CPU, on the cache's device (waits)."""
-        assert self.cpu is not None and step.cpu_job is not None  # a hybrid step made by _hybrid_step
-        return self.cpu.result(step.cpu_job).to(self.cache.device, non_blocking=True)
+        assert self.cpu is not None and step.cpu is not None  # a hybrid step made by _hybrid_step
+        return self.cpu.result(step.cpu.job).to(self.cache.device, non_blocking=True)
 
     def finish_step(self, step: LayerStep) -> None:
         """The kernel reading `step`'s slots is issued: unpin them, then start the guesses' copies.
@@ -166,15 +174,21 @@ class OffloadExperts:
         return used, list(zip(guesses, guessed)), host_ids
 
     def _acquire(self, layer: int, used: list[int], host_ids: torch.Tensor, prefetches: list[Prefetch],
-                 streaming: bool) -> LayerStep:
+                 streaming: bool, cpu: CPUPart | None = None) -> LayerStep:
         """Pin `used` (copying the misses in) and map the pairs to slots; the guesses' copies wait in
-        the step for `finish_step` (or start here with FERRYMAN_PREFETCH_AFTER_KERNELS=0)."""
+        the step for `finish_step` (or start here with FERRYMAN_PREFETCH_AFTER_KERNELS=0). `cpu`: a
+        hybrid step's pairs on the CPU, which keep their place in the kernel with weight 0 on a slot
+        it reads anyway (0 x a finite expert output adds exactly nothing, and the kernel keeps its
+        [T, K] shape and per-token summation order)."""
+        if cpu is not None and not used:  # no room at all: the CPU computes the whole layer
+            return LayerStep(layer, [], [], None, None, prefetches, streaming, cpu)
         slots = self.cache.acquire(layer, used)
         if not _prefetch_after_kernels():
             self._prefetch(prefetches, streaming)
             prefetches = []
-        dev_ids, host_slots = self._slot_ids(used, slots, host_ids)
-        return LayerStep(layer, used, slots, dev_ids, host_slots, prefetches, streaming)
+        on_cpu = [] if cpu is None else cpu.experts
+        dev_ids, host_slots = self._slot_ids(used + on_cpu, slots + slots[:1] * len(on_cpu), host_ids)
+        return LayerStep(layer, used, slots, dev_ids, host_slots, prefetches, streaming, cpu)
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Cached experts from their slots, the rest from pinned host memory over the link, in one
@@ -237,12 +251,12 @@ class OffloadExperts:
         if step.slot_ids is None:  # a hybrid step with every pair on the CPU
             out = torch.zeros_like(x)  # [T, H]
         else:
-            w = topk_w if step.cpu_off is None else topk_w.masked_fill(step.cpu_off, 0.0)
+            w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
             out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids)
         self.finish_step(step)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
-        return out if step.cpu_job is None else out + self.cpu_part(step)
+        return out if step.cpu is None else out + self.cpu_part(step)
 
     def _hybrid_step(self, layer: int, x: torch.Tensor, topk_w: torch.Tensor, host_ids: torch.Tensor,
                      used: list[int], prefetches: list[Prefetch]) -> LayerStep:
@@ -258,22 +272,11 @@ class OffloadExperts:
         if not on_cpu:
             return self._acquire(layer, used, host_ids, prefetches, False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
-        cpu_set = set(on_cpu)
-        here = [e for e in used if e not in cpu_set]
         off = torch.zeros(self.num_experts, dtype=torch.bool)
         off[on_cpu] = True
-        cpu_off = off[host_ids].to(self.cache.device, non_blocking=True)  # [T, K]
-        if not here:  # no room at all: the CPU computes the whole layer
-            return LayerStep(layer, [], [], None, None, prefetches, False, job, cpu_off)
-        slots = self.cache.acquire(layer, here)
-        if not _prefetch_after_kernels():
-            self._prefetch(prefetches, False)
-            prefetches = []
-        # a pair sent to the CPU keeps its place in the kernel, with weight 0 on a slot the kernel
-        # reads anyway: 0 x a finite expert output adds exactly nothing, and the kernel keeps its
-        # [T, K] shape and per-token summation order
-        dev_ids, host_slots = self._slot_ids(here + on_cpu, slots + [slots[0]] * len(on_cpu), host_ids)
-        return LayerStep(layer, here, slots, dev_ids, host_slots, prefetches, False, job, cpu_off)
+        cpu = CPUPart(on_cpu, job, off[host_ids].to(self.cache.device, non_blocking=True))  # off: [T, K]
+        cpu_set = set(on_cpu)
+        return self._acquire(layer, [e for e in used if e not in cpu_set], host_ids, prefetches, False, cpu)
 
     def _compute_rounds(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                         topk_w: torch.Tensor, used: list[int]) -> torch.Tensor:

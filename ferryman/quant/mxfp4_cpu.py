@@ -1,4 +1,8 @@
-"""MXFP4 experts multiplied on the CPU without dequantising them first: `mxfp4_matmul`.
+"""MXFP4 experts multiplied on the CPU without dequantising them first.
+
+- `LayerJob`: several experts of one layer, each on its tokens, weighted and summed, in one call
+  (fused_moe's CPU path and the hybrid split's CPU part both use it);
+- `mxfp4_matmul`: one product x @ W^T (tests and benchmarks/bench_cpu_mxfp4.py).
 
 torch has no MXFP4 kernel for the CPU, and dequantising an expert to bf16 before a GEMV moves
 ~4x its bytes through memory at a few hundred MB/s (11 gpt-oss experts/s on the dev VM). The C
@@ -95,9 +99,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ferryman_mxfp4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.ferryman_mxfp4_matmul.restype = ctypes.c_int
-    lib.ferryman_mxfp4_expert.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int,
-                                          ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
-    lib.ferryman_mxfp4_expert.restype = ctypes.c_int
     pp = ctypes.POINTER(ctypes.c_void_p)
     lib.ferryman_mxfp4_experts.argtypes = [ptr, i64, i64, i64, i64, pp, pp, pp, pp, pp, pp, ptr, ptr, ptr,
                                            ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ctypes.c_int, ctypes.c_int]
@@ -139,19 +140,19 @@ def _threads() -> int:
     return n - 1 if n > 2 and torch.cuda.is_initialized() else n
 
 
-def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+def _check(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, who: str = "mxfp4_matmul") -> None:
     if x.dim() != 2 or x.dtype != torch.float32:
-        raise ValueError(f"mxfp4_matmul: x must be a float32 [T, K] tensor, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"{who}: x must be a float32 [T, K] tensor, got {tuple(x.shape)} {x.dtype}")
     if blocks.dim() != 3 or blocks.shape[-1] != 16 or blocks.dtype != torch.uint8:
-        raise ValueError(f"mxfp4_matmul: blocks must be uint8 [N, K/32, 16], got {tuple(blocks.shape)} {blocks.dtype}")
+        raise ValueError(f"{who}: blocks must be uint8 [N, K/32, 16], got {tuple(blocks.shape)} {blocks.dtype}")
     if scales.shape != blocks.shape[:2] or scales.dtype != torch.uint8:
-        raise ValueError(f"mxfp4_matmul: scales must be uint8 {tuple(blocks.shape[:2])}, got "
+        raise ValueError(f"{who}: scales must be uint8 {tuple(blocks.shape[:2])}, got "
                          f"{tuple(scales.shape)} {scales.dtype}")
     if x.shape[1] != blocks.shape[1] * 32:
-        raise ValueError(f"mxfp4_matmul: x has K={x.shape[1]} inputs, the weights {blocks.shape[1] * 32}")
+        raise ValueError(f"{who}: x has K={x.shape[1]} inputs, the weights {blocks.shape[1] * 32}")
     for name, t in (("x", x), ("blocks", blocks), ("scales", scales)):
         if t.device.type != "cpu":
-            raise ValueError(f"mxfp4_matmul: {name} must be on the CPU, got {t.device}")
+            raise ValueError(f"{who}: {name} must be on the CPU, got {t.device}")
 
 
 def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, portable: bool = False,
@@ -172,88 +173,84 @@ def mxfp4_matmul(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, po
 
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+Pairs = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, routing weights)
 
 
-def _bias(banks: dict[str, torch.Tensor], name: str, slot: int) -> torch.Tensor | None:
-    bank = banks.get(name)
-    return None if bank is None else bank[slot].float().contiguous()
-
-
-def mxfp4_expert(x: torch.Tensor, banks: dict[str, torch.Tensor], slot: int, kind: str, alpha: float,
-                 limit: float, portable: bool = False) -> torch.Tensor:
-    """One MXFP4 expert of `banks` (slot `slot`) on x [T, H] fp32 -> [T, H] fp32, in one call:
-    act(x @ W13^T + b13) @ W2^T + b2, everything in fp32 (ferryman/layers/fused_moe.py's math)."""
-    b13, s13 = banks["w13_blocks"][slot], banks["w13_scales"][slot]  # [2I, H/32, 16], [2I, H/32]
-    b2, s2 = banks["w2_blocks"][slot], banks["w2_scales"][slot]  # [H, I/32, 16], [H, I/32]
-    _check(x, b13, s13)
-    inter = b13.shape[0] // 2
-    if tuple(b2.shape[:2]) != (x.shape[1], inter // 32):
-        raise ValueError(f"mxfp4_expert: w2 blocks {tuple(b2.shape)} do not match hidden {x.shape[1]}, FFN {inter}")
-    if kind not in ACTIVATIONS:
-        raise ValueError(f"mxfp4_expert: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the CPU MXFP4 kernel is unavailable (see the warning logged when it was built)")
-    x = x.contiguous()
-    parts = [t.contiguous() for t in (b13, s13, b2, s2)]
-    bias13, bias2 = _bias(banks, "w13_bias", slot), _bias(banks, "w2_bias", slot)
-    y = torch.empty_like(x)  # [T, H]
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    rc = lib.ferryman_mxfp4_expert(x.data_ptr(), x.shape[0], x.shape[1], inter, ptr(parts[0]), ptr(parts[1]),
-                                   ptr(bias13), ptr(parts[2]), ptr(parts[3]), ptr(bias2), ACTIVATIONS[kind],
-                                   alpha, limit, y.data_ptr(), _threads(), int(portable))
-    if rc != 0:
-        raise MemoryError(f"mxfp4_expert: the kernel could not allocate its scratch for {x.shape[0]} tokens")
-    return y
+def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = None) -> Pairs:
+    """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids).
+    ids, w: [T, K] on the host."""
+    keep = None if experts is None else set(experts)
+    out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
+    for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
+        for e, wt in zip(row, weights):
+            if keep is None or e in keep:
+                tokens, ws = out.setdefault(e, ([], []))
+                tokens.append(t)
+                ws.append(wt)
+    return out
 
 
 class LayerJob:
-    """One layer's CPU experts as one kernel call (`run`, which holds no Python lock while it
-    computes): every argument is prepared here, on the caller's thread, from host tensors.
+    """Several MXFP4 experts of one layer, each on its own tokens, weighted and summed, as one
+    kernel call (`run`, which holds no Python lock while it computes): every argument is prepared
+    here, on the caller's thread, from host tensors. The math is fused_moe's (layers/fused_moe.py),
+    in fp32: sum over pairs of w * (act(x @ W13^T + b13) @ W2^T + b2).
 
-    pairs: expert id -> (token indices, routing weights) of the pairs routed to it; x: [T, H];
-    bias: fp32 copies of the bias rows, by (layer, expert), kept by the caller between steps."""
+    x: [T, H]; pairs: `pairs_of`; bias: fp32 copies of the bias rows by (layer, expert, bank), kept
+    by a caller that runs the same layers again (None: converted for this job only)."""
 
-    def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int,
-                 pairs: dict[int, tuple[list[int], list[float]]], kind: str, alpha: float, limit: float,
-                 bias: dict[tuple[int, int, str], torch.Tensor]) -> None:
+    def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int, pairs: Pairs, kind: str,
+                 alpha: float, limit: float, bias: dict[tuple[int, int, str], torch.Tensor] | None = None) -> None:
         if kind not in ACTIVATIONS:
             raise ValueError(f"LayerJob: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
         self.lib = _library()
         if self.lib is None:
             raise RuntimeError("the CPU MXFP4 kernel is unavailable (see the warning logged when it was built)")
         self.x = x.float().contiguous()  # [T, H]
-        experts = sorted(pairs)
-        n = len(experts)
+        _check(self.x, banks["w13_blocks"][0], banks["w13_scales"][0], "LayerJob")
         self.inter = banks["w13_blocks"].shape[1] // 2
-        arrays = {name: (ctypes.c_void_p * n)() for name in ("w13b", "w13s", "b13", "w2b", "w2s", "b2")}
+        if tuple(banks["w2_blocks"].shape[1:3]) != (x.shape[1], self.inter // 32):
+            raise ValueError(f"LayerJob: w2_blocks {tuple(banks['w2_blocks'].shape)} do not match hidden "
+                             f"{x.shape[1]} and FFN {self.inter}")
+        bias = {} if bias is None else bias
+        experts = sorted(pairs)
+        self.n = len(experts)
+        self.keep: list[torch.Tensor] = []  # what the pointers below point into, alive until run
+        self.arrays = {name: (ctypes.c_void_p * self.n)() for name in ("w13b", "w13s", "b13", "w2b", "w2s", "b2")}
         for i, e in enumerate(experts):
-            arrays["w13b"][i] = banks["w13_blocks"][e].data_ptr()
-            arrays["w13s"][i] = banks["w13_scales"][e].data_ptr()
-            arrays["w2b"][i] = banks["w2_blocks"][e].data_ptr()
-            arrays["w2s"][i] = banks["w2_scales"][e].data_ptr()
+            for name, bank in (("w13b", "w13_blocks"), ("w13s", "w13_scales"), ("w2b", "w2_blocks"),
+                               ("w2s", "w2_scales")):
+                self.arrays[name][i] = self._pointer(banks[bank][e])
             for name, bank in (("b13", "w13_bias"), ("b2", "w2_bias")):
                 if bank in banks:
-                    key = (layer, e, bank)
-                    if key not in bias:
-                        bias[key] = banks[bank][e].float().contiguous()
-                    arrays[name][i] = bias[key].data_ptr()
-        self.arrays = arrays
-        tokens = [t for e in experts for t in pairs[e][0]]
+                    if (layer, e, bank) not in bias:
+                        bias[(layer, e, bank)] = banks[bank][e].float().contiguous()
+                    self.keep.append(bias[(layer, e, bank)])  # the caller's dict may be this call's only
+                    self.arrays[name][i] = self._pointer(self.keep[-1])
         self.offsets = torch.tensor([0, *itertools.accumulate(len(pairs[e][0]) for e in experts)], dtype=torch.int64)
-        self.tokens = torch.tensor(tokens, dtype=torch.int64)
+        self.tokens = torch.tensor([t for e in experts for t in pairs[e][0]], dtype=torch.int64)
         self.weights = torch.tensor([w for e in experts for w in pairs[e][1]], dtype=torch.float32)
-        self.n, self.kind, self.alpha, self.limit = n, ACTIVATIONS[kind], alpha, limit
+        self.kind, self.alpha, self.limit = ACTIVATIONS[kind], alpha, limit
         self.threads = _threads()
 
-    def run(self) -> torch.Tensor:
-        """The [T, H] fp32 sum of the experts' weighted outputs."""
+    def _pointer(self, t: torch.Tensor) -> int:
+        """Address of t's data, copied first if it is not one contiguous block on the host."""
+        if t.device.type != "cpu":
+            raise ValueError(f"LayerJob: expert banks must be in host memory, got {t.device}")
+        if not t.is_contiguous():
+            t = t.contiguous()
+            self.keep.append(t)
+        return t.data_ptr()
+
+    def run(self, portable: bool = False) -> torch.Tensor:
+        """The [T, H] fp32 sum of the experts' weighted outputs. portable: the portable loop even
+        where AVX-512 is built in (tests)."""
         out = torch.zeros_like(self.x)
         a = self.arrays
         rc = self.lib.ferryman_mxfp4_experts(
             self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter, self.n, a["w13b"], a["w13s"], a["b13"],
             a["w2b"], a["w2s"], a["b2"], self.offsets.data_ptr(), self.tokens.data_ptr(), self.weights.data_ptr(),
-            self.kind, self.alpha, self.limit, out.data_ptr(), self.threads, 0)
+            self.kind, self.alpha, self.limit, out.data_ptr(), self.threads, int(portable))
         if rc != 0:
             raise RuntimeError(f"mxfp4 experts kernel failed (code {rc}: -1 out of memory, -2 a token out of range)")
         return out

@@ -119,7 +119,7 @@ static void row_portable(const uint8_t *blk, const uint8_t *scl, const float *xd
     }
 }
 
-/* rows [n0, n1) of y = x @ W^T for every token (the body of an OpenMP loop, or all of it) */
+/* row n of y = x @ W^T for every token, TILE tokens per pass (the body of the OpenMP loops) */
 static void rows(const float *xd, int64_t T, int64_t K, const uint8_t *blocks, const uint8_t *scales, int64_t N,
                  float *y, int64_t n, int portable) {
     const int64_t G = K / BLOCK;
@@ -145,7 +145,7 @@ static float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
  *                                     swiglu_oai (gate = even, up = odd, clamped by limit)
  *   y = h @ W2^T + b2                [T, H]
  * x: [T, H] fp32; b13 [2I], b2 [H] fp32 or NULL. Scratch: [T, H + 4I] fp32 (x reordered, gate_up, h, h reordered). */
-int ferryman_mxfp4_expert(const float *x, int64_t T, int64_t H, int64_t I, const uint8_t *w13b, const uint8_t *w13s,
+static int ferryman_mxfp4_expert(const float *x, int64_t T, int64_t H, int64_t I, const uint8_t *w13b, const uint8_t *w13s,
                           const float *b13, const uint8_t *w2b, const uint8_t *w2s, const float *b2, int kind,
                           float alpha, float limit, float *y, int threads, int portable) {
     if (H % BLOCK != 0 || I % BLOCK != 0 || T < 0) return -1;
