@@ -23,6 +23,7 @@ from ferryman.calibrate.calibration import (
     load_matching,
     machine_info,
     save,
+    token_slope,
 )
 from ferryman.config import ModelConfig
 from ferryman.errors import ConfigError
@@ -31,6 +32,7 @@ from ferryman.experts.hybrid import (
     HybridSplit,
     ReuseHistory,
     decide,
+    split_costs,
     split_fetch,
 )
 from tiny_models import count_calls, greedy_ids
@@ -90,11 +92,31 @@ def test_decide_auto_threshold_and_modes() -> None:
     assert not decide("auto", 100.0, MIN_CPU_SHARE * 100.0 - 1e-6, "test").enabled
     assert decide("on", 100.0, 0.0, "test").enabled and not decide("off", 1.0, 1e9, "test").enabled
     text = decide("auto", 4000.0, 1000.0, "measured together").describe()
-    assert "4,000 experts/s" in text and "1,000 experts/s" in text and "fetch share 0.80" in text
+    assert "4,000 experts/s" in text and "1,000 experts/s" in text and "fetch share at 1 token 0.80" in text
     with pytest.raises(ValueError, match="cpu_experts"):
         decide("sometimes", 1.0, 1.0, "test")
     with pytest.raises(ConfigError, match="cpu_experts"):
         LLM(device="cpu", cpu_experts="yes")
+
+
+def test_split_costs_matches_brute_force_and_weighs_tokens() -> None:
+    costs = [0.5, 1.0, 2.0, 0.25, 3.0]
+    for r_link in (0.5, 1.0, 2.0, 7.0):
+        want = min(range(6), key=lambda f: (max(f / r_link, sum(costs[f:])), -f))
+        assert split_costs(costs, r_link) == want
+    assert split_costs([], 1.0) == 0 and split_costs([1.0], 0.0) == 0
+    # slope 0.5: a 3-token expert costs the CPU 2 one-token experts, so fewer go to it
+    flat = HybridSplit(decide("on", 2.0, 1.0, "test"), min_cpu=1)
+    steep = HybridSplit(decide("on", 2.0, 1.0, "test", slope=0.5), min_cpu=1)
+    tokens = [3] * 6
+    assert flat.split(0, list(range(6)), room=6, tokens=tokens) == ([0, 1, 2, 3], [4, 5])
+    assert steep.split(0, list(range(6)), room=6, tokens=tokens) == ([0, 1, 2, 3, 4], [5])
+
+
+def test_token_slope_from_two_rates() -> None:
+    assert token_slope(1000.0, 1000.0) == 0.0  # 4 tokens as fast as 1: free tokens
+    assert token_slope(1000.0, 500.0) == pytest.approx(1 / 3)  # 4 tokens cost 2 experts: 1/3 per extra token
+    assert token_slope(1000.0, 2000.0) == 0.0 and token_slope(0.0, 1.0) == 0.0  # never negative, unmeasured: 0
 
 
 def test_reuse_history_halves_per_half_life_and_ranks_the_fetched() -> None:
@@ -133,7 +155,8 @@ def test_calibration_round_trip_and_keying(tmp_path: Path) -> None:
     save(cal, tmp_path / "c.json")
     assert load(tmp_path / "c.json") == cal
     full = dataclasses.replace(cal, h2d=cal.host_copy, host_read_gbps=93.0,
-                               overlapped={"link": cal.host_copy, "cpu": cal.cpu_compute})
+                               overlapped={"link": cal.host_copy, "cpu": cal.cpu_compute},
+                               cpu_tokens=Rate.of(1 / 600.0, cal.key["expert_bytes"], 5))
     save(full, tmp_path / "full.json")
     assert load(tmp_path / "full.json") == full
     got, why = load_matching(cal.key, tmp_path / "c.json")
@@ -166,6 +189,9 @@ def test_bench_bw_on_cpu_prints_measured_numbers(tmp_path: Path, capsys: pytest.
     assert f"CPU compute: {cal.cpu_compute.experts_per_s:,.0f} experts/s" in text
     assert "skipped, no CUDA device" in text and cal.h2d is None
     assert cal.cpu_compute.reps == 3 and cal.host_copy.experts_per_s > 0 and f"wrote {out}" in text
+    slope = token_slope(cal.cpu_compute.experts_per_s, cal.cpu_tokens.experts_per_s)
+    assert f"4 tokens per expert: {cal.cpu_tokens.experts_per_s:,.0f} experts/s" in text
+    assert f"costs {slope:.2f} of a 1-token expert" in text
     with pytest.raises(SystemExit):
         main(["bench", "bw", "--help"])
     assert "never by format alone" in capsys.readouterr().out
@@ -293,6 +319,7 @@ def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thr
     assert greedy_ids(hybrid, ids, 40) == greedy_ids(resident, ids, 40)
     st = hybrid.stats()["experts"]
     assert "measured quickly" in st["hybrid"]["source"] and st["hybrid"]["cpu_experts_per_s"] > 0
+    assert st["hybrid"]["cpu_token_slope"] >= 0.0  # from a second measured CPU rate, at 4 tokens per expert
     assert st["cpu_computed"] > 0 and 0 < st["split_fetch_ratio"] < 1
 
 

@@ -29,7 +29,7 @@ def _reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> t
 
 
 @needs_kernel
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 6, 8, 9, 17])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable-loop"])
 def test_kernel_matches_dequant_then_matmul(tokens: int, portable: bool) -> None:
     blocks, scales = _weights(40, 96, tokens)

@@ -26,11 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferryman.calibrate.calibration import (
+    CPU_SLOPE_TOKENS,
     Calibration,
     Rate,
     expert_key,
     machine_info,
     save,
+    token_slope,
 )
 from ferryman.config import ModelConfig
 from ferryman.experts.host_store import allocate_rows
@@ -112,24 +114,27 @@ def rows_copy_rep(rows: list[torch.Tensor], dst: torch.Tensor, k: int) -> Rep:
     return rep
 
 
-def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation, dtype: torch.dtype) -> Rep:
-    """One token routed to top_k distinct experts of `banks` on the CPU, the way the hybrid split
-    computes them (experts/cpu_compute.py: MXFP4 through one kernel call, else fused_moe)."""
+def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation, dtype: torch.dtype,
+                    tokens: int = 1) -> Rep:
+    """`tokens` tokens, each routed to the same top_k distinct experts of `banks`, on the CPU, the
+    way the hybrid split computes them (experts/cpu_compute.py: MXFP4 through one kernel call, else
+    fused_moe). Each rep computes top_k experts."""
     from ferryman.quant import mxfp4_cpu
 
     num, hidden, _ = get_format(fmt).dims(banks[0])
     cycle = ExpertCycle(len(banks), num, top_k)
-    x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [1, H]
-    w = torch.full((1, top_k), 1.0 / top_k)  # [1, K]
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [T, H]
+    w = torch.full((tokens, top_k), 1.0 / top_k)  # [T, K]
     bias: dict = {}  # the hybrid keeps the kernel's fp32 bias rows between steps too
 
     def rep() -> None:
         pool, ids = cycle.next()
+        ids_t = torch.tensor([ids] * tokens)  # [T, K]
         if fmt == "mxfp4" and mxfp4_cpu.available():  # the hybrid's path: one kernel call per layer
-            pairs = mxfp4_cpu.pairs_of(torch.tensor([ids]), w)
+            pairs = mxfp4_cpu.pairs_of(ids_t, w)
             mxfp4_cpu.LayerJob(x, banks[pool], pool, pairs, act.kind, act.alpha, act.limit, bias).run()
         else:
-            fused_moe(fmt, banks[pool], x, torch.tensor([ids]), w, act)
+            fused_moe(fmt, banks[pool], x, ids_t, w, act)
 
     return rep
 
@@ -170,13 +175,14 @@ def _pool_size(expert_bytes: int, k: int, pool_bytes: int) -> int:
     return max(2 * k, -(-pool_bytes // max(1, expert_bytes)))
 
 
-def dummy_cpu_rep(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, pool_bytes: int) -> Rep:
+def dummy_cpu_rep(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, pool_bytes: int,
+                  tokens: int = 1) -> Rep:
     fmt = get_format(cfg.expert_format)
     eb = fmt.expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype)
     n = _pool_size(eb, cfg.top_k, pool_bytes)
     gen = torch.Generator().manual_seed(0)
     banks = fmt.random_banks(n, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype, gen)
-    return cpu_compute_rep(cfg.expert_format, [banks], cfg.top_k, act, dtype)
+    return cpu_compute_rep(cfg.expert_format, [banks], cfg.top_k, act, dtype, tokens)
 
 
 def dummy_copy_rep(row_bytes: int, k: int, pool_bytes: int, device: torch.device) -> tuple[Rep, bool]:
@@ -216,10 +222,13 @@ def run_bench(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, path: Pa
     log(f"    host -> host copies of one expert row, {k} per rep ...")
     host_copy = measure(dummy_copy_rep(row, k, pool_bytes, torch.device("cpu"))[0], k, row, reps)
     log(f"    host copy: {_rate(host_copy)}")
-    log(f"(c) CPU expert compute: fused_moe, 1 token x {k} experts ...")
+    log(f"(c) CPU expert compute, the hybrid's path: 1 token x {k} experts ...")
     cpu_rep = dummy_cpu_rep(cfg, dtype, act, pool_bytes)
     cpu = measure(cpu_rep, k, eb, reps)
     log(f"    CPU compute: {_rate(cpu)} ({cpu.gbps / read:.0%} of host read bandwidth)")
+    cpu_tokens = measure(dummy_cpu_rep(cfg, dtype, act, pool_bytes, CPU_SLOPE_TOKENS), k, eb, reps)
+    log(f"    {CPU_SLOPE_TOKENS} tokens per expert: {_rate(cpu_tokens)}, so each token past the first costs "
+        f"{token_slope(cpu.experts_per_s, cpu_tokens.experts_per_s):.2f} of a 1-token expert")
     both = None
     if h2d_rep is None:
         log("(d) GPU compute: no CUDA device")
@@ -227,7 +236,7 @@ def run_bench(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, path: Pa
         log("(d) GPU compute: not the bottleneck, not measured; link and CPU together for 2 s ...")
         both = overlapped(h2d_rep, k, cpu_rep, k, eb, 2.0)
         log(f"    together: link {_rate(both['link'])}, CPU {_rate(both['cpu'])}")
-    cal = Calibration(key, machine, cpu, host_copy, h2d, read, both, quick=False, notes=notes)
+    cal = Calibration(key, machine, cpu, host_copy, h2d, read, both, quick=False, notes=notes, cpu_tokens=cpu_tokens)
     save(cal, path)
     log(f"wrote {path}")
     return cal
@@ -271,12 +280,15 @@ def quick_calibration(cache: "ExpertCache", act: MoEActivation, seconds: float =
     link = measure(link_rep, k, row, reps=50, budget_s=seconds)
     cpu_rep = cpu_compute_rep(store.format.name, [store.banks[layer] for layer in layers], cfg.top_k, act, dtype)
     cpu = measure(cpu_rep, cfg.top_k, eb, reps=50, budget_s=seconds)
+    many = cpu_compute_rep(store.format.name, [store.banks[layer] for layer in layers], cfg.top_k, act, dtype,
+                           CPU_SLOPE_TOKENS)
+    cpu_tokens = measure(many, cfg.top_k, eb, reps=50, budget_s=seconds)
     if cache.device.type != "cuda":  # the slot pool is in host memory: its copies are host copies
-        return Calibration(key, machine_info(), cpu, link, quick=True)
+        return Calibration(key, machine_info(), cpu, link, quick=True, cpu_tokens=cpu_tokens)
     host_dst = torch.empty((k, row), dtype=torch.uint8)
     host_copy = measure(rows_copy_rep([store.flat[layer] for layer in layers], host_dst, k), k, row,
                         reps=50, budget_s=seconds)
     both = None
     if cpu.experts_per_s >= overlap_share * link.experts_per_s:
         both = overlapped(link_rep, k, cpu_rep, cfg.top_k, eb, seconds)
-    return Calibration(key, machine_info(), cpu, host_copy, link, None, both, quick=True)
+    return Calibration(key, machine_info(), cpu, host_copy, link, None, both, quick=True, cpu_tokens=cpu_tokens)

@@ -46,6 +46,17 @@ class Rate:
         return Rate(1.0 / seconds_per_expert, expert_bytes / seconds_per_expert / 1e9, reps)
 
 
+CPU_SLOPE_TOKENS = 4  # tokens per expert of the second CPU rate (cpu_tokens), which gives the slope
+
+
+def token_slope(one: float, many: float, tokens: int = CPU_SLOPE_TOKENS) -> float:
+    """The extra cost of each token past the first, in 1-token experts, from the CPU's rates at 1
+    and at `tokens` tokens per expert (experts/s, measured alone); 0 when unmeasured."""
+    if one <= 0 or many <= 0 or tokens <= 1:
+        return 0.0
+    return max(0.0, (one / many - 1.0) / (tokens - 1))
+
+
 @dataclass
 class Calibration:
     key: dict[str, Any]
@@ -57,6 +68,7 @@ class Calibration:
     overlapped: dict[str, Rate] | None = None  # {"link", "cpu"} measured running together (CUDA)
     quick: bool = False  # measured in a few hundred ms at engine start, not by `bench bw`
     notes: dict[str, str] = field(default_factory=dict)
+    cpu_tokens: Rate | None = None  # as cpu_compute, with CPU_SLOPE_TOKENS tokens per expert (None: older file)
 
     @property
     def fingerprint(self) -> str:
@@ -77,6 +89,7 @@ class Calibration:
             host_read_gbps=data.get("host_read_gbps"),
             overlapped=None if overlapped is None else {k: Rate(**v) for k, v in overlapped.items()},
             quick=bool(data.get("quick", False)), notes=dict(data.get("notes") or {}),
+            cpu_tokens=rate(data.get("cpu_tokens")),
         )
 
 

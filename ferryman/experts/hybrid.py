@@ -5,9 +5,11 @@ Per MoE layer and decode step, with M misses, the link's rate r_link and the CPU
 (experts per second, measured on this machine for this model's experts: ferryman/calibrate/):
 fetch F of them and compute the M - F others on the CPU at the same time, F minimising
 
-    max(F / r_link, (M - F) / r_cpu)        (both sides finish together)
+    max(F / r_link, sum of the CPU's costs)        (both sides finish together)
 
-which is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`); a split that would give
+An expert with n tokens costs the CPU (1 + slope * (n - 1)) / r_cpu: the kernel reads its weights
+once, and each further token adds `slope` (measured: the rate at CPU_SLOPE_TOKENS tokens against
+1). With equal costs F is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`); a split that would give
 the CPU fewer than FERRYMAN_HYBRID_MIN_CPU misses (default 2) fetches them all instead, since each
 CPU job costs a copy of x to the host and a hand-off. The fetched ones are the
 misses used most recently and most often (`ReuseHistory`): they will likely be used again, and
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferryman.calibrate.calibration import Calibration, expert_key, load_matching
+from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
 from ferryman.layers.fused_moe import MoEActivation
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ log = logging.getLogger("ferryman.experts")
 
 MODES = ("off", "auto", "on")
 MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
-MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (the rates are measured at 1 token)
+MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -48,12 +50,19 @@ def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
         raise ValueError(f"split_fetch needs misses >= 0 and finite rates >= 0, got {misses}, {r_link}, {r_cpu}")
     if misses == 0 or r_cpu == 0:
         return misses
-    if r_link == 0:
+    return split_costs([1.0 / r_cpu] * misses, r_link)
+
+
+def split_costs(costs: list[float], r_link: float) -> int:
+    """F: fetch the first F misses (at r_link experts/s) while the CPU computes the others, miss i
+    costing it costs[i] seconds, so that the later of the two ends first; a tie goes to fetching."""
+    if r_link <= 0:
         return 0
-    lo = min(misses, math.floor(misses * r_link / (r_link + r_cpu)))
-    cost = lambda f: max(f / r_link, (misses - f) / r_cpu)
-    # max(rising, falling) of F is smallest at an integer next to where they cross
-    return min((min(misses, lo + 1), lo), key=cost)
+    # tail[f]: the CPU's time when the first f are fetched
+    tail = [0.0] * (len(costs) + 1)
+    for i in range(len(costs) - 1, -1, -1):
+        tail[i] = tail[i + 1] + costs[i]
+    return min(range(len(costs) + 1), key=lambda f: (max(f / r_link, tail[f]), -f))
 
 
 @dataclass(frozen=True)
@@ -64,16 +73,18 @@ class HybridDecision:
     cpu: float  # experts/s computed on the CPU
     source: str  # where the rates come from
     reason: str
+    slope: float = 0.0  # each token past an expert's first costs the CPU this many 1-token experts
 
     def describe(self) -> str:
         q = self.link / (self.link + self.cpu) if self.link + self.cpu > 0 else 1.0
         return (f"cpu_experts={self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
-                f"link {self.link:,.0f} experts/s, CPU {self.cpu:,.0f} experts/s, fetch share {q:.2f}; "
+                f"link {self.link:,.0f} experts/s, CPU {self.cpu:,.0f} experts/s (+{self.slope:.2f} per extra token), "
+                f"fetch share at 1 token {q:.2f}; "
                 f"rates {self.source}")
 
     def as_dict(self) -> dict:
         return {"mode": self.mode, "enabled": self.enabled, "link_experts_per_s": self.link,
-                "cpu_experts_per_s": self.cpu, "source": self.source, "reason": self.reason}
+                "cpu_experts_per_s": self.cpu, "cpu_token_slope": self.slope, "source": self.source, "reason": self.reason}
 
 
 def rates(cal: Calibration, cuda: bool) -> tuple[float, float, str]:
@@ -88,16 +99,23 @@ def rates(cal: Calibration, cuda: bool) -> tuple[float, float, str]:
     return cal.h2d.experts_per_s, cal.cpu_compute.experts_per_s, "measured alone"
 
 
-def decide(mode: str, r_link: float, r_cpu: float, source: str) -> HybridDecision:
+def slope_of(cal: Calibration) -> float:
+    """The calibration's per-token slope (0 for files written before it was measured)."""
+    if cal.cpu_tokens is None:
+        return 0.0
+    return token_slope(cal.cpu_compute.experts_per_s, cal.cpu_tokens.experts_per_s)
+
+
+def decide(mode: str, r_link: float, r_cpu: float, source: str, slope: float = 0.0) -> HybridDecision:
     if mode not in MODES:
         raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
-        return HybridDecision(mode, False, r_link, r_cpu, source, "off")
+        return HybridDecision(mode, False, r_link, r_cpu, source, "off", slope)
     if mode == "on":
-        return HybridDecision(mode, True, r_link, r_cpu, source, "forced")
+        return HybridDecision(mode, True, r_link, r_cpu, source, "forced", slope)
     pays = r_cpu >= MIN_CPU_SHARE * r_link
     why = f"CPU rate {'>=' if pays else '<'} {MIN_CPU_SHARE} x link rate"
-    return HybridDecision(mode, pays, r_link, r_cpu, source, why)
+    return HybridDecision(mode, pays, r_link, r_cpu, source, why, slope)
 
 
 @dataclass
@@ -145,15 +163,22 @@ class HybridSplit:
     def applies(self, tokens: int, streaming: bool) -> bool:
         return self.decision.enabled and not streaming and tokens <= self.max_tokens
 
-    def split(self, layer: int, misses: list[int], room: int, device_min: int = 0) -> tuple[list[int], list[int]]:
+    def split(self, layer: int, misses: list[int], room: int, device_min: int = 0,
+              tokens: list[int] | None = None) -> tuple[list[int], list[int]]:
         """(fetch, cpu), both ascending; at most `room` fetched (slots not in use after the hits),
         and at least `device_min` (room allowing: the device kernel needs one slot to give the CPU's
-        pairs when the layer has no hit)."""
-        f = split_fetch(len(misses), self.decision.link, self.decision.cpu)
+        pairs when the layer has no hit). tokens[e]: expert e's token count in this step (1 each
+        when not given), which sets what it costs the CPU."""
+        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
+        d = self.decision
+        if d.cpu <= 0:
+            f = len(misses)
+        else:
+            n = [1 if tokens is None else max(1, tokens[e]) for e in ranked]
+            f = split_costs([(1.0 + d.slope * (k - 1)) / d.cpu for k in n], d.link)
         if len(misses) - f < self.min_cpu:  # too few to pay for the CPU job's fixed cost: fetch them
             f = len(misses)
         f = min(max(f, min(device_min, len(misses))), max(0, room))
-        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
         fetch, cpu = sorted(ranked[:f]), sorted(ranked[f:])
         c = self.counters
         c.fetched += len(fetch)
@@ -183,6 +208,6 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
         cal = quick_calibration(cache, act, overlap_share=MIN_CPU_SHARE)
         why += "; measured quickly at start (`ferryman bench bw` measures carefully)"
     r_link, r_cpu, which = rates(cal, cache.device.type == "cuda")
-    decision = decide(mode, r_link, r_cpu, f"{which}, {why}")
+    decision = decide(mode, r_link, r_cpu, f"{which}, {why}", slope_of(cal))
     log.info("%s", decision.describe())
     return HybridSplit(decision)

@@ -268,7 +268,8 @@ class OffloadExperts:
         hits = len(used) - len(misses)
         # hits are cached and not in use between layers, so room >= 0
         room = self.cache.available() - hits
-        _, on_cpu = self.hybrid.split(layer, misses, room, device_min=0 if hits else 1)
+        tokens = torch.bincount(host_ids.flatten(), minlength=self.num_experts).tolist()  # per expert
+        _, on_cpu = self.hybrid.split(layer, misses, room, device_min=0 if hits else 1, tokens=tokens)
         if not on_cpu:
             return self._acquire(layer, used, host_ids, prefetches, False)
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works

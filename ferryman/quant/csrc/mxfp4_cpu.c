@@ -23,7 +23,7 @@
 
 #define BLOCK 32
 #define BLOCK_BYTES 16
-#define TILE 8 /* tokens per pass over the weights (one accumulator register each) */
+#define TILE 8 /* tokens per pass over the weights (two to four accumulator registers each) */
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -64,32 +64,60 @@ static void deinterleave(const float *x, float *xd, int64_t T, int64_t K) {
 }
 
 #ifdef __AVX512F__
-/* rows [n, n+1) for tokens [t0, t0+nt), nt <= TILE */
-static void row_avx512(const uint8_t *blk, const uint8_t *scl, const float *xd, int64_t K, int64_t t0, int nt,
-                       float *y, int64_t N, int64_t n) {
+/* One group of 32 weights (16 code bytes and a scale) times nt tokens, into accumulators e/o.
+ * The scale multiplies the 16-entry table once, so both halves come out of one permute each. */
+#define GROUP_FMA(g, e, o)                                                                          \
+    do {                                                                                            \
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (g) * BLOCK_BYTES))); \
+        uint8_t s = scl[g];                                                                         \
+        __m512 lut_s = _mm512_mul_ps(lut, _mm512_set1_ps(scale_of(s)));                             \
+        if (s == 255) lut_s = _mm512_mul_ps(lut_s, two);                                            \
+        __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut_s);                   \
+        __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut_s);                     \
+        const float *xg = xb + (g) * BLOCK;                                                         \
+        for (int t = 0; t < nt; t++) {                                                              \
+            e[t] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xg + t * K), e[t]);                        \
+            o[t] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xg + t * K + BLOCK_BYTES), o[t]);           \
+        }                                                                                           \
+    } while (0)
+
+/* Row n for tokens [t0, t0+nt). Invariant: callers pass nt as a literal (row_avx512 below), so
+ * the token loops unroll and every accumulator stays in a register; with nt <= 4 two sets of
+ * accumulators take alternate groups, so no FMA waits on the one before it (latency 4). */
+static inline __attribute__((always_inline)) void row_avx512_nt(const uint8_t *blk, const uint8_t *scl,
+                                                                const float *xd, int64_t K, int64_t t0,
+                                                                const int nt, float *y, int64_t N, int64_t n) {
     const __m512 lut = _mm512_loadu_ps(E2M1);
     const __m512i low = _mm512_set1_epi32(0xF);
     const __m512 two = _mm512_set1_ps(2.0f);
-    __m512 acc[TILE];
-    for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+    __m512 e0[TILE], o0[TILE], e1[TILE], o1[TILE];
+    for (int t = 0; t < nt; t++) e0[t] = o0[t] = e1[t] = o1[t] = _mm512_setzero_ps();
     const int64_t G = K / BLOCK;
-    for (int64_t g = 0; g < G; g++) {
-        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + g * BLOCK_BYTES)));
-        uint8_t s = scl[g];
-        __m512 sc = _mm512_set1_ps(scale_of(s));
-        __m512 even = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut), sc);
-        __m512 odd = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), sc);
-        if (s == 255) {
-            even = _mm512_mul_ps(even, two);
-            odd = _mm512_mul_ps(odd, two);
+    const float *xb = xd + t0 * K;
+    int64_t g = 0;
+    if (nt <= 4)
+        for (; g + 1 < G; g += 2) {
+            GROUP_FMA(g, e0, o0);
+            GROUP_FMA(g + 1, e1, o1);
         }
-        const float *xg = xd + t0 * K + g * BLOCK;
-        for (int t = 0; t < nt; t++) {
-            acc[t] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xg + t * K), acc[t]);
-            acc[t] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xg + t * K + BLOCK_BYTES), acc[t]);
-        }
+    for (; g < G; g++) GROUP_FMA(g, e0, o0);
+    for (int t = 0; t < nt; t++)
+        y[(t0 + t) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(e0[t], o0[t]), _mm512_add_ps(e1[t], o1[t])));
+}
+
+/* rows [n, n+1) for tokens [t0, t0+nt), 1 <= nt <= TILE: one specialised body per nt */
+static void row_avx512(const uint8_t *blk, const uint8_t *scl, const float *xd, int64_t K, int64_t t0, int nt,
+                       float *y, int64_t N, int64_t n) {
+    switch (nt) {
+    case 1: row_avx512_nt(blk, scl, xd, K, t0, 1, y, N, n); break;
+    case 2: row_avx512_nt(blk, scl, xd, K, t0, 2, y, N, n); break;
+    case 3: row_avx512_nt(blk, scl, xd, K, t0, 3, y, N, n); break;
+    case 4: row_avx512_nt(blk, scl, xd, K, t0, 4, y, N, n); break;
+    case 5: row_avx512_nt(blk, scl, xd, K, t0, 5, y, N, n); break;
+    case 6: row_avx512_nt(blk, scl, xd, K, t0, 6, y, N, n); break;
+    case 7: row_avx512_nt(blk, scl, xd, K, t0, 7, y, N, n); break;
+    default: row_avx512_nt(blk, scl, xd, K, t0, 8, y, N, n); break;
     }
-    for (int t = 0; t < nt; t++) y[(t0 + t) * N + n] = _mm512_reduce_add_ps(acc[t]);
 }
 #endif
 
