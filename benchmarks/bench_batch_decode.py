@@ -1,0 +1,136 @@
+"""Batched decode with offloaded experts: N sequences decoding together, the way `ferryman serve`
+runs them at N users, without the HTTP layer, the arrivals and the prefills in between (which make
+served figures spread by 10% or more between identical runs).
+
+    python benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB --seqs 16 --modes off,early --reps 2
+
+The engine is planned as the serve benchmark plans it (--seqs sequences of --max-model-len), so it
+gets the same expert slots. Per run: --seqs prompts of --prompt tokens are prefilled (not timed),
+then all decode --tokens tokens together; the figures cover the decode steps only:
+- out tok/s: tokens produced / time, all sequences together;
+- link MiB / token and the link limit: the measured link bandwidth / bytes copied per token;
+- link busy: seconds the copy stream spent copying / decode time (1.0 = the link never idled).
+Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
+machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
+MoE input, FERRYMAN_DECODE_PREFETCH=early); `cpu` and `early+cpu` also turn on the hybrid split
+(the engine is then started with --cpu-experts on; `off`/`early` switch it off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from bench_offload import link_bandwidth  # noqa: E402
+
+from ferryman import LLM, SamplingParams  # noqa: E402
+
+MODES = ("off", "early", "cpu", "early+cpu")
+COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
+            "cpu_computed")
+
+
+def set_mode(llm: LLM, mode: str) -> None:
+    """Decode prefetch and the hybrid split as `mode` says, on the running engine."""
+    experts = llm.engine.runner.experts
+    guesser = getattr(experts, "guesser", None)
+    if guesser is None:
+        raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
+    guesser.decode = "early" if mode.startswith("early") else "off"
+    for c in guesser.counters.values():  # each run grades its own guesses
+        c.enabled = True
+    hybrid = getattr(experts, "hybrid", None)
+    if "cpu" in mode and hybrid is None:
+        raise SystemExit(f"mode {mode!r} needs the engine started with the hybrid split (--modes lists a cpu mode)")
+    if hybrid is not None:
+        hybrid.decision = dataclasses.replace(hybrid.decision, enabled="cpu" in mode)
+
+
+def run(llm: LLM, prompts: list[list[int]], tokens: int, bw: float) -> dict:
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    rids = [eng.add_request(p, params) for p in prompts]
+    produced = lambda: sum(eng.requests[r].seq.num_output_tokens for r in rids if r in eng.requests)  # noqa: E731
+    while any(r in eng.requests and not eng.requests[r].seq.num_output_tokens for r in rids):  # the prefills
+        eng.step()
+    before, first = eng.stats()["experts"], produced()
+    start, steps = time.perf_counter(), 0
+    while any(r in eng.requests for r in rids):
+        eng.step()
+        steps += 1
+    spent = time.perf_counter() - start
+    after = eng.stats()["experts"]
+    for r in rids:
+        eng.pop_output(r)
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+    out = len(prompts) * tokens - first
+    per_token = d["bytes_h2d"] / out
+    return {"out_tok_s": out / spent, "steps": steps, "step_ms": spent / steps * 1e3,
+            "link_mib_per_token": per_token / 2**20, "link_limit_tok_s": bw / per_token if per_token else None,
+            "link_busy": d["h2d_seconds"] / spent, "stall_s": d["stall_seconds"],
+            "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]),
+            "prefetch_precision": d["prefetch_hits"] / d["prefetch_fetched"] if d["prefetch_fetched"] else None,
+            "cpu_experts_per_step": d["cpu_computed"] / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="gpt-oss-20b:8GiB", help="MODEL:BUDGET, dummy weights")
+    ap.add_argument("--seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=1536)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per sequence")
+    ap.add_argument("--modes", default="off,early", help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument("--reps", type=int, default=2, help="rounds over the modes")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
+    model, budget = a.target.split(":")
+    hybrid = any("cpu" in m for m in modes)
+    # demo:cpu is a smoke test on the CPU: the demo model with a 10% cache
+    kw = (dict(device="cpu", expert_cache="10%") if budget == "cpu" else dict(gpu_memory=budget))
+    if model != "demo":
+        kw["load_format"] = "dummy"
+    llm = LLM(None if model == "demo" else model, max_num_seqs=a.seqs, max_model_len=a.max_model_len,
+              moe_strategy="offload", cpu_experts="on" if hybrid else "off", progress=False, **kw)
+
+    eng = llm.engine
+    bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda: torch.randint(1, eng.cfg.vocab_size, (a.prompt,), generator=gen).tolist()  # noqa: E731
+    set_mode(llm, modes[0])
+    run(llm, [rand() for _ in range(a.seqs)], 8, bw)  # warm-up: compiles, graph captures
+    print(f"{model} at {budget}: {eng.stats()['experts'].get('slots')} slots, {a.seqs} sequences x {a.tokens} tokens "
+          f"after {a.prompt}-token prompts; link {bw / 1e9:.1f} GB/s; {platform.node()}, "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    rows = []
+    for rep in range(a.reps):
+        for mode in modes:
+            set_mode(llm, mode)
+            row = {"mode": mode, "rep": rep, **run(llm, [rand() for _ in range(a.seqs)], a.tokens, bw)}
+            rows.append(row)
+            print(f"{mode:10s} rep {rep}: {row['out_tok_s']:6.1f} tok/s, step {row['step_ms']:6.1f} ms, "
+                  f"{row['link_mib_per_token']:6.1f} MiB/token, link busy {row['link_busy']:.2f}, "
+                  f"{row['out_tok_s'] / row['link_limit_tok_s']:.2f} of the link limit, hit rate {row['hit_rate']:.2f}, "
+                  f"prefetch precision {row['prefetch_precision'] or 0:.2f}, CPU experts/step {row['cpu_experts_per_step']:.1f}",
+                  flush=True)
+    for mode in modes:
+        mine = [r["out_tok_s"] for r in rows if r["mode"] == mode]
+        print(f"{mode:10s} mean {sum(mine) / len(mine):6.1f} tok/s over {len(mine)} runs "
+              f"({', '.join(f'{v:.1f}' for v in mine)})")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
