@@ -288,6 +288,32 @@ def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates:
         assert 0.0 < st["split_fetch_ratio"] < 0.5
 
 
+def test_link_share_is_what_the_split_would_fetch() -> None:
+    split = HybridSplit(decide("on", 2.0, 1.0, "test"), min_cpu=1)
+    split.history.use([(4, 9), (4, 9), (4, 3)])
+    assert split.link_share(4, [1, 3, 5, 9]) == [1, 3, 9]  # 3 of 4 at twice the CPU's rate: the reused first
+    assert split.split(4, [1, 3, 5, 9], room=8) == ([1, 3, 9], [5])
+    assert HybridSplit(decide("on", 2.0, 0.0, "test")).link_share(4, [1, 3]) == [1, 3]  # no CPU rate: all
+    assert split.link_share(4, []) == []
+
+
+def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Early decode prefetch beside the hybrid split copies only the link's share of each guess;
+    the answers stay the resident ones."""
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
+    cfg = _preset_demo()
+    path = tmp_path / "cal.json"
+    save(_calibration(cfg, torch.float32, 1000.0, 1000.0), path)
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
+    want = greedy_ids(LLM(**kw), PROMPTS, 12)
+    llm = LLM(moe_strategy="offload", expert_cache="10%", cpu_experts="on", calibration=str(path), **kw)
+    shares = count_calls(llm.engine.runner.experts.hybrid, "link_share")
+    assert greedy_ids(llm, PROMPTS, 12) == want
+    st = llm.stats()["experts"]
+    assert shares[0] > 0 and st["prefetch_fetched"] > 0 and st["cpu_computed"] > 0, st
+
+
 def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
     cfg = _preset_demo()
     path = tmp_path / "cal.json"

@@ -186,6 +186,16 @@ class HybridSplit:
         c.steps += int(bool(cpu))
         return fetch, cpu
 
+    def link_share(self, layer: int, misses: list[int]) -> list[int]:
+        """Of a guessed layer's misses, those its split would fetch (ranked as `split` ranks, 1 token
+        each: a guess has no counts), ascending. An early decode prefetch copies only these, while
+        the layer before computes; the layer's own split then shares what is left with the CPU, so
+        the CPU keeps work and the link keeps busy through the gap between layers."""
+        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
+        d = self.decision
+        f = len(misses) if d.cpu <= 0 else split_costs([1.0 / d.cpu] * len(misses), d.link)
+        return sorted(ranked[:f])
+
     def stats(self) -> dict:
         c = self.counters
         return {"hybrid": self.decision.as_dict(), "split_steps": c.steps,

@@ -243,8 +243,12 @@ class OffloadExperts:
     def _prefetch(self, prefetches: list[Prefetch], streaming: bool) -> None:
         if self.guesser is None:
             return
+        # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
+        split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
         for depth, ((target, _), guessed) in enumerate(prefetches, start=1):  # in layer order
-            fetched = self.cache.prefetch(target, guessed, depth)
+            copy = guessed if split is None else \
+                split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
+            fetched = self.cache.prefetch(target, copy, depth)
             self.guesser.remember(target, guessed, fetched, streaming)
 
     def _compute(self, x: torch.Tensor, topk_w: torch.Tensor, step: LayerStep, streaming: bool) -> torch.Tensor:
