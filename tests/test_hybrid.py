@@ -314,15 +314,17 @@ def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pyte
     assert shares[0] > 0 and st["prefetch_fetched"] > 0 and st["cpu_computed"] > 0, st
 
 
-def test_auto_stays_off_when_the_cpu_is_slow(tmp_path: Path) -> None:
+def test_auto_is_off_on_a_cpu_device(tmp_path: Path) -> None:
+    """On a CPU-only machine the slots and the host store are one memory: auto never splits, even
+    with rates that would pay (auto's rate threshold itself: test_decide_auto_threshold_and_modes)."""
     cfg = _preset_demo()
     path = tmp_path / "cal.json"
-    save(_calibration(cfg, torch.float32, 4000.0, 999.0), path)  # just below 0.25 x link
+    save(_calibration(cfg, torch.float32, 1000.0, 4000.0), path)
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", cpu_experts="auto",
               calibration=str(path))
     greedy_ids(llm, [[5, 6, 7]], 4)
     st = llm.stats()["experts"]
-    assert not st["hybrid"]["enabled"] and "cpu_computed" not in st and st["split_steps"] == 0
+    assert "hybrid" not in st and "cpu_computed" not in st and st["misses"] > 0
 
 
 # fp32 only: rates measured at start vary from run to run, so which misses go to the CPU does too,

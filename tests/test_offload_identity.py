@@ -10,10 +10,24 @@ import pytest
 import torch
 
 from ferryman import LLM
-from tiny_models import greedy_ids
+from tiny_models import count_calls, greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("max_seqs, guessed", [(4, True), (1, False)])
+def test_early_decode_guesses_only_small_batches(max_seqs: int, guessed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_DECODE_PREFETCH_MAX_SEQS: decode steps of more sequences make no early guess (a
+    batch's union is most of the next layer); prefill chunks still stream."""
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", str(max_seqs))
+    llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", max_num_batched_tokens=32)
+    guesser = llm.engine.runner.experts.guesser
+    decode_sized = lambda layer, x: 1 < x.shape[0] <= 3  # noqa: E731  (3 sequences x top-4 < 32 experts)
+    batched = count_calls(guesser, "guess", decode_sized)
+    greedy_ids(llm, [[5, 6, 7], [9, 10, 11, 12], [40, 41]], 6)
+    assert (batched[0] > 0) == guessed, batched
 
 
 @pytest.mark.parametrize("device", DEVICES)

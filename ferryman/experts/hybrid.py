@@ -17,7 +17,8 @@ fetching is what puts them in the cache; the others are computed on the CPU and 
 
 When it applies: decode-sized steps only, at most MAX_SPLIT_TOKENS tokens and not touching about
 every expert (a prefill chunk is never split: whole experts are fetched, its streaming pays more).
-Whether it applies at all (`decide`): "off" never; "on" always; "auto" when the CPU reaches at
+Whether it applies at all (`decide`): "off" never; "on" always; "auto" on a CUDA device (on a
+CPU-only machine the slots and the store share one memory: never) when the CPU reaches at
 least MIN_CPU_SHARE of the link's rate (below that a split saves almost nothing and adds a
 device -> host copy of x per layer). The decision is logged once with its numbers.
 """
@@ -209,6 +210,9 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
     if mode not in MODES:
         raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
+        return None
+    if mode == "auto" and cache.device.type != "cuda":
+        log.info("cpu_experts=auto: hybrid off (the device is the CPU: its slots and the host store share one memory)")
         return None
     from ferryman.calibrate.bandwidth import quick_calibration
 
