@@ -113,6 +113,25 @@ def test_split_costs_matches_brute_force_and_weighs_tokens() -> None:
     assert steep.split(0, list(range(6)), room=6, tokens=tokens) == ([0, 1, 2, 3, 4], [5])
 
 
+def test_observed_cpu_rate_moves_the_split_and_relaxes_back() -> None:
+    from ferryman.experts.hybrid import OBSERVE_WEIGHT, RELAX_PER_STEP
+
+    split = HybridSplit(decide("on", 2.0, 1.0, "test", slope=0.5), min_cpu=1)
+    assert split.units([1, 2], [0, 3, 1]) == 2.0 + 1.0  # 3 tokens: 1 + 0.5 x 2; 1 token: 1
+    assert split.split(0, list(range(6)), room=6) == ([0, 1, 2, 3], [4, 5])
+    assert split.stats()["cpu_experts_per_s_observed"] is None
+    for _ in range(200):  # jobs run at a quarter of the calibrated rate
+        split.observe(1.0, 4.0)
+    assert split.cpu_rate == pytest.approx(0.25, rel=1e-3) and split.stats()["cpu_experts_per_s_observed"] < 0.26
+    # a miss now costs the CPU 4 s: fetching all 6 (3 s) beats any split (5 and 1: max(2.5, 4))
+    assert split.split(0, list(range(6)), room=6) == ([0, 1, 2, 3, 4, 5], [])
+    split.observe(0.0, 1.0)  # an empty job changes nothing
+    before = split.cpu_rate
+    split.advance()
+    assert split.cpu_rate == pytest.approx(before + RELAX_PER_STEP * (1.0 - before))
+    assert 0 < OBSERVE_WEIGHT < 1
+
+
 def test_token_slope_from_two_rates() -> None:
     assert token_slope(1000.0, 1000.0) == 0.0  # 4 tokens as fast as 1: free tokens
     assert token_slope(1000.0, 500.0) == pytest.approx(1 / 3)  # 4 tokens cost 2 experts: 1/3 per extra token
@@ -256,8 +275,8 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
     w = torch.rand(3, 4, generator=gen)
     on_cpu = [1, 9, 3]
     inline, threaded = CPUExperts(store, act, threaded=False), CPUExperts(store, act, threaded=True)
-    part = inline.result(inline.submit(2, x, ids, w, on_cpu))
-    assert torch.equal(threaded.result(threaded.submit(2, x, ids, w, on_cpu)), part)
+    part, seconds = inline.result(inline.submit(2, x, ids, w, on_cpu))
+    assert seconds > 0 and torch.equal(threaded.result(threaded.submit(2, x, ids, w, on_cpu))[0], part)
     rest = fused_moe("dense", store.banks[2], x, ids, w.masked_fill(torch.isin(ids, torch.tensor(on_cpu)), 0), act)
     whole = fused_moe("dense", store.banks[2], x, ids, w, act)
     assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-6)

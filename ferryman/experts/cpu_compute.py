@@ -61,20 +61,22 @@ class CPUExperts:
         done.set_result(run())
         return done
 
-    def result(self, job: Future) -> torch.Tensor:
-        """The [T, H] partial output (host memory) of a submitted job, waiting for it if needed."""
+    def result(self, job: Future) -> tuple[torch.Tensor, float]:
+        """(the [T, H] partial output in host memory, the seconds the CPU spent computing it) of a
+        submitted job, waiting for it if needed."""
         start = time.perf_counter()
-        out = job.result()
+        out, seconds = job.result()
         self.wait_seconds += time.perf_counter() - start
-        return out
+        return out, seconds
 
-    def _timed(self, compute: Callable[[], torch.Tensor], experts: int) -> torch.Tensor:
+    def _timed(self, compute: Callable[[], torch.Tensor], experts: int) -> tuple[torch.Tensor, float]:
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the worker does not inherit the caller's
             out = compute()
-        self.seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.seconds += spent
         self.experts += experts
-        return out
+        return out, spent
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 experts: list[int]) -> torch.Tensor:

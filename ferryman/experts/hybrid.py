@@ -42,6 +42,8 @@ log = logging.getLogger("ferryman.experts")
 MODES = ("off", "auto", "on")
 MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
 MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
+OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
+RELAX_PER_STEP = 0.02  # per engine step, the share of the way back to the calibrated CPU rate
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -156,6 +158,10 @@ class HybridSplit:
         from ferryman.envs import envs
 
         self.decision, self.max_tokens = decision, max_tokens
+        # the CPU's rate as the engine sees it (1-token experts/s): the calibrated one, moved by each
+        # finished CPU job (`observe`), and drawn back to the calibration a little each step (`advance`)
+        self.cpu_rate = decision.cpu
+        self.observed = 0  # CPU jobs observed
         # a layer step computes misses on the CPU only if the split gives it at least this many
         self.min_cpu = max(1, envs.HYBRID_MIN_CPU if min_cpu is None else min_cpu)
         self.history = ReuseHistory()
@@ -171,12 +177,10 @@ class HybridSplit:
         pairs when the layer has no hit). tokens[e]: expert e's token count in this step (1 each
         when not given), which sets what it costs the CPU."""
         ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
-        d = self.decision
-        if d.cpu <= 0:
+        if self.cpu_rate <= 0:
             f = len(misses)
         else:
-            n = [1 if tokens is None else max(1, tokens[e]) for e in ranked]
-            f = split_costs([(1.0 + d.slope * (k - 1)) / d.cpu for k in n], d.link)
+            f = split_costs([self.units([e], tokens) / self.cpu_rate for e in ranked], self.decision.link)
         if len(misses) - f < self.min_cpu:  # too few to pay for the CPU job's fixed cost: fetch them
             f = len(misses)
         f = min(max(f, min(device_min, len(misses))), max(0, room))
@@ -193,13 +197,34 @@ class HybridSplit:
         the layer before computes; the layer's own split then shares what is left with the CPU, so
         the CPU keeps work and the link keeps busy through the gap between layers."""
         ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
-        d = self.decision
-        f = len(misses) if d.cpu <= 0 else split_costs([1.0 / d.cpu] * len(misses), d.link)
+        f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link)
         return sorted(ranked[:f])
+
+    def units(self, experts: list[int], tokens: list[int] | None) -> float:
+        """What `experts` cost the CPU in 1-token experts: 1 + slope per token past the first."""
+        return sum(1.0 + self.decision.slope * (max(1, tokens[e]) - 1) if tokens is not None else 1.0
+                   for e in experts)
+
+    def observe(self, units: float, seconds: float) -> None:
+        """A CPU job of `units` (1-token experts) took `seconds`: move the rate the split uses
+        (an exponential average over about 1 / OBSERVE_WEIGHT jobs). Beside a busy server the CPU
+        computed ~35% slower than `ferryman bench bw` measured, and the split's balance went with it."""
+        if units <= 0 or seconds <= 0:
+            return
+        self.cpu_rate += OBSERVE_WEIGHT * (units / seconds - self.cpu_rate)
+        self.observed += 1
+
+    def advance(self) -> None:
+        """A new engine step: age the reuse history, and draw the CPU rate back toward the
+        calibrated one by RELAX_PER_STEP, so a split that stopped sending work to a CPU measured
+        slow (no jobs, no observations) tries it again later."""
+        self.history.advance()
+        self.cpu_rate += RELAX_PER_STEP * (self.decision.cpu - self.cpu_rate)
 
     def stats(self) -> dict:
         c = self.counters
         return {"hybrid": self.decision.as_dict(), "split_steps": c.steps,
+                "cpu_experts_per_s_observed": self.cpu_rate if self.observed else None,
                 "split_fetch_ratio": c.fetched / (c.fetched + c.cpu) if c.fetched + c.cpu else None}
 
 

@@ -57,6 +57,7 @@ class CPUPart:
     experts: list[int]
     job: Future
     off: torch.Tensor
+    units: float  # what the split expects the job to cost, in 1-token experts (HybridSplit.units)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,10 @@ class OffloadExperts:
     def cpu_part(self, step: LayerStep) -> torch.Tensor:
         """The [T, H] output of the pairs `step` sent to the CPU, on the cache's device (waits)."""
         assert self.cpu is not None and step.cpu is not None  # a hybrid step made by _hybrid_step
-        return self.cpu.result(step.cpu.job).to(self.cache.device, non_blocking=True)
+        out, seconds = self.cpu.result(step.cpu.job)
+        if self.hybrid is not None:
+            self.hybrid.observe(step.cpu.units, seconds)
+        return out.to(self.cache.device, non_blocking=True)
 
     def finish_step(self, step: LayerStep) -> None:
         """The kernel reading `step`'s slots is issued: unpin them, then start the guesses' copies.
@@ -164,7 +168,7 @@ class OffloadExperts:
         if layer <= self._last_layer:  # the first MoE layer of a new step
             self.cache.begin_step()
             if self.hybrid is not None:
-                self.hybrid.history.advance()
+                self.hybrid.advance()
         self._last_layer = layer
         self.late.take(layer)
         guesses = self._guesses(layer, x, streaming)
@@ -281,7 +285,8 @@ class OffloadExperts:
         job = self.cpu.submit(layer, x, host_ids, topk_w, on_cpu)  # runs while the device works
         off = torch.zeros(self.num_experts, dtype=torch.bool)
         off[on_cpu] = True
-        cpu = CPUPart(on_cpu, job, off[host_ids].to(self.cache.device, non_blocking=True))  # off: [T, K]
+        units = self.hybrid.units(on_cpu, tokens)
+        cpu = CPUPart(on_cpu, job, off[host_ids].to(self.cache.device, non_blocking=True), units)  # off: [T, K]
         cpu_set = set(on_cpu)
         return self._acquire(layer, [e for e in used if e not in cpu_set], host_ids, prefetches, False, cpu)
 
