@@ -259,10 +259,9 @@ class EngineConfig:
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None
-    # misses computed on the CPU while others are fetched (experts/hybrid.py): off | auto | on.
-    # The CLI defaults to auto (measured faster on the GPU machine at 4 and 16 sequences); the library
-    # keeps "off", so an LLM's answers do not depend on the rates measured at start (the CPU's part
-    # sums in fp32, the device's in the model dtype). calibration: the rates file (default:
+    # misses computed on the CPU while others are fetched (experts/hybrid.py): off | auto | on;
+    # "off" by default: on the GPU machine auto decoded 16 sequences 20% faster, but 16 served
+    # users gained nothing (docs/benchmarks.md, session 12). calibration: the rates file (default:
     # ~/.cache/ferryman/calibration-<fingerprint>.json, written by `ferryman bench bw`)
     cpu_experts: str = "off"
     calibration: str | None = None
