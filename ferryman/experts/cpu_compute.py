@@ -44,6 +44,7 @@ class CPUExperts:
                experts: list[int]) -> Future:
         """Start computing the pairs of `layer` routed to `experts` (distinct, in host memory).
         x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
+        start = time.perf_counter()  # the job's latency counts its copies, preparation and hand-off
         x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
         if self.fmt == "mxfp4" and mxfp4_cpu.available():
             # MXFP4: the whole layer in one kernel call, its arguments prepared here, so the worker
@@ -52,9 +53,10 @@ class CPUExperts:
             job = mxfp4_cpu.LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
                                      self.act.limit, self.bias)
             self.pairs += int(job.tokens.numel())
-            run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts))
+            run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts), start)
         else:
-            run = partial(self._timed, partial(self.compute, layer, x_host, host_ids, w_host, experts), len(experts))
+            run = partial(self._timed, partial(self.compute, layer, x_host, host_ids, w_host, experts), len(experts),
+                          start)
         if self.pool is not None:
             return self.pool.submit(run)
         done: Future = Future()
@@ -62,21 +64,22 @@ class CPUExperts:
         return done
 
     def result(self, job: Future) -> tuple[torch.Tensor, float]:
-        """(the [T, H] partial output in host memory, the seconds the CPU spent computing it) of a
-        submitted job, waiting for it if needed."""
+        """(the [T, H] partial output in host memory, the job's latency: seconds from `submit` to
+        the end of its computation) of a submitted job, waiting for it if needed."""
         start = time.perf_counter()
         out, seconds = job.result()
         self.wait_seconds += time.perf_counter() - start
         return out, seconds
 
-    def _timed(self, compute: Callable[[], torch.Tensor], experts: int) -> tuple[torch.Tensor, float]:
+    def _timed(self, compute: Callable[[], torch.Tensor], experts: int, submitted: float) -> tuple[torch.Tensor, float]:
+        """(compute()'s result, seconds since `submitted`); cpu_seconds counts the computation alone."""
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the worker does not inherit the caller's
             out = compute()
-        spent = time.perf_counter() - start
-        self.seconds += spent
+        end = time.perf_counter()
+        self.seconds += end - start
         self.experts += experts
-        return out, spent
+        return out, end - submitted
 
     def compute(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 experts: list[int]) -> torch.Tensor:

@@ -206,10 +206,11 @@ class HybridSplit:
                    for e in experts)
 
     def observe(self, units: float, seconds: float) -> None:
-        """A CPU job of `units` (1-token experts) took `seconds`: move the rate the split uses
-        (an exponential average over about 1 / OBSERVE_WEIGHT jobs). Beside a 16-user server on the
-        H200 the CPU ran ~18% below the rate `ferryman bench bw` had measured beside the link, and
-        the split's balance went with it (docs/benchmarks.md, session 12)."""
+        """A CPU job of `units` (1-token experts) finished `seconds` after the split sent it (its
+        copy of x, preparation and hand-off included): move the rate the split uses, an exponential
+        average over about 1 / OBSERVE_WEIGHT jobs. Beside a 16-user server on the H200 the CPU
+        computed ~18% below the rate `ferryman bench bw` had measured beside the link, and the
+        split's balance went with it (docs/benchmarks.md, session 12)."""
         if units <= 0 or seconds <= 0:
             return
         self.cpu_rate += OBSERVE_WEIGHT * (units / seconds - self.cpu_rate)
