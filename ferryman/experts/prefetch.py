@@ -14,9 +14,12 @@ a copy on the link and may evict an expert that would have hit. So it pays only 
 mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a precision below
 `min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
 random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
-Decode prefetch is off unless asked (`decode`, FERRYMAN_DECODE_PREFETCH): on the H200 the early
-guess (precision 0.80) gave 40.0 against 41.5 tok/s without it; prefill streaming stays. The late
-guess (`guess_residual`) reads a closer input and is issued right after this layer's MoE kernel, so
+Decode prefetch (`decode`, FERRYMAN_DECODE_PREFETCH) is `early` by default, in decode steps of at
+most FERRYMAN_DECODE_PREFETCH_MAX_SEQS (4) sequences (OffloadExperts._guesses): on the H200, in one
+engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against 49.2 tok/s off
+(precision 0.79-0.82), -120b at 23.4 against 21.9; at 16 sequences the guesses moved more bytes for
+little gain (docs/benchmarks.md, session 12; an earlier engine had measured it slower). Prefill
+streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued right after this layer's MoE kernel, so
 its copies cover the next attention, router and host sync, the window in which the link idles.
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
