@@ -19,8 +19,9 @@ most FERRYMAN_DECODE_PREFETCH_MAX_SEQS (4) sequences (OffloadExperts._guesses): 
 engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against 49.2 tok/s off
 (precision 0.79-0.82), -120b at 23.4 against 21.9; at 16 sequences the guesses moved more bytes for
 little gain (docs/benchmarks.md, session 12; an earlier engine had measured it slower). Prefill
-streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued right after this layer's MoE kernel, so
-its copies cover the next attention, router and host sync, the window in which the link idles.
+streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued
+right after this layer's MoE kernel, so its copies cover the next attention, router and host
+sync, the window in which the link idles.
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.
