@@ -314,6 +314,8 @@ def test_link_share_is_what_the_split_would_fetch() -> None:
     assert split.split(4, [1, 3, 5, 9], room=8) == ([1, 3, 9], [5])
     assert HybridSplit(decide("on", 2.0, 0.0, "test")).link_share(4, [1, 3]) == [1, 3]  # no CPU rate: all
     assert split.link_share(4, []) == []
+    # a CPU share below FERRYMAN_HYBRID_MIN_CPU: the layer would fetch it all, so the guess copies it all
+    assert HybridSplit(decide("on", 2.0, 1.0, "test"), min_cpu=2).link_share(4, [1, 3, 5]) == [1, 3, 5]
 
 
 def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pytest.MonkeyPatch,

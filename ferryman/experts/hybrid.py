@@ -198,6 +198,8 @@ class HybridSplit:
         the CPU keeps work and the link keeps busy through the gap between layers."""
         ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
         f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link)
+        if len(misses) - f < self.min_cpu:  # the layer's split would fetch these too (`split`)
+            f = len(misses)
         return sorted(ranked[:f])
 
     def units(self, experts: list[int], tokens: list[int] | None) -> float:
