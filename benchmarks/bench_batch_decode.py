@@ -12,7 +12,8 @@ then all decode --tokens tokens together; the figures cover the decode steps onl
 - link busy: seconds the copy stream spent copying / decode time (1.0 = the link never idled).
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
 machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
-MoE input, FERRYMAN_DECODE_PREFETCH=early); `cpu` and `early+cpu` also turn on the hybrid split
+MoE input, FERRYMAN_DECODE_PREFETCH=early; `early6` guesses 6 experts per token,
+FERRYMAN_DECODE_PREFETCH_TOPK=6); `cpu` and `early+cpu` also turn on the hybrid split
 (the engine is then started with --cpu-experts on; `off`/`early` switch it off).
 """
 
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,7 @@ from bench_offload import link_bandwidth  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
 
-MODES = ("off", "early", "cpu", "early+cpu")
+MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width: early6, early6+cpu
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -45,6 +47,8 @@ def set_mode(llm: LLM, mode: str) -> None:
     if guesser is None:
         raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
     guesser.decode = "early" if mode.startswith("early") else "off"
+    width = mode.split("+")[0].removeprefix("early")
+    guesser.decode_k = int(width) if width.isdigit() else 0  # experts per token of a guess (0: top-k)
     for c in guesser.counters.values():  # each run grades its own guesses
         c.enabled = True
     hybrid = getattr(experts, "hybrid", None)
@@ -93,7 +97,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if bad := [m for m in modes if m not in MODES]:
+    if bad := [m for m in modes if re.sub(r"^early\d+", "early", m) not in MODES]:
         raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
     model, budget = a.target.split(":")
     hybrid = any("cpu" in m for m in modes)

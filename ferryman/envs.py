@@ -181,6 +181,12 @@ class Envs:
         "GiB on an H200: with the hybrid split, 16 sequences decoded 105.1 tok/s guessing against 124.6 not; "
         "4 sequences 77.6 against 73.5)",
     )
+    DECODE_PREFETCH_TOPK = EnvVar(
+        "FERRYMAN_DECODE_PREFETCH_TOPK", int, 0,
+        "experts per token the early decode guess takes (0: the model's top-k). Wider guesses copy "
+        "more experts that go unused but leave fewer misses to copy after the layer's sync; the "
+        "precision gate scales with the width. Not measured on a GPU yet",
+    )
     ZERO_COPY = EnvVar(
         "FERRYMAN_ZERO_COPY", bool, False,
         "offloaded experts, experimental: decode kernels read uncached experts straight from pinned host "

@@ -24,10 +24,42 @@ def test_early_decode_guesses_only_small_batches(max_seqs: int, guessed: bool, m
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", str(max_seqs))
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", max_num_batched_tokens=32)
     guesser = llm.engine.runner.experts.guesser
-    decode_sized = lambda layer, x: 1 < x.shape[0] <= 3  # noqa: E731  (3 sequences x top-4 < 32 experts)
+    decode_sized = lambda layer, x, wide=False: 1 < x.shape[0] <= 3  # noqa: E731  (3 sequences x top-4 < 32 experts)
     batched = count_calls(guesser, "guess", decode_sized)
     greedy_ids(llm, [[5, 6, 7], [9, 10, 11, 12], [40, 41]], 6)
     assert (batched[0] > 0) == guessed, batched
+
+
+def test_wider_early_guesses_recall_more_and_keep_the_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_DECODE_PREFETCH_TOPK=6 on a top-4 model: each decode guess is a superset of the
+    top-4 one from the same input, so recall can only rise; answers stay the resident ones."""
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32)
+    want = greedy_ids(LLM(**kw), prompts, 12)
+    recall = {}
+    for k in (0, 6):
+        monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_TOPK", str(k))
+        llm = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+        assert llm.engine.runner.experts.guesser.guess_k == (k or 4)
+        assert greedy_ids(llm, prompts, 12) == want
+        recall[k] = llm.stats()["experts"]["guess_recall"]
+    assert recall[6] > recall[0], recall
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_TOPK", "-1")
+    with pytest.raises(ValueError, match="FERRYMAN_DECODE_PREFETCH_TOPK"):
+        LLM(moe_strategy="offload", expert_cache="10%", **kw)
+
+
+def test_precision_gate_scales_with_the_guess_width() -> None:
+    from ferryman.experts.prefetch import NextLayerGuesser
+
+    gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
+    for k, stays in ((0, False), (8, True)):  # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8
+        g = NextLayerGuesser(gates, top_k=4, decode_k=k, min_samples=32)
+        for _ in range(8):
+            g.remember(1, [0, 1, 2, 3], [0, 1, 2, 3], streaming=False)
+            g.score(1, [0, 1])
+        assert g.counters[1].enabled == stays, k
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -88,7 +88,7 @@ def test_late_decode_prefetch_equals_resident_and_is_graded(tiny: tuple[str, Pat
     moe_runs = _count_moe(seg)  # the late guess follows the MoE graph too
     early = []
     guess = runner.experts.guesser.guess
-    runner.experts.guesser.guess = lambda layer, x: early.append(x.shape[0]) or guess(layer, x)  # type: ignore[method-assign]
+    runner.experts.guesser.guess = lambda layer, x, wide=False: early.append(x.shape[0]) or guess(layer, x, wide=wide)  # type: ignore[method-assign]
     made = []  # guesses computed by the MoE graph functions and handed over after them
     handed = runner.experts.guesses_made
     runner.experts.guesses_made = lambda layer, ids: made.append(ids.shape[0]) or handed(layer, ids)  # type: ignore[method-assign]

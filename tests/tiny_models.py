@@ -111,9 +111,9 @@ def count_calls(obj: object, method: str, when=None) -> list[int]:  # noqa: ANN0
     calls = [0]
     inner = getattr(obj, method)
 
-    def counted(*args):  # noqa: ANN002, ANN202
-        calls[0] += int(when is None or when(*args))
-        return inner(*args)
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += int(when is None or when(*args, **kwargs))
+        return inner(*args, **kwargs)
 
     setattr(obj, method, counted)
     return calls

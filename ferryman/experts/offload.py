@@ -237,7 +237,7 @@ class OffloadExperts:
         nxt = self.guesser.next_of.get(layer)
         if nxt is None or not self.guesser.wants_prefetch(nxt, streaming):
             return []  # no router launch, nothing more to read back
-        first = self.guesser.guess(layer, x)
+        first = self.guesser.guess(layer, x, wide=not streaming)
         out = [first] if first is not None else []
         for depth in range(2, self.lookahead + 1 if streaming else 2):
             ahead = self.guesser.guess_ahead(layer, x, depth)

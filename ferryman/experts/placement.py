@@ -139,7 +139,8 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
 
     decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
     norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
-    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms) if prefetch else None
+    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms,
+                               decode_k=envs.DECODE_PREFETCH_TOPK) if prefetch else None
     return OffloadExperts(cache, act, guesser,
                           hybrid, cpu_thread, envs.ZERO_COPY if zero_copy is None else zero_copy)
 

@@ -59,6 +59,9 @@ class NextLayerGuesser:
     # copies are held until their layer runs, so the link always has the next layer's experts
     # queued). offload_backend: FERRYMAN_DECODE_PREFETCH
     decode: str = "early"
+    # experts per token an early decode guess takes (0: top_k): wider guesses trade precision for
+    # recall, and the precision gate scales with them. offload_backend: FERRYMAN_DECODE_PREFETCH_TOPK
+    decode_k: int = 0
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
@@ -67,6 +70,8 @@ class NextLayerGuesser:
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.decode_k < 0:
+            raise ValueError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
         if self.late_depth and set(self.norms) != set(self.gates):
             raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
@@ -86,13 +91,20 @@ class NextLayerGuesser:
             target = self.next_of.get(target) if target is not None else None
         return target
 
-    def guess(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-        """(next MoE layer, guessed ids [T, K]) from layer `layer`'s MoE input x [T, H]."""
+    @property
+    def guess_k(self) -> int:
+        """Experts per token of an early decode guess."""
+        return self.decode_k or self.top_k
+
+    def guess(self, layer: int, x: torch.Tensor, wide: bool = False) -> tuple[int, torch.Tensor] | None:
+        """(next MoE layer, guessed ids [T, k]) from layer `layer`'s MoE input x [T, H]; k is the
+        model's top-k, or `guess_k` for a `wide` (decode) guess."""
         nxt = self.next_of.get(layer)
         if nxt is None:
             return None
         logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
-        return nxt, torch.topk(logits, self.top_k, dim=-1).indices
+        k = min(self.guess_k if wide else self.top_k, logits.shape[-1])
+        return nxt, torch.topk(logits, k, dim=-1).indices
 
     def guess_ahead(self, layer: int, x: torch.Tensor, depth: int) -> tuple[int, torch.Tensor] | None:
         """(the MoE layer `depth` after `layer`, guessed ids [T, K]) from layer `layer`'s MoE input:
@@ -132,7 +144,9 @@ class NextLayerGuesser:
         c.recall_total += len(used)
         c.fetched += len(fetched)
         c.useful += len(fetched.intersection(used))
-        if c.enabled and c.fetched >= self.min_samples and c.useful < self.min_precision * c.fetched:
+        # a guess of guess_k experts per token for top_k used: its precision bar scales down with it
+        bar = self.min_precision * self.top_k / max(self.top_k, self.guess_k)
+        if c.enabled and c.fetched >= self.min_samples and c.useful < bar * c.fetched:
             c.enabled = False
 
     def stats(self) -> dict:
