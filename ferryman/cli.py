@@ -145,8 +145,10 @@ Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts
   (a) host memory read bandwidth: torch.sum over a large buffer, all torch threads
   (b) pinned host -> device copies of one expert (one row of the host store; skipped without CUDA),
       and host -> host copies of one expert (the "link" when the CPU is the device)
-  (c) CPU expert compute: fused_moe on the CPU, 1 token x top-k experts of random weights of MODEL's
-      shape and format, in experts/s and GB/s of expert bytes
+  (c) CPU expert compute, the hybrid's own path (MXFP4: the C kernel, else fused_moe), 1 token x
+      top-k experts of random weights of MODEL's shape and format, in experts/s and GB/s of expert
+      bytes; then 4 tokens per expert, which gives what each token past the first costs (the slope
+      the split charges experts with several tokens)
   (d) with CUDA, the link and the CPU compute running at the same time (they share host memory)
 Each figure is the median of --reps repetitions over experts not in the CPU caches. Writes a JSON
 file keyed by the expert geometry (never by format alone) with the machine recorded; the engine
