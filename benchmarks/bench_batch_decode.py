@@ -10,6 +10,10 @@ then all decode --tokens tokens together; the figures cover the decode steps onl
 - out tok/s: tokens produced / time, all sequences together;
 - link MiB / token and the link limit: the measured link bandwidth / bytes copied per token;
 - link busy: seconds the copy stream spent copying / decode time (1.0 = the link never idled).
+With --closed-loop R, each of the --seqs users instead sends R requests back to back (the next as
+its last one finishes), as `ferryman bench serve` does, prefills mixed into the decode steps: tok/s
+over the whole run and the mean time to first token, with no HTTP or tokenizer threads beside the
+engine (set beside a served run, this separates the engine from the server around it).
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
 machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
 MoE input, FERRYMAN_DECODE_PREFETCH=early; `early6` guesses 6 experts per token,
@@ -26,6 +30,7 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,6 +90,51 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int, bw: float) -> dict:
             "cpu_experts_per_step": d["cpu_computed"] / steps}
 
 
+def run_closed_loop(llm: LLM, users: int, rounds: int, prompt_of: Callable[[], list[int]], tokens: int,
+                    bw: float) -> dict:
+    """Each of `users` sends `rounds` requests back to back (the next as soon as the last finished),
+    as `ferryman bench serve` loads a server, but in this process: no HTTP, no tokenizer threads.
+    Output tok/s over the whole run (prefills included) and mean TTFT (arrival -> first token)."""
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    left = [rounds] * users
+    live: dict[int, tuple[int, float]] = {}  # request id -> (user, arrival)
+    ttft: dict[int, float] = {}
+
+    def send(user: int) -> None:
+        left[user] -= 1
+        live[eng.add_request(prompt_of(), params)] = (user, time.perf_counter())
+
+    before = eng.stats()["experts"]
+    start, steps = time.perf_counter(), 0
+    for user in range(users):
+        send(user)
+    while live:
+        eng.step()
+        steps += 1
+        now = time.perf_counter()
+        for rid, (user, arrival) in list(live.items()):
+            req = eng.requests.get(rid)
+            if rid not in ttft and (req is None or req.seq.num_output_tokens):
+                ttft[rid] = now - arrival
+            if req is None:  # finished this step
+                eng.pop_output(rid)
+                del live[rid]
+                if left[user]:
+                    send(user)
+    spent = time.perf_counter() - start
+    d = {k: eng.stats()["experts"].get(k, 0) - before.get(k, 0) for k in COUNTERS}
+    out = users * rounds * tokens
+    per_token = d["bytes_h2d"] / out
+    return {"out_tok_s": out / spent, "steps": steps, "step_ms": spent / steps * 1e3,
+            "ttft_mean_s": sum(ttft.values()) / len(ttft), "ttft_max_s": max(ttft.values()),
+            "link_mib_per_token": per_token / 2**20, "link_limit_tok_s": bw / per_token if per_token else None,
+            "link_busy": d["h2d_seconds"] / spent, "stall_s": d["stall_seconds"],
+            "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]),
+            "prefetch_precision": d["prefetch_hits"] / d["prefetch_fetched"] if d["prefetch_fetched"] else None,
+            "cpu_experts_per_step": d["cpu_computed"] / steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="gpt-oss-20b:8GiB", help="MODEL:BUDGET, dummy weights")
@@ -94,6 +144,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per sequence")
     ap.add_argument("--modes", default="off,early", help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--reps", type=int, default=2, help="rounds over the modes")
+    ap.add_argument("--closed-loop", type=int, default=0, metavar="ROUNDS",
+                    help="each of --seqs users sends ROUNDS requests back to back, as `ferryman bench serve` "
+                         "does (prefills mixed in; tok/s over the whole run and mean TTFT); 0: decode only")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -121,9 +174,14 @@ def main() -> None:
     for rep in range(a.reps):
         for mode in modes:
             set_mode(llm, mode)
-            row = {"mode": mode, "rep": rep, **run(llm, [rand() for _ in range(a.seqs)], a.tokens, bw)}
+            if a.closed_loop:
+                got = run_closed_loop(llm, a.seqs, a.closed_loop, rand, a.tokens, bw)
+            else:
+                got = run(llm, [rand() for _ in range(a.seqs)], a.tokens, bw)
+            row = {"mode": mode, "rep": rep, **got}
             rows.append(row)
-            print(f"{mode:10s} rep {rep}: {row['out_tok_s']:6.1f} tok/s, step {row['step_ms']:6.1f} ms, "
+            ttft = f", TTFT mean {row['ttft_mean_s']:.3f} s (max {row['ttft_max_s']:.3f})" if a.closed_loop else ""
+            print(f"{mode:10s} rep {rep}: {row['out_tok_s']:6.1f} tok/s{ttft}, step {row['step_ms']:6.1f} ms, "
                   f"{row['link_mib_per_token']:6.1f} MiB/token, link busy {row['link_busy']:.2f}, "
                   f"{row['out_tok_s'] / row['link_limit_tok_s']:.2f} of the link limit, hit rate {row['hit_rate']:.2f}, "
                   f"prefetch precision {row['prefetch_precision'] or 0:.2f}, CPU experts/step {row['cpu_experts_per_step']:.1f}",
