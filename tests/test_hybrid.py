@@ -14,14 +14,6 @@ import torch
 
 from ferryman import LLM
 from ferryman.calibrate.calibration import (
-    Calibration,
-    Rate,
-    default_path,
-    expert_key,
-    fingerprint,
-    load,
-    load_matching,
-    machine_info,
     save,
     token_slope,
 )
@@ -35,7 +27,7 @@ from ferryman.experts.hybrid import (
     split_costs,
     split_fetch,
 )
-from tiny_models import count_calls, greedy_ids
+from tiny_models import calibration_of, count_calls, demo_config, greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 
@@ -153,106 +145,6 @@ def test_reuse_history_halves_per_half_life_and_ranks_the_fetched() -> None:
     assert split.stats()["split_fetch_ratio"] == pytest.approx(3 / 8)
 
 
-# ---- calibration file -------------------------------------------------------------------------
-
-
-def _preset(name: str) -> ModelConfig:
-    from ferryman.weights.build import resolve_hf_config
-
-    return ModelConfig.from_hf(resolve_hf_config(name, "dummy")[0])
-
-
-def _calibration(cfg: ModelConfig, dtype: torch.dtype, link: float, cpu: float) -> Calibration:
-    key = expert_key(cfg, dtype)
-    return Calibration(key, machine_info(), cpu_compute=Rate.of(1 / cpu, key["expert_bytes"], 5),
-                       host_copy=Rate.of(1 / link, key["row_bytes"], 5))
-
-
-def test_calibration_round_trip_and_keying(tmp_path: Path) -> None:
-    qwen = _preset("qwen3-30b-a3b")
-    cal = _calibration(qwen, torch.bfloat16, 4000.0, 1000.0)
-    save(cal, tmp_path / "c.json")
-    assert load(tmp_path / "c.json") == cal
-    full = dataclasses.replace(cal, h2d=cal.host_copy, host_read_gbps=93.0,
-                               overlapped={"link": cal.host_copy, "cpu": cal.cpu_compute},
-                               cpu_tokens=Rate.of(1 / 600.0, cal.key["expert_bytes"], 5))
-    save(full, tmp_path / "full.json")
-    assert load(tmp_path / "full.json") == full
-    got, why = load_matching(cal.key, tmp_path / "c.json")
-    assert got == cal and "read" in why
-    # same format (dense), another expert size or dtype: another key, the file is not used
-    wider = dataclasses.replace(qwen, moe_intermediate_size=1536)
-    for key in (expert_key(wider, torch.bfloat16), expert_key(qwen, torch.float16)):
-        assert key["format"] == cal.key["format"] and fingerprint(key) != cal.fingerprint
-        assert default_path(key) != default_path(cal.key)
-        assert load_matching(key, tmp_path / "c.json")[0] is None
-    assert expert_key(qwen, torch.bfloat16)["expert_bytes"] == 3 * 2048 * 768 * 2
-    moved = dataclasses.replace(cal, machine={**cal.machine, "threads": cal.machine["threads"] + 1})
-    save(moved, tmp_path / "m.json")
-    got, why = load_matching(cal.key, tmp_path / "m.json")
-    assert got is None and "threads" in why
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValueError, match="bad.json"):
-        load(tmp_path / "bad.json")
-
-
-def test_bench_bw_on_cpu_prints_measured_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from ferryman.cli import main
-
-    out = tmp_path / "cal.json"
-    assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "16", "--pool-mib", "8"]) == 0
-    text = capsys.readouterr().out
-    cal = load(out)
-    assert cal.key == expert_key(_preset_demo(), torch.bfloat16) and cal.machine == machine_info()
-    assert f"host read: {cal.host_read_gbps:.1f} GB/s" in text
-    assert f"CPU compute: {cal.cpu_compute.experts_per_s:,.0f} experts/s" in text
-    assert "skipped, no CUDA device" in text and cal.h2d is None
-    assert cal.cpu_compute.reps == 3 and cal.host_copy.experts_per_s > 0 and f"wrote {out}" in text
-    slope = token_slope(cal.cpu_compute.experts_per_s, cal.cpu_tokens.experts_per_s)
-    assert f"4 tokens per expert: {cal.cpu_tokens.experts_per_s:,.0f} experts/s" in text
-    assert f"costs {slope:.2f} of a 1-token expert" in text
-    with pytest.raises(SystemExit):
-        main(["bench", "bw", "--help"])
-    assert "never by format alone" in capsys.readouterr().out
-
-
-def test_expert_cycle_walks_every_expert_of_every_pool() -> None:
-    from ferryman.calibrate.bandwidth import ExpertCycle
-
-    cycle = ExpertCycle(pools=2, experts=5, k=2)
-    reps = [cycle.next() for _ in range(5)]
-    assert reps == [(0, [0, 1]), (0, [2, 3]), (0, [4, 0]), (1, [1, 2]), (1, [3, 4])]
-    assert cycle.next() == (0, [0, 1])
-    with pytest.raises(ValueError):
-        ExpertCycle(pools=1, experts=2, k=3)
-
-
-def test_overlapped_measures_both_loops_over_the_window() -> None:
-    """The CUDA-only 'together' figure, run here with a host copy as the link: both loops run for the
-    window and count what they finished."""
-    import time
-
-    from ferryman.calibrate.bandwidth import MiB, dummy_copy_rep, dummy_cpu_rep, overlapped
-    from ferryman.layers.fused_moe import MoEActivation
-
-    cfg = _preset_demo()
-    key = expert_key(cfg, torch.bfloat16)
-    link, pinned = dummy_copy_rep(key["row_bytes"], cfg.top_k, 8 * MiB, torch.device("cpu"))
-    assert not pinned  # a host target is never pinned
-    cpu = dummy_cpu_rep(cfg, torch.bfloat16, MoEActivation(), 8 * MiB)
-    start = time.perf_counter()
-    both = overlapped(link, cfg.top_k, cpu, cfg.top_k, key["expert_bytes"], 0.2)
-    assert 0.2 <= time.perf_counter() - start < 2.0
-    assert both["link"].reps >= cfg.top_k and both["cpu"].reps >= cfg.top_k
-    assert both["cpu"].gbps == pytest.approx(both["cpu"].experts_per_s * key["expert_bytes"] / 1e9)
-
-
-def _preset_demo() -> ModelConfig:
-    from ferryman.llm import default_model
-
-    return ModelConfig.from_hf(default_model())
-
-
 # ---- CPU expert path --------------------------------------------------------------------------
 
 
@@ -263,7 +155,7 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
     from ferryman.experts.host_store import HostExpertStore
     from ferryman.layers.fused_moe import MoEActivation, fused_moe
 
-    cfg = _preset_demo()
+    cfg = demo_config()
     store = HostExpertStore(cfg, torch.float32, pin=False)
     gen = torch.Generator().manual_seed(0)
     for banks in store.banks.values():
@@ -292,7 +184,7 @@ def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates:
     arch, folder = tiny
     cfg = ModelConfig.from_hf(folder)
     path = tmp_path / "cal.json"
-    save(_calibration(cfg, torch.float32, *rates), path)
+    save(calibration_of(cfg, torch.float32, *rates), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
     want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 16)
     hybrid = LLM(str(folder), moe_strategy="offload", expert_cache="10%", cpu_experts="on",
@@ -323,9 +215,9 @@ def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pyte
     """Early decode prefetch beside the hybrid split copies only the link's share of each guess;
     the answers stay the resident ones."""
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
-    cfg = _preset_demo()
+    cfg = demo_config()
     path = tmp_path / "cal.json"
-    save(_calibration(cfg, torch.float32, 1000.0, 1000.0), path)
+    save(calibration_of(cfg, torch.float32, 1000.0, 1000.0), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
     want = greedy_ids(LLM(**kw), PROMPTS, 12)
     llm = LLM(moe_strategy="offload", expert_cache="10%", cpu_experts="on", calibration=str(path), **kw)
@@ -338,9 +230,9 @@ def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pyte
 def test_auto_is_off_on_a_cpu_device(tmp_path: Path) -> None:
     """On a CPU-only machine the slots and the host store are one memory: auto never splits, even
     with rates that would pay (auto's rate threshold itself: test_decide_auto_threshold_and_modes)."""
-    cfg = _preset_demo()
+    cfg = demo_config()
     path = tmp_path / "cal.json"
-    save(_calibration(cfg, torch.float32, 1000.0, 4000.0), path)
+    save(calibration_of(cfg, torch.float32, 1000.0, 4000.0), path)
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", cpu_experts="auto",
               calibration=str(path))
     greedy_ids(llm, [[5, 6, 7]], 4)
@@ -394,7 +286,7 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     assert ("measured together" in h["source"]) == together, h
 
     fixed = tmp_path / "fixed.json"
-    cal = _calibration(_preset_demo(), torch.float32, 1000.0, 1000.0)
+    cal = calibration_of(demo_config(), torch.float32, 1000.0, 1000.0)
     save(dataclasses.replace(cal, h2d=cal.host_copy), fixed)  # on CUDA the split reads h2d
     hybrid = LLM(moe_strategy="offload", expert_cache=24, cpu_experts="on", calibration=str(fixed), **kw)
     assert hybrid.engine.runner.experts.cpu.pool is not None
@@ -403,23 +295,13 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     assert st["cpu_computed"] > 0 and 0 < st["split_fetch_ratio"] < 1, st
 
 
-@pytest.mark.gpu
-def test_cuda_bench_bw_measures_the_link(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from ferryman.cli import main
-
-    out = tmp_path / "cal.json"
-    assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "64", "--pool-mib", "64"]) == 0
-    cal = load(out)
-    assert cal.h2d is not None and cal.overlapped is not None and "link:" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
 def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: bool, tmp_path: Path) -> None:
     """bf16 with rates from a file: a deterministic split, and the same greedy tokens as resident."""
     from ferryman.experts.placement import rebind_offload
 
     path = tmp_path / "cal.json"
-    save(_calibration(_preset_demo(), torch.bfloat16, 1000.0, 3000.0), path)
+    save(calibration_of(demo_config(), torch.bfloat16, 1000.0, 3000.0), path)
     kw = dict(device="cpu", dtype="bfloat16", max_num_batched_tokens=32)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
@@ -438,7 +320,7 @@ def _hybrid_segments(folder: Path, tmp_path: Path, device: str, rates: tuple[flo
     from ferryman.engine.segment_graphs import SegmentedDecode
 
     cfg = ModelConfig.from_hf(folder)
-    cal = _calibration(cfg, torch.float32, *rates)
+    cal = calibration_of(cfg, torch.float32, *rates)
     save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")  # on CUDA the split reads h2d
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
     want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS[:3], 12)

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
+
+if TYPE_CHECKING:
+    from ferryman.calibrate.calibration import Calibration
+    from ferryman.config import ModelConfig
 
 COMMON = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -117,3 +122,30 @@ def count_calls(obj: object, method: str, when=None) -> list[int]:  # noqa: ANN0
 
     setattr(obj, method, counted)
     return calls
+
+
+# ---- configs and calibration files for the hybrid-split tests -----------------------------------
+
+
+def preset_config(name: str) -> ModelConfig:
+    """A preset's config (dummy weights: nothing downloaded)."""
+    from ferryman.config import ModelConfig
+    from ferryman.weights.build import resolve_hf_config
+
+    return ModelConfig.from_hf(resolve_hf_config(name, "dummy")[0])
+
+
+def demo_config() -> ModelConfig:
+    from ferryman.config import ModelConfig
+    from ferryman.llm import default_model
+
+    return ModelConfig.from_hf(default_model())
+
+
+def calibration_of(cfg: ModelConfig, dtype: torch.dtype, link: float, cpu: float) -> Calibration:
+    """A calibration for cfg's experts on this machine with the given rates (experts/s)."""
+    from ferryman.calibrate.calibration import Calibration, Rate, expert_key, machine_info
+
+    key = expert_key(cfg, dtype)
+    return Calibration(key, machine_info(), cpu_compute=Rate.of(1 / cpu, key["expert_bytes"], 5),
+                       host_copy=Rate.of(1 / link, key["row_bytes"], 5))

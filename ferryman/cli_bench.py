@@ -1,0 +1,113 @@
+"""`ferryman bench serve` (load test of any OpenAI-compatible server) and `ferryman bench bw` (the
+rates the hybrid split uses): their parsers and commands, for ferryman/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+
+from ferryman.errors import FerrymanError
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
+    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server",
+                         description="Concurrency sweep against URL/v1/completions (streaming): TTFT, "
+                                     "inter-token latency and output tokens/s at p50 / p99.")
+    b.add_argument("url", metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
+    b.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    b.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
+    b.add_argument("--prompt-tokens", type=int, default=128)
+    b.add_argument("--output-tokens", type=int, default=64)
+    b.add_argument("--requests-per-level", type=int, default=None, help="default: max(8, 2 x concurrency); 0: one request per user (a single round)")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    b.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    _add_bench_bw(kinds)
+
+
+BW_DESCRIPTION = """\
+Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts splits by:
+  (a) host memory read bandwidth: torch.sum over a large buffer, all torch threads
+  (b) pinned host -> device copies of one expert (one row of the host store; skipped without CUDA),
+      and host -> host copies of one expert (the "link" when the CPU is the device)
+  (c) CPU expert compute, the hybrid's own path (MXFP4: the C kernel, else fused_moe), 1 token x
+      top-k experts of random weights of MODEL's shape and format, in experts/s and GB/s of expert
+      bytes; then 4 tokens per expert, which gives what each token past the first costs (the slope
+      the split charges experts with several tokens)
+  (d) with CUDA, the link and the CPU compute running at the same time (they share host memory)
+Each figure is the median of --reps repetitions over experts not in the CPU caches. Writes a JSON
+file keyed by the expert geometry (never by format alone) with the machine recorded; the engine
+reads it when the expert geometry, machine and thread count match (torch.set_num_threads counts)."""
+
+
+def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
+    b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
+                         description=BW_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+    b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    b.add_argument("--output", default=None, metavar="PATH",
+                   help="calibration file (default: ~/.cache/ferryman/calibration-<fingerprint>.json)")
+    b.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (the median is kept)")
+    b.add_argument("--read-mib", type=int, default=1024, help="buffer size of the host read measurement")
+    b.add_argument("--pool-mib", type=int, default=256,
+                   help="bytes of distinct experts cycled through, larger than the CPU caches")
+
+
+def cmd_bench_bw(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ferryman.calibrate.bandwidth import MiB, run_bench
+    from ferryman.calibrate.calibration import default_path, expert_key
+    from ferryman.config import ModelConfig
+    from ferryman.engine.model_runner import expert_activation
+    from ferryman.errors import ConfigError
+    from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
+    from ferryman.llm import default_model
+    from ferryman.weights.build import resolve_dtype, resolve_hf_config
+
+    if a.reps < 1 or a.read_mib < 1 or a.pool_mib < 1:
+        raise ConfigError("--reps, --read-mib and --pool-mib must be >= 1")
+    cfg = ModelConfig.from_hf(resolve_hf_config(a.model or default_model(), "dummy")[0])
+    if cfg.num_experts == 0:
+        raise ConfigError("this model has no routed experts: nothing to measure")
+    dtype = resolve_dtype(a.dtype, cfg)
+    path = Path(a.output) if a.output else default_path(expert_key(cfg, dtype))
+    cal = run_bench(cfg, dtype, expert_activation(cfg), path, a.reps, a.read_mib * MiB, a.pool_mib * MiB,
+                    log=lambda s: print(s, flush=True))
+    r_link, r_cpu, which = rates(cal, cal.h2d is not None)
+    link = "link" if cal.h2d is not None else "host copy (no CUDA)"
+    print(f"split: {link} {r_link:,.0f} experts/s, CPU {r_cpu:,.0f} experts/s ({which}); of 8 misses fetch "
+          f"{split_fetch(8, r_link, r_cpu)}; --cpu-experts auto would "
+          f"{'use' if r_cpu >= MIN_CPU_SHARE * r_link else 'not use'} the CPU")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench_command == "bw":
+        return cmd_bench_bw(a)
+    import json
+    from pathlib import Path
+
+    from ferryman.errors import ConfigError
+    from ferryman.server.bench import BenchConfig, plot, run_bench
+
+    try:
+        levels = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {a.concurrency!r}") from None
+    if not levels or min(levels) < 1 or a.prompt_tokens < 1 or a.output_tokens < 1:
+        raise ConfigError("--concurrency levels, --prompt-tokens and --output-tokens must be >= 1")
+    if a.requests_per_level is not None and a.requests_per_level < 0:
+        raise ConfigError(f"--requests-per-level must be >= 0 (0: one per user), got {a.requests_per_level}")
+    cfg = BenchConfig(url=a.url, model=a.model, levels=levels, prompt_tokens=a.prompt_tokens,
+                      output_tokens=a.output_tokens, requests_per_level=a.requests_per_level, api_key=a.api_key)
+    try:
+        result = run_bench(cfg, log=print)
+    except OSError as e:
+        raise FerrymanError(f"cannot reach {a.url}: {e}") from None
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2))
+    if a.plot:
+        plot(result, Path(a.plot))
+    return 0
