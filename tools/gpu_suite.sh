@@ -72,7 +72,7 @@ for s in "${@:-tests decode kernels}"; do
                  --durations=15 --deselect "$BIG_GROUPED" tests/ ;;
       gtests)  stage gpu_tests_offload 200 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  tests/test_mxfp4.py tests/test_offload_identity.py tests/test_segment_graphs.py tests/test_hf_parity.py \
-                 tests/test_prefill_stream.py tests/test_fused_moe.py tests/test_hybrid.py tests/test_batched_moe.py \
+                 tests/test_prefill_stream.py tests/test_fused_moe.py tests/test_hybrid.py tests/test_calibration.py tests/test_batched_moe.py \
                  tests/test_host_embedding.py tests/test_kv_fp8.py ;;
       grouped) stage gpu_grouped 120 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 "$BIG_GROUPED" ;;
       decode)  stage decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256 \
@@ -222,14 +222,14 @@ for s in "${@:-tests decode kernels}"; do
                stage cl16 300 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB --seqs 16 --prompt 1024 \
                  --tokens 128 --closed-loop 2 --modes off,cpu --reps 2 --json "$OUT/cl16.json" ;;
       hybt)    stage hyb_tests 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
-                 tests/test_hybrid.py tests/test_segment_graphs.py ;;
+                 tests/test_hybrid.py tests/test_calibration.py tests/test_segment_graphs.py ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"
                stage emb20_device 90 env FERRYMAN_HOST_EMBEDDING=0 $d --json "$OUT/emb20_device.json"
                stage emb20_host 90 $d --json "$OUT/emb20_host.json" ;;
       dequant) stage dequant 60 python3 benchmarks/bench_dequant.py ;;
       qtests)  stage gpu_tests_prefill 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  tests/test_mxfp4.py tests/test_batched_moe.py tests/test_fused_moe.py tests/test_prefill_stream.py ;;
-      hybrid)  stage gpu_hybrid 90 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_hybrid.py ;;
+      hybrid)  stage gpu_hybrid 90 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_hybrid.py tests/test_calibration.py ;;
       offload) stage offload 420 python3 benchmarks/bench_offload.py --json "$OUT/offload.json" ;;
       serve)   have 90 || { echo "=== serve skipped: the suite budget is spent"; continue; }
                python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
