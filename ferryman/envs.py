@@ -192,6 +192,13 @@ class Envs:
         "offloaded experts, experimental: decode kernels read uncached experts straight from pinned host "
         "memory (no per-layer sync, whole-step CUDA graphs); prefill still fills the cache",
     )
+    ZERO_COPY_STAGE = EnvVar(
+        "FERRYMAN_ZERO_COPY_STAGE", int, 0,
+        "with FERRYMAN_ZERO_COPY=1: staging rows (taken from the expert slots) into which one kernel copies "
+        "a decode layer's uncached experts before the decode kernel reads them from device memory (steps of "
+        "at most this many (token, k) pairs; 0: the decode kernel reads host rows directly). Experimental, "
+        "not measured on a GPU yet",
+    )
     CPU_KERNEL = EnvVar(
         "FERRYMAN_CPU_KERNEL", bool, True,
         "CPU: multiply MXFP4 experts with the C kernel (ferryman/quant/csrc/mxfp4_cpu.c, built at first use "

@@ -20,7 +20,7 @@
 #   reserved memory, retries); ltests (GPU tests of late/late2 prefetch, holds, planner); late2ab (decode
 #   off / late / late2 through FERRYMAN_DECODE_PREFETCH, no rebind: 20b, and 120b off / late2); late2ab20
 #   (its 20b half); pakab (speculative copies after the kernels: 120b prefill, 20b on vs off); pak120ab
-#   (120b 8k prefill, off vs on); serveab (20b at 8 GiB, 16 users: default, late, late2, fp8 KV, late + fp8 KV); hyb (bench bw, 20b decode off vs --cpu-experts auto, 16-user serve auto vs default, 120b decode auto); hybt (hybrid and segment-graph GPU tests); hyb3 (CPU kernel rates, bench bw, 16-user serve auto / default / auto, 20b decode auto); bd16 (CPU kernel rates, bench bw, 16-sequence decode: prefetch off / early, hybrid off / on, in turn); ab3 (bench bw; 16-, 4- and 1-sequence decode off / hybrid / early + hybrid; 16-user serve default vs early + auto); fin5 (16-user serve: the CLI defaults, then the old ones); thab (16-user serve with --cpu-experts auto: kernel threads 15 / 12 / passive OpenMP waits, and off); wideab (one-sequence decode, early guesses of 4 / 6 / 8 experts per token: 20b and 120b); clab (the 16-user serve load in one process, no HTTP: hybrid off vs on, in turn); fin4 (bench bw, 16-user serve with the CLI defaults / the old ones / the defaults again, 120b one-sequence decode off / early / hybrid); hyb2 (bench bw, 20b decode and 16-user serve with --cpu-experts auto); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
+#   (120b 8k prefill, off vs on); serveab (20b at 8 GiB, 16 users: default, late, late2, fp8 KV, late + fp8 KV); hyb (bench bw, 20b decode off vs --cpu-experts auto, 16-user serve auto vs default, 120b decode auto); hybt (hybrid and segment-graph GPU tests); hyb3 (CPU kernel rates, bench bw, 16-user serve auto / default / auto, 20b decode auto); bd16 (CPU kernel rates, bench bw, 16-sequence decode: prefetch off / early, hybrid off / on, in turn); ab3 (bench bw; 16-, 4- and 1-sequence decode off / hybrid / early + hybrid; 16-user serve default vs early + auto); fin5 (16-user serve: the CLI defaults, then the old ones); thab (16-user serve with --cpu-experts auto: kernel threads 15 / 12 / passive OpenMP waits, and off); wideab (one-sequence decode, early guesses of 4 / 6 / 8 experts per token: 20b and 120b); clab (the 16-user serve load in one process, no HTTP: hybrid off vs on, in turn); stageab (staged zero-copy: its GPU tests, then 20b decode default / zero-copy / staged, 120b staged); fin4 (bench bw, 16-user serve with the CLI defaults / the old ones / the defaults again, 120b one-sequence decode off / early / hybrid); hyb2 (bench bw, 20b decode and 16-user serve with --cpu-experts auto); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
 #   one MoE layer reading its experts zero-copy vs copying them first); serve; serve4k (the same with
 #   4096-token steps); serve120 (gpt-oss-120b at 16 GiB, 1-32 users).
 #   Default: tests decode kernels.
@@ -221,6 +221,15 @@ for s in "${@:-tests decode kernels}"; do
       clab)    stage bw20 120 python3 -m ferryman bench bw gpt-oss-20b --reps 5
                stage cl16 300 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB --seqs 16 --prompt 1024 \
                  --tokens 128 --closed-loop 2 --modes off,cpu --reps 2 --json "$OUT/cl16.json" ;;
+      stageab) stage gpu_tests_staging 120 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_staging.py tests/test_zero_copy.py
+               d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0"
+               stage st20_default 90 $d --target gpt-oss-20b:8GiB --json "$OUT/st20_default.json"
+               stage st20_zc 90 env FERRYMAN_ZERO_COPY=1 $d --target gpt-oss-20b:8GiB --json "$OUT/st20_zc.json"
+               stage st20_staged 90 env FERRYMAN_ZERO_COPY=1 FERRYMAN_ZERO_COPY_STAGE=4 $d --target gpt-oss-20b:8GiB \
+                 --json "$OUT/st20_staged.json"
+               stage st120_staged 150 env FERRYMAN_ZERO_COPY=1 FERRYMAN_ZERO_COPY_STAGE=4 $d --target gpt-oss-120b:16GiB \
+                 --json "$OUT/st120_staged.json" ;;
       hybt)    stage hyb_tests 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
                  tests/test_hybrid.py tests/test_calibration.py tests/test_segment_graphs.py ;;
       embab)   d="python3 benchmarks/bench_offload.py --decode-tokens 128 --ttft-prompt 4096 --prefill-prompt 0 --target gpt-oss-20b:8GiB"

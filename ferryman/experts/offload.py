@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from ferryman.experts.late_guess import LateGuesses
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ferryman.experts.staging import RowStager
 
 Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K] on the device)
 Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host, ascending
@@ -81,7 +85,7 @@ class LayerStep:
 class OffloadExperts:
     def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None,
                  hybrid: HybridSplit | None = None, cpu_thread: bool | None = None, zero_copy: bool = False,
-                 lookahead: int | None = None) -> None:
+                 lookahead: int | None = None, stage_rows: int = 0) -> None:
         self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
         # prefill streaming: a chunk's experts start copying this many MoE layers ahead
         self.lookahead = _lookahead() if lookahead is None else lookahead
@@ -93,9 +97,15 @@ class OffloadExperts:
         # table lives on the host and each MoE layer syncs once
         self.zero_copy = zero_copy
         self.graph_safe = zero_copy
+        self.stager: RowStager | None = None  # staged zero-copy (experts/staging.py)
         if zero_copy:
             _check_zero_copy(cache, hybrid)
-            cache.enable_row_addresses()
+            table = cache.enable_row_addresses()
+            if stage_rows:
+                from ferryman.experts.staging import RowStager
+
+                lo = cache.pool.flat.data_ptr()
+                self.stager = RowStager(table, lo, lo + cache.pool.flat.numel(), stage_rows)
         self.cpu: CPUExperts | None = None
         if hybrid is not None and hybrid.decision.enabled:  # cpu_thread None: a worker on CUDA only
             threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
@@ -202,7 +212,10 @@ class OffloadExperts:
         assert self.cache.rows is not None  # enabled in __init__
         index = self.cache.moe_index[layer]
         self.cache.rows.record(index, topk_ids)
-        rows = RowAddresses(self.cache.rows.layer(index), self.cache.pool.layout.offsets)
+        addr = self.cache.rows.layer(index)
+        if self.stager is not None and self.stager.fits(topk_ids.numel()):  # host rows -> staging rows first
+            addr = self.stager.stage(index, topk_ids)
+        rows = RowAddresses(addr, self.cache.pool.layout.offsets)
         return fused_moe_decode(self.fmt, self.cache.banks, x, topk_ids, topk_w, self.act.kind, self.act.alpha,
                                 self.act.limit, rows=rows)
 

@@ -132,17 +132,23 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     from ferryman.experts.policies import make_policy
     from ferryman.experts.prefetch import NextLayerGuesser
 
-    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
+    from ferryman.envs import envs
+
+    zero_copy = envs.ZERO_COPY if zero_copy is None else zero_copy
+    # staged zero-copy: its staging rows come out of the plan's expert slots
+    stage = envs.ZERO_COPY_STAGE if zero_copy else 0
+    if stage < 0 or (stage and stage >= slots):
+        raise ConfigError(f"FERRYMAN_ZERO_COPY_STAGE must be 0..{slots - 1} staging rows (the plan has {slots} "
+                          f"expert slots), got {stage}")
+    cache = ExpertCache(store, slots - stage, device, make_policy(policy) if policy else make_policy(), expert_major)
     gates = {block.layer: block.gate for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
-    from ferryman.envs import envs
 
     decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
     norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms,
                                decode_k=envs.DECODE_PREFETCH_TOPK) if prefetch else None
-    return OffloadExperts(cache, act, guesser,
-                          hybrid, cpu_thread, envs.ZERO_COPY if zero_copy is None else zero_copy)
+    return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, zero_copy, stage_rows=stage)
 
 
 def rebind_offload(runner: Any, **options: Any) -> Any:
