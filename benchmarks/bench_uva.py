@@ -8,7 +8,9 @@ its misses inside the MoE kernel: no host sync per layer, no copies on the criti
 whole step one CUDA graph. This measures, in one run:
 - copy engine: `dst.copy_(pinned_src, non_blocking=True)` of the buffer (what a miss costs now);
 - kernel from host: a Triton kernel reading the registered host buffer through its host address;
-- kernel from device: the same kernel on a device copy (HBM), for scale.
+- kernel from device: the same kernel on a device copy (HBM), for scale;
+- staged zero-copy's kernel (experts/staging.py) copying 4 gpt-oss-20b expert rows from pinned host
+  memory into staging rows, against the copy engine moving the same rows.
 Prints GB/s of each and the ratio kernel-from-host / copy engine. Needs CUDA.
 """
 
@@ -84,6 +86,34 @@ def main() -> None:
     print(f"kernel reading host (UVA): {gb / host_s:7.1f} GB/s  (same result as from HBM: {same})")
     print(f"kernel reading HBM:        {gb / dev_s:7.1f} GB/s")
     print(f"kernel-from-host / copy engine = {copy_s / host_s:.2f}")
+    stage_rows(a.reps)
+
+
+def stage_rows(reps: int, rows: int = 4, row_bytes: int = 13236480) -> None:
+    """Staged zero-copy's kernel (experts/staging.py) on `rows` gpt-oss-20b-sized expert rows in
+    pinned host memory, against the copy engine moving the same rows one copy each."""
+    from ferryman.experts.staging import RowStager
+
+    class Table:  # what RowStager reads of a RowAddressTable: one layer of `rows` host experts
+        def __init__(self, addr: torch.Tensor) -> None:
+            self.addr, self.row_bytes, self.num_experts, self.device = addr, row_bytes, rows, addr.device
+
+        def layer(self, index: int) -> torch.Tensor:
+            return self.addr
+
+    host, pinned = allocate_rows(rows, row_bytes, pin=True)
+    host.view(torch.int32).random_()
+    addr = (host.data_ptr() + torch.arange(rows, dtype=torch.int64) * row_bytes).cuda()
+    slots = torch.empty((1, row_bytes), dtype=torch.uint8, device="cuda")  # no expert is cached
+    stager = RowStager(Table(addr), slots.data_ptr(), slots.data_ptr() + slots.numel(), rows)  # type: ignore[arg-type]
+    ids = torch.arange(rows, device="cuda")
+    dst = torch.empty((rows, row_bytes), dtype=torch.uint8, device="cuda")
+    stage_s = cuda_seconds(lambda: stager.stage(0, ids), reps)
+    copy_s = cuda_seconds(lambda: [dst[r].copy_(host[r], non_blocking=True) for r in range(rows)], reps)
+    same = torch.equal(stager.buf.view(torch.uint8).cpu(), host)
+    gb = rows * row_bytes / 1e9
+    print(f"staging kernel, {rows} expert rows of {row_bytes} bytes (pinned: {pinned}): {gb / stage_s:7.1f} GB/s "
+          f"against {gb / copy_s:.1f} GB/s for {rows} copy-engine copies ({copy_s / stage_s:.2f}x); rows equal: {same}")
 
 
 if __name__ == "__main__":
