@@ -177,7 +177,7 @@ class Envs:
     )
     DECODE_PREFETCH_MAX_SEQS = EnvVar(
         "FERRYMAN_DECODE_PREFETCH_MAX_SEQS", int, 4,
-        "early decode prefetch guesses only in decode steps of at most this many sequences (gpt-oss-20b at 8 "
+        "early decode prefetch guesses only in decode steps of at most this many sequences (late guesses are not limited; gpt-oss-20b at 8 "
         "GiB on an H200: with the hybrid split, 16 sequences decoded 105.1 tok/s guessing against 124.6 not; "
         "4 sequences 77.6 against 73.5)",
     )

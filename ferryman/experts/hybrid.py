@@ -176,7 +176,7 @@ class HybridSplit:
         and at least `device_min` (room allowing: the device kernel needs one slot to give the CPU's
         pairs when the layer has no hit). tokens[e]: expert e's token count in this step (1 each
         when not given), which sets what it costs the CPU."""
-        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
+        ranked = self._ranked(layer, misses)
         if self.cpu_rate <= 0:
             f = len(misses)
         else:
@@ -196,11 +196,15 @@ class HybridSplit:
         each: a guess has no counts), ascending. An early decode prefetch copies only these, while
         the layer before computes; the layer's own split then shares what is left with the CPU, so
         the CPU keeps work and the link keeps busy through the gap between layers."""
-        ranked = sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
+        ranked = self._ranked(layer, misses)
         f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link)
         if len(misses) - f < self.min_cpu:  # the layer's split would fetch these too (`split`)
             f = len(misses)
         return sorted(ranked[:f])
+
+    def _ranked(self, layer: int, misses: list[int]) -> list[int]:
+        """Misses most worth fetching first: the most recently and often used (ties: lower id)."""
+        return sorted(misses, key=lambda e: (-self.history.score((layer, e)), e))
 
     def units(self, experts: list[int], tokens: list[int] | None) -> float:
         """What `experts` cost the CPU in 1-token experts: 1 + slope per token past the first."""

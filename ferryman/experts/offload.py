@@ -245,10 +245,8 @@ class OffloadExperts:
         `lookahead` ahead (their copies queue behind the next layer's)."""
         if not self.prefetch_enabled or self.guesser is None or (self.late_guess and not streaming):
             return []
-        if not streaming and x.shape[0] > _decode_prefetch_max_seqs():  # a batch's union: most of the layer
-            return []
         nxt = self.guesser.next_of.get(layer)
-        if nxt is None or not self.guesser.wants_prefetch(nxt, streaming):
+        if nxt is None or not self.guesser.wants_prefetch(nxt, streaming, x.shape[0]):
             return []  # no router launch, nothing more to read back
         first = self.guesser.guess(layer, x, wide=not streaming)
         out = [first] if first is not None else []
@@ -383,12 +381,6 @@ def _prefetch_after_kernels() -> bool:
     from ferryman.envs import envs
 
     return envs.PREFETCH_AFTER_KERNELS
-
-
-def _decode_prefetch_max_seqs() -> int:
-    from ferryman.envs import envs
-
-    return envs.DECODE_PREFETCH_MAX_SEQS
 
 
 def _lookahead() -> int:

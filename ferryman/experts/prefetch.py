@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ferryman.errors import ConfigError
+
 
 DECODE_MODES = ("off", "early", "late", "late2")
 
@@ -62,6 +64,9 @@ class NextLayerGuesser:
     # experts per token an early decode guess takes (0: top_k): wider guesses trade precision for
     # recall, and the precision gate scales with them. offload_backend: FERRYMAN_DECODE_PREFETCH_TOPK
     decode_k: int = 0
+    # early decode guesses only in steps of at most this many sequences: a larger batch's union is
+    # most of the next layer. offload_backend: FERRYMAN_DECODE_PREFETCH_MAX_SEQS
+    decode_max_seqs: int = 4
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
@@ -71,7 +76,7 @@ class NextLayerGuesser:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
         if self.decode_k < 0:
-            raise ValueError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
+            raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
         if self.late_depth and set(self.norms) != set(self.gates):
             raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
@@ -124,8 +129,10 @@ class NextLayerGuesser:
         logits = self.gates[target](self.norms[target](residual))  # [T, E]
         return target, torch.topk(logits, self.top_k, dim=-1).indices
 
-    def wants_prefetch(self, layer: int, streaming: bool) -> bool:
-        return streaming or (self.decode != "off" and self.counters[layer].enabled)
+    def wants_prefetch(self, layer: int, streaming: bool, seqs: int = 1) -> bool:
+        """Whether to guess `layer` for a step of `seqs` rows (a streaming chunk: always; the late
+        guesses, computed inside the MoE graphs, pass no count and are not limited by it)."""
+        return streaming or (self.decode != "off" and seqs <= self.decode_max_seqs and self.counters[layer].enabled)
 
     def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
         """What was guessed (and copied) for `layer` in a decode step, to score when it runs; a
