@@ -17,8 +17,10 @@ engine (set beside a served run, this separates the engine from the server aroun
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
 machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
 MoE input, FERRYMAN_DECODE_PREFETCH=early; `early6` guesses 6 experts per token,
-FERRYMAN_DECODE_PREFETCH_TOPK=6); `cpu` and `early+cpu` also turn on the hybrid split
-(the engine is then started with --cpu-experts on; `off`/`early` switch it off).
+FERRYMAN_DECODE_PREFETCH_TOPK=6; `early@16` guesses in steps of up to 16 sequences,
+FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hybrid split
+(the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
+cache policy's admission control off (lrfu admit_margin None, experts/policies.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from bench_offload import link_bandwidth  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
 
-MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width: early6, early6+cpu
+MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width and batch limit: early6@16+cpu
+MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm))*)$")
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -51,11 +54,20 @@ def set_mode(llm: LLM, mode: str) -> None:
     guesser = getattr(experts, "guesser", None)
     if guesser is None:
         raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
+    m = MODE.match(mode)
+    assert m is not None  # main() checked every mode
     guesser.decode = "early" if mode.startswith("early") else "off"
-    width = mode.split("+")[0].removeprefix("early")
-    guesser.decode_k = int(width) if width.isdigit() else 0  # experts per token of a guess (0: top-k)
+    guesser.decode_k = int(m.group(2) or 0)  # experts per token of a guess (0: top-k)
+    if not hasattr(guesser, "default_max_seqs"):
+        guesser.default_max_seqs = guesser.decode_max_seqs
+    guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else guesser.default_max_seqs
     for c in guesser.counters.values():  # each run grades its own guesses
         c.enabled = True
+    policy = experts.cache.table.policy
+    if hasattr(policy, "admit_margin"):
+        if not hasattr(policy, "default_margin"):
+            policy.default_margin = policy.admit_margin
+        policy.admit_margin = None if "+noadm" in mode else policy.default_margin
     hybrid = getattr(experts, "hybrid", None)
     if "cpu" in mode and hybrid is None:
         raise SystemExit(f"mode {mode!r} needs the engine started with the hybrid split (--modes lists a cpu mode)")
@@ -150,8 +162,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if bad := [m for m in modes if re.sub(r"^early\d+", "early", m) not in MODES]:
-        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
+    if bad := [m for m in modes if not MODE.match(m)]:
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)} (early[K][@SEQS], +noadm)")
     model, budget = a.target.split(":")
     hybrid = any("cpu" in m for m in modes)
     # demo:cpu is a smoke test on the CPU: the demo model with a 10% cache

@@ -2,6 +2,13 @@
 own bookkeeping (ferryman.experts.gpu_cache.SlotTable), and next-layer guess accuracy.
 
     python benchmarks/bench_cache_policies.py [--model FOLDER] [--max-tokens 8192] [--json out.json]
+    python benchmarks/bench_cache_policies.py --synthetic [--seqs 16] [--skew 0.0]
+
+--synthetic replays random routing instead (no model): each decode step, each of --seqs sequences
+picks top-k distinct experts per layer with weights exp(skew * N(0, 1)) fixed per expert, and a
+layer looks up the union; gpt-oss-20b's shape (24 layers x 32 experts, top-4) and the 277 slots of
+its 8 GiB serve plan. That is the batched decode of the dummy-weight serve benchmark, where routing
+is about uniform and most of every layer is used each step.
 
 Held-out text (tools/demo_model/routing.py: heldout_windows) is prefilled with a routing trace
 and the MoE inputs recorded; the trace is then replayed as decode: one token per step, one
@@ -100,10 +107,41 @@ def guess_recall(ids: dict[int, torch.Tensor], guesses: dict[int, torch.Tensor])
 
 
 def policies() -> dict[str, callable]:
+    """lru, lrfu at each half-life (default admission), and lrfu(h=16) without / with a wider
+    admission margin."""
     table: dict[str, callable] = {"lru": LRUPolicy}
     for h in HALF_LIVES:
         table[f"lrfu(h={h:g})"] = lambda h=h: LRFUPolicy(half_life=h)
+    table["lrfu(h=16, no admission)"] = lambda: LRFUPolicy(half_life=16.0, admit_margin=None)
+    table["lrfu(h=16, admission 0.25)"] = lambda: LRFUPolicy(half_life=16.0, admit_margin=0.25)
     return table
+
+
+def synthetic(seqs: int, skew: float, steps: int, layers: int = 24, experts: int = 32, top_k: int = 4,
+              seed: int = 0) -> dict[int, list[list[int]]]:
+    """Per layer, per step: the union of `seqs` sequences' top-k experts, drawn without
+    replacement with fixed per-expert weights exp(skew * N(0, 1))."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.exp(skew * torch.randn(layers, experts, generator=g))  # [L, E]
+    out: dict[int, list[list[int]]] = {}
+    for layer in range(layers):
+        picks = torch.multinomial(weights[layer].expand(steps * seqs, experts), top_k, generator=g)  # [S*B, K]
+        out[layer] = [sorted(set(p.reshape(-1).tolist())) for p in picks.view(steps, seqs * top_k)]
+    return out
+
+
+def run_synthetic(a: argparse.Namespace) -> None:
+    ids = synthetic(a.seqs, a.skew, a.steps)
+    print(f"synthetic routing: {a.seqs} sequences, skew {a.skew}, {a.steps} steps, 24 layers x 32 experts, "
+          f"top-4, {a.slots} slots (one pool)")
+    print("| policy | hit rate | copies per expert used |")
+    print("| --- | --- | --- |")
+    rows = {}
+    for name, make in policies().items():
+        rows[name] = replay(ids, {}, 32, make, a.slots, per_layer=False, prefetch=False)
+        print(f"| {name} | {rows[name][0]:.3f} | {rows[name][1]:.2f} |")
+    if a.json:
+        a.json.write_text(json.dumps({"seqs": a.seqs, "skew": a.skew, "hit_rates": rows}, indent=2))
 
 
 def check_against_trace(ids: dict[int, torch.Tensor], num_experts: int) -> None:
@@ -123,7 +161,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--synthetic", action="store_true", help="random routing instead of the model's (see above)")
+    ap.add_argument("--seqs", type=int, default=16, help="--synthetic: sequences per decode step")
+    ap.add_argument("--skew", type=float, default=0.0, help="--synthetic: spread of expert popularity (0: uniform)")
+    ap.add_argument("--steps", type=int, default=300, help="--synthetic: decode steps replayed")
+    ap.add_argument("--slots", type=int, default=277, help="--synthetic: cache slots")
     a = ap.parse_args()
+    if a.synthetic:
+        run_synthetic(a)
+        return
     llm = LLM(a.model, device="cpu", dtype="float32")
     windows = heldout_windows(llm, a.max_tokens, a.window)
     ids_t, guesses_t = record(llm, windows)

@@ -109,9 +109,11 @@ def _replay_victims(policy: ReplacementPolicy, trace: list[list[int]], slots: in
 
 
 def test_lrfu_with_a_tiny_half_life_is_lru() -> None:
+    """Without admission control (which may put a miss first in line, unlike LRU)."""
     rng = random.Random(1)
     trace = [rng.sample(range(30), 4) for _ in range(300)]
-    assert _replay_victims(LRFUPolicy(1e-3), trace, 10) == _replay_victims(LRUPolicy(), trace, 10)
+    plain = LRFUPolicy(1e-3, admit_margin=None)
+    assert _replay_victims(plain, trace, 10) == _replay_victims(LRUPolicy(), trace, 10)
 
 
 def test_lrfu_with_a_huge_half_life_is_lfu() -> None:
@@ -161,6 +163,8 @@ def test_registry_and_bad_arguments() -> None:
         make_policy("arc")
     with pytest.raises(ValueError, match="half_life"):
         LRFUPolicy(half_life=0)
+    with pytest.raises(ValueError, match="admit_margin must be >= 0"):
+        LRFUPolicy(admit_margin=-0.5)
     assert math.isclose(LRFUPolicy(4.0).half_life, 4.0)
 
 
@@ -189,3 +193,68 @@ def test_demoted_victim_is_only_a_demoted_key() -> None:
     p.insert_unreferenced(7)
     assert p.demoted_victim(NONE_PINNED) == 7 and p.demoted_victim(lambda k: k == 7) is None
     assert make_policy("lru").demoted_victim(NONE_PINNED) is None
+
+
+def test_admission_puts_a_cold_miss_on_probation() -> None:
+    """A miss colder than the key it evicts is first in line after its use, so the next miss takes
+    its slot and the hot keys stay."""
+    p = LRFUPolicy(half_life=8.0, admit_margin=0.1)
+    table = SlotTable(3, p)
+    for _ in range(5):  # 1 and 2 are hot; 3 was used once
+        p.advance()
+        table.acquire([1, 2])
+        table.release([1, 2])
+    p.advance()
+    table.acquire([3])
+    table.release([3])
+    for miss, victim in ((4, 3), (5, 4), (6, 5)):
+        p.advance()
+        look = table.acquire([miss])
+        table.release([miss])
+        assert look.evicted == [victim] and p.prio[miss] == -2e300 and p.victim(NONE_PINNED) == miss
+    assert sorted(table.slot_of) == [1, 2, 6]
+
+
+def test_admission_keeps_a_miss_with_more_history_than_its_victim() -> None:
+    p = LRFUPolicy(half_life=8.0, admit_margin=0.1)
+    for _ in range(4):  # 8 was used often, then evicted: its history stays
+        p.reference([8])
+        p.advance()
+    p.remove(8)
+    p.reference([3])
+    p.filled(8, victim=3)
+    p.filled(10, victim=8)  # never seen, against a key with history
+    p.reference([8, 10])
+    assert 8 not in p.probation and p.prio[8] > 0
+    assert p.prio[10] == -2e300 and p.victim(NONE_PINNED) == 10
+    plain = LRFUPolicy(half_life=8.0, admit_margin=None)
+    plain.reference([3])
+    plain.filled(10, victim=3)
+    plain.reference([10])
+    assert 10 not in plain.probation and plain.prio[10] >= 0
+
+
+def _cyclic_hit_rate(policy: ReplacementPolicy, seed: int = 0) -> float:
+    """A batched decode's routing: every step, each of 8 layers looks up the union of 16 tokens'
+    uniformly random top-2 of 16 experts (most of the layer), with 48 slots for 128 experts."""
+    rng = random.Random(seed)
+    table = SlotTable(48, policy)
+    hits = total = 0
+    for step in range(200):
+        policy.advance()
+        for layer in range(8):
+            keys = sorted({layer * 16 + e for _ in range(16) for e in rng.sample(range(16), 2)})
+            look = table.acquire(keys)
+            table.release(keys)
+            if step >= 20:
+                hits, total = hits + len(look.hits), total + len(keys)
+    return hits / total
+
+
+def test_admission_keeps_a_core_cached_under_cyclic_batched_routing() -> None:
+    """LRFU without admission keeps replacing experts about to be used with ones about to be
+    evicted; with it, about the slot share (48 / 128) hits."""
+    plain = _cyclic_hit_rate(LRFUPolicy(16.0, admit_margin=None))
+    admitted = _cyclic_hit_rate(LRFUPolicy(16.0))
+    assert admitted > plain + 0.05
+    assert admitted > 0.65 * 48 / 128  # the misses' rotating slots come out of the core

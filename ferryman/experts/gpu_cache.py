@@ -129,6 +129,7 @@ class SlotTable:
             victim = self.policy.victim(self.is_pinned) if victim is None else victim
             if victim is None:  # acquire/admit checked available() first
                 raise RuntimeError("expert cache: every slot is pinned")
+            self.policy.filled(key, victim)
             slot = self.slot_of.pop(victim)
             self.policy.remove(victim)
             look.evicted.append(victim)
