@@ -168,18 +168,19 @@ class Envs:
         "FERRYMAN_DECODE_PREFETCH", str, "early",
         "offloaded experts, decode: copy the next layer's guessed experts ahead. early (default) = the next "
         "router on this layer's MoE input, in decode steps of at most FERRYMAN_DECODE_PREFETCH_MAX_SEQS "
-        "sequences (gpt-oss-20b at 8 GiB on an H200, one engine: 53.0 tok/s against 49.2 off at 1 sequence; "
-        "at 16 it moved more bytes for nothing); late = on the residual after this layer's MoE (20b: 47-48 tok/s "
+        "sequences (gpt-oss-20b at 8 GiB on an H200, one engine: 53.0 tok/s against 49.2 off at 1 sequence, "
+        "115.3 against 112.3 at 16); late = on the residual after this layer's MoE (20b: 47-48 tok/s "
         "against 46-49 off, inside the spread); late2 = late for the next two MoE layers, held until used, the "
         "far one on a second copy stream (20b: 43-44 tok/s; 120b: 23.2 against 22.2). Prefill streaming is on "
         "either way",
         choices=("off", "early", "late", "late2"),
     )
     DECODE_PREFETCH_MAX_SEQS = EnvVar(
-        "FERRYMAN_DECODE_PREFETCH_MAX_SEQS", int, 4,
-        "early decode prefetch guesses only in decode steps of at most this many sequences (late guesses are not limited; gpt-oss-20b at 8 "
-        "GiB on an H200: with the hybrid split, 16 sequences decoded 105.1 tok/s guessing against 124.6 not; "
-        "4 sequences 77.6 against 73.5)",
+        "FERRYMAN_DECODE_PREFETCH_MAX_SEQS", int, 0,
+        "early decode prefetch guesses only in decode steps of at most this many sequences (late guesses are not "
+        "limited). 0 (default): 16, or 4 with the hybrid split on. gpt-oss-20b at 8 GiB on an H200, 16 users "
+        "in one process: 115.3 tok/s guessing against 112.3 not; with the hybrid split (before the cache's "
+        "admission control) 105.1 against 124.6; 4 sequences with the hybrid 77.6 against 73.5",
     )
     DECODE_PREFETCH_TOPK = EnvVar(
         "FERRYMAN_DECODE_PREFETCH_TOPK", int, 0,

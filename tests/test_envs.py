@@ -57,7 +57,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_EXPANDABLE_SEGMENTS": True,
         "FERRYMAN_MOE_GRAPHS": True,
         "FERRYMAN_DECODE_PREFETCH": "early",
-        "FERRYMAN_DECODE_PREFETCH_MAX_SEQS": 4,
+        "FERRYMAN_DECODE_PREFETCH_MAX_SEQS": 0,
         "FERRYMAN_DECODE_PREFETCH_TOPK": 0,
         "FERRYMAN_ZERO_COPY": False,
         "FERRYMAN_ZERO_COPY_STAGE": 0,

@@ -30,6 +30,23 @@ def test_early_decode_guesses_only_small_batches(max_seqs: int, guessed: bool, m
     assert (batched[0] > 0) == guessed, batched
 
 
+def test_early_guess_batch_limit_defaults_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0 (default): 16 sequences, 4 with the hybrid split on; a
+    set value wins; a negative one is a clean configuration error."""
+    from ferryman.errors import ConfigError
+    from ferryman.experts.prefetch import DECODE_MAX_SEQS, DECODE_MAX_SEQS_HYBRID, decode_max_seqs_for
+
+    assert (decode_max_seqs_for(0, False), decode_max_seqs_for(0, True)) == (DECODE_MAX_SEQS, DECODE_MAX_SEQS_HYBRID)
+    assert decode_max_seqs_for(7, True) == 7
+    with pytest.raises(ConfigError, match="FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0"):
+        decode_max_seqs_for(-1, False)
+    llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%")
+    assert llm.engine.runner.experts.guesser.decode_max_seqs == 16
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", "-2")
+    with pytest.raises(ConfigError, match="got -2"):
+        LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%")
+
+
 def test_wider_early_guesses_recall_more_and_keep_the_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     """FERRYMAN_DECODE_PREFETCH_TOPK=6 on a top-4 model: each decode guess is a superset of the
     top-4 one from the same input, so recall can only rise; answers stay the resident ones."""

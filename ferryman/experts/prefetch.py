@@ -15,10 +15,12 @@ mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a
 `min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
 random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
 Decode prefetch (`decode`, FERRYMAN_DECODE_PREFETCH) is `early` by default, in decode steps of at
-most FERRYMAN_DECODE_PREFETCH_MAX_SEQS (4) sequences (OffloadExperts._guesses): on the H200, in one
-engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against 49.2 tok/s off
-(precision 0.79-0.82), -120b at 23.4 against 21.9; at 16 sequences the guesses moved more bytes for
-little gain (docs/benchmarks.md, session 12; an earlier engine had measured it slower). Prefill
+most FERRYMAN_DECODE_PREFETCH_MAX_SEQS sequences (OffloadExperts._guesses; `decode_max_seqs_for`):
+on the H200, in one engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against
+49.2 tok/s off (precision 0.79-0.82), -120b at 23.4 against 21.9; 16 users (prefills mixed in)
+115.3 against 112.3 once the cache kept a stable core (policies.py, admission), guesses precise to
+0.94. With the hybrid split the guesses left the CPU idle at 16 sequences (105.1 against 124.6
+tok/s, before admission), so there the limit stays 4 (docs/benchmarks.md, sessions 12 and 13). Prefill
 streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued
 right after this layer's MoE kernel, so its copies cover the next attention, router and host
 sync, the window in which the link idles.
@@ -38,6 +40,16 @@ from ferryman.errors import ConfigError
 
 
 DECODE_MODES = ("off", "early", "late", "late2")
+DECODE_MAX_SEQS = 16  # early guesses up to this batch (FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0)
+DECODE_MAX_SEQS_HYBRID = 4  # the same with the hybrid split on
+
+
+def decode_max_seqs_for(configured: int, hybrid_on: bool) -> int:
+    """The batch limit of early decode guesses: `configured` (FERRYMAN_DECODE_PREFETCH_MAX_SEQS),
+    or for 0 the default of the engine's mode."""
+    if configured < 0:
+        raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0 sequences (0: the default), got {configured}")
+    return configured or (DECODE_MAX_SEQS_HYBRID if hybrid_on else DECODE_MAX_SEQS)
 
 
 @dataclass
@@ -64,9 +76,9 @@ class NextLayerGuesser:
     # experts per token an early decode guess takes (0: top_k): wider guesses trade precision for
     # recall, and the precision gate scales with them. offload_backend: FERRYMAN_DECODE_PREFETCH_TOPK
     decode_k: int = 0
-    # early decode guesses only in steps of at most this many sequences: a larger batch's union is
-    # most of the next layer. offload_backend: FERRYMAN_DECODE_PREFETCH_MAX_SEQS
-    decode_max_seqs: int = 4
+    # early decode guesses only in steps of at most this many sequences (offload_backend:
+    # decode_max_seqs_for, FERRYMAN_DECODE_PREFETCH_MAX_SEQS)
+    decode_max_seqs: int = DECODE_MAX_SEQS
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
