@@ -20,7 +20,8 @@ MoE input, FERRYMAN_DECODE_PREFETCH=early; `early6` guesses 6 experts per token,
 FERRYMAN_DECODE_PREFETCH_TOPK=6; `early@16` guesses in steps of up to 16 sequences,
 FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hybrid split
 (the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
-cache policy's admission control off (lrfu admit_margin None, experts/policies.py).
+cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
+one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from bench_offload import link_bandwidth  # noqa: E402
 from ferryman import LLM, SamplingParams  # noqa: E402
 
 MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width and batch limit: early6@16+cpu
-MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm))*)$")
+MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|gap\d*))*)$")
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -61,8 +62,10 @@ def set_mode(llm: LLM, mode: str) -> None:
     if not hasattr(guesser, "default_max_seqs"):
         guesser.default_max_seqs = guesser.decode_max_seqs
     guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else guesser.default_max_seqs
+    gap = re.search(r"\+gap(\d*)", mode)
+    guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0
     for c in guesser.counters.values():  # each run grades its own guesses
-        c.enabled = True
+        c.enabled = c.gap_enabled = True
     policy = experts.cache.table.policy
     if hasattr(policy, "admit_margin"):
         if not hasattr(policy, "default_margin"):

@@ -182,6 +182,13 @@ class Envs:
         "in one process: 115.3 tok/s guessing against 112.3 not; with the hybrid split (before the cache's "
         "admission control) 105.1 against 124.6; 4 sequences with the hybrid 77.6 against 73.5",
     )
+    DECODE_GAP_GUESS = EnvVar(
+        "FERRYMAN_DECODE_GAP_GUESS", int, 0,
+        "offloaded experts, one-sequence decode with FERRYMAN_DECODE_PREFETCH=early: in layers whose full "
+        "guess the precision gate turned off, still copy this many of the guessed experts (most likely "
+        "first), to fill the window in which the link idles between layers (experts/prefetch.py). 0 (default): "
+        "off; opt-in until measured on a GPU",
+    )
     DECODE_PREFETCH_TOPK = EnvVar(
         "FERRYMAN_DECODE_PREFETCH_TOPK", int, 0,
         "experts per token the early decode guess takes (0: the model's top-k). Wider guesses copy "

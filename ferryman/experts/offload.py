@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ferryman.experts.staging import RowStager
 
 Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K] on the device)
-Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host, ascending
+Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host (decode: most likely first)
 MAX_LOOKAHEAD = 4
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
 
@@ -246,7 +246,12 @@ class OffloadExperts:
         if not self.prefetch_enabled or self.guesser is None or (self.late_guess and not streaming):
             return []
         nxt = self.guesser.next_of.get(layer)
-        if nxt is None or not self.guesser.wants_prefetch(nxt, streaming, x.shape[0]):
+        if nxt is None:
+            return []
+        if not self.guesser.wants_prefetch(nxt, streaming, x.shape[0]):
+            if not streaming and self.guesser.wants_gap(nxt, x.shape[0]):  # the full guess is off there
+                gap = self.guesser.guess(layer, x)
+                return [] if gap is None else [gap]
             return []  # no router launch, nothing more to read back
         first = self.guesser.guess(layer, x, wide=not streaming)
         out = [first] if first is not None else []
@@ -263,6 +268,10 @@ class OffloadExperts:
         # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
         split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
         for depth, ((target, _), guessed) in enumerate(prefetches, start=1):  # in layer order
+            if not streaming and not self.guesser.counters[target].enabled:  # a gap guess (wants_gap)
+                copy = [e for e in guessed if not self.cache.contains(target, e)][: self.guesser.gap_k]
+                self.guesser.remember_gap(target, self.cache.prefetch(target, copy, depth))
+                continue
             copy = guessed if split is None else \
                 split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
             fetched = self.cache.prefetch(target, copy, depth)
@@ -363,14 +372,16 @@ def _check_zero_copy(cache: ExpertCache, hybrid: HybridSplit | None) -> None:
 
 def _host_ids(topk_ids: torch.Tensor,
               guesses: list[torch.Tensor]) -> tuple[list[int], list[list[int]], torch.Tensor]:
-    """Distinct expert ids used, and of each guess, ascending, and topk_ids on the host: one device
-    -> host copy for all."""
+    """Distinct expert ids used (ascending), and of each guess (decode-sized: in the guess's order,
+    a token's most likely first; else ascending), and topk_ids on the host: one device -> host copy
+    for all."""
     parts = [topk_ids.reshape(-1), *(g.reshape(-1).to(topk_ids.dtype) for g in guesses)]
     host = (torch.cat(parts) if guesses else parts[0]).cpu()
     bounds = [0, *itertools.accumulate(p.numel() for p in parts)]
     if host.numel() <= 512:  # decode-sized: Python sets beat tensor ops on a few ids
         values = host.tolist()
-        distinct = [sorted(set(values[a:b])) for a, b in zip(bounds, bounds[1:])]
+        distinct = [sorted(set(values[a:b])) if i == 0 else list(dict.fromkeys(values[a:b]))
+                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     else:
         distinct = [torch.unique(host[a:b]).tolist() for a, b in zip(bounds, bounds[1:])]
     n = topk_ids.numel()

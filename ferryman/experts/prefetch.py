@@ -24,6 +24,14 @@ tok/s, before admission), so there the limit stays 4 (docs/benchmarks.md, sessio
 streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued
 right after this layer's MoE kernel, so its copies cover the next attention, router and host
 sync, the window in which the link idles.
+Gap guesses (`gap_k`, FERRYMAN_DECODE_GAP_GUESS, opt-in until measured on a GPU): in a
+one-sequence decode step, a layer whose full guess the precision gate turned off still gets the
+first `gap_k` uncached experts of the guess copied, most likely first (OffloadExperts._prefetch). Those copies start behind this
+layer's demand copies and fill the window in which the link otherwise idles (this layer's kernel,
+the next attention, router, host sync and lookup: ~200-350 µs, about one expert's copy on a
+PCIe 5.0 link). A right one takes its copy off the next layer's critical path; a wrong one delays
+the next layer's demand copies only by what overruns the window. So they pay at a precision far
+below the full guess's bar: a layer's gap guesses stop below `min_gap_precision` (0.25).
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.
@@ -56,9 +64,12 @@ def decode_max_seqs_for(configured: int, hybrid_on: bool) -> int:
 class GuessCounters:
     recall_hit: int = 0  # used experts that had been guessed
     recall_total: int = 0  # used experts (decode steps that had a guess)
-    fetched: int = 0  # experts copied on a guess (decode steps)
+    fetched: int = 0  # experts copied on a full guess (decode steps)
     useful: int = 0  # of those, used by the layer
-    enabled: bool = True
+    enabled: bool = True  # full guesses (the precision gate)
+    gap_fetched: int = 0  # experts copied on a gap guess (the full guess off)
+    gap_useful: int = 0
+    gap_enabled: bool = True
 
 
 @dataclass
@@ -79,14 +90,21 @@ class NextLayerGuesser:
     # early decode guesses only in steps of at most this many sequences (offload_backend:
     # decode_max_seqs_for, FERRYMAN_DECODE_PREFETCH_MAX_SEQS)
     decode_max_seqs: int = DECODE_MAX_SEQS
+    # one-sequence decode steps: experts a gap guess copies where the full guess is off (0: none).
+    # offload_backend: FERRYMAN_DECODE_GAP_GUESS
+    gap_k: int = 0
+    min_gap_precision: float = 0.25
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     counters: dict[int, GuessCounters] = field(init=False)
     pending: dict[int, tuple[set[int], set[int]]] = field(init=False)  # layer -> (guessed, fetched)
+    gap_pending: dict[int, set[int]] = field(init=False)  # layer -> experts a gap guess copied
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
+        if self.gap_k < 0:
+            raise ConfigError(f"FERRYMAN_DECODE_GAP_GUESS must be >= 0 experts (0: off), got {self.gap_k}")
         if self.decode_k < 0:
             raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
         if self.late_depth and set(self.norms) != set(self.gates):
@@ -95,6 +113,7 @@ class NextLayerGuesser:
         self.next_of = dict(zip(layers, layers[1:]))
         self.counters = {layer: GuessCounters() for layer in layers[1:]}
         self.pending = {}
+        self.gap_pending = {}
 
     @property
     def late_depth(self) -> int:
@@ -146,6 +165,16 @@ class NextLayerGuesser:
         guesses, computed inside the MoE graphs, pass no count and are not limited by it)."""
         return streaming or (self.decode != "off" and seqs <= self.decode_max_seqs and self.counters[layer].enabled)
 
+    def wants_gap(self, layer: int, seqs: int) -> bool:
+        """Whether a one-sequence decode step guesses `layer`'s `gap_k` most likely experts: the
+        full guess is off there (precision gate) and the gap guesses have not been graded useless."""
+        c = self.counters[layer]
+        return (self.gap_k > 0 and seqs == 1 and self.decode == "early" and not c.enabled and c.gap_enabled)
+
+    def remember_gap(self, layer: int, fetched: list[int]) -> None:
+        """The experts a gap guess for `layer` copied, to grade when it runs."""
+        self.gap_pending.setdefault(layer, set()).update(fetched)
+
     def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
         """What was guessed (and copied) for `layer` in a decode step, to score when it runs; a
         second guess for the same layer (late2: two layers ahead, then one) adds to the first."""
@@ -155,6 +184,13 @@ class NextLayerGuesser:
 
     def score(self, layer: int, used: list[int]) -> None:
         """`layer` runs with experts `used`: grade the guess made for it, if any."""
+        gap = self.gap_pending.pop(layer, None)
+        if gap is not None:
+            c = self.counters[layer]
+            c.gap_fetched += len(gap)
+            c.gap_useful += len(gap.intersection(used))
+            if c.gap_enabled and c.gap_fetched >= self.min_samples and c.gap_useful < self.min_gap_precision * c.gap_fetched:
+                c.gap_enabled = False
         guessed, fetched = self.pending.pop(layer, (None, set()))
         if guessed is None:
             return
@@ -171,7 +207,8 @@ class NextLayerGuesser:
     def stats(self) -> dict:
         rows = {layer: {"recall": c.recall_hit / c.recall_total if c.recall_total else None,
                         "precision": c.useful / c.fetched if c.fetched else None,
-                        "prefetch": self.decode != "off" and c.enabled}
+                        "prefetch": self.decode != "off" and c.enabled,
+                        "gap_precision": c.gap_useful / c.gap_fetched if c.gap_fetched else None}
                 for layer, c in self.counters.items()}
         hit = sum(c.recall_hit for c in self.counters.values())
         total = sum(c.recall_total for c in self.counters.values())
