@@ -29,7 +29,8 @@ def _plan_flags(g: argparse._ArgumentGroup) -> None:
                    help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3, half the bytes: more context "
-                        "or more expert slots in the same budget; needs compute capability >= 8.9 on CUDA)")
+                        "or more expert slots in the same budget, e.g. gpt-oss-20b at 8 GiB with 16 users: 277 -> "
+                        "322 slots and 105.8 -> 115.5 tok/s on an H200; needs compute capability >= 8.9 on CUDA)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:

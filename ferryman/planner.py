@@ -349,9 +349,23 @@ def describe_plan(plan: MemoryPlan) -> str:
     ]
     if plan.strategy == "offload":
         rows.append(("decode link", _link_estimate(plan)))
+        if (hint := _fp8_kv_hint(plan)) is not None:
+            rows.append(("hint", hint))
     if r.budget is not None:
         rows.append(("unused", g(r.budget - plan.total_bytes)))
     return "\n".join(f"{k:>12}: {v}" for k, v in rows)
+
+
+def _fp8_kv_hint(plan: MemoryPlan) -> str | None:
+    """What an fp8 KV cache would give an offloaded plan under a budget: the bytes it frees, as
+    expert slots (None when the cache is fp8 already, or the plan has no budget)."""
+    r = plan.request
+    itemsize = (r.kv_dtype or r.dtype).itemsize
+    if r.budget is None or itemsize <= 1 or not plan.kv_bytes:
+        return None
+    freed = plan.kv_bytes - plan.kv_bytes // itemsize
+    return (f"--kv-cache-dtype fp8 would free {freed / GiB:.2f} GiB of KV cache: {freed // plan.slot_bytes} more "
+            f"expert slots, fewer bytes over the link per token")
 
 
 # host -> device links for the estimate in `describe_plan` (bytes/s, pinned copies as measured in

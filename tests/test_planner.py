@@ -104,6 +104,12 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     per_token = misses * plan.slot_bytes
     assert f"~{misses:.0f} misses" in text and f"PCIe 5.0 <= {55e9 / per_token:.0f} tok/s" in text
     assert "decode link" not in plan_memory(_req("gpt-oss-120b", "139GiB")).describe()  # resident
+    # the fp8 KV hint: half the bf16 cache, as whole slots; none once the cache is fp8
+    freed = plan.kv_bytes // 2
+    assert f"--kv-cache-dtype fp8 would free {freed / GiB:.2f} GiB of KV cache: {freed // plan.slot_bytes} more" in text
+    fp8 = plan_memory(_req("gpt-oss-120b", "16GiB", kv_dtype=torch.float8_e4m3fn))
+    assert "--kv-cache-dtype fp8 would" not in fp8.describe()
+    assert fp8.expert_slots >= plan.expert_slots + freed // plan.slot_bytes
     # offloaded: the token-embedding table (vocab x hidden) stays in host RAM and its bytes are slots
     table = cfg.vocab_size * cfg.hidden_size * 2
     assert plan.host_embedding_bytes == table == host_embedding_bytes(cfg, torch.bfloat16)
