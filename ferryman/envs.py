@@ -178,9 +178,8 @@ class Envs:
     DECODE_PREFETCH_MAX_SEQS = EnvVar(
         "FERRYMAN_DECODE_PREFETCH_MAX_SEQS", int, 0,
         "early decode prefetch guesses only in decode steps of at most this many sequences (late guesses are not "
-        "limited). 0 (default): 16, or 4 with the hybrid split on. gpt-oss-20b at 8 GiB on an H200, 16 users "
-        "in one process: 115.3 tok/s guessing against 112.3 not; with the hybrid split (before the cache's "
-        "admission control) 105.1 against 124.6; 4 sequences with the hybrid 77.6 against 73.5",
+        "limited). 0 (default): 16. gpt-oss-20b at 8 GiB on an H200, 16 users in one process: 115.3 tok/s "
+        "guessing against 112.3 not; with the hybrid split 116.5 against 109.1 guessing up to 4 sequences",
     )
     DECODE_GAP_GUESS = EnvVar(
         "FERRYMAN_DECODE_GAP_GUESS", int, 0,

@@ -30,16 +30,15 @@ def test_early_decode_guesses_only_small_batches(max_seqs: int, guessed: bool, m
     assert (batched[0] > 0) == guessed, batched
 
 
-def test_early_guess_batch_limit_defaults_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0 (default): 16 sequences, 4 with the hybrid split on; a
-    set value wins; a negative one is a clean configuration error."""
+def test_early_guess_batch_limit_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0 (default): 16 sequences; a set value wins; a negative one
+    is a clean configuration error."""
     from ferryman.errors import ConfigError
-    from ferryman.experts.prefetch import DECODE_MAX_SEQS, DECODE_MAX_SEQS_HYBRID, decode_max_seqs_for
+    from ferryman.experts.prefetch import DECODE_MAX_SEQS, decode_max_seqs_for
 
-    assert (decode_max_seqs_for(0, False), decode_max_seqs_for(0, True)) == (DECODE_MAX_SEQS, DECODE_MAX_SEQS_HYBRID)
-    assert decode_max_seqs_for(7, True) == 7
+    assert (decode_max_seqs_for(0), decode_max_seqs_for(7)) == (DECODE_MAX_SEQS, 7)
     with pytest.raises(ConfigError, match="FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0"):
-        decode_max_seqs_for(-1, False)
+        decode_max_seqs_for(-1)
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%")
     assert llm.engine.runner.experts.guesser.decode_max_seqs == 16
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", "-2")

@@ -21,7 +21,8 @@ slots hold and plain LRFU (like LRU) keeps replacing experts about to be used ag
 to be evicted; with admission a stable core stays cached and the misses rotate through a few slots.
 Replayed on synthetic routing (benchmarks/bench_cache_policies.py --synthetic; docs/benchmarks.md):
 uniform routing, 16 sequences, 24 layers x 32 experts, 277 slots: hit rate 0.20 -> 0.32 (0.36 is
-the slot share); skewed routing and one sequence: equal or better.
+the slot share); skewed routing and one sequence: equal or better; the demo model's real routing
+(one sequence): within 0.006 of plain LRFU at 10/25/50% of experts cached.
 
 Prefetched keys (brought in on a guess, not yet referenced) enter at the eviction end: a wrong
 guess is the first thing to go, a right one is referenced when its layer runs. Under lrfu they
@@ -155,8 +156,8 @@ class LRFUPolicy(ReplacementPolicy):
         return self.crf.get(key, 0.0) * 2.0 ** (-(self.now - self.last.get(key, self.now)) / self.half_life)
 
     def filled(self, key: int, victim: int | None) -> None:
-        # both sides count the reference about to happen (+1), so a never-seen key against a
-        # never-seen victim is admitted
+        # both sides count one reference more (+1, the key's is about to happen): a key is kept
+        # only if it beats its victim by the margin, so a tie (two never-seen keys) is on probation
         if victim is not None and self.admit_margin is not None and \
                 self.decayed(key) + 1.0 < (1.0 + self.admit_margin) * (self.decayed(victim) + 1.0):
             self.probation.add(key)

@@ -19,8 +19,8 @@ most FERRYMAN_DECODE_PREFETCH_MAX_SEQS sequences (OffloadExperts._guesses; `deco
 on the H200, in one engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against
 49.2 tok/s off (precision 0.79-0.82), -120b at 23.4 against 21.9; 16 users (prefills mixed in)
 115.3 against 112.3 once the cache kept a stable core (policies.py, admission), guesses precise to
-0.94. With the hybrid split the guesses left the CPU idle at 16 sequences (105.1 against 124.6
-tok/s, before admission), so there the limit stays 4 (docs/benchmarks.md, sessions 12 and 13). Prefill
+0.94; with the hybrid split too, 116.5 against 109.1 with guesses up to 4 sequences (before
+admission the guesses had left the CPU idle: docs/benchmarks.md, sessions 12 and 13). Prefill
 streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued
 right after this layer's MoE kernel, so its copies cover the next attention, router and host
 sync, the window in which the link idles.
@@ -49,15 +49,14 @@ from ferryman.errors import ConfigError
 
 DECODE_MODES = ("off", "early", "late", "late2")
 DECODE_MAX_SEQS = 16  # early guesses up to this batch (FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0)
-DECODE_MAX_SEQS_HYBRID = 4  # the same with the hybrid split on
 
 
-def decode_max_seqs_for(configured: int, hybrid_on: bool) -> int:
+def decode_max_seqs_for(configured: int) -> int:
     """The batch limit of early decode guesses: `configured` (FERRYMAN_DECODE_PREFETCH_MAX_SEQS),
-    or for 0 the default of the engine's mode."""
+    or DECODE_MAX_SEQS for 0."""
     if configured < 0:
         raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0 sequences (0: the default), got {configured}")
-    return configured or (DECODE_MAX_SEQS_HYBRID if hybrid_on else DECODE_MAX_SEQS)
+    return configured or DECODE_MAX_SEQS
 
 
 @dataclass
