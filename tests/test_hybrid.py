@@ -27,7 +27,7 @@ from ferryman.experts.hybrid import (
     split_costs,
     split_fetch,
 )
-from tiny_models import calibration_of, count_calls, demo_config, greedy_ids
+from tiny_models import agree_but_near_ties, calibration_of, count_calls, demo_config, greedy_ids, greedy_with_top2
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)], [3, 4]]
 
@@ -297,7 +297,10 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
 def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: bool, tmp_path: Path) -> None:
-    """bf16 with rates from a file: a deterministic split, and the same greedy tokens as resident."""
+    """bf16 with rates from a file: the same greedy tokens as resident, except at rounding ties. A
+    hybrid step adds the CPU's part of a token to the device's, each rounded to bf16, where resident
+    rounds one sum, and the split follows the CPU's measured job times (HybridSplit.observe), so a
+    token whose two best logits are within bf16 rounding may flip; a larger difference is a bug."""
     from ferryman.experts.placement import rebind_offload
 
     path = tmp_path / "cal.json"
@@ -307,7 +310,8 @@ def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: boo
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
     rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
-    assert greedy_ids(hybrid, ids, 32) == greedy_ids(resident, ids, 32)
+    # bf16 logits of magnitude 8-32 are 0.0625-0.125 apart: a tie is within about one such step
+    agree_but_near_ties(greedy_with_top2(hybrid, ids, 32), greedy_with_top2(resident, ids, 32), tie=0.15)
     assert hybrid.stats()["experts"]["cpu_computed"] > 0
 
 

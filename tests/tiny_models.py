@@ -99,6 +99,38 @@ def greedy_ids(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, params=params)]
 
 
+def greedy_with_top2(llm, prompts: list[list[int]], n: int) -> list[list[tuple[int, list[tuple[int, float]]]]]:
+    """Greedy decode stepping the engine: per prompt, per token (id, the top-2 (id, logprob))."""
+    from ferryman import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
+    rids = [eng.add_request(p, params) for p in prompts]
+    out: dict[int, list] = {r: [] for r in rids}
+    while any(r in eng.requests for r in rids):
+        for delta in eng.step():
+            lp = eng.runner.last_logprobs.get(delta.request_id)
+            out[delta.request_id].append((delta.token_ids[0], lp[1] if lp else []))
+    for r in rids:
+        eng.pop_output(r)
+    return [out[r] for r in rids]
+
+
+def agree_but_near_ties(got: list[list], want: list[list], tie: float) -> None:
+    """Two greedy runs (greedy_with_top2) agree, except that a run may part from the other where
+    both saw the two tokens within `tie` nats of each other (a rounding tie); after that the
+    contexts differ and nothing more is compared."""
+    for g_seq, w_seq in zip(got, want, strict=True):
+        for i, ((g, g_top), (w, w_top)) in enumerate(zip(g_seq, w_seq)):
+            if g == w:
+                continue
+            for top in (g_top, w_top):
+                ids = [t for t, _ in top]
+                assert {g, w} <= set(ids) and abs(top[0][1] - top[1][1]) < tie, (
+                    f"token {i}: {g} against {w} is no near tie: top-2 {g_top} / {w_top}")
+            break
+
+
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()

@@ -272,7 +272,8 @@ class OffloadExperts:
                 copy = [e for e in guessed if not self.cache.contains(target, e)][: self.guesser.gap_k]
                 self.guesser.remember_gap(target, self.cache.prefetch(target, copy, depth))
                 continue
-            copy = guessed if split is None else \
+            # ascending: consecutive experts into consecutive slots coalesce into one copy
+            copy = sorted(guessed) if split is None else \
                 split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
             fetched = self.cache.prefetch(target, copy, depth)
             self.guesser.remember(target, guessed, fetched, streaming)
