@@ -49,28 +49,38 @@ COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "pref
             "cpu_computed")
 
 
-def set_mode(llm: LLM, mode: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """The engine's own settings that modes override, read once before the first mode."""
+
+    max_seqs: int  # the guesser's decode_max_seqs
+    margin: float | None  # the cache policy's admission margin (lrfu)
+
+    @staticmethod
+    def of(llm: LLM) -> "Defaults":
+        experts = llm.engine.runner.experts
+        guesser = getattr(experts, "guesser", None)
+        if guesser is None:
+            raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
+        return Defaults(guesser.decode_max_seqs, getattr(experts.cache.table.policy, "admit_margin", None))
+
+
+def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     """Decode prefetch and the hybrid split as `mode` says, on the running engine."""
     experts = llm.engine.runner.experts
-    guesser = getattr(experts, "guesser", None)
-    if guesser is None:
-        raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
+    guesser = experts.guesser
     m = MODE.match(mode)
     assert m is not None  # main() checked every mode
     guesser.decode = "early" if mode.startswith("early") else "off"
     guesser.decode_k = int(m.group(2) or 0)  # experts per token of a guess (0: top-k)
-    if not hasattr(guesser, "default_max_seqs"):
-        guesser.default_max_seqs = guesser.decode_max_seqs
-    guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else guesser.default_max_seqs
+    guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else defaults.max_seqs
     gap = re.search(r"\+gap(\d*)", mode)
     guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0
     for c in guesser.counters.values():  # each run grades its own guesses
         c.enabled = c.gap_enabled = True
     policy = experts.cache.table.policy
-    if hasattr(policy, "admit_margin"):
-        if not hasattr(policy, "default_margin"):
-            policy.default_margin = policy.admit_margin
-        policy.admit_margin = None if "+noadm" in mode else policy.default_margin
+    if hasattr(policy, "admit_margin"):  # lrfu
+        policy.admit_margin = None if "+noadm" in mode else defaults.margin
     hybrid = getattr(experts, "hybrid", None)
     if "cpu" in mode and hybrid is None:
         raise SystemExit(f"mode {mode!r} needs the engine started with the hybrid split (--modes lists a cpu mode)")
@@ -180,7 +190,8 @@ def main() -> None:
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
     gen = torch.Generator().manual_seed(0)
     rand = lambda: torch.randint(1, eng.cfg.vocab_size, (a.prompt,), generator=gen).tolist()  # noqa: E731
-    set_mode(llm, modes[0])
+    defaults = Defaults.of(llm)
+    set_mode(llm, modes[0], defaults)
     run(llm, [rand() for _ in range(a.seqs)], 8, bw)  # warm-up: compiles, graph captures
     print(f"{model} at {budget}: {eng.stats()['experts'].get('slots')} slots, {a.seqs} sequences x {a.tokens} tokens "
           f"after {a.prompt}-token prompts; link {bw / 1e9:.1f} GB/s; {platform.node()}, "
@@ -188,7 +199,7 @@ def main() -> None:
     rows = []
     for rep in range(a.reps):
         for mode in modes:
-            set_mode(llm, mode)
+            set_mode(llm, mode, defaults)
             if a.closed_loop:
                 got = run_closed_loop(llm, a.seqs, a.closed_loop, rand, a.tokens, bw)
             else:

@@ -28,9 +28,9 @@ def test_gap_guesses_only_where_the_full_guess_is_off_and_one_sequence() -> None
     off = _guesser(0)
     off.counters[1].enabled = False
     assert not off.wants_gap(1, seqs=1)
-    late = NextLayerGuesser(off.gates, top_k=2, gap_k=1, decode="off")
-    late.counters[1].enabled = False
-    assert not late.wants_gap(1, seqs=1)
+    no_prefetch = NextLayerGuesser(off.gates, top_k=2, gap_k=1, decode="off")
+    no_prefetch.counters[1].enabled = False
+    assert not no_prefetch.wants_gap(1, seqs=1)
     with pytest.raises(ConfigError, match="FERRYMAN_DECODE_GAP_GUESS must be >= 0"):
         _guesser(-1)
 

@@ -34,11 +34,13 @@ def test_early_guess_batch_limit_default(monkeypatch: pytest.MonkeyPatch) -> Non
     """FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0 (default): 16 sequences; a set value wins; a negative one
     is a clean configuration error."""
     from ferryman.errors import ConfigError
-    from ferryman.experts.prefetch import DECODE_MAX_SEQS, decode_max_seqs_for
+    from ferryman.experts.prefetch import DECODE_MAX_SEQS, NextLayerGuesser
 
-    assert (decode_max_seqs_for(0), decode_max_seqs_for(7)) == (DECODE_MAX_SEQS, 7)
+    gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
+    assert NextLayerGuesser(gates, top_k=2).decode_max_seqs == DECODE_MAX_SEQS
+    assert NextLayerGuesser(gates, top_k=2, decode_max_seqs=7).decode_max_seqs == 7
     with pytest.raises(ConfigError, match="FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0"):
-        decode_max_seqs_for(-1)
+        NextLayerGuesser(gates, top_k=2, decode_max_seqs=-1)
     llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%")
     assert llm.engine.runner.experts.guesser.decode_max_seqs == 16
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", "-2")

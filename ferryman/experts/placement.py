@@ -130,7 +130,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     from ferryman.experts.hybrid import make_hybrid
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
-    from ferryman.experts.prefetch import NextLayerGuesser, decode_max_seqs_for
+    from ferryman.experts.prefetch import NextLayerGuesser
 
     from ferryman.envs import envs
 
@@ -148,8 +148,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms,
                                decode_k=envs.DECODE_PREFETCH_TOPK, gap_k=envs.DECODE_GAP_GUESS,
-                               decode_max_seqs=decode_max_seqs_for(envs.DECODE_PREFETCH_MAX_SEQS),
-                               ) if prefetch else None
+                               decode_max_seqs=envs.DECODE_PREFETCH_MAX_SEQS) if prefetch else None
     return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, zero_copy, stage_rows=stage)
 
 

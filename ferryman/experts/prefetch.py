@@ -15,7 +15,7 @@ mostly right. Prefetch to a layer stops once `min_samples` guessed copies show a
 `min_precision` (0.75), and stays off. (At the first default, 0.5, the weak guesses on
 random-routing gpt-oss-20b weights stayed on and decode got slower: docs/benchmarks.md.)
 Decode prefetch (`decode`, FERRYMAN_DECODE_PREFETCH) is `early` by default, in decode steps of at
-most FERRYMAN_DECODE_PREFETCH_MAX_SEQS sequences (OffloadExperts._guesses; `decode_max_seqs_for`):
+most FERRYMAN_DECODE_PREFETCH_MAX_SEQS sequences (OffloadExperts._guesses; 0: DECODE_MAX_SEQS):
 on the H200, in one engine with the modes in turn, gpt-oss-20b decoded one sequence at 53.0 against
 49.2 tok/s off (precision 0.79-0.82), -120b at 23.4 against 21.9; 16 users (prefills mixed in)
 115.3 against 112.3 once the cache kept a stable core (policies.py, admission), guesses precise to
@@ -51,14 +51,6 @@ DECODE_MODES = ("off", "early", "late", "late2")
 DECODE_MAX_SEQS = 16  # early guesses up to this batch (FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0)
 
 
-def decode_max_seqs_for(configured: int) -> int:
-    """The batch limit of early decode guesses: `configured` (FERRYMAN_DECODE_PREFETCH_MAX_SEQS),
-    or DECODE_MAX_SEQS for 0."""
-    if configured < 0:
-        raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0 sequences (0: the default), got {configured}")
-    return configured or DECODE_MAX_SEQS
-
-
 @dataclass
 class GuessCounters:
     recall_hit: int = 0  # used experts that had been guessed
@@ -86,9 +78,9 @@ class NextLayerGuesser:
     # experts per token an early decode guess takes (0: top_k): wider guesses trade precision for
     # recall, and the precision gate scales with them. offload_backend: FERRYMAN_DECODE_PREFETCH_TOPK
     decode_k: int = 0
-    # early decode guesses only in steps of at most this many sequences (offload_backend:
-    # decode_max_seqs_for, FERRYMAN_DECODE_PREFETCH_MAX_SEQS)
-    decode_max_seqs: int = DECODE_MAX_SEQS
+    # early decode guesses only in steps of at most this many sequences (0: DECODE_MAX_SEQS).
+    # offload_backend: FERRYMAN_DECODE_PREFETCH_MAX_SEQS
+    decode_max_seqs: int = 0
     # one-sequence decode steps: experts a gap guess copies where the full guess is off (0: none).
     # offload_backend: FERRYMAN_DECODE_GAP_GUESS
     gap_k: int = 0
@@ -104,6 +96,10 @@ class NextLayerGuesser:
             raise ValueError(f"decode prefetch must be one of {', '.join(DECODE_MODES)}, got {self.decode!r}")
         if self.gap_k < 0:
             raise ConfigError(f"FERRYMAN_DECODE_GAP_GUESS must be >= 0 experts (0: off), got {self.gap_k}")
+        if self.decode_max_seqs < 0:
+            raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_MAX_SEQS must be >= 0 sequences (0: the default), "
+                              f"got {self.decode_max_seqs}")
+        self.decode_max_seqs = self.decode_max_seqs or DECODE_MAX_SEQS
         if self.decode_k < 0:
             raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
         if self.late_depth and set(self.norms) != set(self.gates):
