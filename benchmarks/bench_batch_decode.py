@@ -21,7 +21,8 @@ FERRYMAN_DECODE_PREFETCH_TOPK=6; `early@16` guesses in steps of up to 16 sequenc
 FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hybrid split
 (the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
 cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
-one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS).
+one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS; the engine's
+default is 1, so `early+gap` is the default and `early` turns gap guesses off).
 """
 
 from __future__ import annotations
@@ -105,10 +106,19 @@ def run(llm: LLM, prompts: list[list[int]], tokens: int, bw: float) -> dict:
     for r in rids:
         eng.pop_output(r)
     d = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    out = len(prompts) * tokens - first
+    return _rates(d, len(prompts) * tokens - first, spent, steps, bw, eng.plan.slot_bytes)
+
+
+def _rates(d: dict, out: int, spent: float, steps: int, bw: float, slot_bytes: int) -> dict:
+    """A run's figures from its counter deltas `d`: `out` tokens in `spent` seconds over `steps`.
+    The link limit divides the bandwidth by the bytes copied per token; the needed-bytes limit by
+    those less the copies of guessed experts that were never used (wrong guesses)."""
     per_token = d["bytes_h2d"] / out
+    wasted = max(0, d["prefetch_fetched"] - d["prefetch_hits"]) * slot_bytes / out
+    needed = per_token - wasted
     return {"out_tok_s": out / spent, "steps": steps, "step_ms": spent / steps * 1e3,
             "link_mib_per_token": per_token / 2**20, "link_limit_tok_s": bw / per_token if per_token else None,
+            "wasted_mib_per_token": wasted / 2**20, "needed_limit_tok_s": bw / needed if needed > 0 else None,
             "link_busy": d["h2d_seconds"] / spent, "stall_s": d["stall_seconds"],
             "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]),
             "prefetch_precision": d["prefetch_hits"] / d["prefetch_fetched"] if d["prefetch_fetched"] else None,
@@ -149,15 +159,8 @@ def run_closed_loop(llm: LLM, users: int, rounds: int, prompt_of: Callable[[], l
                     send(user)
     spent = time.perf_counter() - start
     d = {k: eng.stats()["experts"].get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    out = users * rounds * tokens
-    per_token = d["bytes_h2d"] / out
-    return {"out_tok_s": out / spent, "steps": steps, "step_ms": spent / steps * 1e3,
-            "ttft_mean_s": sum(ttft.values()) / len(ttft), "ttft_max_s": max(ttft.values()),
-            "link_mib_per_token": per_token / 2**20, "link_limit_tok_s": bw / per_token if per_token else None,
-            "link_busy": d["h2d_seconds"] / spent, "stall_s": d["stall_seconds"],
-            "hit_rate": d["hits"] / max(1, d["hits"] + d["misses"]),
-            "prefetch_precision": d["prefetch_hits"] / d["prefetch_fetched"] if d["prefetch_fetched"] else None,
-            "cpu_experts_per_step": d["cpu_computed"] / steps}
+    return {**_rates(d, users * rounds * tokens, spent, steps, bw, eng.plan.slot_bytes),
+            "ttft_mean_s": sum(ttft.values()) / len(ttft), "ttft_max_s": max(ttft.values())}
 
 
 def main() -> None:
@@ -209,7 +212,9 @@ def main() -> None:
             ttft = f", TTFT mean {row['ttft_mean_s']:.3f} s (max {row['ttft_max_s']:.3f})" if a.closed_loop else ""
             print(f"{mode:10s} rep {rep}: {row['out_tok_s']:6.1f} tok/s{ttft}, step {row['step_ms']:6.1f} ms, "
                   f"{row['link_mib_per_token']:6.1f} MiB/token, link busy {row['link_busy']:.2f}, "
-                  f"{row['out_tok_s'] / row['link_limit_tok_s']:.2f} of the link limit, hit rate {row['hit_rate']:.2f}, "
+                  f"{row['out_tok_s'] / row['link_limit_tok_s']:.2f} of the link limit "
+                  f"({row['out_tok_s'] / (row['needed_limit_tok_s'] or float('inf')):.2f} over needed bytes), "
+                  f"hit rate {row['hit_rate']:.2f}, "
                   f"prefetch precision {row['prefetch_precision'] or 0:.2f}, CPU experts/step {row['cpu_experts_per_step']:.1f}",
                   flush=True)
     for mode in modes:

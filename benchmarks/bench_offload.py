@@ -12,7 +12,8 @@ Per target:
 - decode: 128-token prompt, then --decode-tokens tokens; tok/s, hit rate, misses per token, and
   the link limit bw / (bytes copied per token: misses, and prefetched experts right or wrong):
   measured / limit says how close the copies run to the link (1.0 = every byte at full link
-  speed, nothing else costs);
+  speed, nothing else costs); also against the bytes needed (the copies less those of guessed
+  experts never used), which wrong guesses cannot inflate;
 - TTFT of a 4k prompt (--ttft-prompt);
 - 8k prefill tok/s (--prefill-prompt) against the streaming limit chunk x bw / (expert bytes not cached): each prefill
   chunk must bring every uncached expert once.
@@ -116,6 +117,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     misses_per_token = dec.get("misses", 0) / decode_steps
     # every byte that crossed the link per token (misses, and prefetched copies right or wrong)
     moved_per_token = (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / decode_steps
+    wasted = max(0, dec.get("prefetch_fetched", 0) - dec.get("prefetch_hits", 0)) * slot_bytes / decode_steps
+    needed_per_token = moved_per_token - wasted  # the copies of wrong guesses left out
     row = {
         "model": model, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
         "slots": experts.get("slots"), "cache_fraction": experts.get("slots", total_experts) / total_experts,
@@ -123,6 +126,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "decode_hit_rate": dec.get("hits", 0) / max(1, dec.get("hits", 0) + dec.get("misses", 0)),
         "misses_per_token": misses_per_token,
         "decode_link_limit": bw / moved_per_token if moved_per_token else None,
+        "decode_needed_limit": bw / needed_per_token if needed_per_token > 0 else None,
+        "wasted_mib_per_token": wasted / 2**20,
         "no_hit_limit": bw / (len(cfg.moe_layers) * cfg.top_k * slot_bytes),
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
         "chunk": chunk,
@@ -145,6 +150,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         row["alloc_retries"] = torch.cuda.memory_stats(eng.device).get("num_alloc_retries", 0)
     if row["decode_link_limit"] and row["decode_tok_s"]:
         row["decode_vs_link"] = row["decode_tok_s"] / row["decode_link_limit"]
+    if row["decode_needed_limit"] and row["decode_tok_s"]:
+        row["decode_vs_needed"] = row["decode_tok_s"] / row["decode_needed_limit"]
     if row["prefill_stream_limit"] and row["prefill_tok_s"]:
         row["prefill_vs_stream"] = row["prefill_tok_s"] / row["prefill_stream_limit"]
     del llm, eng
@@ -200,7 +207,7 @@ def main() -> None:
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
     cols = ["model", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
-            "decode_link_limit", "decode_vs_link", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
+            "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))

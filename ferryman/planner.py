@@ -4,7 +4,9 @@
 
 - non-expert weights: every parameter of the module tree, in the compute dtype;
 - KV cache: a floor first, by default min(max_model_len, 32768) tokens for each of the
-  `max_num_seqs` concurrent sequences (or exactly `kv_cache_tokens` when given);
+  `max_num_seqs` concurrent sequences (or exactly `kv_cache_tokens` when given), for every layer
+  but the sliding-window ones of a model that mixes both (gpt-oss): those keep only their window,
+  in a pool of fixed size (kvcache/window_pool.py), counted in the KV cache's bytes;
 - activation headroom: an estimate for the largest prefill chunk (`activation_bytes`);
 - expert cache: what is left, in slots of one expert (all its banks). If every routed expert
   fits, the plan is resident (strategy "auto"/"resident") and what is still left grows the KV
@@ -85,8 +87,9 @@ def expert_slots(cache: float | int, total: int) -> int:
     return max(1, min(total, n))
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
+    """K and V of one token in `layers` layers (None: all of them)."""
+    return (cfg.num_layers if layers is None else layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int) -> int:
@@ -170,7 +173,28 @@ class PlanRequest:
 
     @property
     def kv_per_token(self) -> int:
-        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype)
+        """A token's KV in the main pool: every layer's but the window pool's."""
+        from ferryman.kvcache.window_pool import num_window_layers
+
+        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, self.cfg.num_layers - num_window_layers(self.cfg))
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks of the sliding-window layers' own pool (0: none, kvcache/window_pool.py)."""
+        from ferryman.kvcache.window_pool import window_pool_blocks, window_split
+
+        window = window_split(self.cfg)
+        if window is None:
+            return 0
+        chunk = self.max_num_batched_tokens or DEFAULT_CHUNK
+        return window_pool_blocks(window, self.block_size, self.max_num_seqs, chunk)
+
+    @property
+    def window_kv_bytes(self) -> int:
+        from ferryman.kvcache.window_pool import num_window_layers
+
+        layers = num_window_layers(self.cfg)
+        return self.window_blocks * self.block_size * kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, layers)
 
     @property
     def total_experts(self) -> int:
@@ -251,7 +275,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
         return _unlimited_plan(req, weights, act, per_slot)
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
-    rest = req.budget - weights - act - floor_tokens * per_token
+    rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes
     strategy = _strategy(req, rest, per_slot)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
@@ -268,7 +292,8 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     wanted = req.kv_cache_tokens or req.max_num_seqs * req.max_model_len
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_tokens * per_token, act, per_slot, slots, host)
+    kv_bytes = kv_tokens * per_token + req.window_kv_bytes
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host)
 
 
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
@@ -290,7 +315,8 @@ def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
         if req.budget is None or plan.strategy == "resident":
             return plan
         free = req.budget - plan.weights_bytes - plan.activation_bytes
-        if trial.kv_floor_tokens * req.kv_per_token <= free // 2 or n == AUTO_NUM_SEQS[-1]:
+        if trial.kv_floor_tokens * req.kv_per_token + plan.request.window_kv_bytes <= free // 2 \
+                or n == AUTO_NUM_SEQS[-1]:
             return plan
     assert last_error is not None  # every trial raised: report the smallest one's shortfall
     raise last_error
@@ -318,9 +344,11 @@ def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_tok
             slots: int, per_slot: int, rest: int) -> None:
     need = slots * per_slot - rest
     what = "every expert (resident)" if req.strategy == "resident" else f"{slots} expert slots"
+    kv = floor_tokens * per_token + req.window_kv_bytes
+    window = f" + a {req.window_blocks}-block window pool" if req.window_blocks else ""
     raise ConfigError(
         f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "
-        f"+ KV cache {floor_tokens * per_token / GiB:.2f} GiB ({floor_tokens} tokens) + activations "
+        f"+ KV cache {kv / GiB:.2f} GiB ({floor_tokens} tokens{window}) + activations "
         f"{act / GiB:.2f} GiB + {what} {slots * per_slot / GiB:.2f} GiB; missing {need / GiB:.2f} GiB. "
         f"Raise gpu_memory, or lower max_num_seqs ({req.max_num_seqs}), max_model_len ({req.max_model_len}) "
         f"or max_num_batched_tokens ({req.max_num_batched_tokens})"
@@ -332,6 +360,11 @@ def describe_plan(plan: MemoryPlan) -> str:
     g = lambda n: f"{n / GiB:8.2f} GiB"  # noqa: E731
     kv = (f"{plan.kv_tokens} tokens (floor {r.kv_floor_tokens})" if plan.kv_tokens is not None
           else "sized by the engine (no budget)")
+    if r.window_blocks:
+        from ferryman.kvcache.window_pool import num_window_layers
+
+        kv += (f"; {num_window_layers(cfg)} sliding-window layers keep their window only "
+               f"({r.window_blocks * r.block_size} tokens, {r.window_kv_bytes / GiB:.2f} GiB)")
     if r.kv_dtype is not None and r.kv_dtype != r.dtype:
         kv += f", stored as {str(r.kv_dtype).removeprefix('torch.')}"
     rows = [

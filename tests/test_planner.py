@@ -3,6 +3,8 @@ amount missing, `ferryman plan`, and a budget driving the engine with the CPU as
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -92,7 +94,10 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     plan = plan_memory(req)
     cfg = req.cfg
     assert plan.strategy == "offload"
-    assert plan.kv_tokens == 32768 and plan.kv_bytes == 32768 * kv_bytes_per_token(cfg, torch.bfloat16)
+    # 18 full-attention layers hold the context; the 18 sliding ones (window 128) a pool of
+    # 1 null + (8 + 2) + 9 retained + 4096 / 16 blocks of 16 tokens (kvcache/window_pool.py)
+    assert plan.kv_tokens == 32768 and plan.request.window_blocks == 276
+    assert plan.kv_bytes == 32768 * kv_bytes_per_token(cfg, torch.bfloat16, 18) + 276 * 16 * 18 * 2048
     assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
     assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1)
     assert plan.total_bytes <= req.budget < plan.total_bytes + plan.slot_bytes
@@ -136,9 +141,10 @@ def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
 
 def test_refusals_say_how_much_is_missing() -> None:
     req = _req("gpt-oss-120b", "16GiB", max_num_seqs=32)
-    per_token = kv_bytes_per_token(req.cfg, torch.bfloat16)
+    per_token = kv_bytes_per_token(req.cfg, torch.bfloat16, 18)  # the 18 full-attention layers
+    window_pool = (1 + 32 * 19 + 2048 // 16) * 16 * kv_bytes_per_token(req.cfg, torch.bfloat16, 18)
     need = (non_expert_bytes(req.cfg, torch.bfloat16) - host_embedding_bytes(req.cfg, torch.bfloat16)
-            + 32 * 32768 * per_token
+            + 32 * 32768 * per_token + window_pool
             + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + 4 * slot_bytes(req.cfg, torch.bfloat16))
     with pytest.raises(ConfigError, match=rf"missing {(need - 16 * GiB) / GiB:.2f} GiB.*max_num_seqs \(32\)"):
         plan_memory(req)
@@ -209,18 +215,20 @@ def _auto(preset: str, budget_gib: float | None, max_model_len: int):
 def test_auto_concurrency_leaves_experts_half_the_free_budget() -> None:
     from ferryman.planner import kv_bytes_per_token
 
-    plan = _auto("gpt-oss-120b", 16, 32768)  # 2.25 GiB of KV per 32k-token sequence
-    assert plan.request.max_num_seqs == 2 and plan.strategy == "offload"
+    # 1.125 GiB of KV per 32k-token sequence in the 18 full-attention layers, and the window pool
+    plan = _auto("gpt-oss-120b", 16, 32768)
+    assert plan.request.max_num_seqs == 4 and plan.strategy == "offload"
     free = plan.request.budget - plan.weights_bytes - plan.activation_bytes
-    per_seq = 32768 * kv_bytes_per_token(plan.request.cfg, torch.bfloat16)
-    assert 2 * per_seq <= free // 2 < 4 * per_seq  # 2 fits the rule, 4 would not
-    assert _auto("gpt-oss-20b", 8, 2048).request.max_num_seqs == 16
+    per_seq = 32768 * kv_bytes_per_token(plan.request.cfg, torch.bfloat16, 18)
+    window8 = replace(plan.request, max_num_seqs=8).window_kv_bytes
+    assert 4 * per_seq + plan.request.window_kv_bytes <= free // 2 < 8 * per_seq + window8  # 4 fits the rule, 8 not
+    assert _auto("gpt-oss-20b", 8, 2048).request.max_num_seqs == 32  # the window layers hold no context
     assert _auto("gpt-oss-20b", None, 32768).request.max_num_seqs == 32  # no budget: the default
 
 
 def test_auto_concurrency_still_refuses_an_impossible_budget() -> None:
     with pytest.raises(ConfigError, match=r"missing .* GiB.*max_num_seqs \(1\)"):
-        _auto("gpt-oss-20b", 4, 32768)
+        _auto("gpt-oss-20b", 3, 32768)  # 4 GiB fits one sequence since the window pool
 
 
 def test_step_size_defaults_by_strategy_and_an_explicit_one_is_kept() -> None:

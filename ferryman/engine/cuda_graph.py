@@ -37,6 +37,11 @@ class StaticDecodeInputs:
         self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        # the window pool's tables and slots, when the model's window layers have one (window_pool.py)
+        self.window_tables = self.window_slots = None
+        if model is not None and any(a.window_pool for a in model.attention_layers()):
+            self.window_tables = torch.zeros_like(self.block_tables)
+            self.window_slots = torch.full_like(self.slot_mapping, -1)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
 
     def meta(self, bs: int) -> AttnMetadata:
@@ -47,6 +52,8 @@ class StaticDecodeInputs:
             slot_mapping=self.slot_mapping[:bs],
             max_query_len=1,
             max_seq_len=self.max_seq_len,
+            window_block_tables=None if self.window_tables is None else self.window_tables[:bs],
+            window_slot_mapping=None if self.window_slots is None else self.window_slots[:bs],
         )
 
     def fits(self, inputs: StepInputs) -> bool:
@@ -67,6 +74,12 @@ class StaticDecodeInputs:
         self.seq_lens[:B].copy_(m.seq_lens)
         self.seq_lens[B:bs].fill_(1)
         self.block_tables[:B, : m.block_tables.shape[1]].copy_(m.block_tables)
+        if self.window_tables is not None and self.window_slots is not None:
+            if m.window_block_tables is None or m.window_slot_mapping is None:
+                raise RuntimeError("decode graphs of a model with a window pool got no window block tables")
+            self.window_slots[:B].copy_(m.window_slot_mapping)
+            self.window_slots[B:bs].fill_(-1)
+            self.window_tables[:B, : m.window_block_tables.shape[1]].copy_(m.window_block_tables)
         return B, bs
 
     def token_embeds(self, bs: int) -> torch.Tensor | None:

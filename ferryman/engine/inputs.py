@@ -20,41 +20,55 @@ class StepInputs:
     host_ids: torch.Tensor  # [T] int64 input_ids on the host (a host embedding table reads them)
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device) -> StepInputs:
+def _slots(table: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """Cache slots (block * S + offset) of positions start .. start + n - 1."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, window_kv: bool = False) -> StepInputs:
+    """window_kv: the sliding-window layers have a pool of their own (kvcache/window_pool.py); their
+    tables and slots go in the metadata's window_* fields."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     qsl = [0]
     seq_lens: list[int] = []
     tables: list[list[int]] = []
+    window_slots: list[int] = []
     logits_idx: list[int] = []
     sample_ids: list[int] = []
     for s in out.scheduled:
         start, n, table = s.start_pos, s.num_tokens, s.seq.block_table
         ids.extend(s.token_ids)
-        pos = range(start, start + n)
-        positions.extend(pos)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        positions.extend(range(start, start + n))
+        slots.extend(_slots(table, start, n, block_size))
+        if window_kv:
+            window_slots.extend(_slots(s.seq.window_table, start, n, block_size))
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
         tables.append(table)
         if s.sample:
             logits_idx.append(qsl[-1] - 1)
             sample_ids.append(s.seq.seq_id)
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-
     def t(x: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
     meta = AttnMetadata(
         query_start_loc=t(qsl, torch.int32),
         seq_lens=t(seq_lens, torch.int32),
-        block_tables=t(padded, torch.int32),
+        block_tables=t(_padded(tables), torch.int32),
         slot_mapping=t(slots, torch.int64),
         max_query_len=max(s.num_tokens for s in out.scheduled),
         max_seq_len=max(seq_lens),
     )
+    if window_kv:
+        meta.window_block_tables = t(_padded([s.seq.window_table for s in out.scheduled]), torch.int32)
+        meta.window_slot_mapping = t(window_slots, torch.int64)
     host_ids = torch.tensor(ids, dtype=torch.int64)  # fresh: the async copy stages it at once
     return StepInputs(host_ids.to(device, non_blocking=True), t(positions, torch.int64), meta,
                       t(logits_idx, torch.int64), sample_ids, host_ids)

@@ -24,6 +24,7 @@ from ferryman.engine.sequence import Sequence
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
+from ferryman.kvcache.window_pool import num_window_layers, window_split
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
@@ -60,6 +61,8 @@ class LLMEngine:
         # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
         kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(kv)
+        window = window_split(self.cfg)  # the sliding-window layers' own pool (kvcache/window_pool.py)
+        num_window_blocks = self.plan.request.window_blocks
         eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -69,6 +72,8 @@ class LLMEngine:
                 max_num_batched_tokens=ecfg.max_num_batched_tokens,
                 block_size=ecfg.block_size,
                 enable_prefix_caching=ecfg.enable_prefix_caching,
+                window=window,
+                num_window_blocks=num_window_blocks,
             ),
             eos_token_ids=eos,
         )
@@ -76,7 +81,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
                                   expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration),
-                                  kv_dtype=kv)
+                                  kv_dtype=kv, num_window_blocks=num_window_blocks)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
@@ -93,7 +98,8 @@ class LLMEngine:
         return self.ecfg.max_model_len
 
     def _num_blocks(self, dtype: torch.dtype) -> int:
-        per_token = kv_bytes_per_token(self.cfg, dtype)
+        """Blocks of the main KV pool (every layer but the window pool's)."""
+        per_token = kv_bytes_per_token(self.cfg, dtype, self.cfg.num_layers - num_window_layers(self.cfg))
         wanted = self.ecfg.max_num_seqs * self.max_model_len
         if self.ecfg.kv_cache_tokens is not None:
             tokens = self.ecfg.kv_cache_tokens
@@ -102,6 +108,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - self.ecfg.gpu_memory_utilization) - _ACTIVATION_HEADROOM
+            budget -= replace(self.plan.request, kv_dtype=dtype).window_kv_bytes
             tokens = min(wanted, int(budget // per_token))
         else:
             tokens = min(wanted, max(4 * self.max_model_len, 1 << 16))
@@ -179,23 +186,23 @@ class LLMEngine:
         if self.scheduler.has_unfinished():
             raise RuntimeError("score() needs an idle engine")
         seqs = []
-        pool = self.scheduler.pool
+        sched = self.scheduler
         try:
             for ids in prompts:
                 if len(ids) > self.max_model_len:
                     raise PromptTooLongError(len(ids), self.max_model_len)
                 seq = Sequence(ids, SamplingParams(max_tokens=1))
-                if not pool.allocate_for(seq, seq.num_tokens):
-                    raise ConfigError(f"KV cache too small to score {sum(map(len, prompts))} tokens at once")
                 seqs.append(seq)
+                if not sched.allocate_blocks(seq, seq.num_tokens):
+                    raise ConfigError(f"KV cache too small to score {sum(map(len, prompts))} tokens at once")
             step = SchedulerOutput([ScheduledSeq(s, s.num_tokens, 0, False) for s in seqs])
-            inputs = prepare_inputs(step, self.ecfg.block_size, self.device)
+            inputs = prepare_inputs(step, self.ecfg.block_size, self.device, self.runner.window_kv)
             hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
             logits = self.runner.model.compute_logits(hidden)
             return list(logits.split([len(p) for p in prompts]))
         finally:
             for seq in seqs:
-                pool.free(seq)
+                sched.free_blocks(seq)
 
     def expert_stats(self) -> dict:
         """Expert-cache counters (offload: hits, misses, prefetch_hits, bytes_h2d, h2d_seconds,

@@ -46,6 +46,7 @@ class ModelRunner:
         plan: MemoryPlan | None = None,
         expert_options: dict[str, Any] | None = None,
         kv_dtype: torch.dtype | None = None,
+        num_window_blocks: int = 0,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -56,10 +57,14 @@ class ModelRunner:
                                     **(expert_options or {}))
         for block in self.model.moe_blocks():
             block.experts = self.experts
-        # k_cache, v_cache per layer: [N, S, Hkv, D], in the model's dtype or fp8 (kv_cache_dtype)
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # k_cache, v_cache per layer: [N, S, Hkv, D], in the model's dtype or fp8 (kv_cache_dtype);
+        # with num_window_blocks, the sliding-window layers' N is that (kvcache/window_pool.py)
         self.kv_dtype = kv_dtype or self.dtype
+        self.window_kv = num_window_blocks > 0
         for attn in self.model.attention_layers():
+            attn.window_pool = self.window_kv and attn.window is not None
+            n = num_window_blocks if attn.window_pool else num_blocks
+            shape = (n, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.sampler = Sampler()
@@ -91,7 +96,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, int]:
         """Run the step; returns seq_id -> sampled token for the sequences that sample."""
-        inputs = prepare_inputs(out, self.block_size, self.device)
+        inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
         after_step = getattr(self.experts, "after_step", None)
         if after_step is not None and out.is_decode_only:

@@ -9,6 +9,8 @@ Each step the scheduler decides which sequences run and how many of their tokens
      tokens recomputed when readmitted); a sequence with nobody behind it preempts itself;
   3. if nothing was preempted, waiting sequences are admitted FCFS while the token budget, the
      sequence limit and the pool allow; the last one admitted may get only a chunk of its prompt.
+With a window pool (sliding-window layers, kvcache/window_pool.py) a sequence gets blocks in both
+pools or in neither; its out-of-window blocks go back after every step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
+from ferryman.kvcache.window_pool import WindowBlockPool, window_pool_need
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +33,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
+    window: int | None = None  # sliding window of the layers with a pool of their own (None: no such pool)
+    num_window_blocks: int = 0  # blocks of that pool (at least window_pool_need)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -42,6 +47,12 @@ class SchedulerConfig:
         if capacity < self.max_model_len:
             raise ValueError(f"KV pool holds {capacity} tokens ({self.num_blocks} blocks of "
                              f"{self.block_size}) < max_model_len={self.max_model_len}")
+        if self.window is not None:  # a step must always find its window blocks
+            need = window_pool_need(self.window, self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+            if self.num_window_blocks < need:
+                raise ValueError(f"the window pool has {self.num_window_blocks} blocks; window {self.window}, "
+                                 f"{self.max_num_seqs} sequences and {self.max_num_batched_tokens}-token steps "
+                                 f"need {need}")
 
 
 @dataclass(slots=True)
@@ -89,6 +100,8 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.window_pool = None if config.window is None else \
+            WindowBlockPool(config.num_window_blocks, config.block_size, config.window, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
@@ -132,8 +145,13 @@ class Scheduler:
                     return seq
         return None
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def free_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq)
+        if self.window_pool is not None:
+            self.window_pool.free(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.free_blocks(seq)
         seq.mark_finished(reason)
         self._finished_ids.append(seq.seq_id)
 
@@ -162,7 +180,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         # Victims come from the back of `running`, behind `seq`, so none was scheduled yet.
-        while not self.pool.allocate_for(seq, num_tokens):
+        while not self.allocate_blocks(seq, num_tokens):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -170,8 +188,34 @@ class Scheduler:
                 return False
         return True
 
+    def allocate_blocks(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None,
+                  window_prefix: list[int] | None = None) -> bool:
+        """Blocks for `num_tokens` more tokens of `seq` in every pool, or (False) in none.
+        prefix / window_prefix: at admission, the cached blocks it adopts (`_match`)."""
+        w = self.window_pool
+        if w is None:
+            return self.pool.allocate_for(seq, num_tokens, prefix)
+        w.release_stale(seq)
+        num_prefix = len(prefix or ())
+        if w.need(seq, num_tokens, num_prefix, window_prefix) > len(w.free_queue) \
+                or not self.pool.can_allocate(seq, num_tokens, prefix):
+            return False
+        done = self.pool.allocate_for(seq, num_tokens, prefix) and w.grow(seq, num_tokens, num_prefix, window_prefix)
+        if not done:  # unreachable: both were checked; an inconsistent pool must not go unnoticed
+            raise RuntimeError(f"seq {seq.seq_id}: KV blocks checked free but not allocated")
+        return True
+
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
+        """The cached prefix `seq` adopts: main-pool blocks, and the window pool's blocks for the
+        window before its end (the hit shrinks to what that pool still holds)."""
+        prefix = self.pool.match_sequence(seq)
+        if self.window_pool is None:
+            return prefix, None
+        k, window_prefix = self.window_pool.usable_prefix(seq, len(prefix))
+        return prefix[:k], window_prefix
+
     def _preempt(self, seq: Sequence) -> None:
-        self.pool.free(seq)
+        self.free_blocks(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -180,9 +224,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.pool.match_sequence(seq)
+            prefix, window_prefix = self._match(seq)
             num_tokens = min(seq.num_tokens - len(prefix) * self.config.block_size, budget)
-            if not self.pool.allocate_for(seq, num_tokens, prefix):
+            if not self.allocate_blocks(seq, num_tokens, prefix, window_prefix):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
@@ -212,6 +256,9 @@ class Scheduler:
                 continue  # aborted while the step ran; its blocks are already free
             seq.num_computed_tokens += s.num_tokens
             self.pool.cache_full_blocks(seq)
+            if self.window_pool is not None:  # registered first: released blocks stay adoptable
+                self.window_pool.cache_full_blocks(seq)
+                self.window_pool.release_stale(seq)
             if not s.sample:
                 continue
             if seq.seq_id not in sampled:

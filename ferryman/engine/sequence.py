@@ -27,7 +27,9 @@ class Sequence:
     """Prompt + generated tokens of one request.
 
     Invariants:
-      - tokens [0, num_computed_tokens) have their KV written in the blocks of `block_table`;
+      - tokens [0, num_computed_tokens) have their KV written in the blocks of `block_table`
+        (and, for sliding-window layers with a pool of their own, of `window_table` where their
+        window still reaches: kvcache/window_pool.py);
       - num_computed_tokens < num_tokens unless the sequence is finished (the newest token is
         always still to be fed to the model);
       - block_hashes[i] is the prefix-cache hash of tokens [0, (i + 1) * block_size); it depends only
@@ -37,7 +39,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "prompt_token_ids", "output_token_ids", "params", "status", "finish_reason",
-        "num_computed_tokens", "block_table", "block_hashes", "num_cached_tokens",
+        "num_computed_tokens", "block_table", "window_table", "block_hashes", "num_cached_tokens",
         "num_preemptions", "arrival_time", "first_token_time", "finished_time", "_generator",
     )
 
@@ -53,6 +55,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens: int = 0
         self.block_table: list[int] = []
+        self.window_table: list[int] = []  # the sliding-window layers' blocks (kvcache/window_pool.py)
         self.block_hashes: list[int] = []
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions: int = 0

@@ -24,14 +24,16 @@ admission the guesses had left the CPU idle: docs/benchmarks.md, sessions 12 and
 streaming is on either way. The late guess (`guess_residual`) reads a closer input and is issued
 right after this layer's MoE kernel, so its copies cover the next attention, router and host
 sync, the window in which the link idles.
-Gap guesses (`gap_k`, FERRYMAN_DECODE_GAP_GUESS, opt-in until measured on a GPU): in a
+Gap guesses (`gap_k`, FERRYMAN_DECODE_GAP_GUESS, default 1): in a
 one-sequence decode step, a layer whose full guess the precision gate turned off still gets the
 first `gap_k` uncached experts of the guess copied, most likely first (OffloadExperts._prefetch). Those copies start behind this
 layer's demand copies and fill the window in which the link otherwise idles (this layer's kernel,
 the next attention, router, host sync and lookup: ~200-350 µs, about one expert's copy on a
 PCIe 5.0 link). A right one takes its copy off the next layer's critical path; a wrong one delays
 the next layer's demand copies only by what overruns the window. So they pay at a precision far
-below the full guess's bar: a layer's gap guesses stop below `min_gap_precision` (0.25).
+below the full guess's bar: a layer's gap guesses stop below `min_gap_precision` (0.25). On the
+H200 (session 14), one gap copy per layer: gpt-oss-120b at 16 GiB 27.8 against 25.5 tok/s, -20b at
+8 GiB 59.3 against 51.5; two copies were no better on -20b (57.6).
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.

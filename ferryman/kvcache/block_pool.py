@@ -141,7 +141,7 @@ class BlockPool:
         num_prefix = len(prefix_blocks) if prefix_blocks else 0
         num_computed = seq.num_computed_tokens + num_prefix * self.block_size
         total = cdiv(num_computed + num_new_tokens, self.block_size)
-        return max(0, total - len(seq.block_table) - num_prefix)
+        return max(0, total - len(self.table(seq)) - num_prefix)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      prefix_blocks: list[int] | None = None) -> bool:
@@ -157,23 +157,28 @@ class BlockPool:
         `prefix_blocks` (from `match_sequence`) is only allowed on a sequence holding no blocks:
         it adopts them and its num_computed_tokens becomes the number of tokens they hold.
         """
-        if prefix_blocks and seq.block_table:
+        table = self.table(seq)
+        if prefix_blocks and table:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; "
                              "prefix blocks are adopted only at admission")
         if not self.can_allocate(seq, num_new_tokens, prefix_blocks):
             return False
-        if not seq.block_table:
+        if not table:
             self._admit(seq, prefix_blocks or [])
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
-            seq.block_table.append(self._pop_free())
+            table.append(self._pop_free())
         return True
+
+    def table(self, seq: Sequence) -> list[int]:
+        """The block table this pool fills on `seq` (logical block i -> block id)."""
+        return seq.block_table
 
     def _admit(self, seq: Sequence, prefix_blocks: list[int]) -> None:
         if seq.num_computed_tokens:
             raise ValueError(f"seq {seq.seq_id} has computed tokens but holds no blocks")
         for block_id in prefix_blocks:
             self._take(block_id)
-        seq.block_table.extend(prefix_blocks)
+        self.table(seq).extend(prefix_blocks)
         seq.num_computed_tokens = len(prefix_blocks) * self.block_size
         self._num_registered[seq.seq_id] = len(prefix_blocks)
         self.queried_tokens += seq.num_tokens
@@ -206,28 +211,36 @@ class BlockPool:
         if num_full <= start:
             return
         self._extend_hashes(seq, num_full)
+        table = self.table(seq)
         for i in range(start, num_full):
-            block = self.blocks[seq.block_table[i]]
-            h = seq.block_hashes[i]
-            # Identical content already cached in another block: keep that one, this block
-            # stays private and unhashed (it is evicted first once freed).
-            if block.block_hash is None and h not in self.cached:
-                block.block_hash = h
-                self.cached[h] = block.block_id
+            self._register(table[i], seq.block_hashes[i])
         self._num_registered[seq.seq_id] = num_full
+
+    def _register(self, block_id: int, block_hash: BlockHash) -> None:
+        block = self.blocks[block_id]
+        # Identical content already cached in another block: keep that one, this block
+        # stays private and unhashed (it is evicted first once freed).
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (finished or preempted); its KV is no longer computed."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block_id, last=False)
-        seq.block_table.clear()
+        table = self.table(seq)
+        for block_id in reversed(table):
+            self._release(block_id)
+        table.clear()
         seq.num_computed_tokens = 0
         self._num_registered.pop(seq.seq_id, None)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; at zero the block joins the free queue (see the module's order)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> int:
         """Forget the hashes of all blocks no sequence holds; returns how many were dropped."""

@@ -35,6 +35,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.window_pool = False  # the runner's binding: the caches are the window pool's (kvcache/window_pool.py)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # x: [T, H]; positions: [T]
@@ -53,6 +54,10 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer used before the KV cache was allocated")
+        if self.window_pool:
+            if meta.window_block_tables is None:
+                raise RuntimeError("a sliding-window layer with a pool of its own got no window block tables")
+            meta = meta.windowed()
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         sinks = self.sinks.float() if self.sinks is not None else None
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.window, sinks)

@@ -1,0 +1,148 @@
+"""The KV pool of the sliding-window layers (gpt-oss: every other layer sees only the last 128 tokens).
+
+A query at position q of a layer with window W reads kv positions q - W + 1 .. q only, so once a
+sequence has computed c tokens, its blocks wholly before position c - W + 1 are never read again:
+`release_stale` hands them back. Those layers then need a small pool of fixed size
+(`window_pool_blocks`) instead of the context-sized main pool (block_pool.py), which keeps the
+full-attention layers. On gpt-oss this halves the KV cache, and the planner gives what it frees to
+expert slots (planner.py).
+
+Tables: `seq.window_table` has one entry per logical block, like `seq.block_table`; entries before
+the window are NULL_BLOCK, which is never handed out and never written (its K/V stay zero), so the
+kernels index both tables alike: the Triton kernel starts at the window, and the torch reference
+masks the zeros it gathers.
+
+Invariants:
+- after `release_stale(seq)`, seq holds no block wholly before `first_needed(seq.num_computed_tokens)`;
+  the scheduler calls it after every step and before every allocation, so between steps a sequence
+  holds at most cdiv(W, S) + 1 blocks here;
+- a released block keeps its prefix-cache hash and joins the back of the free queue (LRU, as in
+  block_pool.py): an agent's next turn can adopt the last window of its conversation;
+- a prefix hit of the main pool is taken only as far as this pool still holds the window before
+  its end (`usable_prefix`); tokens past it are recomputed.
+"""
+
+from __future__ import annotations
+
+from ferryman.config import ModelConfig
+from ferryman.engine.sequence import Sequence
+from ferryman.kvcache.block_pool import BlockPool, cdiv
+
+NULL_BLOCK = 0  # the entry of out-of-window blocks: never free, never written
+
+
+def window_split(cfg: ModelConfig) -> int | None:
+    """The window W when the model mixes layers of one sliding window W with full-attention layers
+    and FERRYMAN_WINDOW_KV is on (the default); None: one pool holds every layer's KV."""
+    from ferryman.envs import envs
+
+    windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
+    sizes = {w for w in windows if w is not None}
+    if not envs.WINDOW_KV or len(sizes) != 1 or None not in windows:
+        return None
+    return sizes.pop()
+
+
+def num_window_layers(cfg: ModelConfig) -> int:
+    """Layers whose KV lives in the window pool (0 without a split)."""
+    if window_split(cfg) is None:
+        return 0
+    return sum(cfg.window_of(i) is not None for i in range(cfg.num_layers))
+
+
+def window_pool_need(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Blocks that let every step allocate: between steps each running sequence holds at most
+    cdiv(W, S) + 1 blocks, a step adds at most cdiv(n, S) per scheduled sequence (n its tokens,
+    summing to at most max_num_batched_tokens, so at most cdiv(sum, S) + 1 each), plus NULL_BLOCK."""
+    return 1 + max_num_seqs * (cdiv(window, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
+
+
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The planned size: `window_pool_need`, and one more window per sequence, which keeps finished
+    conversations' last windows for the prefix cache a while."""
+    retain = max_num_seqs * (cdiv(window, block_size) + 1)
+    return window_pool_need(window, block_size, max_num_seqs, max_num_batched_tokens) + retain
+
+
+class WindowBlockPool(BlockPool):
+    """The window layers' blocks: a BlockPool whose tables drop what fell out of the window."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a window pool needs >= 2 blocks (one is the null block), got {num_blocks}")
+        if window < 1:
+            raise ValueError(f"sliding window must be >= 1 token, got {window}")
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.window = window
+        del self.free_queue[NULL_BLOCK]
+        self.blocks[NULL_BLOCK].ref_count = 1  # held by nobody, handed out never
+        self._released: dict[int, int] = {}  # seq_id -> table entries [0, n) already NULL_BLOCK
+
+    def table(self, seq: Sequence) -> list[int]:
+        return seq.window_table
+
+    def first_needed(self, computed: int) -> int:
+        """The first logical block a query at position >= `computed` can see."""
+        return max(0, computed - self.window + 1) // self.block_size
+
+    def release_stale(self, seq: Sequence) -> None:
+        """Hand back the blocks of `seq` no future query of it can see."""
+        table = seq.window_table
+        start = self._released.get(seq.seq_id, 0)
+        end = min(self.first_needed(seq.num_computed_tokens), len(table))
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        if end > start:
+            self._released[seq.seq_id] = end
+
+    def usable_prefix(self, seq: Sequence, num_hit: int) -> tuple[int, list[int]]:
+        """Of a main-pool hit of `num_hit` blocks (from `match_sequence`, so seq.block_hashes covers
+        them): the longest k <= num_hit whose window this pool still holds, and those blocks' ids
+        (logical blocks first_needed(k * S) .. k - 1)."""
+        if not self.enable_prefix_caching:
+            return 0, []
+        for k in range(num_hit, 0, -1):
+            lo = self.first_needed(k * self.block_size)
+            ids = self._lookup(seq.block_hashes[lo:k])
+            if len(ids) == k - lo:
+                return k, ids
+        return 0, []
+
+    def need(self, seq: Sequence, num_new_tokens: int, num_prefix: int = 0, adopted: list[int] | None = None) -> int:
+        """Free blocks `grow` would take: new ones, and adopted cached blocks nobody holds."""
+        revived = sum(1 for b in adopted or () if self.blocks[b].ref_count == 0)
+        computed = seq.num_computed_tokens if seq.window_table else num_prefix * self.block_size
+        have = len(seq.window_table) if seq.window_table else num_prefix
+        return max(0, cdiv(computed + num_new_tokens, self.block_size) - have) + revived
+
+    def grow(self, seq: Sequence, num_new_tokens: int, num_prefix: int = 0, adopted: list[int] | None = None) -> bool:
+        """Cover `num_new_tokens` more tokens of `seq`; at admission (an empty table) first adopt
+        the window `adopted` of a `num_prefix`-block prefix hit (`usable_prefix`). Call after the
+        main pool's allocate_for, which set seq.num_computed_tokens; False (nothing changed) when
+        the pool is short."""
+        if self.need(seq, num_new_tokens, num_prefix, adopted) > len(self.free_queue):
+            return False
+        table = seq.window_table
+        if not table and num_prefix:
+            lo = num_prefix - len(adopted or ())
+            for block_id in adopted or ():
+                self._take(block_id)
+            table.extend([NULL_BLOCK] * lo + list(adopted or ()))
+            self._num_registered[seq.seq_id] = num_prefix
+            self._released[seq.seq_id] = lo
+        for _ in range(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)):
+            table.append(self._pop_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        self._released.pop(seq.seq_id, None)
+
+    def _release(self, block_id: int) -> None:
+        if block_id != NULL_BLOCK:
+            super()._release(block_id)
+
+    def _register(self, block_id: int, block_hash: bytes) -> None:
+        if block_id != NULL_BLOCK:
+            super()._register(block_id, block_hash)
