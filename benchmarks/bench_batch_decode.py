@@ -22,7 +22,8 @@ FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hy
 (the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
 cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
 one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS; the engine's
-default is 1, so `early+gap` is the default and `early` turns gap guesses off).
+default is 1, so `early+gap` is the default and `early` turns gap guesses off); `+wrap` makes the
+last MoE layer copy what the first used, for the next step (FERRYMAN_DECODE_WRAP_GUESS).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_offload import link_bandwidth  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
+from ferryman.experts.prefetch import GuessCounters  # noqa: E402
 
 MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width and batch limit: early6@16+cpu
-MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|gap\d*))*)$")
+MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|wrap|gap\d*))*)$")
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -77,7 +79,11 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else defaults.max_seqs
     gap = re.search(r"\+gap(\d*)", mode)
     guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0
-    for c in guesser.counters.values():  # each run grades its own guesses
+    guesser.wrap = "+wrap" in mode
+    if guesser.wrap:
+        guesser.counters.setdefault(guesser.first, GuessCounters())
+        guesser.batch_counters.setdefault(guesser.first, GuessCounters())
+    for c in [*guesser.counters.values(), *guesser.batch_counters.values()]:  # each run grades its own guesses
         c.enabled = c.gap_enabled = True
     policy = experts.cache.table.policy
     if hasattr(policy, "admit_margin"):  # lrfu

@@ -193,6 +193,12 @@ class Envs:
         "first), to fill the window in which the link idles between layers (experts/prefetch.py). 0: off; "
         "1 (default) measured 27.8 against 25.5 tok/s on gpt-oss-120b at 16 GiB (docs/benchmarks.md)",
     )
+    DECODE_WRAP_GUESS = EnvVar(
+        "FERRYMAN_DECODE_WRAP_GUESS", bool, False,
+        "offloaded experts, decode with FERRYMAN_DECODE_PREFETCH=early: the last MoE layer also copies "
+        "what the first used in this step, for the next step (its copies fill the link's idle time "
+        "between steps; graded like the full guesses). Opt-in until measured on a GPU",
+    )
     DECODE_PREFETCH_TOPK = EnvVar(
         "FERRYMAN_DECODE_PREFETCH_TOPK", int, 0,
         "experts per token the early decode guess takes (0: the model's top-k). Wider guesses copy "

@@ -328,6 +328,27 @@ def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
     assert g[2]["prefetch"] is True and g[2]["recall"] == 1.0
 
 
+def test_one_sequence_grades_do_not_turn_batches_off() -> None:
+    """A layer whose one-token guesses are wrong stops guessing for one sequence but still guesses
+    for batches, graded apart (a batch's union of guesses is right far more often)."""
+    store = _store()
+    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
+    guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
+    backend, _ = _backend(store, 8, guesser)
+    x1, _, w1 = _routing(1, 8, 2, seed=8)
+    x3, _, w3 = _routing(3, 8, 2, seed=9)
+    for step in range(12):  # one sequence: layer 1's guess (5, 6) is never used
+        backend.forward(0, x1, torch.tensor([[2, 3]]), w1)
+        backend.forward(1, x1, torch.tensor([[(step % 2) + 1, 7]]), w1)
+    assert not guesser.wants_prefetch(1, False, seqs=1) and guesser.wants_prefetch(1, False, seqs=3)
+    for _ in range(12):  # three sequences: 5 and 6 are used
+        backend.forward(0, x3, torch.tensor([[2, 3], [2, 4], [3, 4]]), w3)
+        backend.forward(1, x3, torch.tensor([[5, 7], [6, 7], [5, 6]]), w3)
+    g = guesser.stats()["per_layer_guess"][1]
+    assert g["prefetch"] is False and g["precision"] == 0.0
+    assert g["batch_prefetch"] is True and g["batch_precision"] == 1.0
+
+
 # ---- row addresses (zero-copy decode) -------------------------------------------------------
 def test_row_addresses_follow_fills_and_evictions() -> None:
     """Every key's address is its host row until an acquire (after the copy's wait) points it at

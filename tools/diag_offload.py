@@ -112,12 +112,64 @@ def prefill(llm: LLM, n: int) -> None:
     busy = sum(e.self_device_time_total for e in events if "Memcpy" not in e.key) / 1e6
     copy = sum(e.self_device_time_total for e in events if "Memcpy" in e.key) / 1e6
     print(f"profiled prefill: wall {wall:.2f} s, kernels {busy:.2f} s (copies excluded), copies {copy:.2f} s")
+    overlap(pr)
     print("GPU time:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
     print("host time (self):")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:18]:
         print(f"  {e.self_cpu_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(x) and j < len(y):
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap(pr) -> None:  # noqa: ANN001 (torch.profiler.profile)
+    """From the profile's device events: how long the link copied, the kernels ran, both at once,
+    and neither, over the span from the first to the last device event (µs -> s). Copies and
+    kernels that never overlap mean the pipeline serialises; the longest copy-idle gaps with the
+    kernels that ran in them say where."""
+    copies, kernels = [], []
+    for e in pr.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
+        (copies if "HtoD" in e.name or "Memcpy" in e.name else kernels).append(span)
+    if not copies or not kernels:
+        print("overlap: no device copies or kernels in the profile")
+        return
+    c, k = _union(copies), _union(kernels)
+    first, last = min(c[0][0], k[0][0]), max(c[-1][1], k[-1][1])
+    both = _intersect(c, k)
+    total = last - first
+    print(f"device span {total:.3f} s: copies {_length(c):.3f} s, kernels {_length(k):.3f} s, both at once "
+          f"{both:.3f} s, neither {total - _length(c) - _length(k) + both:.3f} s")
+    gaps = sorted(((b[0] - a[1], a[1]) for a, b in zip(c, c[1:])), reverse=True)[:8]
+    for gap, at in gaps:
+        busy = _intersect([(at, at + gap)], k)
+        print(f"  link idle {gap * 1e3:7.2f} ms at +{(at - first) * 1e3:8.1f} ms, kernels busy {busy * 1e3:6.2f} ms of it")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from ferryman.errors import ConfigError
 if TYPE_CHECKING:
     from ferryman.experts.staging import RowStager
 
-Guess = tuple[int, torch.Tensor]  # (target MoE layer, guessed expert ids [T, K] on the device)
+Guess = tuple[int, torch.Tensor | None]  # (target MoE layer, guessed ids [T, K] on the device; None: a wrap guess)
 Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host (decode: most likely first)
 MAX_LOOKAHEAD = 4
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
@@ -118,6 +118,8 @@ class OffloadExperts:
         # residual after each MoE layer, read back on arrival (experts/late_guess.py)
         self.late_guess = guesser is not None and guesser.late_depth > 0 and not zero_copy
         self.late = LateGuesses(cache, guesser if self.late_guess else None)
+        self._first_used: list[int] | None = None  # the first MoE layer's experts this step (_wrap_guess)
+        self._step_seqs = 1  # rows of the step in progress (_route)
 
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
@@ -180,12 +182,27 @@ class OffloadExperts:
             if self.hybrid is not None:
                 self.hybrid.advance()
         self._last_layer = layer
+        self._step_seqs = x.shape[0]  # the guesses' precision gate grades steps by their size
         self.late.take(layer)
         guesses = self._guesses(layer, x, streaming)
         used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
+        prefetches: list[Prefetch] = list(zip(guesses, guessed))
         if self.guesser is not None:
             self.guesser.score(layer, used)
-        return used, list(zip(guesses, guessed)), host_ids
+            prefetches += self._wrap_guess(layer, used, x.shape[0], streaming)
+        return used, prefetches, host_ids
+
+    def _wrap_guess(self, layer: int, used: list[int], seqs: int, streaming: bool) -> list[Prefetch]:
+        """Decode steps: remember what the first MoE layer used; at the last, guess that for the
+        next step's first layer (the same sequences' next tokens), whose copies then run through
+        the end of this step and the start of the next, when the link otherwise idles."""
+        g = self.guesser
+        assert g is not None  # _route calls this with a guesser only
+        if layer == g.first:
+            self._first_used = None if streaming else used
+        elif not streaming and self._first_used and g.wants_wrap(layer, seqs):
+            return [((g.first, None), list(self._first_used))]
+        return []
 
     def _acquire(self, layer: int, used: list[int], host_ids: torch.Tensor, prefetches: list[Prefetch],
                  streaming: bool, cpu: CPUPart | None = None) -> LayerStep:
@@ -268,7 +285,7 @@ class OffloadExperts:
         # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
         split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
         for depth, ((target, _), guessed) in enumerate(prefetches, start=1):  # in layer order
-            if not streaming and not self.guesser.counters[target].enabled:  # a gap guess (wants_gap)
+            if not streaming and not self.guesser.counters_for(self._step_seqs)[target].enabled:  # a gap guess
                 copy = [e for e in guessed if not self.cache.contains(target, e)][: self.guesser.gap_k]
                 self.guesser.remember_gap(target, self.cache.prefetch(target, copy, depth))
                 continue
@@ -276,7 +293,7 @@ class OffloadExperts:
             copy = sorted(guessed) if split is None else \
                 split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
             fetched = self.cache.prefetch(target, copy, depth)
-            self.guesser.remember(target, guessed, fetched, streaming)
+            self.guesser.remember(target, guessed, fetched, streaming, self._step_seqs)
 
     def _compute(self, x: torch.Tensor, topk_w: torch.Tensor, step: LayerStep, streaming: bool) -> torch.Tensor:
         if step.slot_ids is None:  # a hybrid step with every pair on the CPU

@@ -148,7 +148,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms,
                                decode_k=envs.DECODE_PREFETCH_TOPK, gap_k=envs.DECODE_GAP_GUESS,
-                               decode_max_seqs=envs.DECODE_PREFETCH_MAX_SEQS) if prefetch else None
+                               decode_max_seqs=envs.DECODE_PREFETCH_MAX_SEQS, wrap=envs.DECODE_WRAP_GUESS) if prefetch else None
     return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, zero_copy, stage_rows=stage)
 
 

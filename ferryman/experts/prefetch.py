@@ -87,10 +87,20 @@ class NextLayerGuesser:
     # offload_backend: FERRYMAN_DECODE_GAP_GUESS
     gap_k: int = 0
     min_gap_precision: float = 0.25
+    # decode steps of <= decode_max_seqs sequences: the last MoE layer also guesses the first for
+    # the next step, the experts it used in this one (`wants_wrap`). offload_backend: FERRYMAN_DECODE_WRAP_GUESS
+    wrap: bool = False
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
+    # the precision gate's grades, per layer: `counters` of one-sequence steps, `batch_counters` of
+    # steps of several sequences. The union of a batch's guesses is far more often right (16 users
+    # on the H200: 0.92-0.95 in every layer) than one token's, so a layer one-sequence steps turned
+    # off stays on for batches (session 14: a 1-sequence warm-up had turned 10 of 23 layers off
+    # for a 16-user serve)
     counters: dict[int, GuessCounters] = field(init=False)
-    pending: dict[int, tuple[set[int], set[int]]] = field(init=False)  # layer -> (guessed, fetched)
+    batch_counters: dict[int, GuessCounters] = field(init=False)
+    # layer -> (guessed, fetched, the guess's step had several sequences)
+    pending: dict[int, tuple[set[int], set[int], bool]] = field(init=False)
     gap_pending: dict[int, set[int]] = field(init=False)  # layer -> experts a gap guess copied
 
     def __post_init__(self) -> None:
@@ -108,7 +118,10 @@ class NextLayerGuesser:
             raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
         self.next_of = dict(zip(layers, layers[1:]))
-        self.counters = {layer: GuessCounters() for layer in layers[1:]}
+        self.first, self.last = layers[0], layers[-1]
+        targets = layers if self.wrap else layers[1:]
+        self.counters = {layer: GuessCounters() for layer in targets}
+        self.batch_counters = {layer: GuessCounters() for layer in targets}
         self.pending = {}
         self.gap_pending = {}
 
@@ -160,7 +173,19 @@ class NextLayerGuesser:
     def wants_prefetch(self, layer: int, streaming: bool, seqs: int = 1) -> bool:
         """Whether to guess `layer` for a step of `seqs` rows (a streaming chunk: always; the late
         guesses, computed inside the MoE graphs, pass no count and are not limited by it)."""
-        return streaming or (self.decode != "off" and seqs <= self.decode_max_seqs and self.counters[layer].enabled)
+        return streaming or (self.decode != "off" and seqs <= self.decode_max_seqs
+                             and self.counters_for(seqs)[layer].enabled)
+
+    def counters_for(self, seqs: int) -> dict[int, GuessCounters]:
+        """The precision gate's grades for steps of `seqs` sequences."""
+        return self.batch_counters if seqs > 1 else self.counters
+
+    def wants_wrap(self, layer: int, seqs: int) -> bool:
+        """Whether a decode step of `seqs` rows at `layer` guesses the first MoE layer of the next
+        step (the experts that layer used in this one): `layer` is the last, and the wrap guesses
+        keep the full guesses' precision."""
+        return (self.wrap and layer == self.last and self.decode == "early" and seqs <= self.decode_max_seqs
+                and self.counters_for(seqs)[self.first].enabled)
 
     def wants_gap(self, layer: int, seqs: int) -> bool:
         """Whether a one-sequence decode step guesses `layer`'s `gap_k` most likely experts: the
@@ -172,12 +197,13 @@ class NextLayerGuesser:
         """The experts a gap guess for `layer` copied, to grade when it runs."""
         self.gap_pending.setdefault(layer, set()).update(fetched)
 
-    def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool) -> None:
-        """What was guessed (and copied) for `layer` in a decode step, to score when it runs; a
-        second guess for the same layer (late2: two layers ahead, then one) adds to the first."""
+    def remember(self, layer: int, guessed: list[int], fetched: list[int], streaming: bool, seqs: int = 1) -> None:
+        """What was guessed (and copied) for `layer` in a decode step of `seqs` sequences, to score
+        when it runs; a second guess for the same layer (late2: two layers ahead, then one) adds to
+        the first."""
         if not streaming:
-            old_guessed, old_fetched = self.pending.get(layer, (set(), set()))
-            self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched))
+            old_guessed, old_fetched, _ = self.pending.get(layer, (set(), set(), False))
+            self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched), seqs > 1)
 
     def score(self, layer: int, used: list[int]) -> None:
         """`layer` runs with experts `used`: grade the guess made for it, if any."""
@@ -188,10 +214,10 @@ class NextLayerGuesser:
             c.gap_useful += len(gap.intersection(used))
             if c.gap_enabled and c.gap_fetched >= self.min_samples and c.gap_useful < self.min_gap_precision * c.gap_fetched:
                 c.gap_enabled = False
-        guessed, fetched = self.pending.pop(layer, (None, set()))
+        guessed, fetched, batch = self.pending.pop(layer, (None, set(), False))
         if guessed is None:
             return
-        c = self.counters[layer]
+        c = (self.batch_counters if batch else self.counters)[layer]
         c.recall_hit += len(guessed.intersection(used))
         c.recall_total += len(used)
         c.fetched += len(fetched)
@@ -202,11 +228,15 @@ class NextLayerGuesser:
             c.enabled = False
 
     def stats(self) -> dict:
-        rows = {layer: {"recall": c.recall_hit / c.recall_total if c.recall_total else None,
-                        "precision": c.useful / c.fetched if c.fetched else None,
+        """Per layer: one-sequence steps' recall / precision / gate, batches' precision / gate, gap
+        guesses' precision; the recall over every graded guess."""
+        ratio = lambda a, b: a / b if b else None  # noqa: E731
+        rows = {layer: {"recall": ratio(c.recall_hit, c.recall_total), "precision": ratio(c.useful, c.fetched),
                         "prefetch": self.decode != "off" and c.enabled,
-                        "gap_precision": c.gap_useful / c.gap_fetched if c.gap_fetched else None}
-                for layer, c in self.counters.items()}
-        hit = sum(c.recall_hit for c in self.counters.values())
-        total = sum(c.recall_total for c in self.counters.values())
-        return {"guess_recall": hit / total if total else None, "per_layer_guess": rows}
+                        "batch_precision": ratio(b.useful, b.fetched),
+                        "batch_prefetch": self.decode != "off" and b.enabled,
+                        "gap_precision": ratio(c.gap_useful, c.gap_fetched)}
+                for (layer, c), b in zip(self.counters.items(), self.batch_counters.values())}
+        every = [*self.counters.values(), *self.batch_counters.values()]
+        hit, total = sum(c.recall_hit for c in every), sum(c.recall_total for c in every)
+        return {"guess_recall": ratio(hit, total), "per_layer_guess": rows}
