@@ -349,6 +349,18 @@ def test_one_sequence_grades_do_not_turn_batches_off() -> None:
     assert g["batch_prefetch"] is True and g["batch_precision"] == 1.0
 
 
+def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
+    """A guess's copy into a slot whose reading kernel may still run would hold the whole batch
+    back: such victims go last, and are still taken when nothing else is left."""
+    t = SlotTable(3, LRUPolicy())
+    t.acquire([10, 11, 12])
+    t.release([10, 11, 12])  # LRU order: 10, 11, 12 in slots 0, 1, 2
+    look = t.admit([20], avoid=lambda slot: slot == 0)
+    assert look.evicted == [11] and look.filled == [(20, 1)]
+    look = t.admit([21], avoid=lambda slot: True)  # every victim busy: the policy's own choice,
+    assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
+
+
 # ---- row addresses (zero-copy decode) -------------------------------------------------------
 def test_row_addresses_follow_fills_and_evictions() -> None:
     """Every key's address is its host row until an acquire (after the copy's wait) points it at

@@ -22,7 +22,7 @@ def test_only_the_last_layer_wraps_and_the_gate_applies() -> None:
         g.remember(2, [1, 2], [1, 2], streaming=False)
         g.score(2, [3, 4])
     assert not g.wants_wrap(7, seqs=1)
-    assert not NextLayerGuesser(gates, top_k=2).wants_wrap(7, seqs=1)  # opt-in
+    assert not NextLayerGuesser(gates, top_k=2).wants_wrap(7, seqs=1)  # the engine passes the setting
     assert set(NextLayerGuesser(gates, top_k=2).counters) == {5, 7}
 
 

@@ -204,15 +204,17 @@ class LLMEngine:
             for seq in seqs:
                 sched.free_blocks(seq)
 
-    def expert_stats(self) -> dict:
+    def expert_stats(self, block: bool = True) -> dict:
         """Expert-cache counters (offload: hits, misses, prefetch_hits, bytes_h2d, h2d_seconds,
-        stall_seconds, per_layer_hit_rate, ...); resident: the slot count only."""
+        stall_seconds, per_layer_hit_rate, ...); resident: the slot count only. block=False: the
+        link times leave out copies still in flight rather than wait for them."""
         backend = self.runner.experts
         if hasattr(backend, "stats"):
-            return backend.stats()
+            return backend.stats(block)
         return {"slots": self.plan.expert_slots, "resident": True}
 
-    def stats(self) -> dict:
+    def stats(self, block: bool = True) -> dict:
+        """Engine, KV, expert-cache and memory counters; block as in `expert_stats`."""
         return {
             "steps": self.num_steps,
             "generated_tokens": self.num_generated,
@@ -223,7 +225,7 @@ class LLMEngine:
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
-            "experts": self.expert_stats(),
+            "experts": self.expert_stats(block),
             **self.memory_stats(),
             **self.scheduler.stats(),
         }

@@ -15,6 +15,7 @@ unpins them once the kernels reading them are issued. A pinned key is never chos
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,11 +79,16 @@ class SlotTable:
         self.policy.reference(keys)
         return look
 
-    def admit(self, keys: list[int], demoted_only: bool = False, hold: bool = False) -> Lookup:
+    def admit(self, keys: list[int], demoted_only: bool = False, hold: bool = False,
+              avoid: Callable[[int], bool] | None = None) -> Lookup:
         """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
         free or evictable (demoted_only: free, or holding a demoted key); a key admitted here is not
         evicted by a later key of the same call. hold: every key of the call that is cached at the
-        end (admitted or already there) stays pinned, listed in `held`, until the caller releases it."""
+        end (admitted or already there) stays pinned, listed in `held`, until the caller releases it.
+        avoid(slot): victims in such slots are taken only when no other is left (a copy into a slot
+        whose reading kernel is still pending would hold the whole batch of copies back)."""
+        unavailable = self.is_pinned if avoid is None else \
+            (lambda k: self.is_pinned(k) or avoid(self.slot_of[k]))  # noqa: E731
         look = Lookup(slots=[])
         taken: list[int] = []
         for k in keys:
@@ -94,12 +100,14 @@ class SlotTable:
             if self.available() == 0:
                 break
             if demoted_only and not self.free:
-                victim = self.policy.demoted_victim(self.is_pinned)
+                victim = self.policy.demoted_victim(unavailable)
+                if victim is None:
+                    victim = self.policy.demoted_victim(self.is_pinned)
                 if victim is None:
                     break
                 self._fill(k, look, victim)
             else:
-                self._fill(k, look)
+                self._fill(k, look, None if self.free else self.policy.victim(unavailable))
             self.policy.insert_prefetched(k)
             self._pin(self.slot_of[k])
             taken.append(k)
@@ -316,7 +324,10 @@ class ExpertCache:
         if hold:  # each key is held once (a second guess for the layer may name it again)
             held = set(self.held.get(layer, ()))
             keys = [k for k in keys if k not in held]
-        look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold)
+        # victims whose reading kernel may still be pending are taken last: one such slot would make
+        # the whole batch of copies wait for that kernel (the link would idle while it runs)
+        avoid = self.transfer.busy if _avoid_busy() else None
+        look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold, avoid=avoid)
         if look.held:
             self.held.setdefault(layer, []).extend(look.held)
         self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
@@ -339,10 +350,12 @@ class ExpertCache:
         after = self.rows.unpoint(look.evicted) if self.rows is not None else None
         self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand, after, side)
 
-    def stats(self) -> dict:
+    def stats(self, block: bool = True) -> dict:
+        """Counters; block=False leaves copies still in flight out of the link times instead of
+        waiting for them (a server's periodic refresh must not sync the copy stream mid-pipeline)."""
         c = self.counters
         hits, misses = sum(c.hits.values()), sum(c.misses.values())
-        h2d_s, stall_s = self.transfer.seconds()
+        h2d_s, stall_s = self.transfer.seconds(block)
         per_layer = {layer: c.hits.get(layer, 0) / max(1, c.hits.get(layer, 0) + c.misses.get(layer, 0))
                      for layer in self.moe_index if layer in c.hits}
         return {
@@ -364,3 +377,9 @@ class ExpertCache:
             "host_pinned": self.store.pinned,
             "per_layer_hit_rate": per_layer,
         }
+
+
+def _avoid_busy() -> bool:
+    from ferryman.envs import envs
+
+    return envs.PREFETCH_AVOID_BUSY

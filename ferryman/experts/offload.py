@@ -365,8 +365,8 @@ class OffloadExperts:
             return host.to(self.cache.device, non_blocking=True), host
         return lut.to(ids.device, non_blocking=True)[ids], None
 
-    def stats(self) -> dict:
-        out = self.cache.stats()
+    def stats(self, block: bool = True) -> dict:
+        out = self.cache.stats(block)
         out["zero_copy"] = self.zero_copy  # its decode reads are not counted as hits or misses
         if self.guesser is not None:
             out.update(self.guesser.stats())

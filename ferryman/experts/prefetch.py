@@ -34,6 +34,11 @@ the next layer's demand copies only by what overruns the window. So they pay at 
 below the full guess's bar: a layer's gap guesses stop below `min_gap_precision` (0.25). On the
 H200 (session 14), one gap copy per layer: gpt-oss-120b at 16 GiB 27.8 against 25.5 tok/s, -20b at
 8 GiB 59.3 against 51.5; two copies were no better on -20b (57.6).
+Wrap guesses (`wrap`, FERRYMAN_DECODE_WRAP_GUESS, default on): the last MoE layer of a decode step
+copies what the first MoE layer used in it, for the next step (the same sequences' next tokens);
+those copies fill the link's idle time between steps (sampling, scheduling, the first attention).
+16 users in one process on the H200 (session 14): 122.5 against 120.4 tok/s.
+The precision gate grades one-sequence steps and batches apart (`batch_counters`).
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.

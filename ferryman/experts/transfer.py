@@ -61,8 +61,13 @@ class Transfer(ABC):
     def mark_used(self, slots: list[int]) -> None:
         """Kernels reading `slots` have been issued; later copies into them must wait for those."""
 
-    def seconds(self) -> tuple[float, float]:
-        """(time spent copying, time the computation waited for copies)."""
+    def busy(self, slot: int) -> bool:
+        """Whether a kernel issued to read `slot` may still be pending (a copy into it would wait)."""
+        return False
+
+    def seconds(self, block: bool = True) -> tuple[float, float]:
+        """(time spent copying, time the computation waited for copies); block=False counts only
+        what has finished, without waiting for copies in flight."""
         return self._h2d_s, self._stall_s
 
     def _count(self, copies: list[Copy]) -> None:
@@ -143,8 +148,12 @@ class StreamTransfer(Transfer):
         for s in slots:
             self.free[s] = done
 
-    def seconds(self) -> tuple[float, float]:
-        self._drain(block=True)
+    def busy(self, slot: int) -> bool:
+        ev = self.free[slot]
+        return ev is not None and not ev.query()
+
+    def seconds(self, block: bool = True) -> tuple[float, float]:
+        self._drain(block=block)
         return super().seconds()
 
     @staticmethod

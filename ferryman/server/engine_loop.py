@@ -231,13 +231,14 @@ class EngineLoop:
             handle = self._by_rid.get(d.request_id)
             if handle is not None:
                 self._deliver(handle, d, logprobs.get(d.request_id), now)
-        # statistics are for monitoring: refresh them at most every _STATS_PERIOD_S while busy (they
-        # sync the copy-stream timers of offloaded experts), and always once the work runs out
+        # statistics are for monitoring: refresh them at most every _STATS_PERIOD_S while busy, and
+        # always once the work runs out
         if now - self._stats_time >= _STATS_PERIOD_S or not self.engine.has_unfinished():
             self._refresh_stats()
 
     def _refresh_stats(self) -> None:
-        self.stats_snapshot = self.engine.stats()
+        # block=False: waiting for the copies in flight would stall the pipeline every refresh
+        self.stats_snapshot = self.engine.stats(block=False)
         self._stats_time = time.monotonic()
 
     def _deliver(self, handle: RequestHandle, d: StepDelta, lp: TokenLogprobs | None, now: float) -> None:
