@@ -195,8 +195,9 @@ class Envs:
     )
     PREFETCH_AVOID_BUSY = EnvVar(
         "FERRYMAN_PREFETCH_AVOID_BUSY", bool, True,
-        "offloaded experts: a guess's copies take last the slots whose reading kernel may still be "
-        "pending (one such slot holds the whole batch of copies back until that kernel ends)",
+        "offloaded experts, decode steps: a guess's copies take last the slots whose reading kernel may "
+        "still be pending (one such slot holds the whole batch of copies back until that kernel ends); "
+        "prefill streams never (measured slower there)",
     )
     DECODE_WRAP_GUESS = EnvVar(
         "FERRYMAN_DECODE_WRAP_GUESS", bool, True,

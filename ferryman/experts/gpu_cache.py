@@ -312,21 +312,25 @@ class ExpertCache:
         return len(demoted)
 
     def prefetch(self, layer: int, experts: list[int], depth: int = 1, hold: bool = False,
-                 side: bool = False) -> list[int]:
+                 side: bool = False, streaming: bool = False) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there
         are such slots); returns the experts whose copies started. depth > 1 (a prefill stream's
         lookahead past the next layer) takes only free slots and demoted experts' slots: it never
         evicts what the layers before it still need. hold (late2 decode guesses): the experts,
         copied or already cached, stay pinned until `layer`'s acquire, so the guesses for the layer
         in between cannot evict them, and victims may be any unpinned expert. side: the copies go
-        on the transfer's second stream, so the next layer's demand copies do not queue behind them."""
+        on the transfer's second stream, so the next layer's demand copies do not queue behind them.
+        streaming: a prefill chunk's guess (victims are never chosen around pending kernels)."""
         keys = [self.key(layer, e) for e in experts]
         if hold:  # each key is held once (a second guess for the layer may name it again)
             held = set(self.held.get(layer, ()))
             keys = [k for k in keys if k not in held]
-        # victims whose reading kernel may still be pending are taken last: one such slot would make
-        # the whole batch of copies wait for that kernel (the link would idle while it runs)
-        avoid = self.transfer.busy if _avoid_busy() else None
+        # decode: victims whose reading kernel may still be pending are taken last: one such slot
+        # would make the whole batch of copies wait for that kernel (the link would idle while it
+        # runs). Not for a prefill stream (`streaming`): its victims would then be experts the next
+        # chunk needs again, and on the H200 gpt-oss-120b's 8k prefill fell from 0.69 to 0.56 of
+        # the streaming limit with them (docs/benchmarks.md, session 14)
+        avoid = self.transfer.busy if _avoid_busy() and not streaming else None
         look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold, avoid=avoid)
         if look.held:
             self.held.setdefault(layer, []).extend(look.held)

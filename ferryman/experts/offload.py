@@ -292,7 +292,7 @@ class OffloadExperts:
             # ascending: consecutive experts into consecutive slots coalesce into one copy
             copy = sorted(guessed) if split is None else \
                 split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
-            fetched = self.cache.prefetch(target, copy, depth)
+            fetched = self.cache.prefetch(target, copy, depth, streaming=streaming)
             self.guesser.remember(target, guessed, fetched, streaming, self._step_seqs)
 
     def _compute(self, x: torch.Tensor, topk_w: torch.Tensor, step: LayerStep, streaming: bool) -> torch.Tensor:

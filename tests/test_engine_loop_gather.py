@@ -1,0 +1,52 @@
+"""The server's engine loop gathers requests that arrive together at an idle engine into its first
+step (with offloaded experts, each prefill step streams every uncached expert once)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ferryman import LLM, SamplingParams
+from ferryman.server import EngineLoop
+from ferryman.server import engine_loop as loop_module
+from tiny_models import build_tiny
+
+
+async def _submit_together(loop: EngineLoop, prompts: list[list[int]], gap_s: float) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    handles = []
+    for p in prompts:
+        handles.append(loop.submit(p, params))
+        await asyncio.sleep(gap_s)  # arrivals a millisecond apart, as concurrent HTTP clients'
+
+    async def tokens(h) -> list[int]:  # noqa: ANN001
+        return [t async for ev in h.events() for t in ev.token_ids]
+
+    return list(await asyncio.gather(*(tokens(h) for h in handles)))
+
+
+def test_requests_arriving_together_share_the_first_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests 1 ms apart: all in the first step (without the window the first step holds
+    only the first: it starts as soon as that one is in)."""
+    build_tiny("qwen3_moe", tmp_path)
+    engine = LLM(str(tmp_path), device="cpu", dtype="float32", enforce_eager=True).engine
+    sizes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():  # noqa: ANN202
+        out = schedule()
+        sizes.append(len(out.scheduled))
+        return out
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+        outs = asyncio.run(_submit_together(loop, prompts, 0.001))
+    finally:
+        loop.shutdown()
+    assert all(len(o) == 3 for o in outs)
+    assert sizes[0] == 4, sizes
