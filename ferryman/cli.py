@@ -29,8 +29,9 @@ def _plan_flags(g: argparse._ArgumentGroup) -> None:
                    help="tokens per step, the prefill chunk size (default: 2048, or 4096 when experts are offloaded)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV cache storage: auto (the model's dtype) or fp8 (e4m3, half the bytes: more context "
-                        "or more expert slots in the same budget, e.g. gpt-oss-20b at 8 GiB with 16 users: 277 -> "
-                        "322 slots and 105.8 -> 115.5 tok/s on an H200; needs compute capability >= 8.9 on CUDA)")
+                        "or more expert slots in the same budget, e.g. gpt-oss-20b at 8 GiB with 16 users: 306 -> "
+                        "337 slots; measured 105.8 -> 115.5 tok/s on an H200 before the sliding-window KV pool "
+                        "(277 -> 322 slots then); needs compute capability >= 8.9 on CUDA)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -121,6 +122,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--output-parser", default="auto", choices=["auto", "qwen3", "harmony", "none"],
                        help="reasoning / tool-call parser (auto: harmony for gpt-oss, else qwen3)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                       help="serve at once, without first running a batch of requests that compiles the GPU "
+                            "kernels (the first users then pay for the compiles: up to seconds of TTFT)")
     _engine_flags(serve)
 
 
@@ -249,7 +253,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise FerrymanError(f"ferryman serve needs the serve extra (pip install 'ferryman[serve]'): {e}") from None
     cfg = ServerConfig(served_model_names=a.served_model_name or [], api_key=a.api_key,
                        max_body_bytes=int(a.max_body_mb * 2**20), max_pending=a.max_queue,
-                       output_parser=a.output_parser)
+                       output_parser=a.output_parser, warm_up=a.warm_up)
     serve(_engine_kwargs(a), a.model, cfg, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 

@@ -87,6 +87,7 @@ class LLMEngine:
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
         self.num_steps = 0
         self.num_generated = 0
+        self.last_step_size = 0  # sequences in the last step
 
     # ---- sizing ------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -150,6 +151,7 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         self.scheduler.update(out, sampled)
         self.num_steps += 1
+        self.last_step_size = len(out.scheduled)
         self.num_generated += len(sampled)
         deltas = []
         for seq_id, token in sampled.items():

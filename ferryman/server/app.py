@@ -161,6 +161,12 @@ def serve(engine_kwargs: dict[str, Any], model: str | None, cfg: ServerConfig, h
     from ferryman.llm import default_model
 
     engine = LLMEngine(EngineConfig(model=model or default_model(), **engine_kwargs))
+    if cfg.warm_up:
+        from ferryman.engine.warm_up import warm_up
+
+        report = warm_up(engine)
+        log.info("warmed up in %.1f s (%d steps of %d to %d sequences)", report.seconds, report.steps,
+                 min(report.batch_sizes), max(report.batch_sizes))
     loop = EngineLoop(engine, max_pending=cfg.max_pending)
     app = build_app(loop, cfg)
     loop.start()

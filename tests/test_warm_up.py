@@ -1,0 +1,32 @@
+"""The serve warm-up (engine/warm_up.py): every batch size from a full prefill step down to one
+sequence, nothing left behind (requests, prefix cache, step counters), answers unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ferryman import LLM, SamplingParams
+from ferryman.engine.warm_up import warm_up
+from tiny_models import build_tiny, greedy_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: the window pool too
+def test_warm_up_runs_every_batch_size_and_leaves_nothing(arch: str, tmp_path: Path) -> None:
+    build_tiny(arch, tmp_path)
+    kw = dict(device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=6, max_num_batched_tokens=48)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = greedy_ids(LLM(str(tmp_path), **kw), prompts, 6)
+    llm = LLM(str(tmp_path), **kw)
+    report = warm_up(llm.engine)
+    assert report.batch_sizes[0] == 6  # the first step: six 8-token prompts fill the 48-token chunk
+    assert set(range(1, 7)) <= set(report.batch_sizes)  # they finish one by one, then one alone
+    assert report.steps == len(report.batch_sizes) and report.seconds > 0
+    eng = llm.engine
+    assert not eng.has_unfinished() and not eng.requests and not eng.finished
+    assert not eng.scheduler.pool.cached and eng.stats()["steps"] == 0
+    assert greedy_ids(llm, prompts, 6) == want
+    eng.add_request([3, 4], SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(eng)
