@@ -6,8 +6,9 @@ that skipped this made its first requests pay for it: on the H200 a 16-user run 
 had a mean time to first token of 1.16-1.37 s, and the same run right after 0.66-0.69 s
 (docs/benchmarks.md, session 14). So `ferryman serve` first runs a prefill chunk of
 min(max_num_seqs, 16) sequences that fills a step, their decodes as they finish one by one (every
-batch size down to 1), and one sequence alone; then it forgets the prompts (prefix cache) and the
-step counters.
+batch size down to 1), then smaller waves whose sequence and token counts fall in the other
+specialisations, and one sequence alone; then it forgets the prompts (prefix cache) and the step
+counters.
 """
 
 from __future__ import annotations
@@ -40,10 +41,15 @@ def warm_up(engine: LLMEngine) -> WarmUpReport:
     chunk = engine.ecfg.max_num_batched_tokens or 2048
     length = max(2, min(engine.max_model_len - 8, chunk // batch))
     vocab = engine.cfg.vocab_size
-    for waves in ([length] * batch, [max(2, length - 1)]):  # then one alone, an odd length
+    cap = max(2, engine.max_model_len - 8)
+    waves = ([length] * batch,  # a full chunk; then every batch size as they finish
+             [min(cap, max(2, chunk // 4))] * 3,  # a few sequences, a round number of tokens
+             [min(cap, 33)] * min(5, batch),  # odd counts of both
+             [max(2, length - 1)])  # one alone
+    for wave in waves:
         rids = [engine.add_request(_prompt(i, n, vocab), SamplingParams(temperature=0.0, max_tokens=2 + i,
                                                                           ignore_eos=True))
-                for i, n in enumerate(waves)]
+                for i, n in enumerate(wave)]
         while engine.has_unfinished():
             engine.step()
             sizes.append(engine.last_step_size)
