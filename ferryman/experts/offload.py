@@ -29,7 +29,6 @@ the same step runs eagerly or as the layer's MoE graph.
 
 from __future__ import annotations
 
-import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -38,6 +37,7 @@ import torch
 
 from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.routing import host_ids_of
 from ferryman.experts.late_guess import LateGuesses
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
@@ -185,7 +185,7 @@ class OffloadExperts:
         self._step_seqs = x.shape[0]  # the guesses' precision gate grades steps by their size
         self.late.take(layer)
         guesses = self._guesses(layer, x, streaming)
-        used, guessed, host_ids = _host_ids(topk_ids, [g[1] for g in guesses])
+        used, guessed, host_ids = host_ids_of(topk_ids, [g[1] for g in guesses])
         prefetches: list[Prefetch] = list(zip(guesses, guessed))
         if self.guesser is not None:
             self.guesser.score(layer, used)
@@ -386,24 +386,6 @@ def _check_zero_copy(cache: ExpertCache, hybrid: HybridSplit | None) -> None:
                           "pinning failed here (see the warning above); turn it off")
     if hybrid is not None and hybrid.decision.enabled:
         raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) and --cpu-experts are exclusive; pick one")
-
-
-def _host_ids(topk_ids: torch.Tensor,
-              guesses: list[torch.Tensor]) -> tuple[list[int], list[list[int]], torch.Tensor]:
-    """Distinct expert ids used (ascending), and of each guess (decode-sized: in the guess's order,
-    a token's most likely first; else ascending), and topk_ids on the host: one device -> host copy
-    for all."""
-    parts = [topk_ids.reshape(-1), *(g.reshape(-1).to(topk_ids.dtype) for g in guesses)]
-    host = (torch.cat(parts) if guesses else parts[0]).cpu()
-    bounds = [0, *itertools.accumulate(p.numel() for p in parts)]
-    if host.numel() <= 512:  # decode-sized: Python sets beat tensor ops on a few ids
-        values = host.tolist()
-        distinct = [sorted(set(values[a:b])) if i == 0 else list(dict.fromkeys(values[a:b]))
-                    for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-    else:
-        distinct = [torch.unique(host[a:b]).tolist() for a, b in zip(bounds, bounds[1:])]
-    n = topk_ids.numel()
-    return distinct[0], distinct[1:], host[:n].view(topk_ids.shape)
 
 
 def _prefetch_after_kernels() -> bool:
