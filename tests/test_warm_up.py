@@ -27,6 +27,28 @@ def test_warm_up_runs_every_batch_size_and_leaves_nothing(arch: str, tmp_path: P
     assert not eng.has_unfinished() and not eng.requests and not eng.finished
     assert not eng.scheduler.pool.cached and eng.stats()["steps"] == 0
     assert greedy_ids(llm, prompts, 6) == want
-    eng.add_request([3, 4], SamplingParams(max_tokens=1))
+    eng.add_request([3, 4], SamplingParams(max_tokens=1))  # a request in flight: refused
     with pytest.raises(RuntimeError, match="idle engine"):
         warm_up(eng)
+
+
+def test_warm_up_leaves_the_guess_gates_to_real_traffic(tmp_path: Path) -> None:
+    """Offloaded experts: the warm-up's guesses were graded (small batches, one sequence); after
+    it every gate is open again and no grade is left."""
+    build_tiny("qwen3_moe", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=4,
+              max_num_batched_tokens=32, moe_strategy="offload", expert_cache="25%")
+    guesser = llm.engine.runner.experts.guesser
+    before: list[int] = []
+    reset = guesser.reset_grades
+
+    def counted_reset() -> None:  # what the warm-up had graded, just before it forgets it
+        before.append(sum(c.recall_total for c in [*guesser.counters.values(), *guesser.batch_counters.values()]))
+        reset()
+
+    guesser.reset_grades = counted_reset
+    warm_up(llm.engine)
+    assert before and before[0] > 0  # the warm-up's decode steps graded guesses
+    every = [*guesser.counters.values(), *guesser.batch_counters.values()]
+    assert every and all(c.enabled and c.fetched == 0 and c.recall_total == 0 for c in every)
+    assert not guesser.pending and not guesser.gap_pending

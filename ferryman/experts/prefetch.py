@@ -124,6 +124,12 @@ class NextLayerGuesser:
         layers = sorted(self.gates)
         self.next_of = dict(zip(layers, layers[1:]))
         self.first, self.last = layers[0], layers[-1]
+        self.reset_grades()
+
+    def reset_grades(self) -> None:
+        """Forget every grade and pending guess: the precision gates start over (after a warm-up,
+        whose steps are not the traffic the gates should learn from)."""
+        layers = sorted(self.gates)
         targets = layers if self.wrap else layers[1:]
         self.counters = {layer: GuessCounters() for layer in targets}
         self.batch_counters = {layer: GuessCounters() for layer in targets}
