@@ -361,6 +361,23 @@ def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
     assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
 
 
+def test_a_gate_that_turned_off_opens_again_for_a_new_trial() -> None:
+    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6])}
+    g = NextLayerGuesser(gates, top_k=2, min_samples=4, reprobe_after=6)
+    for _ in range(2):  # a small burst whose guesses were wrong: the batch gate turns layer 1 off
+        g.remember(1, [5, 6], [5, 6], streaming=False, seqs=3)
+        g.score(1, [2, 3], seqs=3)
+    assert not g.wants_prefetch(1, False, seqs=16)
+    for _ in range(5):  # decode steps without a guess
+        g.score(1, [5, 6], seqs=16)
+    g.score(1, [5, 6], seqs=0)  # a prefill chunk does not count
+    assert not g.wants_prefetch(1, False, seqs=16)
+    g.score(1, [5, 6], seqs=16)  # the sixth: a new trial with fresh grades
+    c = g.batch_counters[1]
+    assert g.wants_prefetch(1, False, seqs=16) and c.fetched == 0 and c.off_steps == 0
+    assert g.counters[1].enabled  # one-sequence steps were never graded: untouched
+
+
 # ---- row addresses (zero-copy decode) -------------------------------------------------------
 def test_row_addresses_follow_fills_and_evictions() -> None:
     """Every key's address is its host row until an acquire (after the copy's wait) points it at

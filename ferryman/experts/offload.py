@@ -188,7 +188,7 @@ class OffloadExperts:
         used, guessed, host_ids = host_ids_of(topk_ids, [g[1] for g in guesses])
         prefetches: list[Prefetch] = list(zip(guesses, guessed))
         if self.guesser is not None:
-            self.guesser.score(layer, used)
+            self.guesser.score(layer, used, 0 if streaming else x.shape[0])
             prefetches += self._wrap_guess(layer, used, x.shape[0], streaming)
         return used, prefetches, host_ids
 

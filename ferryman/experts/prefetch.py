@@ -38,7 +38,8 @@ Wrap guesses (`wrap`, FERRYMAN_DECODE_WRAP_GUESS, default on): the last MoE laye
 copies what the first MoE layer used in it, for the next step (the same sequences' next tokens);
 those copies fill the link's idle time between steps (sampling, scheduling, the first attention).
 16 users in one process on the H200 (session 14): 122.5 against 120.4 tok/s.
-The precision gate grades one-sequence steps and batches apart (`batch_counters`).
+The precision gate grades one-sequence steps and batches apart (`batch_counters`), and a gate that
+turned a layer off opens again for a new trial after `reprobe_after` (512) steps of the layer.
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.
@@ -68,6 +69,7 @@ class GuessCounters:
     gap_fetched: int = 0  # experts copied on a gap guess (the full guess off)
     gap_useful: int = 0
     gap_enabled: bool = True
+    off_steps: int = 0  # steps of the layer since the gate turned its full guesses off (re-probe)
 
 
 @dataclass
@@ -76,6 +78,10 @@ class NextLayerGuesser:
     top_k: int
     min_precision: float = 0.75
     min_samples: int = 32
+    # a gate that turned a layer's guesses off opens again for a new trial after this many steps of
+    # the layer: grades from a few early steps (one user, then a small burst) must not decide a
+    # whole run whose traffic changed
+    reprobe_after: int = 512
     # decode steps: off | early (the next router on this layer's MoE input, while this layer's
     # misses copy) | late (the next layer's norm + router on the residual after this layer's MoE,
     # `guess_residual`; per-layer graph decode only) | late2 (late, for the next two MoE layers: their
@@ -216,8 +222,10 @@ class NextLayerGuesser:
             old_guessed, old_fetched, _ = self.pending.get(layer, (set(), set(), False))
             self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched), seqs > 1)
 
-    def score(self, layer: int, used: list[int]) -> None:
-        """`layer` runs with experts `used`: grade the guess made for it, if any."""
+    def score(self, layer: int, used: list[int], seqs: int = 0) -> None:
+        """`layer` runs with experts `used` in a decode step of `seqs` sequences (0: a prefill
+        chunk): grade the guess made for it, if any; a step without one counts toward re-probing
+        a gate that is off."""
         gap = self.gap_pending.pop(layer, None)
         if gap is not None:
             c = self.counters[layer]
@@ -227,6 +235,7 @@ class NextLayerGuesser:
                 c.gap_enabled = False
         guessed, fetched, batch = self.pending.pop(layer, (None, set(), False))
         if guessed is None:
+            self._tick_off(layer, seqs)
             return
         c = (self.batch_counters if batch else self.counters)[layer]
         c.recall_hit += len(guessed.intersection(used))
@@ -237,6 +246,16 @@ class NextLayerGuesser:
         bar = self.min_precision * self.top_k / max(self.top_k, self.guess_k)
         if c.enabled and c.fetched >= self.min_samples and c.useful < bar * c.fetched:
             c.enabled = False
+
+    def _tick_off(self, layer: int, seqs: int) -> None:
+        """One more decode step of `layer` without a guess; `reprobe_after` of them open its gate
+        again with fresh grades (recall stays cumulative)."""
+        c = self.counters_for(seqs).get(layer) if seqs > 0 else None
+        if c is None or c.enabled:
+            return
+        c.off_steps += 1
+        if c.off_steps >= self.reprobe_after:
+            c.enabled, c.fetched, c.useful, c.off_steps = True, 0, 0, 0
 
     def stats(self) -> dict:
         """Per layer: one-sequence steps' recall / precision / gate, batches' precision / gate, gap
