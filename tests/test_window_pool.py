@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ferryman import LLM, SamplingParams
+from ferryman.errors import ConfigError
 from ferryman.engine.scheduler import Scheduler, SchedulerConfig
 from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.block_pool import cdiv
@@ -141,3 +142,13 @@ def test_an_agent_turn_reuses_its_prefix_through_the_window_pool(tmp_path: Path)
     again = llm.generate(prompt_token_ids=[turn], params=params)[0]
     assert again.metrics.num_cached_tokens >= len(first)  # the conversation so far was not recomputed
     assert again.token_ids == hf_greedy(ref, turn, 12)
+
+
+def test_scoring_more_than_the_window_pool_holds_says_so(tmp_path: Path) -> None:
+    folder, _ = _window_build(tmp_path)
+    llm = LLM(str(folder), device="cpu", dtype="float32", block_size=4, max_num_seqs=1, max_num_batched_tokens=8,
+              max_model_len=256, enforce_eager=True)
+    held = (llm.engine.scheduler.config.num_window_blocks - 1) * 4
+    with pytest.raises(ConfigError, match=rf"sliding-window layers' pool holds {held}.*FERRYMAN_WINDOW_KV=0"):
+        llm.score([list(range(3, 3 + held + 40))])
+    assert len(llm.score([list(range(3, 3 + held))])[0]) == held  # within the pool: scored

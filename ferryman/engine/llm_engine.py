@@ -196,7 +196,7 @@ class LLMEngine:
                 seq = Sequence(ids, SamplingParams(max_tokens=1))
                 seqs.append(seq)
                 if not sched.allocate_blocks(seq, seq.num_tokens):
-                    raise ConfigError(f"KV cache too small to score {sum(map(len, prompts))} tokens at once")
+                    raise ConfigError(self._score_too_big(sum(map(len, prompts))))
             step = SchedulerOutput([ScheduledSeq(s, s.num_tokens, 0, False) for s in seqs])
             inputs = prepare_inputs(step, self.ecfg.block_size, self.device, self.runner.window_kv)
             hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
@@ -205,6 +205,14 @@ class LLMEngine:
         finally:
             for seq in seqs:
                 sched.free_blocks(seq)
+
+    def _score_too_big(self, tokens: int) -> str:
+        cfg = self.scheduler.config
+        msg = f"KV cache too small to score {tokens} tokens at once ({cfg.num_blocks * cfg.block_size} tokens"
+        if cfg.window is not None:  # every prompt is one step: its window layers hold all of it too
+            msg += (f"; the sliding-window layers' pool holds {(cfg.num_window_blocks - 1) * cfg.block_size}: "
+                    f"score fewer or shorter prompts per call, or set FERRYMAN_WINDOW_KV=0")
+        return msg + ")"
 
     def expert_stats(self, block: bool = True) -> dict:
         """Expert-cache counters (offload: hits, misses, prefetch_hits, bytes_h2d, h2d_seconds,

@@ -20,6 +20,8 @@ Invariants:
   block_pool.py): an agent's next turn can adopt the last window of its conversation;
 - a prefix hit of the main pool is taken only as far as this pool still holds the window before
   its end (`usable_prefix`); tokens past it are recomputed.
+`LLM.score` computes its prompts in one step, so with this pool it scores at most the pool's
+tokens per call; past that its error says so (FERRYMAN_WINDOW_KV=0 lifts the limit).
 """
 
 from __future__ import annotations
