@@ -43,6 +43,7 @@ def test_metrics_and_stats(server: LiveServer) -> None:
     assert m["ferryman_requests_total{route=/v1/chat/completions,status=200}"] == 2
     assert m["ferryman_time_to_first_token_seconds_count"] == 2
     assert m["ferryman_inter_token_latency_seconds_count"] == 8  # 4 gaps per 5-token request
+    assert m["ferryman_request_queue_seconds_count"] == 2
     assert m["ferryman_cached_prompt_tokens_total"] >= 0 and m["ferryman_engine_alive"] == 1
     for name in ("ferryman_num_requests_waiting", "ferryman_kv_cache_usage_ratio", "ferryman_expert_hits_total",
                  "ferryman_expert_misses_total", "ferryman_expert_bytes_fetched_total",
@@ -52,6 +53,7 @@ def test_metrics_and_stats(server: LiveServer) -> None:
     stats = httpx.get(server.url + "/v1/stats").json()
     assert stats["alive"] and stats["generation_tokens_total"] == 10 and stats["requests_finished_total"] == 2
     assert stats["num_running"] == 0 and stats["memory_bytes"]["kv_cache"] > 0
+    assert stats["slow_steps"] >= 0 and stats["slowest_step"]["sequences"] >= 1
 
 
 def test_engine_killed_mid_stream(server: LiveServer) -> None:

@@ -52,3 +52,25 @@ def test_warm_up_leaves_the_guess_gates_to_real_traffic(tmp_path: Path) -> None:
     every = [*guesser.counters.values(), *guesser.batch_counters.values()]
     assert every and all(c.enabled and c.fetched == 0 and c.recall_total == 0 for c in every)
     assert not guesser.pending and not guesser.gap_pending
+
+
+def test_slow_steps_are_counted_with_their_shape_and_queueing_is_measured(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a first-run TTFT outlier needs to be explained: each request's time before its first
+    step, and every step over SLOW_STEP_S with its sequences and tokens."""
+    from ferryman.engine import llm_engine
+
+    build_tiny("qwen3_moe", tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", enforce_eager=True, max_num_seqs=2,
+              max_num_batched_tokens=16)
+    monkeypatch.setattr(llm_engine, "SLOW_STEP_S", 0.0)  # every step is "slow"
+    outs = llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9], [10, 11, 12]],
+                        params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    st = llm.stats()
+    assert st["slow_steps"] == st["steps"] > 0
+    slow = st["slowest_step"]
+    assert slow["seconds"] > 0 and 1 <= slow["sequences"] <= 2 and slow["tokens"] >= slow["prefill_tokens"]
+    for o in outs:
+        m = o.metrics
+        assert m.queue_s is not None and 0 <= m.queue_s <= m.ttft_s
+    assert outs[2].metrics.queue_s > outs[0].metrics.queue_s  # the third waited for a place (2 at a time)

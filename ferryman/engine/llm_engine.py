@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -30,7 +31,10 @@ from ferryman.tokenizer import extra_eos_ids, load_tokenizer
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
 
 # room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
+log = logging.getLogger("ferryman.engine")
 _ACTIVATION_HEADROOM = 2 << 30
+# a step slower than this is logged with what it held (first-request compiles, stalls), and counted
+SLOW_STEP_S = 1.0
 _DEFAULT_CONTEXT_CAP = 32768
 
 
@@ -88,6 +92,9 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated = 0
         self.last_step_size = 0  # sequences in the last step
+        self.slow_steps = 0  # steps over SLOW_STEP_S
+        self.slowest_step: dict = {}  # the slowest step: seconds, sequences, tokens, prefill tokens
+        self.warming_up = False  # engine/warm_up.py runs: its slow steps (compiles) are expected
 
     # ---- sizing ------------------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -148,7 +155,9 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        started = time.perf_counter()
         sampled = self.runner.execute(out)
+        self._note_slow(out, time.perf_counter() - started)
         self.scheduler.update(out, sampled)
         self.num_steps += 1
         self.last_step_size = len(out.scheduled)
@@ -166,6 +175,19 @@ class LLMEngine:
             req.output.text += text
             deltas.append(StepDelta(seq_id, [token], text, reason))
         return deltas
+
+    def _note_slow(self, out: SchedulerOutput, seconds: float) -> None:
+        if seconds <= self.slowest_step.get("seconds", 0.0) and seconds <= SLOW_STEP_S:
+            return
+        prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
+        shape = {"seconds": round(seconds, 3), "sequences": len(out.scheduled),
+                 "tokens": out.num_batched_tokens, "prefill_tokens": prefill, "step": self.num_steps + 1}
+        if seconds > self.slowest_step.get("seconds", 0.0):
+            self.slowest_step = shape
+        if seconds > SLOW_STEP_S:
+            self.slow_steps += 1
+            log.log(logging.INFO if self.warming_up else logging.WARNING,"slow step %d: %.2f s for %d sequences, %d tokens (%d prefill)", shape["step"], seconds,
+                        shape["sequences"], shape["tokens"], prefill)
 
     def _finalize(self, req: _Request, reason: str) -> None:
         seq, out = req.seq, req.output
@@ -228,6 +250,8 @@ class LLMEngine:
         return {
             "steps": self.num_steps,
             "generated_tokens": self.num_generated,
+            "slow_steps": self.slow_steps,  # over SLOW_STEP_S (1 s), each logged with its shape
+            "slowest_step": self.slowest_step,
             "max_model_len": self.max_model_len,
             "kv_cache_tokens": self.scheduler.config.num_blocks * self.scheduler.config.block_size,
             "cuda_graphs": self.runner.graphs is not None,
@@ -255,6 +279,8 @@ def _metrics(seq: Sequence) -> RequestMetrics:
                        num_cached_tokens=seq.num_cached_tokens)
     end = seq.finished_time or time.monotonic()
     m.total_s = end - seq.arrival_time
+    if seq.first_scheduled_time is not None:
+        m.queue_s = seq.first_scheduled_time - seq.arrival_time
     if seq.first_token_time is not None:
         m.ttft_s = seq.first_token_time - seq.arrival_time
         after = end - seq.first_token_time

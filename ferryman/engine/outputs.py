@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class RequestMetrics:
     ttft_s: float | None = None  # arrival -> first output token
+    queue_s: float | None = None  # arrival -> first scheduled (waiting for a place in a step)
     decode_tokens_per_s: float | None = None  # output tokens after the first / time after the first
     total_s: float | None = None
     num_prompt_tokens: int = 0

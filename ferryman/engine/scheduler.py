@@ -232,6 +232,8 @@ class Scheduler:
             if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_tokens))
             budget -= num_tokens

@@ -40,7 +40,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "prompt_token_ids", "output_token_ids", "params", "status", "finish_reason",
         "num_computed_tokens", "block_table", "window_table", "block_hashes", "num_cached_tokens",
-        "num_preemptions", "arrival_time", "first_token_time", "finished_time", "_generator",
+        "num_preemptions", "arrival_time", "first_scheduled_time", "first_token_time", "finished_time", "_generator",
     )
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -60,6 +60,7 @@ class Sequence:
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions: int = 0
         self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # first admitted to a step (queueing ends)
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self._generator: torch.Generator | None = None

@@ -31,6 +31,7 @@ class WarmUpReport:
     seconds: float
     steps: int
     batch_sizes: tuple[int, ...]  # sequences of each step, in order
+    slowest_s: float = 0.0  # the slowest step (a first compile, typically)
 
 
 def warm_up(engine: LLMEngine) -> WarmUpReport:
@@ -38,6 +39,25 @@ def warm_up(engine: LLMEngine) -> WarmUpReport:
     if engine.has_unfinished():
         raise RuntimeError("warm_up() needs an idle engine")
     start, sizes = time.perf_counter(), []
+    engine.warming_up = True
+    try:
+        slowest = _run_waves(engine, sizes)
+    finally:
+        engine.warming_up = False
+    guesser = getattr(engine.runner.experts, "guesser", None)
+    if guesser is not None:  # the gates learn from real traffic, not from these small batches
+        guesser.reset_grades()
+    engine.scheduler.pool.reset_prefix_cache()
+    if engine.scheduler.window_pool is not None:
+        engine.scheduler.window_pool.reset_prefix_cache()
+    engine.num_steps = engine.num_generated = engine.slow_steps = 0
+    engine.slowest_step = {}
+    return WarmUpReport(time.perf_counter() - start, len(sizes), tuple(sizes), slowest)
+
+
+def _run_waves(engine: LLMEngine, sizes: list[int]) -> float:
+    """The warm-up's requests, wave by wave, to completion; appends each step's sequence count to
+    `sizes`; returns the slowest step's seconds."""
     batch = max(1, min(engine.ecfg.max_num_seqs, MAX_BATCH))
     chunk = engine.ecfg.max_num_batched_tokens or 2048
     length = max(2, min(engine.max_model_len - 8, chunk // batch))
@@ -56,14 +76,7 @@ def warm_up(engine: LLMEngine) -> WarmUpReport:
             sizes.append(engine.last_step_size)
         for rid in rids:
             engine.pop_output(rid)
-    guesser = getattr(engine.runner.experts, "guesser", None)
-    if guesser is not None:  # the gates learn from real traffic, not from these small batches
-        guesser.reset_grades()
-    engine.scheduler.pool.reset_prefix_cache()
-    if engine.scheduler.window_pool is not None:
-        engine.scheduler.window_pool.reset_prefix_cache()
-    engine.num_steps = engine.num_generated = 0
-    return WarmUpReport(time.perf_counter() - start, len(sizes), tuple(sizes))
+    return float(engine.slowest_step.get("seconds", 0.0))
 
 
 def _prompt(i: int, n: int, vocab: int) -> list[int]:

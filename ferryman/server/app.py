@@ -165,8 +165,8 @@ def serve(engine_kwargs: dict[str, Any], model: str | None, cfg: ServerConfig, h
         from ferryman.engine.warm_up import warm_up
 
         report = warm_up(engine)
-        log.info("warmed up in %.1f s (%d steps of %d to %d sequences)", report.seconds, report.steps,
-                 min(report.batch_sizes), max(report.batch_sizes))
+        log.info("warmed up in %.1f s (%d steps of %d to %d sequences, the slowest %.2f s)", report.seconds,
+                 report.steps, min(report.batch_sizes), max(report.batch_sizes), report.slowest_s)
     loop = EngineLoop(engine, max_pending=cfg.max_pending)
     app = build_app(loop, cfg)
     loop.start()

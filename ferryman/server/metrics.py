@@ -98,6 +98,8 @@ class ServerMetrics:
                                 ["reason"], registry=r)
         self.ttft = Histogram("ferryman_time_to_first_token_seconds", "arrival -> first output token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("ferryman_request_queue_seconds", "arrival -> first scheduled in a step",
+                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("ferryman_inter_token_latency_seconds", "time between two output tokens of a request",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._totals = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
@@ -129,6 +131,8 @@ class ServerMetrics:
             self._totals[key] += value
         if handle.last_token_time is not None:
             self.e2e.observe(handle.last_token_time - handle.arrival)
+        if m.queue_s is not None:
+            self.queue.observe(m.queue_s)
 
     # ---- HTTP ----------------------------------------------------------------------------------
     def count_request(self, route: str, status: int) -> None:
