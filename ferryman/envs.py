@@ -199,6 +199,12 @@ class Envs:
         "still be pending (one such slot holds the whole batch of copies back until that kernel ends); "
         "prefill streams never (measured slower there)",
     )
+    PREFETCH_SPLIT_BUSY = EnvVar(
+        "FERRYMAN_PREFETCH_SPLIT_BUSY", bool, False,
+        "offloaded experts: issue a guess's copies into slots no pending kernel reads before the others "
+        "(same victims and bytes; aimed at the prefill stream, where a few such slots held a whole "
+        "layer's copies back). Opt-in until measured on a GPU (tools/gpu_suite.sh splitab)",
+    )
     DECODE_WRAP_GUESS = EnvVar(
         "FERRYMAN_DECODE_WRAP_GUESS", bool, True,
         "offloaded experts, decode with FERRYMAN_DECODE_PREFETCH=early: the last MoE layer also copies "

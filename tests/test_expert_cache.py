@@ -378,6 +378,25 @@ def test_a_gate_that_turned_off_opens_again_for_a_new_trial() -> None:
     assert g.counters[1].enabled  # one-sequence steps were never graded: untouched
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_a_guess_copies_into_idle_slots_first(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_PREFETCH_SPLIT_BUSY: a guess's copies into slots a pending kernel reads go in a
+    second batch, after the others (same slots, same bytes); demand copies stay one batch."""
+    monkeypatch.setenv("FERRYMAN_PREFETCH_SPLIT_BUSY", "1" if split else "0")
+    monkeypatch.setenv("FERRYMAN_PREFETCH_AVOID_BUSY", "0")  # victims as the policy ranks them
+    rec = RecordingTransfer()
+    rec.busy = lambda slot: slot in (1, 3)  # type: ignore[method-assign]  # read by a pending kernel
+    cache = ExpertCache(_store(), 4, torch.device("cpu"), LRUPolicy(), True, rec)
+    cache.release(0, [0, 1, 2, 3], cache.acquire(0, [0, 1, 2, 3]))  # slots 0-3 hold experts 0-3
+    rec.log.clear()
+    assert cache.prefetch(1, [4, 5, 6, 7]) == [4, 5, 6, 7]  # every slot is a victim
+    fetches = [entry[1] for entry in rec.log if entry[0] == "fetch"]
+    assert fetches == ([(0, 2), (1, 3)] if split else [(0, 1, 2, 3)])
+    rec.log.clear()
+    cache.release(0, [0, 1], cache.acquire(0, [0, 1]))  # a demand fetch, busy slot 3 and idle 2: one batch
+    assert [entry[1] for entry in rec.log if entry[0] == "fetch"] == [(3, 2)]
+
+
 # ---- row addresses (zero-copy decode) -------------------------------------------------------
 def test_row_addresses_follow_fills_and_evictions() -> None:
     """Every key's address is its host row until an acquire (after the copy's wait) points it at

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ferryman.envs import envs
 from ferryman.experts.host_store import ExpertLayout, HostExpertStore
 from ferryman.experts.policies import ReplacementPolicy
 from ferryman.experts.row_addresses import RowAddressTable
@@ -330,7 +331,7 @@ class ExpertCache:
         # runs). Not for a prefill stream (`streaming`): its victims would then be experts the next
         # chunk needs again, and on the H200 gpt-oss-120b's 8k prefill fell from 0.69 to 0.56 of
         # the streaming limit with them (docs/benchmarks.md, session 14)
-        avoid = self.transfer.busy if _avoid_busy() and not streaming else None
+        avoid = self.transfer.busy if envs.PREFETCH_AVOID_BUSY and not streaming else None
         look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold, avoid=avoid)
         if look.held:
             self.held.setdefault(layer, []).extend(look.held)
@@ -352,7 +353,19 @@ class ExpertCache:
         pairs = [(k - base, s) for k, s in look.filled]
         # zero-copy readers of the evicted experts go to host rows before their slots are refilled
         after = self.rows.unpoint(look.evicted) if self.rows is not None else None
-        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand, after, side)
+        for group in self._split_busy(pairs, demand):
+            self.transfer.fetch(self.pool.copies(self.store, layer, group), [s for _, s in group], demand, after, side)
+
+    def _split_busy(self, pairs: list[tuple[int, int]], demand: bool) -> list[list[tuple[int, int]]]:
+        """A guess's copies in two batches, those into slots no pending kernel reads first
+        (FERRYMAN_PREFETCH_SPLIT_BUSY): one batch waits for every slot's last reader, so a few slots
+        of the layer whose kernel has just been issued would hold all the others back. Same victims,
+        same bytes; only the order changes. Demand copies stay one batch (the kernel needs all)."""
+        if demand or not envs.PREFETCH_SPLIT_BUSY:
+            return [pairs]
+        busy = [self.transfer.busy(s) for _, s in pairs]
+        groups = [[p for p, b in zip(pairs, busy) if not b], [p for p, b in zip(pairs, busy) if b]]
+        return [g for g in groups if g]
 
     def stats(self, block: bool = True) -> dict:
         """Counters; block=False leaves copies still in flight out of the link times instead of
@@ -381,9 +394,3 @@ class ExpertCache:
             "host_pinned": self.store.pinned,
             "per_layer_hit_rate": per_layer,
         }
-
-
-def _avoid_busy() -> bool:
-    from ferryman.envs import envs
-
-    return envs.PREFETCH_AVOID_BUSY
