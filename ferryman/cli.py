@@ -124,7 +124,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                        help="serve at once, without first running a batch of requests that compiles the GPU "
-                            "kernels (the first users then pay for the compiles: up to seconds of TTFT)")
+                            "kernels (the first users then pay for the compiles: up to seconds of TTFT; "
+                            "on a CPU there is no warm-up either way)")
     _engine_flags(serve)
 
 

@@ -161,7 +161,7 @@ def serve(engine_kwargs: dict[str, Any], model: str | None, cfg: ServerConfig, h
     from ferryman.llm import default_model
 
     engine = LLMEngine(EngineConfig(model=model or default_model(), **engine_kwargs))
-    if cfg.warm_up:
+    if cfg.warm_up and engine.device.type == "cuda":  # on a CPU nothing compiles at first use
         from ferryman.engine.warm_up import warm_up
 
         report = warm_up(engine)

@@ -27,7 +27,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get 413
     max_pending: int = 256  # requests in flight (queued + running) before 429
     output_parser: str = "auto"  # reasoning / tool-call parser: auto | qwen3 | harmony | none
-    warm_up: bool = True  # compile the first requests' kernels before serving (engine/warm_up.py)
+    warm_up: bool = True  # CUDA: compile the first requests' kernels before serving (engine/warm_up.py)
 
     def __post_init__(self) -> None:
         if self.output_parser not in PARSERS:
