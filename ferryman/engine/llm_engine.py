@@ -30,8 +30,8 @@ from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
 
-# room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
 log = logging.getLogger("ferryman.engine")
+# room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
 _ACTIVATION_HEADROOM = 2 << 30
 # a step slower than this is logged with what it held (first-request compiles, stalls), and counted
 SLOW_STEP_S = 1.0
@@ -186,8 +186,9 @@ class LLMEngine:
             self.slowest_step = shape
         if seconds > SLOW_STEP_S:
             self.slow_steps += 1
-            log.log(logging.INFO if self.warming_up else logging.WARNING,"slow step %d: %.2f s for %d sequences, %d tokens (%d prefill)", shape["step"], seconds,
-                        shape["sequences"], shape["tokens"], prefill)
+            log.log(logging.INFO if self.warming_up else logging.WARNING,
+                    "slow step %d: %.2f s for %d sequences, %d tokens (%d prefill)", shape["step"], seconds,
+                    shape["sequences"], shape["tokens"], prefill)
 
     def _finalize(self, req: _Request, reason: str) -> None:
         seq, out = req.seq, req.output

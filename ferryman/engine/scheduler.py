@@ -189,7 +189,7 @@ class Scheduler:
         return True
 
     def allocate_blocks(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None,
-                  window_prefix: list[int] | None = None) -> bool:
+                        window_prefix: list[int] | None = None) -> bool:
         """Blocks for `num_tokens` more tokens of `seq` in every pool, or (False) in none.
         prefix / window_prefix: at admission, the cached blocks it adopts (`_match`)."""
         w = self.window_pool

@@ -59,7 +59,8 @@ def _run_waves(engine: LLMEngine, sizes: list[int]) -> float:
     """The warm-up's requests, wave by wave, to completion; appends each step's sequence count to
     `sizes`; returns the slowest step's seconds."""
     batch = max(1, min(engine.ecfg.max_num_seqs, MAX_BATCH))
-    chunk = engine.ecfg.max_num_batched_tokens or 2048
+    chunk = engine.ecfg.max_num_batched_tokens  # the engine's planner resolved it
+    assert chunk is not None  # LLMEngine replaces ecfg with the plan's step size
     length = max(2, min(engine.max_model_len - 8, chunk // batch))
     vocab = engine.cfg.vocab_size
     cap = max(2, engine.max_model_len - 8)

@@ -8,7 +8,7 @@ import torch
 
 
 def host_ids_of(topk_ids: torch.Tensor,
-              guesses: list[torch.Tensor]) -> tuple[list[int], list[list[int]], torch.Tensor]:
+                guesses: list[torch.Tensor]) -> tuple[list[int], list[list[int]], torch.Tensor]:
     """Distinct expert ids used (ascending), and of each guess (decode-sized: in the guess's order,
     a token's most likely first; else ascending), and topk_ids on the host: one device -> host copy
     for all."""
