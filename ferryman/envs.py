@@ -163,6 +163,12 @@ class Envs:
         "kernels and their small host -> device inputs are issued, so those inputs never queue behind "
         "the large copies on a copy engine (0: right after the layer's own misses, as before)",
     )
+    PREFETCH_BEFORE_GROUPS = EnvVar(
+        "FERRYMAN_PREFETCH_BEFORE_GROUPS", bool, True,
+        "offloaded experts, prefill streaming: start the next layer's copies once this layer's MoE inputs are "
+        "issued, before the batched path launches its groups (the host spends ~12 ms per gpt-oss-120b layer "
+        "on those launches, and the link idled meanwhile; 0: after the launches)",
+    )
     MOE_GRAPHS = EnvVar(
         "FERRYMAN_MOE_GRAPHS", bool, True,
         "offloaded experts, layer-graph decode: run each layer's MoE kernel as a CUDA graph on static slot ids "

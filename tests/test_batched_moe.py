@@ -54,6 +54,45 @@ def test_host_ids_group_without_a_device_read(path: str) -> None:
         fn(form, banks, x, ids, w, a, host_ids=ids[:3])
 
 
+def test_inputs_issued_comes_once_before_the_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's large copies may start as soon as the pair layout is issued: the callback runs
+    once, before the first group's kernels, and changes nothing in the result."""
+    import ferryman.layers.batched_moe as bm
+
+    form = get_format("mxfp4")
+    gen = torch.Generator().manual_seed(5)
+    banks = form.random_banks(10, 64, 32, True, torch.float32, gen)
+    x = torch.randn(23, 64, generator=gen)
+    ids, w = _skewed_routing(23, 4, 10, 6)
+    a = MoEActivation("swiglu_oai")
+    want = fused_moe_batched(form, banks, x, ids, w, a, group=3)
+    events: list[str] = []
+    real = bm._group_forward
+
+    def group_forward(*args, **kwargs) -> None:  # noqa: ANN002, ANN003 (a recording pass-through)
+        events.append("group")
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(bm, "_group_forward", group_forward)
+    got = fused_moe_batched(form, banks, x, ids, w, a, group=3, inputs_issued=lambda: events.append("inputs"))
+    assert torch.equal(got, want)
+    used = len(set(ids.flatten().tolist()))  # expert 1 is never routed to: 9 of 10
+    assert events == ["inputs"] + ["group"] * -(-used // 3)
+
+
+def test_fused_moe_calls_inputs_issued_once_on_every_path() -> None:
+    from ferryman.layers.fused_moe import fused_moe
+
+    form = get_format("dense")
+    banks = form.random_banks(6, 32, 16, False, torch.float32, torch.Generator().manual_seed(1))
+    x = torch.randn(5, 32)
+    ids, w = _skewed_routing(5, 2, 6, 1)
+    calls: list[int] = []
+    got = fused_moe("dense", banks, x, ids, w, MoEActivation(), inputs_issued=lambda: calls.append(1))
+    assert calls == [1]
+    torch.testing.assert_close(got, fused_moe("dense", banks, x, ids, w, MoEActivation()))
+
+
 def test_batched_rejects_a_bad_group() -> None:
     form = get_format("dense")
     banks = form.random_banks(4, 32, 16, False, torch.float32, torch.Generator().manual_seed(0))

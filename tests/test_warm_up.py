@@ -22,7 +22,11 @@ def test_warm_up_runs_every_batch_size_and_leaves_nothing(arch: str, tmp_path: P
     report = warm_up(llm.engine)
     assert report.batch_sizes[0] == 6  # the first step: six 8-token prompts fill the 48-token chunk
     assert set(range(1, 7)) <= set(report.batch_sizes)  # they finish one by one, then one alone
-    assert report.steps == len(report.batch_sizes) and report.seconds > 0
+    assert report.steps == len(report.batch_sizes) == len(report.shapes) and report.seconds > 0
+    # prompts beside decodes: a chunk filled by decodes and a cut prompt, then a tail beside them
+    mixed = [(d, p) for d, p in report.shapes if d and p]
+    assert any(d + p == 48 for d, p in mixed), report.shapes
+    assert any(d + p < 48 for d, p in mixed), report.shapes
     eng = llm.engine
     assert not eng.has_unfinished() and not eng.requests and not eng.finished
     assert not eng.scheduler.pool.cached and eng.stats()["steps"] == 0

@@ -92,6 +92,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated = 0
         self.last_step_size = 0  # sequences in the last step
+        self.last_step_shape = (0, 0)  # the last step's (decoding sequences, prompt tokens)
         self.slow_steps = 0  # steps over SLOW_STEP_S
         self.slowest_step: dict = {}  # the slowest step: seconds, sequences, tokens, prefill tokens
         self.warming_up = False  # engine/warm_up.py runs: its slow steps (compiles) are expected
@@ -157,10 +158,12 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         sampled = self.runner.execute(out)
-        self._note_slow(out, time.perf_counter() - started)
+        prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
+        self._note_slow(out, prefill, time.perf_counter() - started)
         self.scheduler.update(out, sampled)
         self.num_steps += 1
         self.last_step_size = len(out.scheduled)
+        self.last_step_shape = (sum(1 for s in out.scheduled if s.is_decode), prefill)
         self.num_generated += len(sampled)
         deltas = []
         for seq_id, token in sampled.items():
@@ -176,10 +179,9 @@ class LLMEngine:
             deltas.append(StepDelta(seq_id, [token], text, reason))
         return deltas
 
-    def _note_slow(self, out: SchedulerOutput, seconds: float) -> None:
+    def _note_slow(self, out: SchedulerOutput, prefill: int, seconds: float) -> None:
         if seconds <= self.slowest_step.get("seconds", 0.0) and seconds <= SLOW_STEP_S:
             return
-        prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
         shape = {"seconds": round(seconds, 3), "sequences": len(out.scheduled),
                  "tokens": out.num_batched_tokens, "prefill_tokens": prefill, "step": self.num_steps + 1}
         if seconds > self.slowest_step.get("seconds", 0.0):

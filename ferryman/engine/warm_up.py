@@ -10,12 +10,18 @@ batch size down to 1), then smaller waves whose sequence and token counts fall i
 specialisations, and one sequence alone; then it forgets the prompts (prefix cache), the step
 counters and the guesses' grades (on the H200 the warm-up's small batches had turned the batch
 guesses of 4 layers off for the whole run: hit rate 0.86 against 0.94).
+
+Steps that mix prompts with decodes compile too: with only the waves above, the first serve
+still had a 1.09 s step (4 decodes beside 4092 prompt tokens) and a 1.44 s one (15 decodes beside
+a 22-token prompt tail) that the second serve did not have (session 15). So one wave has
+long prompts join while its sequences decode: a chunk filled by decodes and a cut prompt, then
+the prompt's tail beside the decodes, then short prompts beside them.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ferryman.sampling_params import SamplingParams
@@ -32,16 +38,26 @@ class WarmUpReport:
     steps: int
     batch_sizes: tuple[int, ...]  # sequences of each step, in order
     slowest_s: float = 0.0  # the slowest step (a first compile, typically)
+    shapes: tuple[tuple[int, int], ...] = ()  # (decoding sequences, prompt tokens) of each step
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Prompt lengths added at once, and `joins` added after the wave's first step (its prompts
+    are decoding by then)."""
+
+    prompts: list[int]
+    joins: list[int] = field(default_factory=list)
 
 
 def warm_up(engine: LLMEngine) -> WarmUpReport:
     """Run the warm-up requests to completion on an idle engine (RuntimeError otherwise)."""
     if engine.has_unfinished():
         raise RuntimeError("warm_up() needs an idle engine")
-    start, sizes = time.perf_counter(), []
+    start, sizes, shapes = time.perf_counter(), [], []
     engine.warming_up = True
     try:
-        slowest = _run_waves(engine, sizes)
+        slowest = _run_waves(engine, sizes, shapes)
     finally:
         engine.warming_up = False
     guesser = getattr(engine.runner.experts, "guesser", None)
@@ -52,29 +68,48 @@ def warm_up(engine: LLMEngine) -> WarmUpReport:
         engine.scheduler.window_pool.reset_prefix_cache()
     engine.num_steps = engine.num_generated = engine.slow_steps = 0
     engine.slowest_step = {}
-    return WarmUpReport(time.perf_counter() - start, len(sizes), tuple(sizes), slowest)
+    return WarmUpReport(time.perf_counter() - start, len(sizes), tuple(sizes), slowest, tuple(shapes))
 
 
-def _run_waves(engine: LLMEngine, sizes: list[int]) -> float:
+def waves_for(batch: int, chunk: int, max_model_len: int) -> list[Wave]:
+    """The warm-up's waves for `batch` sequences at most, `chunk` tokens per step."""
+    length = max(2, min(max_model_len - 8, chunk // batch))
+    cap = max(2, max_model_len - 8)
+    half = max(1, batch // 2)
+    long = min(cap, max(2, chunk // 3 + 1))  # three of them overflow what the decodes leave of a chunk
+    return [Wave([length] * batch),  # a full chunk; then every batch size as they finish
+            Wave([length] * half, [long] * min(3, batch - half) + [min(cap, 37)]),  # prompts beside decodes
+            Wave([min(cap, max(2, chunk // 4))] * 3),  # a few sequences, a round number of tokens
+            Wave([min(cap, 33)] * min(5, batch)),  # odd counts of both
+            Wave([max(2, length - 1)])]  # one alone
+
+
+def _run_waves(engine: LLMEngine, sizes: list[int], shapes: list[tuple[int, int]]) -> float:
     """The warm-up's requests, wave by wave, to completion; appends each step's sequence count to
-    `sizes`; returns the slowest step's seconds."""
+    `sizes` and its (decodes, prompt tokens) to `shapes`; returns the slowest step's seconds."""
     batch = max(1, min(engine.ecfg.max_num_seqs, MAX_BATCH))
     chunk = engine.ecfg.max_num_batched_tokens  # the engine's planner resolved it
     assert chunk is not None  # LLMEngine replaces ecfg with the plan's step size
-    length = max(2, min(engine.max_model_len - 8, chunk // batch))
     vocab = engine.cfg.vocab_size
-    cap = max(2, engine.max_model_len - 8)
-    waves = ([length] * batch,  # a full chunk; then every batch size as they finish
-             [min(cap, max(2, chunk // 4))] * 3,  # a few sequences, a round number of tokens
-             [min(cap, 33)] * min(5, batch),  # odd counts of both
-             [max(2, length - 1)])  # one alone
-    for wave in waves:
-        rids = [engine.add_request(_prompt(i, n, vocab), SamplingParams(temperature=0.0, max_tokens=2 + i,
-                                                                          ignore_eos=True))
-                for i, n in enumerate(wave)]
+    made = 0
+
+    def add(lengths: list[int]) -> list[int]:
+        nonlocal made
+        rids = [engine.add_request(_prompt(made + i, n, vocab),
+                                   SamplingParams(temperature=0.0, max_tokens=2 + i, ignore_eos=True))
+                for i, n in enumerate(lengths)]
+        made += len(lengths)
+        return rids
+
+    for wave in waves_for(batch, chunk, engine.max_model_len):
+        rids, steps = add(wave.prompts), 0
         while engine.has_unfinished():
+            if steps == 1:
+                rids += add(wave.joins)
             engine.step()
+            steps += 1
             sizes.append(engine.last_step_size)
+            shapes.append(engine.last_step_shape)
         for rid in rids:
             engine.pop_output(rid)
     return float(engine.slowest_step.get("seconds", 0.0))

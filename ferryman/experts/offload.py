@@ -30,7 +30,7 @@ the same step runs eagerly or as the layer's MoE graph.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,7 +164,10 @@ class OffloadExperts:
 
         Invariant: speculative copies are issued after every host -> device copy the layer's kernel
         needs (slot ids, the prefill path's pair layout). Those small copies run on the compute
-        stream, and a copy engine may serve them only after the large copies queued before them."""
+        stream, and a copy engine may serve them only after the large copies queued before them.
+        A prefill chunk's copies start earlier, once those inputs are issued and before the batched
+        path's launches (`fused_moe(inputs_issued=)`, FERRYMAN_PREFETCH_BEFORE_GROUPS); its step
+        comes here with no prefetches left."""
         self.cache.release(step.layer, step.used, step.slots)
         self._after_kernel(step.prefetches, step.streaming)
 
@@ -300,7 +303,11 @@ class OffloadExperts:
             out = torch.zeros_like(x)  # [T, H]
         else:
             w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
-            out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids)
+            early = streaming and _prefetch_before_groups()
+            out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids,
+                            inputs_issued=(lambda: self._prefetch(step.prefetches, streaming)) if early else None)
+            if early:
+                step = replace(step, prefetches=[])  # their copies have started
         self.finish_step(step)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
             self.cache.demote_fetched()
@@ -392,6 +399,12 @@ def _prefetch_after_kernels() -> bool:
     from ferryman.envs import envs
 
     return envs.PREFETCH_AFTER_KERNELS
+
+
+def _prefetch_before_groups() -> bool:
+    from ferryman.envs import envs
+
+    return envs.PREFETCH_BEFORE_GROUPS
 
 
 def _lookahead() -> int:

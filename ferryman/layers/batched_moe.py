@@ -20,6 +20,7 @@ made), counted by the planner (planner.activation_bytes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -42,9 +43,12 @@ def default_group() -> int:
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
                       topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
-                      host_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      host_ids: torch.Tensor | None = None,
+                      inputs_issued: Callable[[], None] | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
-    ids on the host, if the caller has them (then no device -> host read)."""
+    ids on the host, if the caller has them (then no device -> host read). inputs_issued: called
+    once the pair layout's host -> device copy is issued, before the groups' launches (the caller's
+    large copies may start then: they no longer delay an input of these kernels)."""
     group = default_group() if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
@@ -52,7 +56,9 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     num_slots, hidden, _ = form.dims(banks)
     slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids)
     P = T * K
-    layout = _padded_layout(slots, counts, group, x.device)
+    layout = _padded_layout(slots, counts, group, x.device)  # the last host -> device input
+    if inputs_issued is not None:
+        inputs_issued()
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
     xs = x[pair // K]  # [R, H], all groups' inputs in one gather
     w = torch.where(layout.valid, topk_w.reshape(-1)[pair], 0.0)  # [R]: padding rows weigh 0

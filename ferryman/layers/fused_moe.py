@@ -18,6 +18,7 @@ FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -121,10 +122,28 @@ def fused_moe(
     topk_w: torch.Tensor,
     act: MoEActivation,
     host_ids: torch.Tensor | None = None,
+    inputs_issued: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     slot ids on the host when the caller has them (offloaded experts): the prefill paths then
-    group the pairs without reading the ids back from the device (no sync)."""
+    group the pairs without reading the ids back from the device (no sync). inputs_issued: called
+    exactly once, as soon as every host -> device copy the kernels need is issued; the batched
+    prefill path calls it before its many launches, the others once their kernels are issued."""
+    called = [False]
+
+    def once() -> None:
+        if inputs_issued is not None and not called[0]:
+            called[0] = True
+            inputs_issued()
+
+    out = _dispatch(fmt, banks, x, topk_ids, topk_w, act, host_ids, once)
+    once()  # the paths that do not call it early
+    return out
+
+
+def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+              act: MoEActivation, host_ids: torch.Tensor | None,
+              inputs_issued: Callable[[], None]) -> torch.Tensor:
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     _check_inputs(x, topk_ids, topk_w, hidden)
@@ -139,7 +158,8 @@ def fused_moe(
     if _use_batched(x):
         from ferryman.layers.batched_moe import fused_moe_batched
 
-        return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
+        return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
+                                 inputs_issued=inputs_issued)
     if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
         from ferryman.quant.mxfp4_cpu import LayerJob, pairs_of
 
