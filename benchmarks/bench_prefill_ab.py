@@ -1,0 +1,100 @@
+"""Offloaded prefill, variants in turn in one process: tokens/s and the ratio to the streaming limit.
+
+    python benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
+        --variant FERRYMAN_PREFETCH_BEFORE_GROUPS=0 --variant "" --variant FERRYMAN_PREFETCH_SPLIT_BUSY=1 --reps 2
+
+Separate processes are a poor A/B on a fresh machine: the first pays Triton's compiles (the disk
+cache serves the next), and the 120b load pins ~60 GB each time. Here one engine loads once, runs a
+warm-up prompt, then goes through the variants in turn over fresh prompts (no prefix-cache hit).
+A variant is a list of VAR=VALUE settings ("" for the defaults): ferryman reads its environment
+variables at each use, and every variable any variant names is unset before a variant applies its
+own. Only variables read per step vary this way (FERRYMAN_PREFETCH_BEFORE_GROUPS, _SPLIT_BUSY,
+_AVOID_BUSY); FERRYMAN_PREFILL_LOOKAHEAD, for one, is read when the engine is built. The streaming limit is the
+prompt's chunks x the uncached experts' bytes / the measured link bandwidth: every chunk of a long
+prompt routes to about every expert, and what is not cached has to cross the link once per chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from bench_offload import link_bandwidth  # noqa: E402
+
+from ferryman import LLM, SamplingParams  # noqa: E402
+
+
+def prefill_s(llm: LLM, prompt: list[int]) -> float:
+    """Seconds from submit to the first token of a 1-token request (its prefill)."""
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=[prompt], params=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="gpt-oss-120b:16GiB",
+                    help="MODEL:GPU_BUDGET (a preset name: dummy weights; a directory: its weights)")
+    ap.add_argument("--expert-cache", help="expert slots (a count or a fraction such as 25%%) instead of the plan's")
+    ap.add_argument("--prompt", type=int, default=8192, help="prompt tokens per run")
+    ap.add_argument("--variant", action="append", required=True,
+                    help='space-separated VAR=VALUE settings ("" for the defaults); repeat for each variant')
+    ap.add_argument("--reps", type=int, default=2, help="rounds over the variants")
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    a = ap.parse_args()
+    variants = [dict(kv.split("=", 1) for kv in v.split()) for v in a.variant if all("=" in kv for kv in v.split())]
+    if len(variants) != len(a.variant):
+        ap.error(f"each --variant is VAR=VALUE settings separated by spaces, got {a.variant}")
+    named = {var for v in variants for var in v}
+    model, _, budget = a.target.partition(":")
+    kw = {} if Path(model).is_dir() else {"load_format": "dummy"}
+    if a.expert_cache:
+        kw["expert_cache"] = a.expert_cache
+    llm = LLM(model, gpu_memory=budget or None, max_num_seqs=1, max_model_len=a.max_model_len,
+              moe_strategy="offload", progress=sys.stderr.isatty(), **kw)
+    eng = llm.engine
+    cfg, chunk = eng.cfg, eng.plan.request.max_num_batched_tokens
+    slots = eng.stats()["experts"]["slots"]
+    uncached = max(0, len(cfg.moe_layers) * cfg.num_experts - slots) * eng.plan.slot_bytes
+    bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
+    n = min(a.prompt, eng.max_model_len - 2)
+    limit_s = -(-n // chunk) * uncached / bw  # seconds if the link streamed the uncached experts non-stop
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    prefill_s(llm, rand())  # warm-up: compiles, cuBLAS heuristics, a full cache
+    rows = []
+    print(f"{model} at {budget}: {slots} slots, chunk {chunk}, link {bw / 1e9:.1f} GB/s, {n}-token prompt, "
+          f"streaming limit {n / limit_s:.0f} tok/s")
+    print("| variant | round | tok/s | of the streaming limit | GB copied | copy-stream s | compute waited s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for rep in range(a.reps):
+        for v in variants:
+            for var in named:
+                os.environ.pop(var, None)
+            os.environ.update(v)
+            s0 = eng.stats()["experts"]
+            secs = prefill_s(llm, rand())
+            s1 = eng.stats()["experts"]
+            row = {"variant": " ".join(f"{k}={x}" for k, x in v.items()) or "defaults", "rep": rep, "tok_s": n / secs, "vs_stream": limit_s / secs,
+                   "moved_gb": (s1["bytes_h2d"] - s0["bytes_h2d"]) / 1e9,
+                   "stall_s": s1["stall_seconds"] - s0["stall_seconds"], "h2d_s": s1["h2d_seconds"] - s0["h2d_seconds"]}
+            rows.append(row)
+            print(f"| {row['variant']} | {rep} | {row['tok_s']:.0f} | {row['vs_stream']:.3f} | {row['moved_gb']:.1f} | "
+                  f"{row['h2d_s']:.2f} | {row['stall_s']:.2f} |", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"target": a.target, "slots": slots, "chunk": chunk, "link_gb_s": bw / 1e9,
+                                      "prompt": n, "stream_limit_tok_s": n / limit_s, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
