@@ -256,7 +256,7 @@ for window, sinks, splits in [(None, None, 1), (8, sinks8, 1), (None, sinks8, 4)
     check(mixed, window, sinks, splits)
 # long sequences: kv blocks that need no mask (causal, and inside a window of 100)
 long = make_batch([(300, 5), (260, 1), (200, 70)], hq=4, hkv=1, d=16, seed=14)
-for window, splits in [(None, 1), (100, 1), (100, 2)]:
+for window, splits in [(None, 1), (100, 1), (100, 2), (None, 64)]:  # 64: most splits see no key
     check(long, window, torch.randn(4), splits)
 # decode only (max_query_len 1), gpt-oss-like group of 8, block table entries of 4 tokens
 decode = make_batch([(37, 1), (5, 1), (64, 1)], hq=16, hkv=2, d=16, block_size=4, seed=12, pad_tokens=1)

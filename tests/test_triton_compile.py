@@ -60,10 +60,15 @@ def test_kv_write_and_attention_kernels_compile_for_sm90(cache: str) -> None:
     attn_sig = {"out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32", "q": "*bf16", "k_cache": f"*{cache}",
                 "v_cache": f"*{cache}", "sinks": "*fp32", "query_start_loc": "*i32", "seq_lens": "*i32",
                 "block_tables": "*i32", "num_seqs": "i32", "num_tokens": "i32", "num_q_heads": "i32",
-                "scale_log2": "fp32", "window": "i32",
+                "scale_log2": "fp32", "window": "i32", "num_splits": "i32",
                 **strides("stride_qt", "stride_qh", "stride_kn", "stride_ks", "stride_kh", "stride_vn", "stride_vs",
                           "stride_vh", "stride_ot", "stride_oh", "stride_bt")}
     cx = {"G": 8, "G_PAD": 8, "BLOCK_M": 16, "BLOCK_N": 64, "HEAD_DIM": 64, "D_PAD": 64, "BLOCK_SIZE": 16,
-          "NUM_SPLITS": 1, "USE_WINDOW": True, "USE_SINKS": True, "DOT_PRECISION": "tf32", "INTERPRET": False}
+          "SPLIT": True, "USE_WINDOW": True, "USE_SINKS": True, "DOT_PRECISION": "tf32", "INTERPRET": False}
     ptx = _compile_or_skip("ferryman.layers.paged_attention_triton:_paged_attn_kernel", attn_sig, cx, stage="ptx")
     assert "mma" in ptx and (cache != "fp8e4nv" or "cvt.rn.f16x2.e4m3x2" in ptx)  # e4m3 read back
+    merge_sig = {"out": "*bf16", "part_acc": "*fp32", "part_ml": "*fp32", "num_tokens": "i32", "num_q_heads": "i32",
+                 **strides("stride_ot", "stride_oh"), "num_splits": "i32"}
+    ptx = _compile_or_skip("ferryman.layers.paged_attention_triton:_merge_splits_kernel", merge_sig,
+                           {"HEAD_DIM": 64, "D_PAD": 64, "MAX_SPLITS": 64}, stage="ptx")
+    assert "ld.global" in ptx and "st.global" in ptx

@@ -7,9 +7,11 @@ tl.dot per kv block even at decode. Online softmax (flash attention) runs in the
 
 No host syncs: the grid comes from static sizes only. Tile t of sequence b starts at
 `query_start_loc[b] // BLOCK_Q + b`, so `T // BLOCK_Q + B` tiles cover any batch and a program
-finds its sequence by binary search; loop bounds come from `seq_lens`. With NUM_SPLITS > 1
+finds its sequence by binary search; loop bounds come from `seq_lens`. With num_splits > 1
 (small grids, e.g. decode at batch 1) each split covers a slice of the kv range and writes
-(acc, max, sum) partials that a second kernel merges (flash decoding).
+(acc, max, sum) partials that a second kernel merges (flash decoding). The split count is a
+run-time argument: one compiled kernel serves every count (SPLIT says only whether there are
+partials), so a context length never seen before compiles nothing.
 """
 
 from __future__ import annotations
@@ -83,12 +85,14 @@ def _attend_block(
 
 
 # batch sizes vary step to step: no ==1 / %16 specialisation (and recompile) on them
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+# the split count is a run-time value (one compile serves all), not a constexpr: a server's first
+# steps at new context lengths compiled new variants mid-load (docs/benchmarks.md, session 15)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _paged_attn_kernel(
     out, part_acc, part_ml,  # out: [T, Hq, D]; partials: [SPLITS, T, Hq, D_PAD] and [SPLITS, T, Hq, 2]
     q, k_cache, v_cache, sinks,
     query_start_loc, seq_lens, block_tables,
-    num_seqs, num_tokens, num_q_heads, scale_log2, window,
+    num_seqs, num_tokens, num_q_heads, scale_log2, window, num_splits,
     stride_qt, stride_qh,
     stride_kn, stride_ks, stride_kh,
     stride_vn, stride_vs, stride_vh,
@@ -96,7 +100,7 @@ def _paged_attn_kernel(
     stride_bt,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    SPLIT: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
@@ -138,7 +142,7 @@ def _paged_attn_kernel(
         full_lo = kv_lo + tl.maximum(tl.cdiv(kv_hi - window - kv_lo, BLOCK_N), 0) * BLOCK_N
     full_hi = kv_lo + (first_pos + 1 - kv_lo) // BLOCK_N * BLOCK_N
     n_blocks = tl.cdiv(kv_hi - kv_lo, BLOCK_N)
-    blocks_per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    blocks_per_split = tl.cdiv(n_blocks, num_splits)
     split_lo = kv_lo + split * blocks_per_split * BLOCK_N
     split_hi = tl.minimum(split_lo + blocks_per_split * BLOCK_N, kv_hi)
 
@@ -174,7 +178,7 @@ def _paged_attn_kernel(
             )
 
     token = q_begin + tok
-    if NUM_SPLITS == 1:
+    if not SPLIT:  # num_splits == 1: the output directly
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -185,23 +189,24 @@ def _paged_attn_kernel(
         tl.store(part_ml + part_row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     out, part_acc, part_ml,
-    num_tokens, num_q_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    num_tokens, num_q_heads, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
+    splits = tl.arange(0, MAX_SPLITS)
+    used = splits < num_splits  # the rest weigh 0: m = _NEG_BIG, l = 0, acc = 0
     dims = tl.arange(0, D_PAD)
-    part_row = (splits * num_tokens + token) * num_q_heads + head  # [SPLITS]
-    m = tl.load(part_ml + part_row * 2)
-    l = tl.load(part_ml + part_row * 2 + 1)
+    part_row = (splits * num_tokens + token) * num_q_heads + head  # [MAX_SPLITS]
+    m = tl.load(part_ml + part_row * 2, mask=used, other=_NEG_BIG)
+    l = tl.load(part_ml + part_row * 2 + 1, mask=used, other=0.0)
     m_all = tl.max(m, 0)
     w = tl.exp2(m - m_all)  # splits that saw no key have m = _NEG_BIG -> weight 0
     denom = tl.sum(l * w, 0)
-    acc = tl.load(part_acc + part_row[:, None] * D_PAD + dims[None, :])  # [SPLITS, D_PAD]
+    acc = tl.load(part_acc + part_row[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)  # [MAX_SPLITS, D_PAD]
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out + token * stride_ot + head * stride_oh + dims, o.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -266,13 +271,16 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: keep the split path exercised but cheap
 
 
+MAX_SPLITS = 64  # kv splits of one program's range (the merge kernel's constexpr width)
+
+
 def _pick_num_splits(num_programs: int, kv_span: int, block_n: int, device: torch.device) -> int:
     """Split the kv range while the grid stays under ~8 programs per SM and each split keeps
     >= 2 kv blocks. Only speed depends on it: any value is correct for any seq_lens, so a graph
     captured with one max_seq_len replays correctly with longer sequences."""
     target = 8 * _num_sms(device)
     splits = 1
-    while splits < 64 and num_programs * splits * 2 <= target and splits * 4 * block_n <= kv_span:
+    while splits < MAX_SPLITS and num_programs * splits * 2 <= target and splits * 4 * block_n <= kv_span:
         splits *= 2
     return splits
 
@@ -318,8 +326,8 @@ def paged_attention_triton(
         busy_tiles = min(num_tiles, num_seqs * triton.cdiv(meta.max_query_len, block_q))
         kv_span = meta.max_seq_len if window is None else min(meta.max_seq_len, window + block_q + block_n)
         num_splits = _pick_num_splits(busy_tiles * num_kv_heads, kv_span, block_n, q.device)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
+    if num_splits < 1 or num_splits & (num_splits - 1) or num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be a power of two in [1, {MAX_SPLITS}], got {num_splits}")
 
     if num_splits > 1:
         part_acc = torch.empty(num_splits, num_tokens, num_q_heads, d_pad, dtype=torch.float32, device=q.device)
@@ -331,21 +339,21 @@ def paged_attention_triton(
         out, part_acc, part_ml,
         q, k_cache, v_cache, sinks_arg,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        num_seqs, num_tokens, num_q_heads, scale * _LOG2E.value, window or 0,
+        num_seqs, num_tokens, num_q_heads, scale * _LOG2E.value, window or 0, num_splits,
         q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         G=group, G_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
+        SPLIT=num_splits > 1, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET=_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_acc, part_ml, num_tokens, num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            out, part_acc, part_ml, num_tokens, num_q_heads, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, D_PAD=d_pad, MAX_SPLITS=MAX_SPLITS,
         )
     return out
