@@ -7,9 +7,11 @@ copy kinds, GPU kernel time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -104,7 +106,7 @@ def prefill(llm: LLM, n: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     other = [[t + n for t in prompt[0]]]  # new token ids: the prefix cache must not skip the work
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr, _marked():
         llm.generate(prompt_token_ids=other, params=p)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -113,6 +115,7 @@ def prefill(llm: LLM, n: int) -> None:
     copy = sum(e.self_device_time_total for e in events if "Memcpy" in e.key) / 1e6
     print(f"profiled prefill: wall {wall:.2f} s, kernels {busy:.2f} s (copies excluded), copies {copy:.2f} s")
     overlap(pr)
+    timeline(pr)
     print("GPU time:")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:18]:
         print(f"  {e.self_device_time_total / 1e3:9.1f} ms  x{e.count:6d}  {e.key[:100]}")
@@ -170,6 +173,61 @@ def overlap(pr) -> None:  # noqa: ANN001 (torch.profiler.profile)
     for gap, at in gaps:
         busy = _intersect([(at, at + gap)], k)
         print(f"  link idle {gap * 1e3:7.2f} ms at +{(at - first) * 1e3:8.1f} ms, kernels busy {busy * 1e3:6.2f} ms of it")
+
+
+@contextlib.contextmanager
+def _marked() -> Iterator[None]:
+    """Name the host's steps of an offloaded MoE layer in the profile: the routing sync, the
+    guesses' copies being issued, the MoE kernels being launched."""
+    from torch.profiler import record_function
+
+    from ferryman.experts import offload
+
+    def wrap(fn: Callable, name: str) -> Callable:
+        def marked(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (a pass-through)
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return marked
+
+    saved = (offload.host_ids_of, offload.fused_moe, offload.OffloadExperts._prefetch)
+    offload.host_ids_of = wrap(saved[0], "mark::sync")
+    offload.fused_moe = wrap(saved[1], "mark::moe_launch")
+    offload.OffloadExperts._prefetch = wrap(saved[2], "mark::issue_copies")
+    try:
+        yield
+    finally:
+        offload.host_ids_of, offload.fused_moe, offload.OffloadExperts._prefetch = saved
+
+
+def timeline(pr, start_copy: int = 40, span_ms: float = 120.0) -> None:  # noqa: ANN001 (torch.profiler.profile)
+    """~span_ms of the profile from the start_copy-th device copy on, in time order: device copies,
+    runs of kernels (gaps under 20 µs merged) and the host marks of `_marked` (ms from the window's
+    start). Shows which waits for which in the prefill pipeline."""
+    dev, host = [], []
+    for e in pr.events():
+        a, b = e.time_range.start / 1e3, e.time_range.end / 1e3  # µs -> ms
+        if e.device_type == torch.autograd.DeviceType.CUDA and b > a:
+            dev.append((a, b, "COPY" if "HtoD" in e.name or "Memcpy" in e.name else "kern", e.name))
+        elif e.name.startswith("mark::"):
+            host.append((a, b, "host", e.name[6:]))
+    copies = sorted(x for x in dev if x[2] == "COPY")
+    if len(copies) <= start_copy:
+        print("timeline: too few copies")
+        return
+    t0 = copies[start_copy][0]
+    inside = lambda x: t0 <= x[0] < t0 + span_ms  # noqa: E731
+    runs: list[list] = []
+    for a, b, kind, name in sorted(x for x in dev if x[2] == "kern" and inside(x)):
+        if runs and a - runs[-1][1] < 0.02:
+            runs[-1][1] = max(runs[-1][1], b)
+            runs[-1][3] += 1
+        else:
+            runs.append([a, b, name[:40], 1])
+    rows = [(a, b, "COPY", n) for a, b, _, n in copies if inside((a,))] + \
+        [(a, b, f"kernels x{n}", name) for a, b, name, n in runs] + [x for x in host if inside(x)]
+    print(f"timeline from copy {start_copy} (+ms, duration ms):")
+    for a, b, kind, name in sorted(rows):
+        print(f"  {a - t0:8.2f} {b - a:7.2f}  {kind:12s} {name[:60]}")
 
 
 if __name__ == "__main__":
