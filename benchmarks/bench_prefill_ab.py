@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", required=True,
                     help='space-separated VAR=VALUE settings ("" for the defaults); repeat for each variant')
     ap.add_argument("--reps", type=int, default=2, help="rounds over the variants")
+    ap.add_argument("--settle", type=int, default=0,
+                    help="unmeasured prompts after each switch (for variants that reshape the cache's contents)")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
@@ -82,6 +84,8 @@ def main() -> None:
             for var in named:
                 os.environ.pop(var, None)
             os.environ.update(v)
+            for _ in range(a.settle):
+                prefill_s(llm, rand())
             s0 = eng.stats()["experts"]
             secs = prefill_s(llm, rand())
             s1 = eng.stats()["experts"]

@@ -169,6 +169,12 @@ class Envs:
         "issued, before the batched path launches its groups (the host spends ~12 ms per gpt-oss-120b layer "
         "on those launches, and the link idled meanwhile; 0: after the launches)",
     )
+    STREAM_EVEN = EnvVar(
+        "FERRYMAN_STREAM_EVEN", bool, True,
+        "offloaded experts, prefill streaming: keep the same number of experts of every layer cached from "
+        "one chunk to the next, so every layer has copies to overlap (0: keep what the first chunks filled "
+        "the cache with, often whole layers, during which the link idled)",
+    )
     MOE_GRAPHS = EnvVar(
         "FERRYMAN_MOE_GRAPHS", bool, True,
         "offloaded experts, layer-graph decode: run each layer's MoE kernel as a CUDA graph on static slot ids "

@@ -43,6 +43,33 @@ def test_chunks_keep_what_fits_beside_the_stream_window(uniform_model: str) -> N
         assert _fetched_per_chunk(llm, prompt, chunk) <= total - (slots - window) + 8
 
 
+@pytest.mark.parametrize("even", [True, False])
+def test_every_layer_streams_the_same_share(uniform_model: str, even: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The experts kept from chunk to chunk are spread evenly over the layers (stream_quota), so
+    every layer has copies to overlap with its neighbours' kernels; a cache that kept whole layers
+    (FERRYMAN_STREAM_EVEN=0, as before) left the link idle while they computed."""
+    monkeypatch.setenv("FERRYMAN_STREAM_EVEN", "1" if even else "0")
+    chunk = 1024
+    llm = LLM(uniform_model, load_format="dummy", device="cpu", moe_strategy="offload", expert_cache="50%",
+              max_num_batched_tokens=chunk, enforce_eager=True)
+    cache = llm.engine.runner.experts.cache
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 1000, (2 * chunk,), generator=gen).tolist() for _ in range(2)]
+    _fetched_per_chunk(llm, prompts[0], chunk)  # cold cache: fills it
+    c = cache.counters
+    before = {layer: c.misses.get(layer, 0) + c.prefetch_fetched.get(layer, 0) for layer in cache.moe_index}
+    _fetched_per_chunk(llm, prompts[1], chunk)
+    moved = [c.misses.get(layer, 0) + c.prefetch_fetched.get(layer, 0) - before[layer] for layer in cache.moe_index]
+    quota = cache.stream_quota()
+    assert quota > 0
+    share = 2 * (EXPERTS - quota)  # two chunks, each copying what the layer does not keep
+    if not even:  # whole layers kept, others streamed whole: the same bytes, unevenly
+        assert min(moved) == 0 and max(moved) == 2 * EXPERTS, moved
+        return
+    # the last layers may find a few of the previous chunk's stream still cached
+    assert all(abs(m - share) <= 8 for m in moved), f"{moved} against {share}"
+
+
 def test_stream_demotion_keeps_greedy_tokens(uniform_model: str) -> None:
     kw = dict(load_format="dummy", device="cpu", max_num_batched_tokens=256, enforce_eager=True)
     prompts = [list(range(7, 7 + 700)), [(i * 37) % 1000 + 3 for i in range(300)]]

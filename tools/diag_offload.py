@@ -156,10 +156,14 @@ def overlap(pr) -> None:  # noqa: ANN001 (torch.profiler.profile)
     kernels that ran in them say where."""
     copies, kernels = [], []
     for e in pr.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.time_range.end <= e.time_range.start \
+                or e.name.startswith("mark::"):  # _marked's ranges as the device saw them
             continue
         span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
-        (copies if "HtoD" in e.name or "Memcpy" in e.name else kernels).append(span)
+        if "HtoD" in e.name:  # the link; device-to-device copies run on the GPU like kernels
+            copies.append(span)
+        elif "Memcpy" not in e.name:
+            kernels.append(span)
     if not copies or not kernels:
         print("overlap: no device copies or kernels in the profile")
         return
@@ -199,18 +203,19 @@ def _marked() -> Iterator[None]:
         offload.host_ids_of, offload.fused_moe, offload.OffloadExperts._prefetch = saved
 
 
-def timeline(pr, start_copy: int = 40, span_ms: float = 120.0) -> None:  # noqa: ANN001 (torch.profiler.profile)
+def timeline(pr, start_copy: int = 40, span_ms: float = 200.0) -> None:  # noqa: ANN001 (torch.profiler.profile)
     """~span_ms of the profile from the start_copy-th device copy on, in time order: device copies,
     runs of kernels (gaps under 20 µs merged) and the host marks of `_marked` (ms from the window's
     start). Shows which waits for which in the prefill pipeline."""
     dev, host = [], []
     for e in pr.events():
         a, b = e.time_range.start / 1e3, e.time_range.end / 1e3  # µs -> ms
-        if e.device_type == torch.autograd.DeviceType.CUDA and b > a:
-            dev.append((a, b, "COPY" if "HtoD" in e.name or "Memcpy" in e.name else "kern", e.name))
-        elif e.name.startswith("mark::"):
-            host.append((a, b, "host", e.name[6:]))
-    copies = sorted(x for x in dev if x[2] == "COPY")
+        if e.name.startswith("mark::"):
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                host.append((a, b, "host", e.name[6:]))
+        elif e.device_type == torch.autograd.DeviceType.CUDA and b > a and "DtoD" not in e.name:
+            dev.append((a, b, "COPY" if "Memcpy" in e.name else "kern", e.name))
+    copies = sorted(x for x in dev if x[2] == "COPY" and "Pinned" in x[3])  # the experts' copies
     if len(copies) <= start_copy:
         print("timeline: too few copies")
         return

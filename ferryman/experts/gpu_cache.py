@@ -227,6 +227,7 @@ class ExpertCache:
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
+        self.last_layer = store.cfg.moe_layers[0] if store.cfg.moe_layers else 0  # that acquire's layer
         self.rows: RowAddressTable | None = None  # zero-copy decode (enable_row_addresses)
         # prefetch(hold=True): target layer -> keys pinned for it until its acquire (or the step's end)
         self.held: dict[int, list[int]] = {}
@@ -267,6 +268,7 @@ class ExpertCache:
         c.add(c.misses, layer, len(look.filled))
         c.add(c.prefetch_hits, layer, sum(1 for k in look.hits if k in self.prefetched))
         self.last_fetched = [k for k, _ in look.filled] + [k for k in look.hits if k in self.prefetched]
+        self.last_layer = layer
         self.prefetched.difference_update(look.hits)
         self._fetch(layer, look, demand=True)
         self.transfer.wait(look.slots)
@@ -299,14 +301,32 @@ class ExpertCache:
         self.rows = RowAddressTable(self.store, self.pool.flat, self.moe_index)
         return self.rows
 
+    def stream_quota(self) -> int:
+        """Experts per MoE layer a prefill stream keeps cached from one chunk to the next: the slots
+        left once two layers' worth (the layer computing, the next one streaming in) are set aside,
+        shared evenly among the layers."""
+        return max(0, (self.table.num_slots - 2 * self.num_experts) // len(self.moe_index))
+
     def demote_fetched(self) -> int:
-        """Scan resistance for a prefill stream: once the cache is full, the experts the last
-        acquire brought in (copied, or prefetched for it) become the next victims, so a chunk that
-        touches every expert cycles them through a window of slots instead of flushing the experts
-        that stay cached from one chunk to the next. Call after `release`. Returns how many."""
-        if self.table.free:
-            return 0  # still filling: what streams in now stays
-        demoted = [k for k in self.last_fetched if k in self.table.slot_of and not self.table.is_pinned(k)]
+        """Scan resistance for a prefill stream: the experts the last acquire brought in (copied, or
+        prefetched for it) become the next victims, beyond the layer's `stream_quota` of experts
+        that stay, so a chunk that touches every expert cycles them through a window of slots
+        instead of flushing the experts that stay cached from one chunk to the next.
+
+        Invariant: every layer keeps about the same number cached. A cache that kept whole layers
+        (the first ones a chunk filled it with) gave the link nothing to copy while those layers
+        computed: on the H200 the gpt-oss-120b prefill left the link idle for ~5 of 36 layers per
+        chunk (docs/benchmarks.md, session 15). Evenly spread, every layer streams the same share.
+        Call after `release`, on the layer of the last acquire. Returns how many were demoted."""
+        even = envs.STREAM_EVEN
+        if not even and self.table.free:
+            return 0  # FERRYMAN_STREAM_EVEN=0: what the first chunks fill the cache with stays
+        fetched = set(self.last_fetched)
+        base = self.moe_index[self.last_layer] * self.num_experts
+        kept = sum(1 for k in range(base, base + self.num_experts) if k in self.table.slot_of and k not in fetched)
+        room = max(0, self.stream_quota() - kept) if even else 0  # fetched experts that may stay
+        movable = [k for k in self.last_fetched if k in self.table.slot_of and not self.table.is_pinned(k)]
+        demoted = movable[room:]
         for k in demoted:
             self.table.policy.insert_unreferenced(k)
         self.last_fetched = []
