@@ -7,7 +7,7 @@ import torch
 
 from ferryman.layers.batched_moe import fused_moe_batched
 from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.quant import get_format
+from ferryman.quant import Banks, ExpertFormat, get_format
 
 
 def _skewed_routing(t: int, k: int, e: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,6 +18,17 @@ def _skewed_routing(t: int, k: int, e: int, seed: int, device: str = "cpu") -> t
     ids = torch.cat((torch.zeros(t, 1, dtype=rest.dtype, device=device), rest), dim=1)
     w = torch.softmax(torch.randn(t, k, generator=gen, device=device), dim=-1)
     return ids.int(), w
+
+
+def _mxfp4_case(t: int, seed: int) -> tuple[ExpertFormat, Banks, torch.Tensor, torch.Tensor, torch.Tensor,
+                                             MoEActivation]:
+    """(format, banks, x [t, 64], ids, w, activation): 10 MXFP4 experts with skewed routing."""
+    form = get_format("mxfp4")
+    gen = torch.Generator().manual_seed(seed)
+    banks = form.random_banks(10, 64, 32, True, torch.float32, gen)
+    x = torch.randn(t, 64, generator=gen)
+    ids, w = _skewed_routing(t, 4, 10, seed + 1)
+    return form, banks, x, ids, w, MoEActivation("swiglu_oai")
 
 
 @pytest.mark.parametrize("fmt,act", [("dense", "silu"), ("mxfp4", "swiglu_oai")])
@@ -41,12 +52,7 @@ def test_batched_equals_reference(fmt: str, act: str, dtype: torch.dtype, group:
 @pytest.mark.parametrize("path", ["batched", "reference"])
 def test_host_ids_group_without_a_device_read(path: str) -> None:
     """Given the ids on the host too, both prefill paths give the same tensor as without them."""
-    form = get_format("mxfp4")
-    gen = torch.Generator().manual_seed(8)
-    banks = form.random_banks(10, 64, 32, True, torch.float32, gen)
-    x = torch.randn(29, 64, generator=gen)
-    ids, w = _skewed_routing(29, 4, 10, 2)
-    a = MoEActivation("swiglu_oai")
+    form, banks, x, ids, w, a = _mxfp4_case(29, 8)
     fn = fused_moe_batched if path == "batched" else fused_moe_reference
     want = fn(form, banks, x, ids, w, a)
     assert torch.equal(fn(form, banks, x, ids, w, a, host_ids=ids.clone()), want)
@@ -59,12 +65,7 @@ def test_inputs_issued_comes_once_before_the_groups(monkeypatch: pytest.MonkeyPa
     once, before the first group's kernels, and changes nothing in the result."""
     import ferryman.layers.batched_moe as bm
 
-    form = get_format("mxfp4")
-    gen = torch.Generator().manual_seed(5)
-    banks = form.random_banks(10, 64, 32, True, torch.float32, gen)
-    x = torch.randn(23, 64, generator=gen)
-    ids, w = _skewed_routing(23, 4, 10, 6)
-    a = MoEActivation("swiglu_oai")
+    form, banks, x, ids, w, a = _mxfp4_case(23, 5)
     want = fused_moe_batched(form, banks, x, ids, w, a, group=3)
     events: list[str] = []
     real = bm._group_forward
