@@ -169,6 +169,12 @@ class Envs:
         "issued, before the batched path launches its groups (the host spends ~12 ms per gpt-oss-120b layer "
         "on those launches, and the link idled meanwhile; 0: after the launches)",
     )
+    INPUTS_ON_COPY_STREAM = EnvVar(
+        "FERRYMAN_INPUTS_ON_COPY_STREAM", bool, True,
+        "offloaded experts, prefill streaming: a layer's small inputs (slot ids, pair layout) go to the device "
+        "on the expert copy stream, ahead of the next layer's copies (0: on the compute stream, where a copy "
+        "engine could serve them after the next layer's 26 ms copy)",
+    )
     STREAM_EVEN = EnvVar(
         "FERRYMAN_STREAM_EVEN", bool, True,
         "offloaded experts, prefill streaming: keep the same number of experts of every layer cached from "

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
+from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference, to_device
 from ferryman.quant import Banks, ExpertFormat, get_format
 
 
@@ -168,7 +168,7 @@ def test_padded_layout_matches_its_definition(group: int) -> None:
     gen = torch.Generator().manual_seed(group)
     counts = torch.randint(1, 9, (11,), generator=gen).tolist()
     slots = sorted(torch.randperm(40, generator=gen)[:11].tolist())
-    lay = _padded_layout(slots, counts, group, torch.device("cpu"))
+    lay = _padded_layout(slots, counts, group, to_device(torch.device("cpu")))
     assert lay.slots.tolist() == slots
     rows, valid, want_groups, r0, first = [], [], [], 0, 0
     firsts = [sum(counts[:i]) for i in range(len(counts))]

@@ -70,6 +70,29 @@ def test_every_layer_streams_the_same_share(uniform_model: str, even: bool, monk
     assert all(abs(m - share) <= 8 for m in moved), f"{moved} against {share}"
 
 
+def test_a_chunks_inputs_go_through_the_transfer(uniform_model: str) -> None:
+    """A prefill chunk's small inputs (slot ids) reach the device through Transfer.upload, which
+    on CUDA queues them on the copy stream before the next layer's copies (a decode step's go the
+    plain way); the tokens stay those of the resident model."""
+    kw = dict(load_format="dummy", device="cpu", max_num_batched_tokens=256, enforce_eager=True)
+    prompt = [list(range(7, 7 + 300))]
+    want = greedy_ids(LLM(uniform_model, **kw), prompt, 4)
+    llm = LLM(uniform_model, moe_strategy="offload", expert_cache="30%", **kw)
+    transfer = llm.engine.runner.experts.cache.transfer
+    shapes: list[tuple[int, ...]] = []
+    plain = transfer.upload
+
+    def recorded(host: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(host.shape))
+        return plain(host)
+
+    transfer.upload = recorded
+    assert greedy_ids(llm, prompt, 4) == want
+    # 300 tokens in chunks of 256 and 44: one upload of [T, K] slot ids per MoE layer of each chunk
+    k = CONFIG["num_experts_per_tok"]
+    assert sorted(set(shapes)) == [(44, k), (256, k)] and len(shapes) == 2 * LAYERS, shapes
+
+
 def test_stream_demotion_keeps_greedy_tokens(uniform_model: str) -> None:
     kw = dict(load_format="dummy", device="cpu", max_num_batched_tokens=256, enforce_eager=True)
     prompts = [list(range(7, 7 + 700)), [(i * 37) % 1000 + 3 for i in range(300)]]

@@ -24,7 +24,9 @@
 #   FERRYMAN_PREFETCH_BEFORE_GROUPS=0 / 1); pbgab2 (120b 8k prefill in one process: defaults /
 #   FERRYMAN_PREFETCH_BEFORE_GROUPS=0 / FERRYMAN_PREFETCH_SPLIT_BUSY=1, twice; then its profile); attnt (the GPU tests of paged attention, fp8 KV, the window
 #   pool and segment graphs); fresh1 (fresh2's first serve alone); grp16ab (120b 8k prefill, groups of 8 / 16 experts, in
-#   one process); evenab (GPU tests of the prefill stream, offload identity and
+#   one process); upab (GPU tests of the prefill stream, offload identity, the
+#   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
+#   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
 #   fresh2 (the 16-user serve with an empty Triton cache, listing what compiled
 #   during the load, then again on that cache); splitab (offload GPU tests with FERRYMAN_PREFETCH_SPLIT_BUSY=1, then 120b 8k prefill with / without it); warm2 (the 16-user serve twice, with the startup warm-up); fin14b (the 16-user serve with the final defaults, 120b 8k prefill, the serve again); fin14 (offload GPU tests, the 16-user serve with the defaults, 120b 8k prefill with / without FERRYMAN_PREFETCH_AVOID_BUSY, the serve again); gtw (the guess GPU tests: wrap, gap, offload identity, segment graphs, window pool, hybrid); s16d (the 16-user serve with the defaults); wrapab (16 users in one process and one-sequence decode, without / with wrap guesses); pre120 (120b 8k prefill profile: copies against kernels over time); winab (the window-pool GPU tests, 16-user serve with the window pool / without, 120b one-sequence decode with the defaults); wideab (one-sequence decode, early guesses of 4 / 6 / 8 experts per token: 20b and 120b); clab (the 16-user serve load in one process, no HTTP: hybrid off vs on, in turn); stageab (staged zero-copy: its GPU tests, the staging kernel's GB/s, then 20b decode default / zero-copy / staged, 120b staged); fin4 (bench bw, 16-user serve with the CLI defaults / the old ones / the defaults again, 120b one-sequence decode off / early / hybrid); hyb2 (bench bw, 20b decode and 16-user serve with --cpu-experts auto); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
@@ -293,6 +295,11 @@ for s in "${@:-tests decode kernels}"; do
                  tests/test_prefill_stream.py tests/test_offload_identity.py tests/test_batched_moe.py
                stage pre120_even 150 python3 benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
                  --variant "" --variant FERRYMAN_STREAM_EVEN=0 --settle 1 --reps 2 --json "$OUT/pre120_even.json" ;;
+      upab)    stage gpu_tests_up 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_prefill_stream.py tests/test_offload_identity.py tests/test_batched_moe.py tests/test_hybrid.py
+               stage pre120_up 130 python3 benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
+                 --variant "" --variant FERRYMAN_INPUTS_ON_COPY_STREAM=0 --reps 2 --json "$OUT/pre120_up.json" ;;
+      off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       fresh2)  SNAP_CACHE=/tmp/triton_fresh serve16 s16_fresh 8197 TRITON_CACHE_DIR=/tmp/triton_fresh --
                serve16 s16_again 8198 TRITON_CACHE_DIR=/tmp/triton_fresh -- ;;
       warm2)   serve16 s16_warm1 8195 --

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 Guess = tuple[int, torch.Tensor | None]  # (target MoE layer, guessed ids [T, K] on the device; None: a wrap guess)
 Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host (decode: most likely first)
 MAX_LOOKAHEAD = 4
-from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, fused_moe
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, Upload, fused_moe, to_device
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,8 @@ class OffloadExperts:
             self._prefetch(prefetches, streaming)
             prefetches = []
         on_cpu = [] if cpu is None else cpu.experts
-        dev_ids, host_slots = self._slot_ids(used + on_cpu, slots + slots[:1] * len(on_cpu), host_ids)
+        dev_ids, host_slots = self._slot_ids(used + on_cpu, slots + slots[:1] * len(on_cpu), host_ids,
+                                             self._upload(streaming))
         return LayerStep(layer, used, slots, dev_ids, host_slots, prefetches, streaming, cpu)
 
     def _zero_copy(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
@@ -305,7 +306,8 @@ class OffloadExperts:
             w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
             early = streaming and _prefetch_before_groups()
             out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids,
-                            inputs_issued=(lambda: self._prefetch(step.prefetches, streaming)) if early else None)
+                            inputs_issued=(lambda: self._prefetch(step.prefetches, streaming)) if early else None,
+                            upload=self._upload(streaming))
             if early:
                 step = replace(step, prefetches=[])  # their copies have started
         self.finish_step(step)
@@ -355,21 +357,30 @@ class OffloadExperts:
             self.cache.release(layer, part, slots)
         return out
 
-    def _slot_ids(self, experts: list[int], slots: list[int],
-                  ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _upload(self, streaming: bool) -> Upload | None:
+        """How a layer's small inputs reach the device: a prefill chunk's on the copy stream
+        (Transfer.upload's invariant; FERRYMAN_INPUTS_ON_COPY_STREAM), others on the compute stream."""
+        from ferryman.envs import envs
+
+        return self.cache.transfer.upload if streaming and envs.INPUTS_ON_COPY_STREAM else None
+
+    def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor,
+                  upload: Upload | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Expert ids -> (slot ids on the cache's device, the same on the host or None), through a
         per-call table (ids only name experts in `experts`). Host ids (the usual case: read for the
-        lookup anyway) are mapped on the host and copied once; device ids are mapped on the device."""
+        lookup anyway) are mapped on the host and copied once (by `upload`: a prefill stream's go on
+        the copy stream, Transfer.upload); device ids are mapped on the device."""
         # fresh pageable tensors: the async copy stages them at once, nothing reuses their memory
+        upload = upload or to_device(self.cache.device)
         if ids.device.type == "cpu" and ids.numel() <= 256:  # a few pairs: Python beats tensor ops
             slot_of = dict(zip(experts, slots))
             host = torch.tensor([slot_of[e] for e in ids.reshape(-1).tolist()], dtype=torch.int32).view(ids.shape)
-            return host.to(self.cache.device, non_blocking=True), host
+            return upload(host), host
         lut = torch.zeros(self.num_experts, dtype=torch.int32)
         lut[torch.tensor(experts, dtype=torch.int64)] = torch.tensor(slots, dtype=torch.int32)
         if ids.device.type == "cpu":
             host = lut[ids]
-            return host.to(self.cache.device, non_blocking=True), host
+            return upload(host), host
         return lut.to(ids.device, non_blocking=True)[ids], None
 
     def stats(self, block: bool = True) -> dict:

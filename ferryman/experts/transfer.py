@@ -40,7 +40,8 @@ class Copy:
 
 
 class Transfer(ABC):
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.bytes = 0
         self.copies = 0
         self._h2d_s = 0.0
@@ -64,6 +65,11 @@ class Transfer(ABC):
     def busy(self, slot: int) -> bool:
         """Whether a kernel issued to read `slot` may still be pending (a copy into it would wait)."""
         return False
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A layer's small host-built input (slot ids, pair layout) on the device; kernels issued
+        from now on may read it. Here: a plain copy."""
+        return host.to(self.device, non_blocking=True)
 
     def seconds(self, block: bool = True) -> tuple[float, float]:
         """(time spent copying, time the computation waited for copies); block=False counts only
@@ -100,8 +106,7 @@ class StreamTransfer(Transfer):
     """CUDA: copies on their own stream, ordered against the compute stream by events."""
 
     def __init__(self, device: torch.device, num_slots: int) -> None:
-        super().__init__()
-        self.device = device
+        super().__init__(device)
         self.stream = torch.cuda.Stream(device)
         self.side: torch.cuda.Stream | None = None  # made at the first side fetch
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
@@ -152,6 +157,23 @@ class StreamTransfer(Transfer):
         ev = self.free[slot]
         return ev is not None and not ev.query()
 
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """On the copy stream, behind the copies issued so far, and the compute stream waits for it.
+
+        Invariant: a layer's inputs never queue behind a later layer's expert copies. On the compute
+        stream they were ordered after the wait for the layer's own experts; once those landed, they
+        and the next layer's copies (issued meanwhile on this stream) were ready together, and on
+        the H200 the copy engine took the 26 ms copy first: every other gpt-oss-120b prefill layer
+        waited for the next one's experts (docs/benchmarks.md, session 15)."""
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):  # allocated in this stream's pool: no pending compute reader
+            out = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        out.record_stream(compute)  # freed only once the compute stream's readers are done
+        compute.wait_event(done)
+        return out
+
     def seconds(self, block: bool = True) -> tuple[float, float]:
         self._drain(block=block)
         return super().seconds()
@@ -184,4 +206,4 @@ def _distinct(events: Iterable[torch.cuda.Event | None]) -> list[torch.cuda.Even
 
 def make_transfer(device: torch.device, num_slots: int) -> Transfer:
     """StreamTransfer on CUDA, SyncTransfer elsewhere (the CPU is its own device)."""
-    return StreamTransfer(device, num_slots) if device.type == "cuda" else SyncTransfer()
+    return StreamTransfer(device, num_slots) if device.type == "cuda" else SyncTransfer(device)

@@ -27,7 +27,8 @@ from itertools import accumulate
 import torch
 
 from ferryman.errors import ConfigError
-from ferryman.layers.fused_moe import MoEActivation, _group_by_slot, apply_activation, sum_in_slot_order
+from ferryman.layers.fused_moe import (MoEActivation, Upload, _group_by_slot, apply_activation, sum_in_slot_order,
+                                       to_device)
 from ferryman.quant import Banks, ExpertFormat
 
 
@@ -44,19 +45,21 @@ def default_group() -> int:
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
                       topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
                       host_ids: torch.Tensor | None = None,
-                      inputs_issued: Callable[[], None] | None = None) -> torch.Tensor:
+                      inputs_issued: Callable[[], None] | None = None,
+                      upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     ids on the host, if the caller has them (then no device -> host read). inputs_issued: called
     once the pair layout's host -> device copy is issued, before the groups' launches (the caller's
-    large copies may start then: they no longer delay an input of these kernels)."""
+    large copies may start then: they no longer delay an input of these kernels). upload: how the
+    host-built pair order and layout reach the device (fused_moe.Upload; default: on this stream)."""
     group = default_group() if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
     num_slots, hidden, _ = form.dims(banks)
-    slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids)
+    slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids, upload)
     P = T * K
-    layout = _padded_layout(slots, counts, group, x.device)  # the last host -> device input
+    layout = _padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
     if inputs_issued is not None:
         inputs_issued()
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
@@ -87,7 +90,7 @@ class PaddedLayout:
     groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
 
 
-def _padded_layout(slots: list[int], counts: list[int], group: int, device: torch.device) -> PaddedLayout:
+def _padded_layout(slots: list[int], counts: list[int], group: int, upload: Upload) -> PaddedLayout:
     """Built on the host and moved in one asynchronous copy (a tensor made on the device from a
     list would synchronise the stream). A padding row repeats its expert's first row (finite)."""
     starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
@@ -101,7 +104,7 @@ def _padded_layout(slots: list[int], counts: list[int], group: int, device: torc
         valid.append(ok.reshape(-1).long())
         groups.append((g0, ok.shape[0], ok.shape[1], r0))
         r0 += ok.numel()
-    flat = torch.cat([torch.tensor(slots, dtype=torch.long), *rows, *valid]).to(device, non_blocking=True)
+    flat = upload(torch.cat([torch.tensor(slots, dtype=torch.long), *rows, *valid]))
     u = len(slots)
     return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
 

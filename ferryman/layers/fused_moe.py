@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from ferryman.quant import Banks, ExpertFormat, get_format
 
+Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
+
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 TRITON_FORMATS = ("dense", "mxfp4")
 
@@ -123,12 +125,15 @@ def fused_moe(
     act: MoEActivation,
     host_ids: torch.Tensor | None = None,
     inputs_issued: Callable[[], None] | None = None,
+    upload: Upload | None = None,
 ) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     slot ids on the host when the caller has them (offloaded experts): the prefill paths then
     group the pairs without reading the ids back from the device (no sync). inputs_issued: called
     exactly once, as soon as every host -> device copy the kernels need is issued; the batched
-    prefill path calls it before its many launches, the others once their kernels are issued."""
+    prefill path calls it before its many launches, the others once their kernels are issued.
+    upload: moves the prefill paths' small host-built inputs to the device (default: an async copy
+    on the current stream; offloaded prefill puts them on the expert copy stream, experts/transfer.py)."""
     called = [False]
 
     def once() -> None:
@@ -136,14 +141,14 @@ def fused_moe(
             called[0] = True
             inputs_issued()
 
-    out = _dispatch(fmt, banks, x, topk_ids, topk_w, act, host_ids, once)
+    out = _dispatch(fmt, banks, x, topk_ids, topk_w, act, host_ids, once, upload)
     once()  # the paths that do not call it early
     return out
 
 
 def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
               act: MoEActivation, host_ids: torch.Tensor | None,
-              inputs_issued: Callable[[], None]) -> torch.Tensor:
+              inputs_issued: Callable[[], None], upload: Upload | None) -> torch.Tensor:
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     _check_inputs(x, topk_ids, topk_w, hidden)
@@ -159,7 +164,7 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
         from ferryman.layers.batched_moe import fused_moe_batched
 
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
-                                 inputs_issued=inputs_issued)
+                                 inputs_issued=inputs_issued, upload=upload)
     if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
         from ferryman.quant.mxfp4_cpu import LayerJob, pairs_of
 
@@ -268,8 +273,14 @@ def _expert_forward(
     return y
 
 
-def _group_by_slot(topk_ids: torch.Tensor, num_slots: int,
-                   host_ids: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
+def to_device(device: torch.device) -> Upload:
+    """The plain upload: an asynchronous copy on the current stream (of a fresh pageable tensor,
+    which the driver stages at once)."""
+    return lambda t: t.to(device, non_blocking=True)
+
+
+def _group_by_slot(topk_ids: torch.Tensor, num_slots: int, host_ids: torch.Tensor | None = None,
+                   upload: Upload | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
     """(slots used, ascending, on the host; pair ids [P] sorted by slot, on topk_ids' device; pairs
     per used slot). From host_ids (the same ids on the host) with no device sync; else with one
     device -> host read for the slots and their counts together."""
@@ -279,7 +290,7 @@ def _group_by_slot(topk_ids: torch.Tensor, num_slots: int,
         sorted_ids, order = torch.sort(host_ids.reshape(-1).long(), stable=True)
         slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         host_slots, host_counts = slots.tolist(), counts.tolist()
-        order = order.to(topk_ids.device, non_blocking=True)  # a fresh tensor: staged at once
+        order = (upload or to_device(topk_ids.device))(order)
     else:
         flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
         sorted_ids, order = torch.sort(flat, stable=True)
