@@ -313,11 +313,12 @@ class ExpertCache:
         that stay, so a chunk that touches every expert cycles them through a window of slots
         instead of flushing the experts that stay cached from one chunk to the next.
 
-        Invariant: every layer keeps about the same number cached. A cache that kept whole layers
-        (the first ones a chunk filled it with) gave the link nothing to copy while those layers
-        computed: on the H200 the gpt-oss-120b prefill left the link idle for ~5 of 36 layers per
-        chunk (docs/benchmarks.md, session 15). Evenly spread, every layer streams the same share.
-        Call after `release`, on the layer of the last acquire. Returns how many were demoted."""
+        Invariant: every layer keeps about the same number cached, so every layer streams the same
+        share and each layer's kernels overlap a copy. Without it the first chunks' layers stayed
+        cached whole (the same bytes per chunk, unevenly); on the H200 the gpt-oss-120b 8k prefill
+        measured the same either way (docs/benchmarks.md, session 15), the link being held back
+        elsewhere then. Call after `release`, on the layer of the last acquire. Returns how many
+        were demoted."""
         even = envs.STREAM_EVEN
         if not even and self.table.free:
             return 0  # FERRYMAN_STREAM_EVEN=0: what the first chunks fill the cache with stays
