@@ -76,9 +76,12 @@ serve16() {  # serve16 NAME PORT [env VAR=VALUE...] -- [serve flags...]: gpt-oss
   if [ -n "${SNAP_CACHE:-}" ]; then
     mkdir -p "$OUT/${name}_compiled_in_load"
     for d in $(ls "$SNAP_CACHE" | grep -vxF -f "$OUT/${name}_cache_ready.txt"); do
-      for f in "$SNAP_CACHE/$d"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/${name}_compiled_in_load/${d:0:10}_$(basename "$f")"; done
+      # the .ttir names the specialisation (tt.divisibility of each argument, the constexprs)
+      for f in "$SNAP_CACHE/$d"/*.json "$SNAP_CACHE/$d"/*.ttir; do
+        [ -f "$f" ] && cp "$f" "$OUT/${name}_compiled_in_load/${d:0:10}_$(basename "$f")"
+      done
     done
-    echo "compiled during the load: $(ls "$OUT/${name}_compiled_in_load" | grep -v __grp__ | sed 's/^[^_]*_//' | sort | uniq -c | tr '\n' ' ')"
+    echo "compiled during the load: $(ls "$OUT/${name}_compiled_in_load" | grep -v __grp__ | grep '\.json$' | sed 's/^[^_]*_//' | sort | uniq -c | tr '\n' ' ')"
   fi
   curl -s "127.0.0.1:$port/v1/stats" > "$OUT/${name}_stats.json"
   kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
