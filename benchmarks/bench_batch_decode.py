@@ -23,7 +23,8 @@ FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hy
 cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
 one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS; the engine's
 default is 1, so `early+gap` is the default and `early` turns gap guesses off); `+wrap` makes the
-last MoE layer copy what the first used, for the next step (FERRYMAN_DECODE_WRAP_GUESS).
+last MoE layer copy what the first used, for the next step (FERRYMAN_DECODE_WRAP_GUESS); `+inputs`
+sends the decode steps' slot ids on the expert copy stream (FERRYMAN_INPUTS_ON_COPY_STREAM=all).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import re
 import sys
@@ -47,7 +49,7 @@ from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.experts.prefetch import GuessCounters  # noqa: E402
 
 MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width and batch limit: early6@16+cpu
-MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|wrap|gap\d*))*)$")
+MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|wrap|inputs|gap\d*))*)$")
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -80,6 +82,8 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     gap = re.search(r"\+gap(\d*)", mode)
     guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0
     guesser.wrap = "+wrap" in mode
+    # +inputs: decode steps send their slot ids on the copy stream too (read at each step)
+    os.environ["FERRYMAN_INPUTS_ON_COPY_STREAM"] = "all" if "+inputs" in mode else "prefill"
     if guesser.wrap:
         guesser.counters.setdefault(guesser.first, GuessCounters())
         guesser.batch_counters.setdefault(guesser.first, GuessCounters())

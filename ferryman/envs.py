@@ -170,10 +170,12 @@ class Envs:
         "on those launches, and the link idled meanwhile; 0: after the launches)",
     )
     INPUTS_ON_COPY_STREAM = EnvVar(
-        "FERRYMAN_INPUTS_ON_COPY_STREAM", bool, True,
-        "offloaded experts, prefill streaming: a layer's small inputs (slot ids, pair layout) go to the device "
-        "on the expert copy stream, ahead of the next layer's copies (0: on the compute stream, where a copy "
-        "engine could serve them after the next layer's 26 ms copy)",
+        "FERRYMAN_INPUTS_ON_COPY_STREAM", str, "prefill",
+        "offloaded experts: which steps send a layer's small inputs (slot ids, pair layout) to the device on the "
+        "expert copy stream, ahead of the next layer's copies: prefill (streaming chunks; measured), all (decode "
+        "steps too; not measured yet) or off (the compute stream, where a copy engine could serve them after "
+        "the next layer's copies: a 26 ms wait per layer in a gpt-oss-120b prefill)",
+        choices=("prefill", "all", "off"),
     )
     STREAM_EVEN = EnvVar(
         "FERRYMAN_STREAM_EVEN", bool, True,

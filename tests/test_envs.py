@@ -65,7 +65,7 @@ def test_registry_and_defaults() -> None:
         "FERRYMAN_PREFETCH_AFTER_KERNELS": True,
         "FERRYMAN_EXPANDABLE_SEGMENTS": True,
         "FERRYMAN_PREFETCH_BEFORE_GROUPS": True,
-        "FERRYMAN_INPUTS_ON_COPY_STREAM": True,
+        "FERRYMAN_INPUTS_ON_COPY_STREAM": "prefill",
         "FERRYMAN_STREAM_EVEN": True,
         "FERRYMAN_MOE_GRAPHS": True,
         "FERRYMAN_DECODE_PREFETCH": "early",

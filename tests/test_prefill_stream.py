@@ -70,10 +70,12 @@ def test_every_layer_streams_the_same_share(uniform_model: str, even: bool, monk
     assert all(abs(m - share) <= 8 for m in moved), f"{moved} against {share}"
 
 
-def test_a_chunks_inputs_go_through_the_transfer(uniform_model: str) -> None:
+@pytest.mark.parametrize("mode", ["prefill", "all", "off"])
+def test_a_chunks_inputs_go_through_the_transfer(uniform_model: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill chunk's small inputs (slot ids) reach the device through Transfer.upload, which
-    on CUDA queues them on the copy stream before the next layer's copies (a decode step's go the
-    plain way); the tokens stay those of the resident model."""
+    on CUDA queues them on the copy stream before the next layer's copies; a decode step's too with
+    FERRYMAN_INPUTS_ON_COPY_STREAM=all, none with off. The tokens stay those of the resident model."""
+    monkeypatch.setenv("FERRYMAN_INPUTS_ON_COPY_STREAM", mode)
     kw = dict(load_format="dummy", device="cpu", max_num_batched_tokens=256, enforce_eager=True)
     prompt = [list(range(7, 7 + 300))]
     want = greedy_ids(LLM(uniform_model, **kw), prompt, 4)
@@ -88,9 +90,12 @@ def test_a_chunks_inputs_go_through_the_transfer(uniform_model: str) -> None:
 
     transfer.upload = recorded
     assert greedy_ids(llm, prompt, 4) == want
-    # 300 tokens in chunks of 256 and 44: one upload of [T, K] slot ids per MoE layer of each chunk
+    # 300 tokens in chunks of 256 and 44: one upload of [T, K] slot ids per MoE layer of each chunk;
+    # then 3 decode steps of one token
     k = CONFIG["num_experts_per_tok"]
-    assert sorted(set(shapes)) == [(44, k), (256, k)] and len(shapes) == 2 * LAYERS, shapes
+    want_shapes = {"prefill": [(44, k), (256, k)], "all": [(1, k), (44, k), (256, k)], "off": []}[mode]
+    assert sorted(set(shapes)) == want_shapes, shapes
+    assert len(shapes) == {"prefill": 2, "all": 5, "off": 0}[mode] * LAYERS, len(shapes)
 
 
 def test_stream_demotion_keeps_greedy_tokens(uniform_model: str) -> None:

@@ -25,7 +25,7 @@
 #   FERRYMAN_PREFETCH_BEFORE_GROUPS=0 / FERRYMAN_PREFETCH_SPLIT_BUSY=1, twice; then its profile); attnt (the GPU tests of paged attention, fp8 KV, the window
 #   pool and segment graphs); fresh1 (fresh2's first serve alone); grp16ab (120b 8k prefill, groups of 8 / 16 experts, in
 #   one process); narrowab (120b one-sequence decode, early guesses of 4 / 3 / 2
-#   experts per token with gap and wrap guesses: copied against needed bytes); upab (GPU tests of the prefill stream, offload identity, the
+#   experts per token with gap and wrap guesses, then 4 with the slot ids on the copy stream: copied against needed bytes); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
 #   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
@@ -306,7 +306,8 @@ for s in "${@:-tests decode kernels}"; do
       off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       narrowab) bd="python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128"
                stage narrow120 240 $bd --target gpt-oss-120b:16GiB --max-model-len 16384 \
-                 --modes early+gap+wrap,early3+gap+wrap,early2+gap+wrap --reps 2 --json "$OUT/narrow120.json" ;;
+                 --modes early+gap+wrap,early3+gap+wrap,early2+gap+wrap,early+gap+wrap+inputs --reps 2 \
+                 --json "$OUT/narrow120.json" ;;
       fresh2)  SNAP_CACHE=/tmp/triton_fresh serve16 s16_fresh 8197 TRITON_CACHE_DIR=/tmp/triton_fresh --
                serve16 s16_again 8198 TRITON_CACHE_DIR=/tmp/triton_fresh -- ;;
       warm2)   serve16 s16_warm1 8195 --

@@ -359,10 +359,12 @@ class OffloadExperts:
 
     def _upload(self, streaming: bool) -> Upload | None:
         """How a layer's small inputs reach the device: a prefill chunk's on the copy stream
-        (Transfer.upload's invariant; FERRYMAN_INPUTS_ON_COPY_STREAM), others on the compute stream."""
+        (Transfer.upload's invariant), a decode step's too with FERRYMAN_INPUTS_ON_COPY_STREAM=all,
+        the others on the compute stream."""
         from ferryman.envs import envs
 
-        return self.cache.transfer.upload if streaming and envs.INPUTS_ON_COPY_STREAM else None
+        mode = envs.INPUTS_ON_COPY_STREAM
+        return self.cache.transfer.upload if mode == "all" or (mode == "prefill" and streaming) else None
 
     def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor,
                   upload: Upload | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
