@@ -65,10 +65,14 @@ def decode(llm: LLM, tokens: int) -> None:
     st = pstats.Stats(prof)
     st.sort_stats("tottime").print_stats(22)
     st.sort_stats("cumtime").print_stats(30)
-    rebind_offload(llm.engine.runner, prefetch=False)
-    print(f"no prefetch: {run(llm, tokens):.1f} tok/s")
     from torch.profiler import ProfilerActivity, profile
 
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr, _marked():
+        run(llm, 16)
+    overlap(pr)
+    timeline(pr, start_copy=200, span_ms=40.0)  # about one token, a few tokens in
+    rebind_offload(llm.engine.runner, prefetch=False)
+    print(f"no prefetch: {run(llm, tokens):.1f} tok/s")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         run(llm, 8)
     print(pr.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))

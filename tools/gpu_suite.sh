@@ -24,7 +24,8 @@
 #   FERRYMAN_PREFETCH_BEFORE_GROUPS=0 / 1); pbgab2 (120b 8k prefill in one process: defaults /
 #   FERRYMAN_PREFETCH_BEFORE_GROUPS=0 / FERRYMAN_PREFETCH_SPLIT_BUSY=1, twice; then its profile); attnt (the GPU tests of paged attention, fp8 KV, the window
 #   pool and segment graphs); fresh1 (fresh2's first serve alone); grp16ab (120b 8k prefill, groups of 8 / 16 experts, in
-#   one process); narrowab (120b one-sequence decode, early guesses of 4 / 3 / 2
+#   one process); diagdec120 (120b one-sequence decode profile with the copy /
+#   kernel overlap and a timeline of about one token); narrowab (120b one-sequence decode, early guesses of 4 / 3 / 2
 #   experts per token with gap and wrap guesses, then 4 with the slot ids on the copy stream: copied against needed bytes); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
 #   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
@@ -304,6 +305,8 @@ for s in "${@:-tests decode kernels}"; do
                stage pre120_up 130 python3 benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
                  --variant "" --variant FERRYMAN_INPUTS_ON_COPY_STREAM=0 --reps 2 --json "$OUT/pre120_up.json" ;;
       off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
+      diagdec120) stage diagdec120 200 python3 tools/diag_offload.py --tokens 48 --prefill 0 --model gpt-oss-120b \
+                 --budget 16GiB ;;
       narrowab) bd="python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128"
                stage narrow120 240 $bd --target gpt-oss-120b:16GiB --max-model-len 16384 \
                  --modes early+gap+wrap,early3+gap+wrap,early2+gap+wrap,early+gap+wrap+inputs --reps 2 \
