@@ -86,8 +86,10 @@ def _attend_block(
 
 # batch sizes vary step to step: no ==1 / %16 specialisation (and recompile) on them
 # the split count is a run-time value (one compile serves all), not a constexpr: a server's first
-# steps at new context lengths compiled new variants mid-load (docs/benchmarks.md, session 15)
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+# steps at new context lengths compiled new variants mid-load (docs/benchmarks.md, session 15). So is
+# the block-table row stride: an eager step's table is as wide as its longest sequence, and Triton
+# would compile apart a width of 1, a multiple of 16 and any other
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     out, part_acc, part_ml,  # out: [T, Hq, D]; partials: [SPLITS, T, Hq, D_PAD] and [SPLITS, T, Hq, 2]
     q, k_cache, v_cache, sinks,
