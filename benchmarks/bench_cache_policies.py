@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tools.demo_model.routing import heldout_windows  # noqa: E402
 
 from ferryman import LLM  # noqa: E402
-from ferryman.experts.gpu_cache import SlotTable  # noqa: E402
+from ferryman.experts.slot_table import SlotTable  # noqa: E402
 from ferryman.experts.policies import LRFUPolicy, LRUPolicy  # noqa: E402
 from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate  # noqa: E402
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ferryman.experts.gpu_cache import SlotTable  # noqa: E402
+from ferryman.experts.slot_table import SlotTable  # noqa: E402
 from ferryman.experts.policies import POLICIES, make_policy  # noqa: E402
 
 

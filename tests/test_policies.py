@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from ferryman.experts.gpu_cache import SlotTable
+from ferryman.experts.slot_table import SlotTable
 from ferryman.experts.policies import DEFAULT_POLICY, POLICIES, LRFUPolicy, LRUPolicy, ReplacementPolicy, make_policy
 
 NONE_PINNED = lambda key: False  # noqa: E731

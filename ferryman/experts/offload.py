@@ -10,11 +10,14 @@ Per MoE layer and step (any mix of prefill chunks and decodes):
 4. `release` unpins (later copies into those slots wait for the kernels that read them), then
    the next layer's guessed experts start copying into slots not in use (prefetch / prefill
    streaming, experts/prefetch.py): after the kernel's small host -> device inputs, never ahead
-   of them on a copy engine (`finish_step`). A streaming chunk with FERRYMAN_PREFILL_LOOKAHEAD=2
-   also queues the layer after, into free or demoted slots only (it never evicts what the next
-   layer was given); late decode guesses: experts/late_guess.py;
-5. a streaming chunk (touching about every expert) then demotes what it brought in, so prefill
-   cycles a window of slots instead of flushing the cache (`ExpertCache.demote_fetched`).
+   of them on a copy engine (`finish_step`). A streaming chunk's copies start as soon as those
+   inputs are issued, before the batched path's launches, and its inputs travel on the copy
+   stream itself (`Transfer.upload`). With FERRYMAN_PREFILL_LOOKAHEAD=2 it also queues the layer
+   after, into free or demoted slots only (it never evicts what the next layer was given); late
+   decode guesses: experts/late_guess.py;
+5. a streaming chunk (touching about every expert) then demotes what it brought in beyond the
+   layer's even share, so prefill cycles a window of slots instead of flushing the cache
+   (`ExpertCache.demote_fetched`).
 
 If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
 layer runs in rounds: cached experts first, then as many misses as fit, each round a
@@ -29,8 +32,7 @@ the same step runs eagerly or as the layer's MoE graph.
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,47 +41,16 @@ from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.routing import host_ids_of
 from ferryman.experts.late_guess import LateGuesses
+from ferryman.experts.layer_step import CPUPart, Guess, LayerStep, Prefetch
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
 from ferryman.errors import ConfigError
+from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, Upload, fused_moe, to_device
 
 if TYPE_CHECKING:
     from ferryman.experts.staging import RowStager
 
-Guess = tuple[int, torch.Tensor | None]  # (target MoE layer, guessed ids [T, K] on the device; None: a wrap guess)
-Prefetch = tuple[Guess, list[int]]  # a guess and its distinct ids on the host (decode: most likely first)
 MAX_LOOKAHEAD = 4
-from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, Upload, fused_moe, to_device
-
-
-@dataclass(frozen=True)
-class CPUPart:
-    """A hybrid step's pairs computed on the CPU: its `experts`, the running `job` (a [T, H] host
-    tensor when done) and `off`, [T, K] bool on the cache's device: the pairs it covers, which the
-    device kernel gives weight 0."""
-
-    experts: list[int]
-    job: Future
-    off: torch.Tensor
-    units: float  # what the split expects the job to cost, in 1-token experts (HybridSplit.units)
-
-
-@dataclass(frozen=True)
-class LayerStep:
-    """A MoE layer step whose experts are acquired (pinned) and mapped to slots, ready for its
-    kernel (run by `forward`, or by a per-layer CUDA graph after `prepare_decode`) until
-    `OffloadExperts.finish_step`."""
-
-    layer: int
-    used: list[int]  # distinct expert ids on the device, ascending
-    slots: list[int]  # their slots
-    # [T, K] int32 slot of each (token, k) pair, on the cache's device; None when the CPU computes
-    # every pair (a hybrid step with nothing on the device)
-    slot_ids: torch.Tensor | None
-    host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
-    prefetches: list[Prefetch] = field(default_factory=list)  # guesses to copy once the kernel is issued
-    streaming: bool = False
-    cpu: CPUPart | None = None  # hybrid: what the CPU computes meanwhile
 
 
 class OffloadExperts:

@@ -1,0 +1,133 @@
+"""The expert cache's bookkeeping: which key sits in which slot, pins, and eviction by the policy.
+
+A key is a flat expert id over all MoE layers (experts/gpu_cache.py). "In use" means pinned:
+`acquire` pins the experts of the layer step being computed, `release` unpins them once the
+kernels reading them are issued. A pinned key is never chosen as a victim. No tensors here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ferryman.experts.policies import ReplacementPolicy
+
+
+@dataclass
+class Lookup:
+    """What one lookup did. Keys in the order asked."""
+
+    slots: list[int]  # slot of each key asked (acquire) or admitted (admit)
+    hits: list[int] = field(default_factory=list)  # keys already cached
+    filled: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to copy in
+    evicted: list[int] = field(default_factory=list)  # keys that lost their slot, in order
+    held: list[int] = field(default_factory=list)  # admit(hold=True): keys left pinned by this call
+
+
+class SlotTable:
+    """Which key sits in which slot; pins; eviction by the policy. No tensors."""
+
+    def __init__(self, num_slots: int, policy: ReplacementPolicy) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the expert cache needs at least 1 slot, got {num_slots}")
+        self.num_slots, self.policy = num_slots, policy
+        self.slot_of: dict[int, int] = {}
+        self.key_of: list[int | None] = [None] * num_slots
+        self.pins = [0] * num_slots
+        self.num_pinned = 0  # slots with pins > 0
+        self.free = list(range(num_slots))  # heap: the lowest free slot is used first
+
+    def available(self) -> int:
+        """Slots not pinned: how many distinct keys one acquire may ask for."""
+        return self.num_slots - self.num_pinned
+
+    def is_pinned(self, key: int) -> bool:
+        slot = self.slot_of.get(key)
+        return slot is not None and self.pins[slot] > 0
+
+    def acquire(self, keys: list[int]) -> Lookup:
+        """Cache and pin every key (distinct); victims are the policy's, never pinned keys."""
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"acquire: keys must be distinct, got {keys}")
+        need = sum(1 for k in keys if not self.is_pinned(k))
+        if need > self.available():
+            raise ValueError(f"acquire: {need} experts to pin but only {self.available()} of "
+                             f"{self.num_slots} slots are not in use")
+        look = Lookup(slots=[])
+        hits = [k for k in keys if k in self.slot_of]
+        for k in hits:  # pin the hits first: the misses' victims must not be among them
+            self._pin(self.slot_of[k])
+        for k in keys:
+            if k not in self.slot_of:
+                self._fill(k, look)
+                self._pin(self.slot_of[k])
+        look.hits = hits
+        look.slots = [self.slot_of[k] for k in keys]
+        self.policy.reference(keys)
+        return look
+
+    def admit(self, keys: list[int], demoted_only: bool = False, hold: bool = False,
+              avoid: Callable[[int], bool] | None = None) -> Lookup:
+        """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
+        free or evictable (demoted_only: free, or holding a demoted key); a key admitted here is not
+        evicted by a later key of the same call. hold: every key of the call that is cached at the
+        end (admitted or already there) stays pinned, listed in `held`, until the caller releases it.
+        avoid(slot): victims in such slots are taken only when no other is left (a copy into a slot
+        whose reading kernel is still pending would hold the whole batch of copies back)."""
+        unavailable = self.is_pinned if avoid is None else \
+            (lambda k: self.is_pinned(k) or avoid(self.slot_of[k]))  # noqa: E731
+        look = Lookup(slots=[])
+        taken: list[int] = []
+        for k in keys:
+            if k in self.slot_of:
+                if hold:
+                    self._pin(self.slot_of[k])
+                    look.held.append(k)
+                continue
+            if self.available() == 0:
+                break
+            if demoted_only and not self.free:
+                victim = self.policy.demoted_victim(unavailable)
+                if victim is None:
+                    victim = self.policy.demoted_victim(self.is_pinned)
+                if victim is None:
+                    break
+                self._fill(k, look, victim)
+            else:
+                self._fill(k, look, None if self.free else self.policy.victim(unavailable))
+            self.policy.insert_prefetched(k)
+            self._pin(self.slot_of[k])
+            taken.append(k)
+        look.slots = [self.slot_of[k] for k in taken]
+        if hold:
+            look.held.extend(taken)
+        else:
+            self.release(taken)
+        return look
+
+    def release(self, keys: list[int]) -> None:
+        for k in keys:
+            slot = self.slot_of[k]
+            if self.pins[slot] == 0:
+                raise ValueError(f"release: expert key {k} is not pinned")
+            self.pins[slot] -= 1
+            self.num_pinned -= int(self.pins[slot] == 0)
+
+    def _pin(self, slot: int) -> None:
+        self.num_pinned += int(self.pins[slot] == 0)
+        self.pins[slot] += 1
+
+    def _fill(self, key: int, look: Lookup, victim: int | None = None) -> None:
+        if self.free:
+            slot = heapq.heappop(self.free)
+        else:
+            victim = self.policy.victim(self.is_pinned) if victim is None else victim
+            if victim is None:  # acquire/admit checked available() first
+                raise RuntimeError("expert cache: every slot is pinned")
+            self.policy.filled(key, victim)
+            slot = self.slot_of.pop(victim)
+            self.policy.remove(victim)
+            look.evicted.append(victim)
+        self.slot_of[key], self.key_of[slot] = slot, key
+        look.filled.append((key, slot))
