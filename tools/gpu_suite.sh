@@ -378,7 +378,7 @@ for s in "${@:-tests decode kernels}"; do
                stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
-      *) echo "unknown stage $s1 (tests gtests late prefillab grouped decode fusek kernels prefix offload20 offload120 offloadqwen offloadab offload diag diagpre hybrid dequant qtests lookab lateab embab moegab moegab20 expab ltests late2ab late2ab20 sgtests diagpre120 pakab pak120ab serveab hyb hyb2 hybt uva serve serve4k serve120)"; exit 2 ;;
+      *) echo "unknown stage $s1: the stages are listed at the top of $0"; exit 2 ;;
     esac
   done
 done
