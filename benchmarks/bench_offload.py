@@ -60,6 +60,14 @@ def link_bandwidth(row_bytes: int, device: torch.device, copies: int = 64) -> fl
     return copies * row_bytes / spent
 
 
+def uncached_bytes(llm: LLM) -> int:
+    """Bytes of the routed experts that have no slot: what each chunk of a long prompt, touching
+    about every expert, must bring over the link (the streaming limit's numerator)."""
+    eng = llm.engine
+    total = len(eng.cfg.moe_layers) * eng.cfg.num_experts
+    return max(0, total - eng.stats()["experts"].get("slots", total)) * eng.plan.slot_bytes
+
+
 COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_host_reads", "copies_h2d", "h2d_seconds", "stall_seconds",
             "prefetch_fetched", "prefetch_hits", "cpu_computed")
 
@@ -112,7 +120,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     pre = generate(llm, rand(pre_len), 1) if pre_len > 0 else {"ttft_s": None}
     cfg = eng.cfg
     total_experts = len(cfg.moe_layers) * cfg.num_experts
-    uncached = max(0, total_experts - experts.get("slots", total_experts)) * slot_bytes
+    uncached = uncached_bytes(llm)
     decode_steps = max(1, a.decode_tokens - 1)  # the counters start after the first token
     misses_per_token = dec.get("misses", 0) / decode_steps
     # every byte that crossed the link per token (misses, and prefetched copies right or wrong)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from bench_offload import link_bandwidth  # noqa: E402
+from bench_offload import link_bandwidth, uncached_bytes  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
 
@@ -67,7 +67,7 @@ def main() -> None:
     eng = llm.engine
     cfg, chunk = eng.cfg, eng.plan.request.max_num_batched_tokens
     slots = eng.stats()["experts"]["slots"]
-    uncached = max(0, len(cfg.moe_layers) * cfg.num_experts - slots) * eng.plan.slot_bytes
+    uncached = uncached_bytes(llm)
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
     n = min(a.prompt, eng.max_model_len - 2)
     limit_s = -(-n // chunk) * uncached / bw  # seconds if the link streamed the uncached experts non-stop

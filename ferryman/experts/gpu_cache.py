@@ -108,7 +108,6 @@ class ExpertCache:
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
-        self.last_layer = store.cfg.moe_layers[0] if store.cfg.moe_layers else 0  # that acquire's layer
         self.rows: RowAddressTable | None = None  # zero-copy decode (enable_row_addresses)
         # prefetch(hold=True): target layer -> keys pinned for it until its acquire (or the step's end)
         self.held: dict[int, list[int]] = {}
@@ -149,7 +148,6 @@ class ExpertCache:
         c.add(c.misses, layer, len(look.filled))
         c.add(c.prefetch_hits, layer, sum(1 for k in look.hits if k in self.prefetched))
         self.last_fetched = [k for k, _ in look.filled] + [k for k in look.hits if k in self.prefetched]
-        self.last_layer = layer
         self.prefetched.difference_update(look.hits)
         self._fetch(layer, look, demand=True)
         self.transfer.wait(look.slots)
@@ -188,7 +186,7 @@ class ExpertCache:
         shared evenly among the layers."""
         return max(0, (self.table.num_slots - 2 * self.num_experts) // len(self.moe_index))
 
-    def demote_fetched(self) -> int:
+    def demote_fetched(self, layer: int) -> int:
         """Scan resistance for a prefill stream: the experts the last acquire brought in (copied, or
         prefetched for it) become the next victims, beyond the layer's `stream_quota` of experts
         that stay, so a chunk that touches every expert cycles them through a window of slots
@@ -198,13 +196,13 @@ class ExpertCache:
         share and each layer's kernels overlap a copy. Without it the first chunks' layers stayed
         cached whole (the same bytes per chunk, unevenly); on the H200 the gpt-oss-120b 8k prefill
         measured the same either way (docs/benchmarks.md, session 15), the link being held back
-        elsewhere then. Call after `release`, on the layer of the last acquire. Returns how many
+        elsewhere then. Call after `release`, with the layer of the last acquire. Returns how many
         were demoted."""
         even = envs.STREAM_EVEN
         if not even and self.table.free:
             return 0  # FERRYMAN_STREAM_EVEN=0: what the first chunks fill the cache with stays
         fetched = set(self.last_fetched)
-        base = self.moe_index[self.last_layer] * self.num_experts
+        base = self.moe_index[layer] * self.num_experts
         kept = sum(1 for k in range(base, base + self.num_experts) if k in self.table.slot_of and k not in fetched)
         room = max(0, self.stream_quota() - kept) if even else 0  # fetched experts that may stay
         movable = [k for k in self.last_fetched if k in self.table.slot_of and not self.table.is_pinned(k)]

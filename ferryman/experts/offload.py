@@ -44,6 +44,7 @@ from ferryman.experts.late_guess import LateGuesses
 from ferryman.experts.layer_step import CPUPart, Guess, LayerStep, Prefetch
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.envs import envs
 from ferryman.errors import ConfigError
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, Upload, fused_moe, to_device
 
@@ -59,7 +60,7 @@ class OffloadExperts:
                  lookahead: int | None = None, stage_rows: int = 0) -> None:
         self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
         # prefill streaming: a chunk's experts start copying this many MoE layers ahead
-        self.lookahead = _lookahead() if lookahead is None else lookahead
+        self.lookahead = envs.PREFILL_LOOKAHEAD if lookahead is None else lookahead
         if not 1 <= self.lookahead <= MAX_LOOKAHEAD:
             raise ConfigError(f"prefill lookahead (FERRYMAN_PREFILL_LOOKAHEAD) must be 1..{MAX_LOOKAHEAD} layers, "
                               f"got {self.lookahead}")
@@ -188,7 +189,7 @@ class OffloadExperts:
         if cpu is not None and not used:  # no room at all: the CPU computes the whole layer
             return LayerStep(layer, [], [], None, None, prefetches, streaming, cpu)
         slots = self.cache.acquire(layer, used)
-        if not _prefetch_after_kernels():
+        if not envs.PREFETCH_AFTER_KERNELS:
             self._prefetch(prefetches, streaming)
             prefetches = []
         on_cpu = [] if cpu is None else cpu.experts
@@ -275,7 +276,7 @@ class OffloadExperts:
             out = torch.zeros_like(x)  # [T, H]
         else:
             w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
-            early = streaming and _prefetch_before_groups()
+            early = streaming and envs.PREFETCH_BEFORE_GROUPS
             out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids,
                             inputs_issued=(lambda: self._prefetch(step.prefetches, streaming)) if early else None,
                             upload=self._upload(streaming))
@@ -283,7 +284,7 @@ class OffloadExperts:
                 step = replace(step, prefetches=[])  # their copies have started
         self.finish_step(step)
         if streaming:  # a chunk touching about every expert: what it brought in goes first
-            self.cache.demote_fetched()
+            self.cache.demote_fetched(step.layer)
         return out if step.cpu is None else out + self.cpu_part(step)
 
     def _hybrid_step(self, layer: int, x: torch.Tensor, topk_w: torch.Tensor, host_ids: torch.Tensor,
@@ -332,8 +333,6 @@ class OffloadExperts:
         """How a layer's small inputs reach the device: a prefill chunk's on the copy stream
         (Transfer.upload's invariant), a decode step's too with FERRYMAN_INPUTS_ON_COPY_STREAM=all,
         the others on the compute stream."""
-        from ferryman.envs import envs
-
         mode = envs.INPUTS_ON_COPY_STREAM
         return self.cache.transfer.upload if mode == "all" or (mode == "prefill" and streaming) else None
 
@@ -377,21 +376,3 @@ def _check_zero_copy(cache: ExpertCache, hybrid: HybridSplit | None) -> None:
                           "pinning failed here (see the warning above); turn it off")
     if hybrid is not None and hybrid.decision.enabled:
         raise ConfigError("zero-copy decode (FERRYMAN_ZERO_COPY) and --cpu-experts are exclusive; pick one")
-
-
-def _prefetch_after_kernels() -> bool:
-    from ferryman.envs import envs
-
-    return envs.PREFETCH_AFTER_KERNELS
-
-
-def _prefetch_before_groups() -> bool:
-    from ferryman.envs import envs
-
-    return envs.PREFETCH_BEFORE_GROUPS
-
-
-def _lookahead() -> int:
-    from ferryman.envs import envs
-
-    return envs.PREFILL_LOOKAHEAD
