@@ -6,6 +6,8 @@ captured as graphs (gpu)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,10 @@ def test_rebound_backend_runs_its_moe_eagerly(tiny: tuple[str, Path]) -> None:
 
     arch, folder = tiny
     want, offload, seg = _cpu_offload_with_segments(folder, 8)
+    old = weakref.ref(offload.engine.runner.experts)
     rebind_offload(offload.engine.runner, policy="lru")
+    gc.collect()
+    assert old() is None, "the graphs still hold the old backend (and its slot pool) after a rebind"
     moe_runs = _count_moe(seg)
     assert greedy_ids(offload, PROMPTS, 8) == want, f"{arch}: eager MoE after a rebind differs"
     assert moe_runs[0] == 0

@@ -160,6 +160,14 @@ class SegmentedDecode:
         self.logits[bs] = out
         self.graphs[bs] = graphs
 
+    def release_moe(self) -> None:
+        """Forget the MoE graphs and the backends they were captured against (rebind_offload): the
+        old slot pool can then be freed before a new one is allocated; those layers run eagerly."""
+        self.captured = {i: None for i in self.moe}
+        for graphs in self.graphs.values():
+            for key in [k for k in graphs if k[0] == "moe"]:
+                del graphs[key]
+
     # ---- a step -----------------------------------------------------------------------------
     def fits(self, inputs: StepInputs) -> bool:
         return self.static.fits(inputs)

@@ -163,6 +163,10 @@ def rebind_offload(runner: Any, **options: Any) -> Any:
     store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
     if device.type == "cuda":  # copies into the old pool may still be in flight
         torch.cuda.synchronize(device)
+    from ferryman.engine.segment_graphs import SegmentedDecode
+
+    if isinstance(runner.graphs, SegmentedDecode):  # its MoE graphs hold the old backend
+        runner.graphs.release_moe()
     runner.experts = old = None  # free the old slot pool before allocating the new one
     for block in runner.model.moe_blocks():
         block.experts = None
