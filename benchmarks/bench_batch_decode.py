@@ -16,8 +16,8 @@ over the whole run and the mean time to first token, with no HTTP or tokenizer t
 engine (set beside a served run, this separates the engine from the server around it).
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
 machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
-MoE input, FERRYMAN_DECODE_PREFETCH=early; `early6` guesses 6 experts per token,
-FERRYMAN_DECODE_PREFETCH_TOPK=6; `early@16` guesses in steps of up to 16 sequences,
+MoE input, FERRYMAN_DECODE_PREFETCH=early, with the engine's guess widths; `early6` guesses 6
+experts per token in every step, FERRYMAN_DECODE_PREFETCH_TOPK=6 and FERRYMAN_DECODE_PREFETCH_SOLO_TOPK=6; `early@16` guesses in steps of up to 16 sequences,
 FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hybrid split
 (the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
 cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
@@ -60,6 +60,7 @@ class Defaults:
 
     max_seqs: int  # the guesser's decode_max_seqs
     margin: float | None  # the cache policy's admission margin (lrfu)
+    solo_k: int  # the guesser's one-sequence guess width
 
     @staticmethod
     def of(llm: LLM) -> "Defaults":
@@ -67,7 +68,8 @@ class Defaults:
         guesser = getattr(experts, "guesser", None)
         if guesser is None:
             raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
-        return Defaults(guesser.decode_max_seqs, getattr(experts.cache.table.policy, "admit_margin", None))
+        return Defaults(guesser.decode_max_seqs, getattr(experts.cache.table.policy, "admit_margin", None),
+                        guesser.solo_k)
 
 
 def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
@@ -78,6 +80,7 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     assert m is not None  # main() checked every mode
     guesser.decode = "early" if mode.startswith("early") else "off"
     guesser.decode_k = int(m.group(2) or 0)  # experts per token of a guess (0: top-k)
+    guesser.solo_k = int(m.group(2) or 0) or defaults.solo_k  # earlyN: N in one-sequence steps too
     guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else defaults.max_seqs
     gap = re.search(r"\+gap(\d*)", mode)
     guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0

@@ -5,6 +5,7 @@ of every architecture (gpt-oss with MXFP4 experts) and on the bundled demo model
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,8 +50,9 @@ def test_early_guess_batch_limit_default(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_wider_early_guesses_recall_more_and_keep_the_answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRYMAN_DECODE_PREFETCH_TOPK=6 on a top-4 model: each decode guess is a superset of the
-    top-4 one from the same input, so recall can only rise; answers stay the resident ones."""
+    """FERRYMAN_DECODE_PREFETCH_TOPK and _SOLO_TOPK at 6 on a top-4 model: each decode guess is a
+    superset of the default top-4 one from the same input, so recall can only rise; answers stay
+    the resident ones."""
     monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32)
@@ -58,26 +60,88 @@ def test_wider_early_guesses_recall_more_and_keep_the_answers(monkeypatch: pytes
     recall = {}
     for k in (0, 6):
         monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_TOPK", str(k))
+        monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_SOLO_TOPK", str(k))
         llm = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-        assert llm.engine.runner.experts.guesser.guess_k == (k or 4)
+        guesser = llm.engine.runner.experts.guesser
+        assert (guesser.width(1), guesser.width(2), guesser.copy_width(1)) == ((6, 6, 6) if k else (4, 4, 2))
         assert greedy_ids(llm, prompts, 12) == want
         recall[k] = llm.stats()["experts"]["guess_recall"]
     assert recall[6] > recall[0], recall
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH_TOPK", "-1")
-    with pytest.raises(ValueError, match="FERRYMAN_DECODE_PREFETCH_TOPK"):
-        LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    for name in ("FERRYMAN_DECODE_PREFETCH_TOPK", "FERRYMAN_DECODE_PREFETCH_SOLO_TOPK"):
+        monkeypatch.setenv(name, "-1")
+        with pytest.raises(ValueError, match=name):
+            LLM(moe_strategy="offload", expert_cache="10%", **kw)
+        monkeypatch.setenv(name, "0")
+
+
+def test_one_sequence_guesses_copy_half_the_top_k_until_the_rest_proves_precise() -> None:
+    """A one-sequence guess computes top-k but copies the top_k // 2 most likely (from top-4 up);
+    the rest, graded without a copy, joins once it is right `tail_bar` of the time. Steps of
+    several sequences copy top-k; SOLO_TOPK fixes the width."""
+    from ferryman.experts.prefetch import NextLayerGuesser, narrow_k
+
+    assert [narrow_k(k) for k in (1, 2, 4, 8)] == [1, 2, 2, 4]
+    torch.manual_seed(0)
+    gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
+    g = NextLayerGuesser(gates, top_k=4, min_samples=8)
+    x = torch.randn(2, 4)
+    best = torch.topk(gates[1](x), 4, dim=-1).indices  # [2, 4]
+    one = g.guess(0, x[:1], wide=True)
+    assert one is not None and torch.equal(one[1], best[:1])  # computed at full width: the tail is graded
+    assert (g.copy_width(1), g.width(2)) == (2, 4)
+    for used in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 6]):
+        assert g.copy_width(1) == 2  # fewer than min_samples graded
+        g.remember_tail(1, [2, 3])
+        g.remember(1, [0, 1, 2, 3], [0, 1], streaming=False)
+        g.score(1, used, seqs=1)  # tails right 2/2, 2/2, 2/2, 1/2
+    assert g.copy_width(1) == 4  # 7 of 8 >= 0.85
+    g.remember_tail(1, [2, 3])
+    g.score(1, [0, 1], seqs=1)
+    assert g.copy_width(1) == 2 and g.stats()["per_layer_guess"][1]["tail_precision"] == 0.7
+    fixed = NextLayerGuesser(gates, top_k=4, solo_k=3)
+    assert (fixed.width(1), fixed.copy_width(1), fixed.width(2)) == (3, 3, 4)
+    fixed_one = fixed.guess(0, x[:1], wide=True)
+    assert fixed_one is not None and torch.equal(fixed_one[1], best[:1, :3])
+
+
+def test_one_sequence_offload_copies_at_most_the_narrow_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the demo model (top-4), one sequence: no decode guess copies more than 2 experts per
+    layer step while the tails are not precise, and the tokens are the resident ones."""
+    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
+    monkeypatch.setenv("FERRYMAN_DECODE_WRAP_GUESS", "0")  # a wrap guess copies what the first layer used
+    kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32)
+    want = greedy_ids(LLM(**kw), [[5, 6, 7]], 12)
+    llm = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    guesser = llm.engine.runner.experts.guesser
+    guesser.tail_bar = 2.0  # never precise enough: the width stays narrow
+    experts, copied = llm.engine.runner.experts, []
+    prefetch = experts.cache.prefetch
+
+    def counted(layer: int, ids: list[int], *a: Any, streaming: bool = False) -> list[int]:
+        if experts._step_seqs == 1:  # a one-token step: decode (the prompt's step has 3 rows)
+            copied.append(len(ids))
+        return prefetch(layer, ids, *a, streaming=streaming)
+
+    monkeypatch.setattr(experts.cache, "prefetch", counted)
+    assert greedy_ids(llm, [[5, 6, 7]], 12) == want
+    assert copied and max(copied) <= 2, copied
+    tails = [c.tail_guessed for c in guesser.counters.values()]
+    assert sum(tails) > 0, "the uncopied tails were not graded"
+
 
 
 def test_precision_gate_scales_with_the_guess_width() -> None:
     from ferryman.experts.prefetch import NextLayerGuesser
 
     gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
-    for k, stays in ((0, False), (8, True)):  # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8
-        g = NextLayerGuesser(gates, top_k=4, decode_k=k, min_samples=32)
+    # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8. Batches copy decode_k wide, one sequence
+    # solo_k wide (0: at most top-k, so the plain bar)
+    for k, solo, seqs, stays in ((0, 0, 2, False), (8, 0, 2, True), (0, 0, 1, False), (8, 0, 1, False), (0, 8, 1, True)):
+        g = NextLayerGuesser(gates, top_k=4, decode_k=k, solo_k=solo, min_samples=32)
         for _ in range(8):
-            g.remember(1, [0, 1, 2, 3], [0, 1, 2, 3], streaming=False)
-            g.score(1, [0, 1])
-        assert g.counters[1].enabled == stays, k
+            g.remember(1, [0, 1, 2, 3], [0, 1, 2, 3], streaming=False, seqs=seqs)
+            g.score(1, [0, 1], seqs=seqs)
+        assert g.counters_for(seqs)[1].enabled == stays, (k, solo, seqs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

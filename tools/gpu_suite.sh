@@ -26,7 +26,9 @@
 #   pool and segment graphs); fresh1 (fresh2's first serve alone); grp16ab (120b 8k prefill, groups of 8 / 16 experts, in
 #   one process); diagdec120 (120b one-sequence decode profile with the copy /
 #   kernel overlap and a timeline of about one token); narrowab (120b one-sequence decode, early guesses of 4 / 3 / 2
-#   experts per token with gap and wrap guesses, then 4 with the slot ids on the copy stream: copied against needed bytes); upab (GPU tests of the prefill stream, offload identity, the
+#   experts per token with gap and wrap guesses, then 4 with the slot ids on the copy stream: copied against needed bytes);
+#   narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
+#   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
 #   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
@@ -311,6 +313,14 @@ for s in "${@:-tests decode kernels}"; do
                stage narrow120 240 $bd --target gpt-oss-120b:16GiB --max-model-len 16384 \
                  --modes early+gap+wrap,early3+gap+wrap,early2+gap+wrap,early+gap+wrap+inputs --reps 2 \
                  --json "$OUT/narrow120.json" ;;
+      narrow20) stage narrow20 150 python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128 --target gpt-oss-20b:8GiB \
+                 --modes early+gap+wrap,early4+gap+wrap,early2+gap+wrap --reps 2 --json "$OUT/narrow20.json" ;;
+      narrow120b) stage narrow120b 200 python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128 \
+                 --target gpt-oss-120b:16GiB --max-model-len 16384 --modes early+gap+wrap,early4+gap+wrap --reps 2 \
+                 --json "$OUT/narrow120b.json" ;;
+      narrowqwen) stage narrowqwen 200 python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128 \
+                 --target qwen3-30b-a3b:8GiB --modes early+gap+wrap,early8+gap+wrap,early4+gap+wrap --reps 2 \
+                 --json "$OUT/narrowqwen.json" ;;
       fresh2)  SNAP_CACHE=/tmp/triton_fresh serve16 s16_fresh 8197 TRITON_CACHE_DIR=/tmp/triton_fresh --
                serve16 s16_again 8198 TRITON_CACHE_DIR=/tmp/triton_fresh -- ;;
       warm2)   serve16 s16_warm1 8195 --

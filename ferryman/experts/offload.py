@@ -260,14 +260,19 @@ class OffloadExperts:
             return
         # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
         split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
-        for depth, ((target, _), guessed) in enumerate(prefetches, start=1):  # in layer order
+        for depth, ((target, ids), guessed) in enumerate(prefetches, start=1):  # in layer order
             if not streaming and not self.guesser.counters_for(self._step_seqs)[target].enabled:  # a gap guess
                 copy = [e for e in guessed if not self.cache.contains(target, e)][: self.guesser.gap_k]
                 self.guesser.remember_gap(target, self.cache.prefetch(target, copy, depth))
                 continue
+            take = guessed
+            if not streaming and self._step_seqs == 1 and ids is not None:  # a full guess, most likely first
+                width = self.guesser.copy_width(target)
+                self.guesser.remember_tail(target, guessed[width:])
+                take = guessed[:width]
             # ascending: consecutive experts into consecutive slots coalesce into one copy
-            copy = sorted(guessed) if split is None else \
-                split.link_share(target, [e for e in guessed if not self.cache.contains(target, e)])
+            copy = sorted(take) if split is None else \
+                split.link_share(target, [e for e in take if not self.cache.contains(target, e)])
             fetched = self.cache.prefetch(target, copy, depth, streaming=streaming)
             self.guesser.remember(target, guessed, fetched, streaming, self._step_seqs)
 

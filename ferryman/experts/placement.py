@@ -146,8 +146,8 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
 
     decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
     norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
-    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms,
-                               decode_k=envs.DECODE_PREFETCH_TOPK, gap_k=envs.DECODE_GAP_GUESS,
+    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms, decode_k=envs.DECODE_PREFETCH_TOPK,
+                               solo_k=envs.DECODE_PREFETCH_SOLO_TOPK, gap_k=envs.DECODE_GAP_GUESS,
                                decode_max_seqs=envs.DECODE_PREFETCH_MAX_SEQS, wrap=envs.DECODE_WRAP_GUESS) if prefetch else None
     return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, zero_copy, stage_rows=stage)
 

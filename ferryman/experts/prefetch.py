@@ -70,6 +70,15 @@ class GuessCounters:
     gap_useful: int = 0
     gap_enabled: bool = True
     off_steps: int = 0  # steps of the layer since the gate turned its full guesses off (re-probe)
+    tail_guessed: int = 0  # one-sequence guesses' experts past the narrow width (graded, copied or not)
+    tail_used: int = 0  # of those, used by the layer
+
+
+def narrow_k(top_k: int) -> int:
+    """The narrow width of a one-sequence guess: half the model's top-k from top-4 up (measured
+    on gpt-oss, top-4: docs/benchmarks.md, session 16), else top-k (a top-2 model's guess of one
+    expert is not measured)."""
+    return top_k // 2 if top_k >= 4 else top_k
 
 
 @dataclass
@@ -91,6 +100,15 @@ class NextLayerGuesser:
     # experts per token an early decode guess takes (0: top_k): wider guesses trade precision for
     # recall, and the precision gate scales with them. offload_backend: FERRYMAN_DECODE_PREFETCH_TOPK
     decode_k: int = 0
+    # experts per token a one-sequence early decode guess copies (0: adaptive, per layer). A
+    # one-sequence step is link-bound: a right guess only moves a copy earlier, a wrong one adds
+    # its whole time. gpt-oss-120b at 16 GiB (H200, session 16) decoded 30.9 tok/s copying 2 of
+    # top-4 against 29.1 copying 4, though the 3rd and 4th guesses were right about 0.7 of the
+    # time. Adaptive: copy the `narrow_k` most likely, the rest of guess_k too once the layer's
+    # graded tail (computed anyway, copied or not) is right at least `tail_bar` of the time.
+    # offload_backend: FERRYMAN_DECODE_PREFETCH_SOLO_TOPK
+    solo_k: int = 0
+    tail_bar: float = 0.85
     # early decode guesses only in steps of at most this many sequences (0: DECODE_MAX_SEQS).
     # offload_backend: FERRYMAN_DECODE_PREFETCH_MAX_SEQS
     decode_max_seqs: int = 0
@@ -113,6 +131,7 @@ class NextLayerGuesser:
     # layer -> (guessed, fetched, the guess's step had several sequences)
     pending: dict[int, tuple[set[int], set[int], bool]] = field(init=False)
     gap_pending: dict[int, set[int]] = field(init=False)  # layer -> experts a gap guess copied
+    tail_pending: dict[int, list[int]] = field(init=False)  # layer -> a one-sequence guess's uncopied tail
 
     def __post_init__(self) -> None:
         if self.decode not in DECODE_MODES:
@@ -125,6 +144,9 @@ class NextLayerGuesser:
         self.decode_max_seqs = self.decode_max_seqs or DECODE_MAX_SEQS
         if self.decode_k < 0:
             raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_TOPK must be >= 0 experts per token (0: top-k), got {self.decode_k}")
+        if self.solo_k < 0:
+            raise ConfigError(f"FERRYMAN_DECODE_PREFETCH_SOLO_TOPK must be >= 0 experts per token (0: adaptive), "
+                              f"got {self.solo_k}")
         if self.late_depth and set(self.norms) != set(self.gates):
             raise ValueError("late decode prefetch needs the router-input norm of every MoE layer")
         layers = sorted(self.gates)
@@ -141,6 +163,7 @@ class NextLayerGuesser:
         self.batch_counters = {layer: GuessCounters() for layer in targets}
         self.pending = {}
         self.gap_pending = {}
+        self.tail_pending = {}
 
     @property
     def late_depth(self) -> int:
@@ -159,14 +182,30 @@ class NextLayerGuesser:
         """Experts per token of an early decode guess."""
         return self.decode_k or self.top_k
 
+    def width(self, seqs: int) -> int:
+        """Experts per token an early decode guess computes in a step of `seqs` sequences."""
+        return self.solo_k if seqs == 1 and self.solo_k else self.guess_k
+
+    def copy_width(self, layer: int) -> int:
+        """Experts a one-sequence guess for `layer` copies, most likely first (`solo_k`)."""
+        if self.solo_k:
+            return self.solo_k
+        c = self.counters[layer]
+        precise = c.tail_guessed >= self.min_samples and c.tail_used >= self.tail_bar * c.tail_guessed
+        return self.guess_k if precise else min(narrow_k(self.top_k), self.guess_k)
+
+    def remember_tail(self, layer: int, tail: list[int]) -> None:
+        """The one-sequence guess's experts past its copy width: graded when `layer` runs."""
+        self.tail_pending[layer] = tail
+
     def guess(self, layer: int, x: torch.Tensor, wide: bool = False) -> tuple[int, torch.Tensor] | None:
         """(next MoE layer, guessed ids [T, k]) from layer `layer`'s MoE input x [T, H]; k is the
-        model's top-k, or `guess_k` for a `wide` (decode) guess."""
+        model's top-k, or `width(T)` for a `wide` (decode) guess."""
         nxt = self.next_of.get(layer)
         if nxt is None:
             return None
         logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
-        k = min(self.guess_k if wide else self.top_k, logits.shape[-1])
+        k = min(self.width(x.shape[0]) if wide else self.top_k, logits.shape[-1])
         return nxt, torch.topk(logits, k, dim=-1).indices
 
     def guess_ahead(self, layer: int, x: torch.Tensor, depth: int) -> tuple[int, torch.Tensor] | None:
@@ -233,6 +272,10 @@ class NextLayerGuesser:
             c.gap_useful += len(gap.intersection(used))
             if c.gap_enabled and c.gap_fetched >= self.min_samples and c.gap_useful < self.min_gap_precision * c.gap_fetched:
                 c.gap_enabled = False
+        tail = self.tail_pending.pop(layer, None)
+        if tail is not None:
+            self.counters[layer].tail_guessed += len(tail)
+            self.counters[layer].tail_used += len(set(tail).intersection(used))
         guessed, fetched, batch = self.pending.pop(layer, (None, set(), False))
         if guessed is None:
             self._tick_off(layer, seqs)
@@ -242,8 +285,9 @@ class NextLayerGuesser:
         c.recall_total += len(used)
         c.fetched += len(fetched)
         c.useful += len(fetched.intersection(used))
-        # a guess of guess_k experts per token for top_k used: its precision bar scales down with it
-        bar = self.min_precision * self.top_k / max(self.top_k, self.guess_k)
+        # a guess of w experts per token for top_k used: its precision bar scales down with w > top_k
+        width = self.guess_k if batch else self.copy_width(layer)
+        bar = self.min_precision * self.top_k / max(self.top_k, width)
         if c.enabled and c.fetched >= self.min_samples and c.useful < bar * c.fetched:
             c.enabled = False
 
@@ -265,7 +309,8 @@ class NextLayerGuesser:
                         "prefetch": self.decode != "off" and c.enabled,
                         "batch_precision": ratio(b.useful, b.fetched),
                         "batch_prefetch": self.decode != "off" and b.enabled,
-                        "gap_precision": ratio(c.gap_useful, c.gap_fetched)}
+                        "gap_precision": ratio(c.gap_useful, c.gap_fetched),
+                        "tail_precision": ratio(c.tail_used, c.tail_guessed)}
                 for (layer, c), b in zip(self.counters.items(), self.batch_counters.values())}
         every = [*self.counters.values(), *self.batch_counters.values()]
         hit, total = sum(c.recall_hit for c in every), sum(c.recall_total for c in every)
