@@ -88,9 +88,9 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     # +inputs: decode steps send their slot ids on the copy stream too (read at each step)
     os.environ["FERRYMAN_INPUTS_ON_COPY_STREAM"] = "all" if "+inputs" in mode else "prefill"
     if guesser.wrap:
-        guesser.counters.setdefault(guesser.first, GuessCounters())
-        guesser.batch_counters.setdefault(guesser.first, GuessCounters())
-    for c in [*guesser.counters.values(), *guesser.batch_counters.values()]:  # each run grades its own guesses
+        for grades in (guesser.counters, guesser.batch_counters, guesser.wide_counters):
+            grades.setdefault(guesser.first, GuessCounters())
+    for c in guesser.every_grade():  # each run grades its own guesses
         c.enabled = c.gap_enabled = True
     policy = experts.cache.table.policy
     if hasattr(policy, "admit_margin"):  # lrfu

@@ -47,13 +47,13 @@ def test_warm_up_leaves_the_guess_gates_to_real_traffic(tmp_path: Path) -> None:
     reset = guesser.reset_grades
 
     def counted_reset() -> None:  # what the warm-up had graded, just before it forgets it
-        before.append(sum(c.recall_total for c in [*guesser.counters.values(), *guesser.batch_counters.values()]))
+        before.append(sum(c.recall_total for c in guesser.every_grade()))
         reset()
 
     guesser.reset_grades = counted_reset
     warm_up(llm.engine)
     assert before and before[0] > 0  # the warm-up's decode steps graded guesses
-    every = [*guesser.counters.values(), *guesser.batch_counters.values()]
+    every = guesser.every_grade()
     assert every and all(c.enabled and c.fetched == 0 and c.recall_total == 0 for c in every)
     assert not guesser.pending and not guesser.gap_pending
 

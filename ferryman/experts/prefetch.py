@@ -38,8 +38,9 @@ Wrap guesses (`wrap`, FERRYMAN_DECODE_WRAP_GUESS, default on): the last MoE laye
 copies what the first MoE layer used in it, for the next step (the same sequences' next tokens);
 those copies fill the link's idle time between steps (sampling, scheduling, the first attention).
 16 users in one process on the H200 (session 14): 122.5 against 120.4 tok/s.
-The precision gate grades one-sequence steps and batches apart (`batch_counters`), and a gate that
-turned a layer off opens again for a new trial after `reprobe_after` (512) steps of the layer.
+The precision gate grades one-sequence steps, small batches and wide ones apart (`counters`,
+`batch_counters`, `wide_counters`), and a gate that turned a layer off opens again for a new trial
+after `reprobe_after` (512) steps of the layer.
 `late2` also guesses the layer after next and holds those experts until used (experts/late_guess.py).
 Session 10 on the H200 (docs/benchmarks.md): late ~ off on gpt-oss-20b, late2 slower there and
 slightly faster on -120b; both stay opt-in.
@@ -57,6 +58,7 @@ from ferryman.errors import ConfigError
 
 DECODE_MODES = ("off", "early", "late", "late2")
 DECODE_MAX_SEQS = 16  # early guesses up to this batch (FERRYMAN_DECODE_PREFETCH_MAX_SEQS=0)
+WIDE_BATCH = 8  # steps of at least this many sequences have their own precision gate
 
 
 @dataclass
@@ -122,14 +124,16 @@ class NextLayerGuesser:
     norms: dict[int, nn.Module] = field(default_factory=dict)  # MoE layer -> its router's input norm (late)
     next_of: dict[int, int] = field(init=False)
     # the precision gate's grades, per layer: `counters` of one-sequence steps, `batch_counters` of
-    # steps of several sequences. The union of a batch's guesses is far more often right (16 users
-    # on the H200: 0.92-0.95 in every layer) than one token's, so a layer one-sequence steps turned
-    # off stays on for batches (session 14: a 1-sequence warm-up had turned 10 of 23 layers off
-    # for a 16-user serve)
+    # steps of 2 to WIDE_BATCH - 1 sequences, `wide_counters` of wider ones. The union of a batch's
+    # guesses is more often right the wider the batch (16 users on the H200: 0.92-0.95 in every
+    # layer), so a gate narrow steps turned off stays on for wide ones (session 14: a 1-sequence
+    # warm-up had turned 10 of 23 layers off for a 16-user serve; session 16: a 4-user load had
+    # turned 7 of 23 off for the 16 users after it, 118 against 129 tok/s)
     counters: dict[int, GuessCounters] = field(init=False)
     batch_counters: dict[int, GuessCounters] = field(init=False)
-    # layer -> (guessed, fetched, the guess's step had several sequences)
-    pending: dict[int, tuple[set[int], set[int], bool]] = field(init=False)
+    wide_counters: dict[int, GuessCounters] = field(init=False)
+    # layer -> (guessed, fetched, the sequences of the guess's step)
+    pending: dict[int, tuple[set[int], set[int], int]] = field(init=False)
     gap_pending: dict[int, set[int]] = field(init=False)  # layer -> experts a gap guess copied
     tail_pending: dict[int, list[int]] = field(init=False)  # layer -> a one-sequence guess's uncopied tail
 
@@ -161,6 +165,7 @@ class NextLayerGuesser:
         targets = layers if self.wrap else layers[1:]
         self.counters = {layer: GuessCounters() for layer in targets}
         self.batch_counters = {layer: GuessCounters() for layer in targets}
+        self.wide_counters = {layer: GuessCounters() for layer in targets}
         self.pending = {}
         self.gap_pending = {}
         self.tail_pending = {}
@@ -234,7 +239,13 @@ class NextLayerGuesser:
 
     def counters_for(self, seqs: int) -> dict[int, GuessCounters]:
         """The precision gate's grades for steps of `seqs` sequences."""
+        if seqs >= WIDE_BATCH:
+            return self.wide_counters
         return self.batch_counters if seqs > 1 else self.counters
+
+    def every_grade(self) -> list[GuessCounters]:
+        """Every layer's grades of every step size."""
+        return [*self.counters.values(), *self.batch_counters.values(), *self.wide_counters.values()]
 
     def wants_wrap(self, layer: int, seqs: int) -> bool:
         """Whether a decode step of `seqs` rows at `layer` guesses the first MoE layer of the next
@@ -258,8 +269,8 @@ class NextLayerGuesser:
         when it runs; a second guess for the same layer (late2: two layers ahead, then one) adds to
         the first."""
         if not streaming:
-            old_guessed, old_fetched, _ = self.pending.get(layer, (set(), set(), False))
-            self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched), seqs > 1)
+            old_guessed, old_fetched, _ = self.pending.get(layer, (set(), set(), 1))
+            self.pending[layer] = (old_guessed | set(guessed), old_fetched | set(fetched), seqs)
 
     def score(self, layer: int, used: list[int], seqs: int = 0) -> None:
         """`layer` runs with experts `used` in a decode step of `seqs` sequences (0: a prefill
@@ -276,17 +287,17 @@ class NextLayerGuesser:
         if tail is not None:
             self.counters[layer].tail_guessed += len(tail)
             self.counters[layer].tail_used += len(set(tail).intersection(used))
-        guessed, fetched, batch = self.pending.pop(layer, (None, set(), False))
+        guessed, fetched, rows = self.pending.pop(layer, (None, set(), 1))
         if guessed is None:
             self._tick_off(layer, seqs)
             return
-        c = (self.batch_counters if batch else self.counters)[layer]
+        c = self.counters_for(rows)[layer]
         c.recall_hit += len(guessed.intersection(used))
         c.recall_total += len(used)
         c.fetched += len(fetched)
         c.useful += len(fetched.intersection(used))
         # a guess of w experts per token for top_k used: its precision bar scales down with w > top_k
-        width = self.guess_k if batch else self.copy_width(layer)
+        width = self.guess_k if rows > 1 else self.copy_width(layer)
         bar = self.min_precision * self.top_k / max(self.top_k, width)
         if c.enabled and c.fetched >= self.min_samples and c.useful < bar * c.fetched:
             c.enabled = False
@@ -302,16 +313,20 @@ class NextLayerGuesser:
             c.enabled, c.fetched, c.useful, c.off_steps = True, 0, 0, 0
 
     def stats(self) -> dict:
-        """Per layer: one-sequence steps' recall / precision / gate, batches' precision / gate, gap
-        guesses' precision; the recall over every graded guess."""
+        """Per layer: one-sequence steps' recall / precision / gate, small and wide batches'
+        precision / gate, gap guesses' and uncopied tails' precision; the recall over every graded
+        guess."""
         ratio = lambda a, b: a / b if b else None  # noqa: E731
         rows = {layer: {"recall": ratio(c.recall_hit, c.recall_total), "precision": ratio(c.useful, c.fetched),
                         "prefetch": self.decode != "off" and c.enabled,
                         "batch_precision": ratio(b.useful, b.fetched),
                         "batch_prefetch": self.decode != "off" and b.enabled,
+                        "wide_precision": ratio(w.useful, w.fetched),
+                        "wide_prefetch": self.decode != "off" and w.enabled,
                         "gap_precision": ratio(c.gap_useful, c.gap_fetched),
                         "tail_precision": ratio(c.tail_used, c.tail_guessed)}
-                for (layer, c), b in zip(self.counters.items(), self.batch_counters.values())}
-        every = [*self.counters.values(), *self.batch_counters.values()]
+                for (layer, c), b, w in zip(self.counters.items(), self.batch_counters.values(),
+                                            self.wide_counters.values())}
+        every = self.every_grade()
         hit, total = sum(c.recall_hit for c in every), sum(c.recall_total for c in every)
         return {"guess_recall": ratio(hit, total), "per_layer_guess": rows}
