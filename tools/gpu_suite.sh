@@ -385,7 +385,7 @@ for s in "${@:-tests decode kernels}"; do
                  --max-num-seqs 32 --port 8124 --log-level warning > "$OUT/serve120_server.log" 2>&1 &
                srv=$!
                for _ in $(seq 1 240); do curl -sf 127.0.0.1:8124/health >/dev/null && break; sleep 1; done
-               stage serve120 420 python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
+               stage serve120 "${SERVE120_LIMIT:-420}" python3 -m ferryman bench serve http://127.0.0.1:8124 --concurrency "${SERVE120_LEVELS:-1,2,4,8,16,32}" \
                  --prompt-tokens 1024 --output-tokens 256 --requests-per-level 0 --json "$OUT/serve120.json"
                kill "$srv" 2>/dev/null ;;
       *) echo "unknown stage $s1: the stages are listed at the top of $0"; exit 2 ;;
