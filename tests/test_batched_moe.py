@@ -183,3 +183,32 @@ def test_padded_layout_matches_its_definition(group: int) -> None:
         r0 += len(run) * m
     assert lay.groups == want_groups
     assert lay.rows.tolist() == rows and lay.valid.tolist() == valid
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_peak_stays_within_the_planners_moe_share() -> None:
+    """A qwen3-30b-a3b layer (bf16, 128 experts, top-8) on a 4096-token chunk: what the batched
+    path allocates beyond its inputs stays within the planner's MoE share of the chunk
+    (planner.activation_bytes: per pair item (3 I + H) + 4 H, a group's w13 once). Session 16's
+    qwen3 run at 8 GiB ran out of memory here before the gathered rows were freed early."""
+    from ferryman.layers.batched_moe import default_group
+
+    form, (t, k, e, h, i) = get_format("dense"), (4096, 8, 128, 2048, 768)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    banks = form.random_banks(e, h, i, False, torch.bfloat16, gen, "cuda")  # 1.2 GiB
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=-1).indices.int()
+    w = torch.softmax(torch.randn(t, k, device="cuda", generator=gen), dim=-1)
+    host_ids = ids.cpu()
+    fused_moe_batched(form, banks, x, ids, w, MoEActivation("silu"), host_ids=host_ids)  # warm-up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fused_moe_batched(form, banks, x, ids, w, MoEActivation("silu"), host_ids=host_ids)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    item = x.element_size()
+    share = t * k * (item * (3 * i + h) + 4 * h) + default_group() * 2 * i * h * item
+    assert out.shape == (t, h) and out.isfinite().all()
+    assert extra <= share, f"batched MoE peak {extra / 2**20:.0f} MiB > the planner's {share / 2**20:.0f} MiB"

@@ -15,7 +15,8 @@ Invariants:
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
 Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2's I H are
-made), counted by the planner (planner.activation_bytes).
+made), counted by the planner (planner.activation_bytes); the gathered inputs and the padded
+outputs ([R, H] each) are freed before the outputs are put back in pair order.
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
                        None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
         y_g.copy_(y_g * w[rows].view(g, m, 1))
+    # the peak stays at the groups' loop: xs [R, H] is not read again, nor y once copied (with both
+    # alive to the end, qwen3-30b-a3b's 4k-token chunk, 32k pairs, overran its 8 GiB plan: session 16)
+    del xs
     sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
     y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
+    del y
     return sum_in_slot_order(y_pairs.view(T, K, hidden), topk_ids)
 
 
