@@ -77,8 +77,9 @@ def test_inputs_issued_comes_once_before_the_groups(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(bm, "_group_forward", group_forward)
     got = fused_moe_batched(form, banks, x, ids, w, a, group=3, inputs_issued=lambda: events.append("inputs"))
     assert torch.equal(got, want)
-    used = len(set(ids.flatten().tolist()))  # expert 1 is never routed to: 9 of 10
-    assert events == ["inputs"] + ["group"] * -(-used // 3)
+    flat = ids.flatten().tolist()
+    counts = [flat.count(e) for e in sorted(set(flat))]  # expert 1 is never routed to: 9 of 10
+    assert events == ["inputs"] + ["group"] * len(bm.expert_groups(counts, 3))
 
 
 def test_fused_moe_calls_inputs_issued_once_on_every_path() -> None:
@@ -160,38 +161,62 @@ def test_gpu_demo_model_offload_with_batched_prefill_equals_resident(monkeypatch
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_padded_layout_matches_its_definition(group: int) -> None:
-    """Group j holds experts j*G.. with every run padded to the group's longest; a padding row
-    repeats its expert's first sorted row and is marked invalid. Checked row by row in Python."""
-    from ferryman.layers.batched_moe import _padded_layout
+@pytest.mark.parametrize("skew", [False, True])
+def test_padded_layout_matches_its_definition(group: int, skew: bool) -> None:
+    """Group j holds the experts expert_groups names, every run padded to the group's longest; a
+    padding row repeats its expert's first sorted row and is marked invalid. Checked row by row in
+    Python. Even runs keep slot order; skewed ones (one expert in every token) are regrouped so
+    padding stays within PAD_SLACK of the pairs."""
+    from ferryman.layers.batched_moe import PAD_SLACK, _padded_layout, expert_groups
 
     gen = torch.Generator().manual_seed(group)
-    counts = torch.randint(1, 9, (11,), generator=gen).tolist()
+    counts = torch.randint(100, 109, (11,), generator=gen).tolist()
+    if skew:
+        counts[4] = 2000
     slots = sorted(torch.randperm(40, generator=gen)[:11].tolist())
     lay = _padded_layout(slots, counts, group, to_device(torch.device("cpu")))
-    assert lay.slots.tolist() == slots
-    rows, valid, want_groups, r0, first = [], [], [], 0, 0
+    members = expert_groups(counts, group)
+    assert sorted(e for g in members for e in g) == list(range(11)) and all(len(g) <= group for g in members)
+    assert (members == [list(range(g0, min(g0 + group, 11))) for g0 in range(0, 11, group)]) == (not skew or group == 1)
+    assert lay.slots.tolist() == [slots[e] for g in members for e in g]
+    rows, valid, want_groups, r0 = [], [], [], 0
     firsts = [sum(counts[:i]) for i in range(len(counts))]
-    for g0 in range(0, len(slots), group):
-        run = counts[g0 : g0 + group]
-        m = max(run)
-        want_groups.append((g0, len(run), m, r0))
-        for i, c in enumerate(run):
-            first = firsts[g0 + i]
-            rows += [first + r if r < c else first for r in range(m)]
-            valid += [r < c for r in range(m)]
-        r0 += len(run) * m
+    for g in members:
+        m = max(counts[e] for e in g)
+        want_groups.append((sum(len(h) for h in members[: members.index(g)]), len(g), m, r0))
+        for e in g:
+            rows += [firsts[e] + r if r < counts[e] else firsts[e] for r in range(m)]
+            valid += [r < counts[e] for r in range(m)]
+        r0 += len(g) * m
     assert lay.groups == want_groups
     assert lay.rows.tolist() == rows and lay.valid.tolist() == valid
+    assert len(rows) <= (1 + PAD_SLACK) * sum(counts)
+
+
+def test_skewed_routing_pads_little_and_equals_reference() -> None:
+    """Half the tokens on one expert (qwen3's dummy weights routed like this and a slot-order
+    layout tripled the rows): the batched path still equals the reference."""
+    form = get_format("dense")
+    gen = torch.Generator().manual_seed(5)
+    banks = form.random_banks(24, 64, 32, False, torch.float32, gen)
+    x = torch.randn(256, 64, generator=gen)
+    ids = torch.stack([torch.randperm(23, generator=gen)[:4] + 1 for _ in range(256)]).int()
+    ids[::2, 0] = 0  # expert 0 in every other token
+    w = torch.softmax(torch.randn(256, 4, generator=gen), dim=-1)
+    a = MoEActivation("silu")
+    got = fused_moe_batched(form, banks, x, ids, w, a, group=8)
+    torch.testing.assert_close(got, fused_moe_reference(form, banks, x, ids, w, a))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_batched_peak_stays_within_the_planners_moe_share() -> None:
+@pytest.mark.parametrize("skew", [False, True])
+def test_cuda_batched_peak_stays_within_the_planners_moe_share(skew: bool) -> None:
     """A qwen3-30b-a3b layer (bf16, 128 experts, top-8) on a 4096-token chunk: what the batched
     path allocates beyond its inputs stays within the planner's MoE share of the chunk
-    (planner.activation_bytes: per pair item (3 I + H) + 4 H, a group's w13 once). Session 16's
-    qwen3 run at 8 GiB ran out of memory here before the gathered rows were freed early."""
+    (planner.activation_bytes: per pair item (3 I + H) + 4 H, a group's w13 once), with even
+    routing and with half the tokens on expert 0. Session 16's qwen3 run at 8 GiB ran out of
+    memory here: slot-order groups had padded skewed runs to 3x the pairs."""
     from ferryman.layers.batched_moe import default_group
 
     form, (t, k, e, h, i) = get_format("dense"), (4096, 8, 128, 2048, 768)
@@ -199,6 +224,9 @@ def test_cuda_batched_peak_stays_within_the_planners_moe_share() -> None:
     banks = form.random_banks(e, h, i, False, torch.bfloat16, gen, "cuda")  # 1.2 GiB
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=gen)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=-1).indices.int()
+    if skew:  # expert 0 in every other token, in place of a pick it does not already hold
+        half = ids[::2]
+        half[:, 0] = torch.where((half == 0).any(dim=1), half[:, 0], 0)
     w = torch.softmax(torch.randn(t, k, device="cuda", generator=gen), dim=-1)
     host_ids = ids.cpu()
     fused_moe_batched(form, banks, x, ids, w, MoEActivation("silu"), host_ids=host_ids)  # warm-up

@@ -84,32 +84,60 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     return sum_in_slot_order(y_pairs.view(T, K, hidden), topk_ids)
 
 
+# Padding rows a layout may add, as a share of the real rows, before experts are regrouped by run
+# length: gpt-oss dummy weights route evenly (groups in slot order pad little), qwen3-30b-a3b's
+# skewed routing padded a 4k chunk's 32k pairs to 96k rows in slot order and overran its plan
+PAD_SLACK = 0.25
+
+
 @dataclass(frozen=True)
 class PaddedLayout:
-    """The slot-sorted pairs, regrouped: `group` experts at a time, each expert's run padded to the
-    group's longest run. Group j holds g experts x m rows at rows r0 .. r0 + g*m."""
+    """The slot-sorted pairs, regrouped: at most `group` experts at a time, each expert's run padded
+    to the group's longest run. Group j holds g experts x m rows at rows r0 .. r0 + g*m; its experts
+    are slots[g0 : g0 + g]."""
 
-    slots: torch.Tensor  # [U] used slots, ascending (device)
+    slots: torch.Tensor  # [U] used slots in group order (device)
     rows: torch.Tensor  # [R] slot-sorted pair row of each padded row (device)
     valid: torch.Tensor  # [R] bool: a real pair, not padding (device)
     groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
+
+
+def expert_groups(counts: list[int], group: int) -> list[list[int]]:
+    """Indices into `counts` (each used expert's pairs), `group` at a time in slot order; or, when
+    that pads more than PAD_SLACK of the pairs, the longest runs first, a group closing before an
+    expert that would take its padding past PAD_SLACK of its rows (so R <= (1 + PAD_SLACK) P)."""
+    in_order = [list(range(g0, min(g0 + group, len(counts)))) for g0 in range(0, len(counts), group)]
+    pairs = sum(counts)
+    padded = sum(len(g) * max(counts[e] for e in g) for g in in_order)
+    if padded - pairs <= PAD_SLACK * pairs:
+        return in_order
+    out: list[list[int]] = []
+    for e in sorted(range(len(counts)), key=lambda e: -counts[e]):
+        cur = out[-1] if out else None
+        if cur is not None and len(cur) < group and \
+                (len(cur) + 1) * counts[cur[0]] <= (1 + PAD_SLACK) * (sum(counts[i] for i in cur) + counts[e]):
+            cur.append(e)
+        else:
+            out.append([e])
+    return out
 
 
 def _padded_layout(slots: list[int], counts: list[int], group: int, upload: Upload) -> PaddedLayout:
     """Built on the host and moved in one asynchronous copy (a tensor made on the device from a
     list would synchronise the stream). A padding row repeats its expert's first row (finite)."""
     starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
-    rows, valid, groups, r0 = [], [], [], 0
-    for g0 in range(0, len(slots), group):
-        cnt = torch.tensor(counts[g0 : g0 + group])[:, None]  # [g, 1]
-        first = torch.tensor(starts[g0 : g0 + group])[:, None]
+    rows, valid, groups, order, r0 = [], [], [], [], 0
+    for members in expert_groups(counts, group):
+        cnt = torch.tensor([counts[e] for e in members])[:, None]  # [g, 1]
+        first = torch.tensor([starts[e] for e in members])[:, None]
         ar = torch.arange(int(cnt.max()))[None, :]  # [1, m]
         ok = ar < cnt  # [g, m]
         rows.append(torch.where(ok, first + ar, first).reshape(-1))
         valid.append(ok.reshape(-1).long())
-        groups.append((g0, ok.shape[0], ok.shape[1], r0))
+        groups.append((len(order), ok.shape[0], ok.shape[1], r0))
+        order += [slots[e] for e in members]
         r0 += ok.numel()
-    flat = upload(torch.cat([torch.tensor(slots, dtype=torch.long), *rows, *valid]))
+    flat = upload(torch.cat([torch.tensor(order, dtype=torch.long), *rows, *valid]))
     u = len(slots)
     return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
 
