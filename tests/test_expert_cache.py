@@ -362,40 +362,6 @@ def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
     assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
 
 
-def test_a_gate_that_turned_off_opens_again_for_a_new_trial() -> None:
-    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6])}
-    g = NextLayerGuesser(gates, top_k=2, min_samples=4, reprobe_after=6)
-    for _ in range(2):  # a small burst whose guesses were wrong: the batch gate turns layer 1 off
-        g.remember(1, [5, 6], [5, 6], streaming=False, seqs=3)
-        g.score(1, [2, 3], seqs=3)
-    assert not g.wants_prefetch(1, False, seqs=4)
-    for _ in range(5):  # decode steps without a guess
-        g.score(1, [5, 6], seqs=4)
-    g.score(1, [5, 6], seqs=0)  # a prefill chunk does not count
-    assert not g.wants_prefetch(1, False, seqs=4)
-    g.score(1, [5, 6], seqs=4)  # the sixth: a new trial with fresh grades
-    c = g.batch_counters[1]
-    assert g.wants_prefetch(1, False, seqs=4) and c.fetched == 0 and c.off_steps == 0
-    assert g.counters[1].enabled  # one-sequence steps were never graded: untouched
-
-
-def test_small_batches_do_not_turn_wide_batches_off() -> None:
-    """Session 16: a 4-user load turned 7 of 23 layers' batch gates off for the 16 users after it.
-    Steps of 2-7 sequences and of 8 or more are graded apart."""
-    gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6])}
-    g = NextLayerGuesser(gates, top_k=2, min_samples=4)
-    for _ in range(2):  # four sequences, wrong guesses
-        g.remember(1, [5, 6], [5, 6], streaming=False, seqs=4)
-        g.score(1, [2, 3], seqs=4)
-    assert not g.wants_prefetch(1, False, seqs=7) and g.wants_prefetch(1, False, seqs=8)
-    for _ in range(2):  # sixteen sequences, wrong too: their own gate closes
-        g.remember(1, [5, 6], [5, 6], streaming=False, seqs=16)
-        g.score(1, [2, 3], seqs=16)
-    assert not g.wants_prefetch(1, False, seqs=16) and g.wants_prefetch(1, False, seqs=1)
-    row = g.stats()["per_layer_guess"][1]
-    assert (row["batch_precision"], row["wide_precision"], row["wide_prefetch"]) == (0.0, 0.0, False)
-
-
 @pytest.mark.parametrize("split", [True, False])
 def test_a_guess_copies_into_idle_slots_first(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """FERRYMAN_PREFETCH_SPLIT_BUSY: a guess's copies into slots a pending kernel reads go in a

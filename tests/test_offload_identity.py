@@ -74,36 +74,6 @@ def test_wider_early_guesses_recall_more_and_keep_the_answers(monkeypatch: pytes
         monkeypatch.setenv(name, "0")
 
 
-def test_one_sequence_guesses_copy_half_the_top_k_until_the_rest_proves_precise() -> None:
-    """A one-sequence guess computes top-k but copies the top_k // 2 most likely (from top-4 up);
-    the rest, graded without a copy, joins once it is right `tail_bar` of the time. Steps of
-    several sequences copy top-k; SOLO_TOPK fixes the width."""
-    from ferryman.experts.prefetch import NextLayerGuesser, narrow_k
-
-    assert [narrow_k(k) for k in (1, 2, 4, 8)] == [1, 2, 2, 4]
-    torch.manual_seed(0)
-    gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
-    g = NextLayerGuesser(gates, top_k=4, min_samples=8)
-    x = torch.randn(2, 4)
-    best = torch.topk(gates[1](x), 4, dim=-1).indices  # [2, 4]
-    one = g.guess(0, x[:1], wide=True)
-    assert one is not None and torch.equal(one[1], best[:1])  # computed at full width: the tail is graded
-    assert (g.copy_width(1), g.width(2)) == (2, 4)
-    for used in ([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 6]):
-        assert g.copy_width(1) == 2  # fewer than min_samples graded
-        g.remember_tail(1, [2, 3])
-        g.remember(1, [0, 1, 2, 3], [0, 1], streaming=False)
-        g.score(1, used, seqs=1)  # tails right 2/2, 2/2, 2/2, 1/2
-    assert g.copy_width(1) == 4  # 7 of 8 >= 0.85
-    g.remember_tail(1, [2, 3])
-    g.score(1, [0, 1], seqs=1)
-    assert g.copy_width(1) == 2 and g.stats()["per_layer_guess"][1]["tail_precision"] == 0.7
-    fixed = NextLayerGuesser(gates, top_k=4, solo_k=3)
-    assert (fixed.width(1), fixed.copy_width(1), fixed.width(2)) == (3, 3, 4)
-    fixed_one = fixed.guess(0, x[:1], wide=True)
-    assert fixed_one is not None and torch.equal(fixed_one[1], best[:1, :3])
-
-
 def test_one_sequence_offload_copies_at_most_the_narrow_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the demo model (top-4), one sequence: no decode guess copies more than 2 experts per
     layer step while the tails are not precise, and the tokens are the resident ones."""
@@ -128,20 +98,6 @@ def test_one_sequence_offload_copies_at_most_the_narrow_width(monkeypatch: pytes
     tails = [c.tail_guessed for c in guesser.counters.values()]
     assert sum(tails) > 0, "the uncopied tails were not graded"
 
-
-
-def test_precision_gate_scales_with_the_guess_width() -> None:
-    from ferryman.experts.prefetch import NextLayerGuesser
-
-    gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
-    # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8. Batches copy decode_k wide, one sequence
-    # solo_k wide (0: at most top-k, so the plain bar)
-    for k, solo, seqs, stays in ((0, 0, 2, False), (8, 0, 2, True), (0, 0, 1, False), (8, 0, 1, False), (0, 8, 1, True)):
-        g = NextLayerGuesser(gates, top_k=4, decode_k=k, solo_k=solo, min_samples=32)
-        for _ in range(8):
-            g.remember(1, [0, 1, 2, 3], [0, 1, 2, 3], streaming=False, seqs=seqs)
-            g.score(1, [0, 1], seqs=seqs)
-        assert g.counters_for(seqs)[1].enabled == stays, (k, solo, seqs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
