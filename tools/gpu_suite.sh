@@ -27,7 +27,8 @@
 #   one process); diagdec120 (120b one-sequence decode profile with the copy /
 #   kernel overlap and a timeline of about one token); narrowab (120b one-sequence decode, early guesses of 4 / 3 / 2
 #   experts per token with gap and wrap guesses, then 4 with the slot ids on the copy stream: copied against needed bytes);
-#   narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
+#   qwenfix (the batched-prefill GPU tests, skewed routing's peak included, then offloadqwen: session 16's
+#   qwen3 run at 8 GiB ran out of memory in its 4k chunk); narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
 #   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
 #   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
@@ -313,6 +314,9 @@ for s in "${@:-tests decode kernels}"; do
                stage narrow120 240 $bd --target gpt-oss-120b:16GiB --max-model-len 16384 \
                  --modes early+gap+wrap,early3+gap+wrap,early2+gap+wrap,early+gap+wrap+inputs --reps 2 \
                  --json "$OUT/narrow120.json" ;;
+      qwenfix) stage gpu_tests_batched 120 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_batched_moe.py tests/test_prefill_stream.py
+               stage offloadqwen 170 python3 benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB --json "$OUT/offloadqwen.json" ;;
       narrow20) stage narrow20 150 python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128 --target gpt-oss-20b:8GiB \
                  --modes early+gap+wrap,early4+gap+wrap,early2+gap+wrap --reps 2 --json "$OUT/narrow20.json" ;;
       narrow120b) stage narrow120b 200 python3 benchmarks/bench_batch_decode.py --seqs 1 --tokens 128 \
