@@ -65,9 +65,10 @@ def record(llm: LLM, windows: list[list[int]]) -> tuple[dict[int, torch.Tensor],
 
 
 def replay(ids: dict[int, list[list[int]]], guesses: dict[int, list[list[int]]], num_experts: int,
-           make: callable, slots: int, per_layer: bool, prefetch: bool) -> tuple[float, float]:
+           make: callable, slots: int, per_layer: bool, prefetch: bool, width: int | None = None) -> tuple[float, float]:
     """Decode replay -> (hit rate, experts copied per expert used). Prefetched experts found in
-    place count as hits; their copies (right or wrong guesses) count as traffic."""
+    place count as hits; their copies (right or wrong guesses) count as traffic. width: copy only
+    the guess's `width` most likely experts (the engine's one-sequence copy width)."""
     layers = sorted(ids)
     tables = ({layer: SlotTable(slots // len(layers), make()) for layer in layers} if per_layer
               else dict.fromkeys(layers, SlotTable(slots, make())))
@@ -81,7 +82,7 @@ def replay(ids: dict[int, list[list[int]]], guesses: dict[int, list[list[int]]],
             hits, total = hits + lookup_in_rounds(table, keys), total + len(keys)
             if prefetch and i + 1 < len(layers):
                 nxt = layers[i + 1]
-                look = tables[nxt].admit([base + num_experts + e for e in sorted(set(guesses[nxt][t]))])
+                look = tables[nxt].admit([base + num_experts + e for e in sorted(set(guesses[nxt][t][:width]))])
                 prefetched += len(look.filled)
     return hits / total, (total - hits + prefetched) / total
 
@@ -96,6 +97,18 @@ def lookup_in_rounds(table: SlotTable, keys: list[int]) -> int:
         hits += len(table.acquire(part).hits)
         table.release(part)
     return hits
+
+
+def rank_precision(ids: dict[int, torch.Tensor], guesses: dict[int, torch.Tensor]) -> list[float]:
+    """Over every layer and token: how often the guess's r-th most likely expert was used, per r."""
+    right = [0] * next(iter(guesses.values())).shape[1]
+    n = 0
+    for layer, g in guesses.items():
+        for used, ranked in zip(ids[layer].tolist(), g.tolist()):
+            n += 1
+            for r, e in enumerate(ranked):
+                right[r] += e in used
+    return [x / n for x in right]
 
 
 def guess_recall(ids: dict[int, torch.Tensor], guesses: dict[int, torch.Tensor]) -> dict[int, float]:
@@ -185,6 +198,10 @@ def main() -> None:
                 label = f"{name} {pool}" + (" +guess" if prefetch else "")
                 rows[label] = {f"{int(f * 100)}%": replay(ids, guesses, E, make, round(f * total),
                                                           pool == "per-layer", prefetch) for f in FRACTIONS}
+    half = max(1, llm.engine.cfg.top_k // 2)
+    for name in ("lru", "lrfu(h=16)"):  # the one-sequence copy width the engine starts from
+        rows[f"{name} global +guess top-{half}"] = {f"{int(f * 100)}%": replay(
+            ids, guesses, E, policies()[name], round(f * total), False, True, width=half) for f in FRACTIONS}
     recall = guess_recall(ids_t, guesses_t)
     tokens = sum(len(w) for w in windows)
     print(f"model: {a.model or 'bundled demo model'}; {tokens} held-out tokens replayed as decode; "
@@ -196,6 +213,8 @@ def main() -> None:
         print(f"| {label} | " + " | ".join(f"{h:.3f} ({c:.2f})" for h, c in r.values()) + " |")
     print("next-layer guess recall per layer: " + ", ".join(f"{k}: {v:.3f}" for k, v in recall.items()))
     print(f"mean guess recall: {sum(recall.values()) / len(recall):.3f}")
+    print("guess precision by rank (most likely first): "
+          + ", ".join(f"{p:.3f}" for p in rank_precision(ids_t, guesses_t)))
     if a.json:
         a.json.write_text(json.dumps({"tokens": tokens, "hit_rates": rows, "guess_recall": recall}, indent=2))
 
