@@ -17,15 +17,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.layers import moe  # noqa: E402
-from ferryman.layers.batched_moe import PAD_SLACK, expert_groups  # noqa: E402
+from ferryman.layers.batched_moe import PAD_SLACK, expert_groups, padded_rows, slot_order_groups  # noqa: E402
 
 GROUP = 8
 
 
 def padding(counts: list[int], groups: list[list[int]]) -> float:
     """Padded rows beyond the pairs, as a share of the pairs."""
-    pairs = sum(counts)
-    return (sum(len(g) * max(counts[i] for i in g) for g in groups) - pairs) / pairs
+    return padded_rows(counts, groups) / sum(counts) - 1
 
 
 def main() -> None:
@@ -42,7 +41,7 @@ def main() -> None:
         if ids.shape[0] >= a.tokens:  # the prompt's chunk, not a decode step
             flat = ids.flatten().tolist()
             counts = [flat.count(e) for e in sorted(set(flat))]
-            in_order = [list(range(g0, min(g0 + GROUP, len(counts)))) for g0 in range(0, len(counts), GROUP)]
+            in_order = slot_order_groups(len(counts), GROUP)
             rows.append((self.layer, padding(counts, in_order), padding(counts, expert_groups(counts, GROUP))))
             print(f"layer {self.layer:3d}: {len(counts)} experts, the busiest {max(counts)} of {len(flat)} pairs; "
                   f"padding in id order {rows[-1][1]:.3f}, as grouped {rows[-1][2]:.3f}", flush=True)

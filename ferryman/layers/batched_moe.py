@@ -102,23 +102,35 @@ class PaddedLayout:
     groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
 
 
+def slot_order_groups(count: int, group: int) -> list[list[int]]:
+    """Indices 0 .. count - 1 (the used experts, ascending slot), `group` at a time."""
+    return [list(range(g0, min(g0 + group, count))) for g0 in range(0, count, group)]
+
+
+def padded_rows(counts: list[int], groups: list[list[int]]) -> int:
+    """Rows of a layout of `groups` (indices into `counts`): each run padded to its group's longest."""
+    return sum(len(g) * max(counts[e] for e in g) for g in groups)
+
+
 def expert_groups(counts: list[int], group: int) -> list[list[int]]:
     """Indices into `counts` (each used expert's pairs), `group` at a time in slot order; or, when
     that pads more than PAD_SLACK of the pairs, the longest runs first, a group closing before an
     expert that would take its padding past PAD_SLACK of its rows (so R <= (1 + PAD_SLACK) P)."""
-    in_order = [list(range(g0, min(g0 + group, len(counts)))) for g0 in range(0, len(counts), group)]
+    in_order = slot_order_groups(len(counts), group)
     pairs = sum(counts)
-    padded = sum(len(g) * max(counts[e] for e in g) for g in in_order)
-    if padded - pairs <= PAD_SLACK * pairs:
+    if padded_rows(counts, in_order) - pairs <= PAD_SLACK * pairs:
         return in_order
     out: list[list[int]] = []
+    filled = 0  # pairs of the group being filled, out[-1]
     for e in sorted(range(len(counts)), key=lambda e: -counts[e]):
         cur = out[-1] if out else None
         if cur is not None and len(cur) < group and \
-                (len(cur) + 1) * counts[cur[0]] <= (1 + PAD_SLACK) * (sum(counts[i] for i in cur) + counts[e]):
+                (len(cur) + 1) * counts[cur[0]] <= (1 + PAD_SLACK) * (filled + counts[e]):
             cur.append(e)
+            filled += counts[e]
         else:
             out.append([e])
+            filled = counts[e]
     return out
 
 
