@@ -31,7 +31,8 @@
 #   qwen3 run at 8 GiB ran out of memory in its 4k chunk); narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
 #   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
-#   process); off120 (offload120 with a longer limit); evenab (GPU tests of the prefill stream, offload identity and
+#   process); off120 (offload120 with a longer limit); resident (gpt-oss-20b resident decode: bench_decode, then
+#   bench_offload at 40 GiB, which plans every expert on the GPU); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
 #   fresh2 (the 16-user serve with an empty Triton cache, listing what compiled
 #   during the load, then again on that cache); splitab (offload GPU tests with FERRYMAN_PREFETCH_SPLIT_BUSY=1, then 120b 8k prefill with / without it); warm2 (the 16-user serve twice, with the startup warm-up); fin14b (the 16-user serve with the final defaults, 120b 8k prefill, the serve again); fin14 (offload GPU tests, the 16-user serve with the defaults, 120b 8k prefill with / without FERRYMAN_PREFETCH_AVOID_BUSY, the serve again); gtw (the guess GPU tests: wrap, gap, offload identity, segment graphs, window pool, hybrid); s16d (the 16-user serve with the defaults); wrapab (16 users in one process and one-sequence decode, without / with wrap guesses); pre120 (120b 8k prefill profile: copies against kernels over time); winab (the window-pool GPU tests, 16-user serve with the window pool / without, 120b one-sequence decode with the defaults); wideab (one-sequence decode, early guesses of 4 / 6 / 8 experts per token: 20b and 120b); clab (the 16-user serve load in one process, no HTTP: hybrid off vs on, in turn); stageab (staged zero-copy: its GPU tests, the staging kernel's GB/s, then 20b decode default / zero-copy / staged, 120b staged); fin4 (bench bw, 16-user serve with the CLI defaults / the old ones / the defaults again, 120b one-sequence decode off / early / hybrid); hyb2 (bench bw, 20b decode and 16-user serve with --cpu-experts auto); sgtests (the segment-graph GPU tests); diagpre120 (120b prefill profile); moegab20 (moegab's 20b half); moegab (decode with the MoE kernels as graphs vs eager); uva (kernel reads of pinned host memory, and
@@ -307,6 +308,9 @@ for s in "${@:-tests decode kernels}"; do
                  tests/test_prefill_stream.py tests/test_offload_identity.py tests/test_batched_moe.py tests/test_hybrid.py
                stage pre120_up 130 python3 benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
                  --variant "" --variant FERRYMAN_INPUTS_ON_COPY_STREAM=0 --reps 2 --json "$OUT/pre120_up.json" ;;
+      resident) stage resident_decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256
+               stage resident_offload 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:40GiB --decode-tokens 256 \
+                 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
       off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       diagdec120) stage diagdec120 200 python3 tools/diag_offload.py --tokens 48 --prefill 0 --model gpt-oss-120b \
                  --budget 16GiB ;;
