@@ -1,0 +1,99 @@
+"""One MoE layer of a prefill step, every expert on the GPU: each path's time per call by token count.
+
+    python benchmarks/bench_prefill_moe.py [--tokens 16,32,64,128,256,512,1024,2048,4096]
+
+Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880) and qwen3-30b-a3b (bf16, 128 experts,
+top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Paths:
+- batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (the prefill default);
+- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel;
+- gemv: the Triton per-pair kernel (decode's, up to 64 pairs by default), where it is cheap to try.
+Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
+median of the iterations, after warm-up calls. The error column is each path's relative error
+against the torch reference (fused_moe_reference) on the same inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ferryman.layers.batched_moe import fused_moe_batched
+from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
+from ferryman.layers.grouped_moe_triton import grouped_moe
+from ferryman.quant import get_format
+
+SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
+    "gpt-oss-20b": ("mxfp4", 32, 4, 2880, 2880, True, "swiglu_oai"),
+    "qwen3-30b-a3b": ("dense", 128, 8, 2048, 768, False, "silu"),
+}
+
+
+def wall(fn: Callable[[], torch.Tensor], iters: int) -> float:
+    """Median seconds from launch to synchronize."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices  # [T, K] distinct
+    w = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), -1)
+    return ids.to(torch.int32), w
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="16,32,64,128,256,512,1024,2048,4096")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_prefill_moe needs a CUDA device")
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in a.shapes.split(","):
+        fmt, experts, top_k, hidden, inter, bias, act_kind = SHAPES[name]
+        form, act = get_format(fmt), MoEActivation(act_kind)
+        banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
+        print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
+        print("| tokens | batched ms | grouped ms | gemv ms | grouped / batched | err batched | err grouped |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for t in (int(s) for s in a.tokens.split(",")):
+            x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+            ids, w = routing(t, experts, top_k, gen)
+            ref = fused_moe_reference(form, banks, x, ids, w, act).float()
+
+            def err(out: torch.Tensor) -> float:
+                return ((out.float() - ref).norm() / ref.norm()).item()
+
+            def batched() -> torch.Tensor:
+                return fused_moe_batched(form, banks, x, ids, w, act)
+
+            def grouped() -> torch.Tensor:
+                return grouped_moe(fmt, banks, x, ids, w, act, path="grouped")
+
+            def gemv() -> torch.Tensor:
+                return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
+
+            tb, tg = wall(batched, a.iters), wall(grouped, a.iters)
+            tv = f"{wall(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
+            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tv} | {tg / tb:.2f} | {err(batched()):.1e} | "
+                  f"{err(grouped()):.1e} |", flush=True)
+            del x, ids, w, ref
+        del banks
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
