@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--target", default="gpt-oss-120b:16GiB",
                     help="MODEL:GPU_BUDGET (a preset name: dummy weights; a directory: its weights)")
     ap.add_argument("--expert-cache", help="expert slots (a count or a fraction such as 25%%) instead of the plan's")
-    ap.add_argument("--prompt", type=int, default=8192, help="prompt tokens per run")
+    ap.add_argument("--prompt", default="8192", help="prompt tokens per run; a comma list runs each size in turn")
     ap.add_argument("--variant", action="append", required=True,
                     help='space-separated VAR=VALUE settings ("" for the defaults); repeat for each variant')
     ap.add_argument("--reps", type=int, default=2, help="rounds over the variants")
@@ -65,20 +65,35 @@ def main() -> None:
     llm = LLM(model, gpu_memory=budget or None, max_num_seqs=1, max_model_len=a.max_model_len,
               moe_strategy="offload", progress=sys.stderr.isatty(), **kw)
     eng = llm.engine
-    cfg, chunk = eng.cfg, eng.plan.request.max_num_batched_tokens
-    slots = eng.stats()["experts"]["slots"]
+    chunk, slots = eng.plan.request.max_num_batched_tokens, eng.stats()["experts"]["slots"]
     uncached = uncached_bytes(llm)
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
-    n = min(a.prompt, eng.max_model_len - 2)
+    rows = []
+    for size in (int(p) for p in a.prompt.split(",")):
+        rows += _sweep(llm, variants, named, min(size, eng.max_model_len - 2), uncached, bw, a)
+    if a.json:
+        a.json.write_text(json.dumps({"target": a.target, "slots": slots, "chunk": chunk, "link_gb_s": bw / 1e9,
+                                      "rows": rows}, indent=1))
+
+
+def _sweep(llm: LLM, variants: list[dict[str, str]], named: set[str], n: int, uncached: int, bw: float,
+           a: argparse.Namespace) -> list[dict]:
+    """Every variant over fresh n-token prompts, a.reps rounds; one row each (also printed)."""
+    eng = llm.engine
+    cfg, chunk = eng.cfg, eng.plan.request.max_num_batched_tokens
+    slots = eng.stats()["experts"]["slots"]
+    model, _, budget = a.target.partition(":")
     limit_s = -(-n // chunk) * uncached / bw  # seconds if the link streamed the uncached experts non-stop
     gen = torch.Generator().manual_seed(0)
     rand = lambda: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    prefill_s(llm, rand())  # warm-up: compiles, cuBLAS heuristics, a full cache
-    rows = []
+    for var in named:
+        os.environ.pop(var, None)
+    prefill_s(llm, rand())  # warm-up with the defaults: compiles, cuBLAS heuristics, a full cache
     print(f"{model} at {budget}: {slots} slots, chunk {chunk}, link {bw / 1e9:.1f} GB/s, {n}-token prompt, "
           f"streaming limit {n / limit_s:.0f} tok/s")
-    print("| variant | round | tok/s | of the streaming limit | GB copied | copy-stream s | compute waited s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| variant | round | ms | tok/s | of the streaming limit | GB copied | copy-stream s | compute waited s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows: list[dict] = []
     for rep in range(a.reps):
         for v in variants:
             for var in named:
@@ -89,15 +104,14 @@ def main() -> None:
             s0 = eng.stats()["experts"]
             secs = prefill_s(llm, rand())
             s1 = eng.stats()["experts"]
-            row = {"variant": " ".join(f"{k}={x}" for k, x in v.items()) or "defaults", "rep": rep, "tok_s": n / secs, "vs_stream": limit_s / secs,
+            row = {"variant": " ".join(f"{k}={x}" for k, x in v.items()) or "defaults", "prompt": n, "rep": rep,
+                   "tok_s": n / secs, "vs_stream": limit_s / secs,
                    "moved_gb": (s1["bytes_h2d"] - s0["bytes_h2d"]) / 1e9,
                    "stall_s": s1["stall_seconds"] - s0["stall_seconds"], "h2d_s": s1["h2d_seconds"] - s0["h2d_seconds"]}
             rows.append(row)
-            print(f"| {row['variant']} | {rep} | {row['tok_s']:.0f} | {row['vs_stream']:.3f} | {row['moved_gb']:.1f} | "
+            print(f"| {row['variant']} | {rep} | {secs * 1e3:.1f} | {row['tok_s']:.0f} | {row['vs_stream']:.3f} | {row['moved_gb']:.1f} | "
                   f"{row['h2d_s']:.2f} | {row['stall_s']:.2f} |", flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"target": a.target, "slots": slots, "chunk": chunk, "link_gb_s": bw / 1e9,
-                                      "prompt": n, "stream_limit_tok_s": n / limit_s, "rows": rows}, indent=1))
+    return rows
 
 
 if __name__ == "__main__":

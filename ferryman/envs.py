@@ -110,15 +110,16 @@ class Envs:
         "paged-attention kernels: auto = triton on CUDA, torch otherwise", choices=_BACKENDS,
     )
     MOE_PREFILL = EnvVar(
-        "FERRYMAN_MOE_PREFILL", str, "batched",
-        "MoE of prefill-sized batches on CUDA: batched (groups of experts dequantised together + batched GEMM), "
-        "reference (per expert: dequantise + cuBLAS) or grouped (one Triton grouped GEMM per projection, "
-        "weights dequantised in the kernel; measured slower)",
-        choices=("reference", "grouped", "batched"),
+        "FERRYMAN_MOE_PREFILL", str, "auto",
+        "MoE of prefill-sized batches on CUDA: auto (grouped for unquantised experts, batched for quantised "
+        "ones: the faster of the two for each, measured by benchmarks/bench_prefill_moe.py), batched (groups of "
+        "experts dequantised together + batched GEMM), reference (per expert: dequantise + cuBLAS) or grouped "
+        "(one Triton grouped GEMM per projection, weights dequantised in the kernel)",
+        choices=("auto", "reference", "grouped", "batched"),
     )
     MOE_PREFILL_GROUP = EnvVar(
         "FERRYMAN_MOE_PREFILL_GROUP", int, 8,
-        "experts per dequantise + batched GEMM with FERRYMAN_MOE_PREFILL=batched (the planner counts them)",
+        "experts per dequantise + batched GEMM on the batched prefill path (the planner counts them)",
     )
     MOE_DECODE_TILES = EnvVar(
         "FERRYMAN_MOE_DECODE_TILES", str, "",

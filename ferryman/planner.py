@@ -98,8 +98,8 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
     routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
     copy of its input row (H); once: the experts dequantised at a time by the torch paths (w13 = 2 I H
-    each, freed before w2's I H are made; one, or a group with FERRYMAN_MOE_PREFILL=batched, the
-    default on CUDA) and fp32 logits of the sampled rows."""
+    each, freed before w2's I H are made; one, or a group on the batched path, the default of
+    quantised experts on CUDA) and fp32 logits of the sampled rows."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
@@ -109,11 +109,13 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def _dequantised_experts() -> int:
-    """Experts the prefill MoE path dequantises at once: a group (FERRYMAN_MOE_PREFILL=batched, the
-    default; the path is CUDA-only, but the plan does not depend on the device) or one."""
+    """Experts the prefill MoE path dequantises at once: a group on the batched path (FERRYMAN_MOE_PREFILL=
+    batched, or auto, which takes it for quantised experts; auto with unquantised experts takes the
+    grouped kernel, which dequantises none, so the group over-counts there; the path is CUDA-only,
+    but the plan does not depend on the device) or one."""
     from ferryman.envs import envs
 
-    if envs.MOE_PREFILL == "batched":
+    if envs.MOE_PREFILL in ("batched", "auto"):
         from ferryman.layers.batched_moe import default_group
 
         return default_group()

@@ -54,7 +54,7 @@ def test_registry_and_defaults() -> None:
     assert snapshot() == {
         "FERRYMAN_MOE_BACKEND": "auto",
         "FERRYMAN_ATTN_BACKEND": "auto",
-        "FERRYMAN_MOE_PREFILL": "batched",
+        "FERRYMAN_MOE_PREFILL": "auto",
         "FERRYMAN_MOE_PREFILL_GROUP": 8,
         "FERRYMAN_MOE_DECODE_TILES": "",
         "FERRYMAN_LOG_LEVEL": "INFO",

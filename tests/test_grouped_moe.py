@@ -79,6 +79,23 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
     _check(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
 
 
+@pytest.mark.parametrize("setting, fmt, path", [
+    (None, "dense", "grouped"), (None, "mxfp4", "batched"), ("auto", "dense", "grouped"),
+    ("batched", "dense", "batched"), ("grouped", "mxfp4", "grouped"), ("reference", "dense", "reference"),
+])
+def test_prefill_path_resolves_auto_by_format(setting: str | None, fmt: str, path: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto (the default): unquantised experts take the grouped GEMM, quantised ones the batched path;
+    any other setting is taken as it is."""
+    from ferryman.layers.fused_moe import prefill_path
+
+    if setting is None:
+        monkeypatch.delenv("FERRYMAN_MOE_PREFILL", raising=False)
+    else:
+        monkeypatch.setenv("FERRYMAN_MOE_PREFILL", setting)
+    assert prefill_path(fmt) == path
+
+
 def test_grouped_moe_rejects_bad_arguments() -> None:
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import MoEActivation
@@ -116,8 +133,38 @@ def test_prefill_through_grouped_gemm_equals_reference(tiny: tuple, monkeypatch:
     arch, folder = tiny
     prompts = [[5, 17, 42, 7, 99] * 6, list(range(20, 60)), [(i * 37) % 250 + 3 for i in range(29)]]
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
     want = LLM(str(folder), **kw).score(prompts)
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "grouped")
     got = LLM(str(folder), **kw).score(prompts)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item()), arch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, taken", [("dense", "grouped"), ("mxfp4", "batched")])
+def test_cuda_default_prefill_dispatch(fmt: str, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the defaults, a prefill-sized call (> 64 pairs) on CUDA reaches the kernel its format's
+    auto path names, and equals the reference."""
+    import ferryman.layers.batched_moe as batched_mod
+    import ferryman.layers.grouped_moe_triton as grouped_mod
+    from ferryman.layers.fused_moe import MoEActivation, fused_moe, fused_moe_reference
+    from ferryman.quant import get_format
+
+    monkeypatch.delenv("FERRYMAN_MOE_PREFILL", raising=False)
+    monkeypatch.delenv("FERRYMAN_MOE_BACKEND", raising=False)
+    calls: list[str] = []
+    real_grouped, real_batched = grouped_mod.grouped_moe, batched_mod.fused_moe_batched
+    monkeypatch.setattr(grouped_mod, "grouped_moe", lambda *a, **k: calls.append("grouped") or real_grouped(*a, **k))
+    monkeypatch.setattr(batched_mod, "fused_moe_batched",
+                        lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    form, act = get_format(fmt), MoEActivation("silu")
+    banks = form.random_banks(8, 128, 64, True, torch.bfloat16, gen, "cuda")
+    x = torch.randn(40, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(40, 8, device="cuda", generator=gen).topk(2, dim=-1).indices.to(torch.int32)  # 80 pairs
+    w = torch.softmax(torch.randn(40, 2, device="cuda", generator=gen), -1)
+    out = fused_moe(fmt, banks, x, ids, w, act)
+    ref = fused_moe_reference(form, banks, x, ids, w, act)
+    assert calls == [taken]
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-2

@@ -31,7 +31,8 @@
 #   qwen3 run at 8 GiB ran out of memory in its 4k chunk); narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
 #   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
-#   process); off120 (offload120 with a longer limit); resident (gpt-oss-20b resident decode: bench_decode, then
+#   process); off120 (offload120 with a longer limit); densepf (qwen3-30b-a3b at 8 GiB, 256- and 8192-token prefill:
+#   the default (grouped GEMM for bf16 experts) against FERRYMAN_MOE_PREFILL=batched, one process); resident (gpt-oss-20b resident decode: bench_decode, then
 #   bench_offload at 40 GiB, which plans every expert on the GPU); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
 #   fresh2 (the 16-user serve with an empty Triton cache, listing what compiled
@@ -311,6 +312,8 @@ for s in "${@:-tests decode kernels}"; do
       resident) stage resident_decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy --tokens 256
                stage resident_offload 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:40GiB --decode-tokens 256 \
                  --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
+      densepf) stage qwen_prefill_ab 200 python3 benchmarks/bench_prefill_ab.py --target qwen3-30b-a3b:8GiB --prompt 256,8192 \
+                 --variant "" --variant FERRYMAN_MOE_PREFILL=batched --reps 2 --max-model-len 16384 --json "$OUT/qwen_prefill_ab.json" ;;
       off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       diagdec120) stage diagdec120 200 python3 tools/diag_offload.py --tokens 48 --prefill 0 --model gpt-oss-120b \
                  --budget 16GiB ;;

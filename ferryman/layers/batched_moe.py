@@ -1,7 +1,7 @@
 """Prefill-sized MoE in groups of experts: padded batched GEMMs instead of a loop of small ones.
 
 `fused_moe_batched` computes what `fused_moe_reference` computes with `group` experts per launch;
-it is the default prefill path on CUDA (FERRYMAN_MOE_PREFILL=batched). The reference launches ~20
+it is the CUDA prefill path of quantised experts (fused_moe.prefill_path). The reference launches ~20
 kernels per expert. Here every padded row of every group is gathered once, each group of experts
 is dequantised together (`[G, 2I, H]`, read in place from the slot banks) and multiplied by two
 `torch.bmm`, ~15 launches per group, and the outputs go back to pair order in one scatter. With

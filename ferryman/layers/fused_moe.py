@@ -9,10 +9,11 @@
   transformers' GptOssExperts / Qwen3MoeExperts (compute in x.dtype, product with the weight, then
   index_add).
 - Triton decode (CUDA, T*K <= DECODE_MAX_PAIRS): ferryman/layers/fused_moe_triton.py.
-- groups of experts through padded torch.bmm, the CUDA prefill default (FERRYMAN_MOE_PREFILL=
-  batched; ferryman/layers/batched_moe.py: 8 experts per group, the reference's per-token order).
-- Triton grouped GEMM on CUDA when FERRYMAN_MOE_PREFILL=grouped (ferryman/layers/grouped_moe_triton.py:
-  two launches per layer; measured slower than the reference in session 8).
+- groups of experts through padded torch.bmm, the CUDA prefill path of quantised experts
+  (ferryman/layers/batched_moe.py: 8 experts per group, the reference's per-token order).
+- Triton grouped GEMM, the CUDA prefill path of unquantised (dense) experts
+  (ferryman/layers/grouped_moe_triton.py: two launches per layer). FERRYMAN_MOE_PREFILL=
+  auto|batched|grouped|reference picks (prefill_path).
 FERRYMAN_MOE_BACKEND=torch|triton|auto (default auto) overrides the choice.
 """
 
@@ -101,19 +102,35 @@ def _use_triton(fmt: str, x: torch.Tensor, pairs: int) -> bool:
     return backend == "triton" or pairs <= DECODE_MAX_PAIRS
 
 
+# Formats whose experts the grouped GEMM reads as they are (nothing to decode in its tiles). For
+# them FERRYMAN_MOE_PREFILL=auto takes the grouped kernel: one qwen3-30b-a3b layer (bf16, 128
+# experts, top-8) ran 3.2-4.4x faster than the batched path up to 1024 tokens and 1.2x at 4096,
+# where the batched path spends its time on 16 groups' launches and a read of the routing. MXFP4
+# keeps the batched path: decoding inside the grouped kernel's tiles was 1.2-19x slower there
+# (benchmarks/bench_prefill_moe.py, docs/benchmarks.md, session 17).
+GROUPED_BY_DEFAULT = ("dense",)
+
+
+def prefill_path(fmt: str) -> str:
+    """The CUDA prefill path of experts in format `fmt`: FERRYMAN_MOE_PREFILL, with auto resolved."""
+    from ferryman.envs import envs
+
+    path = envs.MOE_PREFILL
+    if path == "auto":
+        return "grouped" if fmt in GROUPED_BY_DEFAULT else "batched"
+    return path
+
+
 def _use_grouped(fmt: str, x: torch.Tensor) -> bool:
-    """Prefill-sized batches through the grouped GEMM (asked by FERRYMAN_MOE_PREFILL=grouped)."""
-    from ferryman.envs import envs
-
+    """Prefill-sized batches through the grouped GEMM (prefill_path 'grouped')."""
     return (x.is_cuda and fmt in TRITON_FORMATS and _backend() != "torch" and triton_available()
-            and envs.MOE_PREFILL == "grouped")
+            and prefill_path(fmt) == "grouped")
 
 
-def _use_batched(x: torch.Tensor) -> bool:
-    """Prefill-sized batches in groups of experts (asked by FERRYMAN_MOE_PREFILL=batched)."""
-    from ferryman.envs import envs
-
-    return x.is_cuda and envs.MOE_PREFILL == "batched"
+def _use_batched(fmt: str, x: torch.Tensor) -> bool:
+    """Prefill-sized batches in groups of experts (prefill_path 'batched', or 'grouped' where the
+    grouped kernel cannot run: no Triton, FERRYMAN_MOE_BACKEND=torch)."""
+    return x.is_cuda and prefill_path(fmt) in ("batched", "grouped")
 
 
 def fused_moe(
@@ -160,7 +177,7 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
         return grouped_moe(fmt, banks, x, topk_ids, topk_w, act, path="grouped")
-    if _use_batched(x):
+    if _use_batched(fmt, x):
         from ferryman.layers.batched_moe import fused_moe_batched
 
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
