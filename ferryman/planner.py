@@ -97,29 +97,32 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
     routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
-    copy of its input row (H); once: the experts dequantised at a time by the torch paths (w13 = 2 I H
-    each, freed before w2's I H are made; one, or a group on the batched path, the default of
-    quantised experts on CUDA) and fp32 logits of the sampled rows."""
+    copy of its input row (H); once: the experts dequantised at a time by the prefill path
+    (w13 = 2 I H each, freed before w2's I H are made: _dequantised_experts) and fp32 logits of
+    the sampled rows."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
     per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
-    once = _dequantised_experts() * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    once = _dequantised_experts(cfg.expert_format) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return chunk_tokens * per_token + once + _FIXED_HEADROOM
 
 
-def _dequantised_experts() -> int:
-    """Experts the prefill MoE path dequantises at once: a group on the batched path (FERRYMAN_MOE_PREFILL=
-    batched, or auto, which takes it for quantised experts; auto with unquantised experts takes the
-    grouped kernel, which dequantises none, so the group over-counts there; the path is CUDA-only,
-    but the plan does not depend on the device) or one."""
+def _dequantised_experts(fmt: str) -> int:
+    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once (the path is CUDA-only,
+    but the plan does not depend on the device): a group on the batched path, none on the grouped
+    GEMM (it reads the banks as they are, or decodes MXFP4 inside its tiles), one on the reference."""
     from ferryman.envs import envs
+    from ferryman.layers.fused_moe import prefill_path, triton_available
 
-    if envs.MOE_PREFILL in ("batched", "auto"):
+    path = prefill_path(fmt)
+    if path == "grouped" and (not triton_available() or envs.MOE_BACKEND == "torch"):
+        path = "batched"  # fused_moe's fallback where the grouped kernel cannot run
+    if path == "batched":
         from ferryman.layers.batched_moe import default_group
 
         return default_group()
-    return 1
+    return 0 if path == "grouped" else 1
 
 
 def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

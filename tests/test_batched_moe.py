@@ -129,6 +129,29 @@ def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) 
     assert extra == 2 * one_w13
 
 
+@pytest.mark.parametrize("preset, auto_group", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
+def test_planner_counts_what_the_auto_path_dequantises(preset: str, auto_group: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
+    grouped GEMM (none); with FERRYMAN_MOE_BACKEND=torch the grouped kernel cannot run and
+    fused_moe falls back to the batched path, which the plan then counts."""
+    from ferryman.config import ModelConfig
+    from ferryman.layers.fused_moe import triton_available
+    from ferryman.planner import activation_bytes
+    from ferryman.weights.presets import get_preset
+
+    if not triton_available():
+        auto_group = 8  # no grouped kernel: the batched path
+    cfg = ModelConfig.from_hf(get_preset(preset))
+    one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")  # one expert
+    base = activation_bytes(cfg, torch.bfloat16, 2048, 1) - one_w13
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "auto")
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == auto_group * one_w13
+    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "torch")
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 8 * one_w13
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_batched_equals_reference_at_gpt_oss_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
