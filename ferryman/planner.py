@@ -112,12 +112,9 @@ def _dequantised_experts(fmt: str) -> int:
     """Experts the CUDA prefill MoE path of format `fmt` dequantises at once (the path is CUDA-only,
     but the plan does not depend on the device): a group on the batched path, none on the grouped
     GEMM (it reads the banks as they are, or decodes MXFP4 inside its tiles), one on the reference."""
-    from ferryman.envs import envs
-    from ferryman.layers.fused_moe import prefill_path, triton_available
+    from ferryman.layers.fused_moe import prefill_path
 
     path = prefill_path(fmt)
-    if path == "grouped" and (not triton_available() or envs.MOE_BACKEND == "torch"):
-        path = "batched"  # fused_moe's fallback where the grouped kernel cannot run
     if path == "batched":
         from ferryman.layers.batched_moe import default_group
 

@@ -86,14 +86,26 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
 def test_prefill_path_resolves_auto_by_format(setting: str | None, fmt: str, path: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """auto (the default): unquantised experts take the grouped GEMM, quantised ones the batched path;
-    any other setting is taken as it is."""
+    any other setting is taken as it is, but grouped falls back to batched where its kernel cannot
+    run."""
+    pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
+    monkeypatch.delenv("FERRYMAN_MOE_BACKEND", raising=False)
     if setting is None:
         monkeypatch.delenv("FERRYMAN_MOE_PREFILL", raising=False)
     else:
         monkeypatch.setenv("FERRYMAN_MOE_PREFILL", setting)
     assert prefill_path(fmt) == path
+    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "torch")
+    assert prefill_path(fmt) == ("batched" if path == "grouped" else path)
+
+
+def test_prefill_path_grouped_needs_a_kernel_for_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ferryman.layers.fused_moe import prefill_path
+
+    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "grouped")
+    assert prefill_path("gguf_q4_k") == "batched"
 
 
 def test_grouped_moe_rejects_bad_arguments() -> None:

@@ -112,25 +112,28 @@ GROUPED_BY_DEFAULT = ("dense",)
 
 
 def prefill_path(fmt: str) -> str:
-    """The CUDA prefill path of experts in format `fmt`: FERRYMAN_MOE_PREFILL, with auto resolved."""
+    """The CUDA prefill path that experts in format `fmt` take: FERRYMAN_MOE_PREFILL with auto
+    resolved, and grouped falling back to batched where the grouped kernel cannot run (a format it
+    has no kernel for, no Triton, FERRYMAN_MOE_BACKEND=torch). The planner counts this path's
+    memory (planner._dequantised_experts)."""
     from ferryman.envs import envs
 
     path = envs.MOE_PREFILL
     if path == "auto":
-        return "grouped" if fmt in GROUPED_BY_DEFAULT else "batched"
+        path = "grouped" if fmt in GROUPED_BY_DEFAULT else "batched"
+    if path == "grouped" and (fmt not in TRITON_FORMATS or _backend() == "torch" or not triton_available()):
+        path = "batched"
     return path
 
 
 def _use_grouped(fmt: str, x: torch.Tensor) -> bool:
-    """Prefill-sized batches through the grouped GEMM (prefill_path 'grouped')."""
-    return (x.is_cuda and fmt in TRITON_FORMATS and _backend() != "torch" and triton_available()
-            and prefill_path(fmt) == "grouped")
+    """Prefill-sized batches through the grouped GEMM."""
+    return x.is_cuda and prefill_path(fmt) == "grouped"
 
 
 def _use_batched(fmt: str, x: torch.Tensor) -> bool:
-    """Prefill-sized batches in groups of experts (prefill_path 'batched', or 'grouped' where the
-    grouped kernel cannot run: no Triton, FERRYMAN_MOE_BACKEND=torch)."""
-    return x.is_cuda and prefill_path(fmt) in ("batched", "grouped")
+    """Prefill-sized batches in groups of experts."""
+    return x.is_cuda and prefill_path(fmt) == "batched"
 
 
 def fused_moe(
