@@ -5,7 +5,8 @@
 Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880) and qwen3-30b-a3b (bf16, 128 experts,
 top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Paths:
 - batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (the prefill default);
-- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel;
+- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel; for MXFP4 also
+  "grouped bits", the same kernel decoding tiles by bit fields (GroupedConfig.mxfp4_decode="bits");
 - gemv: the Triton per-pair kernel (decode's, up to 64 pairs by default), where it is cheap to try.
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
@@ -15,6 +16,7 @@ against the torch reference (fused_moe_reference) on the same inputs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -23,8 +25,8 @@ import torch
 
 from ferryman.layers.batched_moe import fused_moe_batched
 from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.layers.grouped_moe_triton import grouped_moe
-from ferryman.quant import get_format
+from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
+from ferryman.quant import Banks, get_format
 
 SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
     "gpt-oss-20b": ("mxfp4", 32, 4, 2880, 2880, True, "swiglu_oai"),
@@ -46,6 +48,24 @@ def wall(fn: Callable[[], torch.Tensor], iters: int) -> float:
     return statistics.median(times)
 
 
+def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: MoEActivation,
+          iters: int, err: Callable[[torch.Tensor], float]) -> None:
+    """The grouped kernel's tile configurations at one token count: ms and error of each."""
+    decodes = ("exp2", "bits") if fmt == "mxfp4" else ("exp2",)
+    rows = []
+    for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), decodes):
+        cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, mxfp4_decode=dec)
+        try:
+            ms = wall(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
+            e = err(grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg))
+        except Exception as exc:  # a tile configuration that does not compile (registers, shared memory)
+            print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:160]}")
+            continue
+        rows.append((ms, cfg, e))
+    for ms, cfg, e in sorted(rows, key=lambda r: r[0])[:8]:
+        print(f"  {ms:8.3f} ms  err {e:.1e}  {cfg}")
+
+
 def routing(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=-1).indices  # [T, K] distinct
     w = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), -1)
@@ -57,6 +77,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="16,32,64,128,256,512,1024,2048,4096")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", default="", help="token counts at which to also time the grouped kernel's tile "
+                    "configurations (block_m x block_n x block_k x MXFP4 decode), e.g. 128,1024")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill_moe needs a CUDA device")
@@ -67,8 +89,10 @@ def main() -> None:
         form, act = get_format(fmt), MoEActivation(act_kind)
         banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
         print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
-        print("| tokens | batched ms | grouped ms | gemv ms | grouped / batched | err batched | err grouped |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+        print("| tokens | batched ms | grouped ms | grouped bits ms | gemv ms | grouped / batched | err batched | "
+              "err grouped | err bits |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        bits_cfg = GroupedConfig(mxfp4_decode="bits")
         for t in (int(s) for s in a.tokens.split(",")):
             x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
             ids, w = routing(t, experts, top_k, gen)
@@ -83,13 +107,19 @@ def main() -> None:
             def grouped() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act, path="grouped")
 
+            def bits() -> torch.Tensor:
+                return grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=bits_cfg)
+
             def gemv() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
 
             tb, tg = wall(batched, a.iters), wall(grouped, a.iters)
+            tbits, ebits = (f"{wall(bits, a.iters) * 1e3:.3f}", f"{err(bits()):.1e}") if fmt == "mxfp4" else ("-", "-")
             tv = f"{wall(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
-            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tv} | {tg / tb:.2f} | {err(batched()):.1e} | "
-                  f"{err(grouped()):.1e} |", flush=True)
+            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tbits} | {tv} | {tg / tb:.2f} | {err(batched()):.1e} | "
+                  f"{err(grouped()):.1e} | {ebits} |", flush=True)
+            if str(t) in a.sweep.split(","):
+                sweep(fmt, banks, x, ids, w, act, a.iters, err)
             del x, ids, w, ref
         del banks
         torch.cuda.empty_cache()

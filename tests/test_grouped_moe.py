@@ -63,7 +63,13 @@ cases = [("dense", "silu", torch.float32, "grouped", "contiguous"),
          ("mxfp4", "swiglu_oai", torch.float32, "gemv", "contiguous"),
          ("mxfp4", "silu", torch.bfloat16, "gemv", "strided")]
 # H = 96 with BLOCK_K = 64: a partial K step; 18 pairs over 5 slots: partial and several blocks
-print(json.dumps(run(cases, "cpu", 5, 96, 64, 9, 2, GroupedConfig(block_m=16, block_n=32, block_k=64))))
+out = run(cases, "cpu", 5, 96, 64, 9, 2, GroupedConfig(block_m=16, block_n=32, block_k=64))
+# MXFP4 tiles decoded by bit fields; H = 96, I = 64 with BLOCK_K = 64: a partial K step and scale group
+bits = [("mxfp4", "swiglu_oai", torch.float32, "grouped", "strided"),
+        ("mxfp4", "silu", torch.float16, "grouped", "contiguous")]
+cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="bits")
+out += [dict(r, case=r["case"] + "-bits") for r in run(bits, "cpu", 5, 96, 64, 9, 2, cfg)]
+print(json.dumps(out))
 """
 
 _TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3e-2}
@@ -121,6 +127,10 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
         grouped_moe("dense", banks, x, ids, w, MoEActivation(), path="fast")
     with pytest.raises(ValueError, match="power of two"):
         GroupedConfig(block_m=24)
+    with pytest.raises(ValueError, match="mxfp4_decode must be one of"):
+        GroupedConfig(mxfp4_decode="lut")
+    with pytest.raises(ValueError, match="block_k must be >= 32"):
+        GroupedConfig(block_k=16, mxfp4_decode="bits")
     with pytest.raises(ValueError, match="topk_ids must be"):
         grouped_moe("dense", banks, x, torch.zeros(2, 1, dtype=torch.int32), w, MoEActivation())
 
@@ -135,6 +145,8 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
              for dtype in (torch.bfloat16, torch.float32)
              for path in ("gemv", "grouped") for layout in ("contiguous", "strided")]
     _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
+    bits = [c for c in cases if c[0] == "mxfp4" and c[3] == "grouped"]  # the bit-field MXFP4 decode
+    _check(scope["run"](bits, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode="bits")))
 
 
 @pytest.mark.gpu

@@ -31,7 +31,8 @@
 #   qwen3 run at 8 GiB ran out of memory in its 4k chunk); narrow20 / narrow120b / narrowqwen (one-sequence decode, the default adaptive copy width against a fixed
 #   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
-#   process); off120 (offload120 with a longer limit); densepf (qwen3-30b-a3b at 8 GiB, 256- and 8192-token prefill:
+#   process); off120 (offload120 with a longer limit); mxbits (the grouped-GEMM GPU tests, then bench_prefill_moe:
+#   the prefill MoE paths by token count, the grouped kernel's tiles and MXFP4 bit-field decode at 128 tokens); densepf (qwen3-30b-a3b at 8 GiB, 256- and 8192-token prefill:
 #   the default (grouped GEMM for bf16 experts) against FERRYMAN_MOE_PREFILL=batched, one process); resident (gpt-oss-20b resident decode: bench_decode, then
 #   bench_offload at 40 GiB, which plans every expert on the GPU); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);
@@ -314,6 +315,9 @@ for s in "${@:-tests decode kernels}"; do
                  --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
       densepf) stage qwen_prefill_ab 200 python3 benchmarks/bench_prefill_ab.py --target qwen3-30b-a3b:8GiB --prompt 256,8192 \
                  --variant "" --variant FERRYMAN_MOE_PREFILL=batched --reps 2 --max-model-len 16384 --json "$OUT/qwen_prefill_ab.json" ;;
+      mxbits)  stage gpu_tests_grouped 150 python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90 \
+                 tests/test_grouped_moe.py
+               stage prefill_moe 240 python3 benchmarks/bench_prefill_moe.py --sweep 128 ;;
       off120)  stage offload120 170 python3 benchmarks/bench_offload.py --target gpt-oss-120b:16GiB --json "$OUT/offload120.json" ;;
       diagdec120) stage diagdec120 200 python3 tools/diag_offload.py --tokens 48 --prefill 0 --model gpt-oss-120b \
                  --budget 16GiB ;;

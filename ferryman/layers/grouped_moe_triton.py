@@ -32,6 +32,7 @@ from ferryman.quant.base import Banks, get_format
 
 FORMATS = ("dense", "mxfp4")
 PATHS = ("auto", "gemv", "grouped")
+MXFP4_DECODES = ("exp2", "bits")
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,20 @@ class GroupedConfig:
     block_n: int = 32  # output columns per program
     block_k: int = 64  # reduction step; a multiple of 32 keeps mxfp4 scale groups whole
     num_warps: int = 4
+    # how the grouped path decodes MXFP4 tiles: "exp2" (per element: code fields, exp2, the scale
+    # loaded per element) or "bits" (experimental, not yet timed on a GPU: a byte's two nibbles
+    # placed into fp32 bit fields, one scale per 32 elements as an exponent, no exp2)
+    mxfp4_decode: str = "exp2"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GroupedConfig.{name} must be a power of two >= 16, got {v}")
+        if self.mxfp4_decode not in MXFP4_DECODES:
+            raise ValueError(f"GroupedConfig.mxfp4_decode must be one of {MXFP4_DECODES}, got {self.mxfp4_decode!r}")
+        if self.mxfp4_decode == "bits" and self.block_k < 32:
+            raise ValueError(f"GroupedConfig.block_k must be >= 32 with mxfp4_decode='bits', got {self.block_k}")
 
 
 @triton.jit
@@ -74,6 +83,40 @@ def _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM: tl.constexpr, MXFP4: t
 
 
 @triton.jit
+def _e2m1_fp32(code):
+    # 4-bit e2m1 code [int32] -> fp32 by bit fields: exponent field e + 126, mantissa bit at the top,
+    # gives 2^(e-1) (1 + m/2), the value for e > 0; for e == 0 it gives 0.5 + 0.25 m, where the
+    # value is 0.5 m = 2 v - 1
+    v = (((code & 7) << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where((code & 6) == 0, 2.0 * v - 1.0, v)
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
+def _w_tile_bits(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    # rows [R] of one MXFP4 expert weight [OUT, KDIM] at columns [k0, k0 + BK) -> fp32 [R, BK]
+    # (0 outside). Byte j holds elements 2j (low nibble) and 2j + 1; BK is a multiple of 32.
+    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
+    m2 = rmask[:, None] & (jj < KDIM // 2)[None, :]
+    byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=m2, other=0).to(tl.int32)
+    w = tl.reshape(tl.join(_e2m1_fp32(byte & 0xF), _e2m1_fp32(byte >> 4)), (R, BK))  # [R, BK]
+    gg = k0 // 32 + tl.arange(0, BK // 32)  # [BK/32] scale groups
+    sm = rmask[:, None] & (gg < KDIM // 32)[None, :]
+    s = tl.load(s_base + rows[:, None] * (KDIM // 32) + gg[None, :], mask=sm, other=127).to(tl.int32)
+    scale = (s << 23).to(tl.float32, bitcast=True)  # E8M0 2^(s - 127); s = 0 (2^-127) reads as 0
+    return tl.reshape(tl.reshape(w, (R, BK // 32, 32)) * scale[:, :, None], (R, BK))
+
+
+@triton.jit
+def _mx_tile(w_base, s_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr,
+             BITS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    # the grouped path's weight tile: _w_tile, or _w_tile_bits for MXFP4 with BITS
+    if MXFP4 and BITS:
+        return _w_tile_bits(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
+    return _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM, MXFP4)
+
+
+@triton.jit
 def _dot(a, w, FP32: tl.constexpr):
     # a [M, BK] x w [N, BK] -> [M, N] fp32; weights rounded to the compute dtype like the reference
     if FP32:
@@ -85,7 +128,7 @@ def _dot(a, w, FP32: tl.constexpr):
 def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
                  w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                  ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -104,8 +147,8 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
         kk = k0 + tl.arange(0, BK)
         kmask = kk < H
         a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc_g += _dot(a, _w_tile(w_base, s_base, g_rows, nmask, kk, kmask, H, MXFP4), FP32)
-        acc_u += _dot(a, _w_tile(w_base, s_base, u_rows, nmask, kk, kmask, H, MXFP4), FP32)
+        acc_g += _dot(a, _mx_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
+        acc_u += _dot(a, _mx_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -118,7 +161,7 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
 def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr,
                 w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+                BK: tl.constexpr, BITS: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -134,7 +177,7 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
         kk = k0 + tl.arange(0, BK)
         kmask = kk < I
         a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(a, _w_tile(w_base, s_base, n, nmask, kk, kmask, I, MXFP4), FP32)
+        acc += _dot(a, _mx_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BITS, BN, BK), FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(tw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -258,7 +301,8 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
             h, ids, *a2, tw, y, *w2.strides, H=hidden, I=inter, BN=cfg.block_n, BK=cfg.block_k, **flags)
     else:
         order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-        tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, **flags)
+        tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                     BITS=cfg.mxfp4_decode == "bits", **flags)
         _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
             x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
             H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
