@@ -385,3 +385,28 @@ def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) ->
         assert torch.equal(got, want)
     else:  # the two specialisations contract multiply-adds differently: fp32 agrees to rounding (H200)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens, path", [(2, "gathered"), (8, "gathered"), (9, "reference"), (64, "reference")])
+def test_cpu_gathers_only_while_each_expert_is_copied_at_most_twice(tokens: int, path: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU, small dense experts: the gathered path copies an expert once per pair, so it serves a
+    batch only while pairs <= 2 x the distinct experts; both paths equal the reference."""
+    from ferryman.layers import fused_moe as fm
+
+    form = get_format("dense")
+    gen = torch.Generator().manual_seed(4)
+    banks = form.random_banks(8, 64, 32, False, torch.float32, gen)
+    x = torch.randn(tokens, 64, generator=gen)
+    t = torch.arange(tokens)
+    ids = torch.stack([t % 8, (t % 8 + 1 + (t // 8) % 7) % 8], dim=1)  # [T, 2], distinct; 8 experts from 8 tokens on
+    w = torch.softmax(torch.randn(tokens, 2, generator=gen), -1)
+    act = MoEActivation("silu")
+    taken: list[str] = []
+    real_gathered, real_reference = fm.fused_moe_gathered, fm.fused_moe_reference
+    monkeypatch.setattr(fm, "fused_moe_gathered", lambda *a, **k: taken.append("gathered") or real_gathered(*a, **k))
+    monkeypatch.setattr(fm, "fused_moe_reference", lambda *a, **k: taken.append("reference") or real_reference(*a, **k))
+    got = fused_moe("dense", banks, x, ids, w, act)
+    assert taken == [path]
+    ref = real_reference(form, banks, x, ids, w, act)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()

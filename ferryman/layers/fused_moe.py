@@ -190,7 +190,7 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 
         _check_slot_range(topk_ids.reshape(-1), num_slots)
         return LayerJob(x, banks, 0, pairs_of(topk_ids, topk_w), act.kind, act.alpha, act.limit).run().to(x.dtype)
-    if not x.is_cuda and _gathered_bytes(form, banks, topk_ids.numel(), x) <= GATHER_MAX_BYTES:
+    if not x.is_cuda and _gather_pays(form, banks, topk_ids, x):
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
 
@@ -198,6 +198,18 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 # CPU decode: dequantise the few experts a step uses into one batch and run two bmm calls,
 # instead of a Python loop of small matmuls. Bounded so big experts (gpt-oss) keep the loop.
 GATHER_MAX_BYTES = 64 << 20
+# ... and only while each expert it touches is gathered at most this many times on average: the
+# gathered path copies an expert's weights once per (token, expert) pair, the reference once. On
+# the dev VM the demo model's 64-token prompt took 347 ms (fp32) and 143 ms (bf16) gathered, 64
+# and 63 ms with this bound (benchmarks/bench_ttft.py, docs/benchmarks.md, session 17).
+GATHER_MAX_COPIES = 2
+
+
+def _gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: torch.Tensor) -> bool:
+    pairs = topk_ids.numel()
+    if _gathered_bytes(form, banks, pairs, x) > GATHER_MAX_BYTES:
+        return False
+    return pairs <= GATHER_MAX_COPIES * torch.unique(topk_ids).numel()
 
 
 def _gathered_bytes(form: ExpertFormat, banks: Banks, pairs: int, x: torch.Tensor) -> int:
