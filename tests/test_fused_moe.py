@@ -387,11 +387,11 @@ def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) ->
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens, path", [(2, "gathered"), (8, "gathered"), (9, "reference"), (64, "reference")])
-def test_cpu_gathers_only_while_each_expert_is_copied_at_most_twice(tokens: int, path: str,
+@pytest.mark.parametrize("tokens, path", [(2, "gathered"), (16, "gathered"), (17, "reference"), (64, "reference")])
+def test_cpu_gathers_only_while_each_expert_is_copied_at_most_4_times(tokens: int, path: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU, small dense experts: the gathered path copies an expert once per pair, so it serves a
-    batch only while pairs <= 2 x the distinct experts; both paths equal the reference."""
+    batch only while pairs <= 4 x the distinct experts; both paths equal the reference."""
     from ferryman.layers import fused_moe as fm
 
     form = get_format("dense")

@@ -200,9 +200,11 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 GATHER_MAX_BYTES = 64 << 20
 # ... and only while each expert it touches is gathered at most this many times on average: the
 # gathered path copies an expert's weights once per (token, expert) pair, the reference once. On
-# the dev VM the demo model's 64-token prompt took 347 ms (fp32) and 143 ms (bf16) gathered, 64
-# and 63 ms with this bound (benchmarks/bench_ttft.py, docs/benchmarks.md, session 17).
-GATHER_MAX_COPIES = 2
+# the dev VM the demo model's 64-token prompt (256 pairs over its 32 experts) took 205-348 ms
+# (fp32) and 136-143 ms (bf16) gathered, 61-64 ms with this bound; 16-sequence decode steps
+# (64 pairs) gather still, as with a bound of 2 they had lost a quarter of their tokens/s
+# (benchmarks/bench_ttft.py, ferryman bench serve; docs/benchmarks.md, session 17).
+GATHER_MAX_COPIES = 4
 
 
 def _gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: torch.Tensor) -> bool:
