@@ -198,20 +198,24 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 # CPU decode: dequantise the few experts a step uses into one batch and run two bmm calls,
 # instead of a Python loop of small matmuls. Bounded so big experts (gpt-oss) keep the loop.
 GATHER_MAX_BYTES = 64 << 20
-# ... and only while each expert it touches is gathered at most this many times on average: the
-# gathered path copies an expert's weights once per (token, expert) pair, the reference once. On
-# the dev VM the demo model's 64-token prompt (256 pairs over its 32 experts) took 205-348 ms
-# (fp32) and 136-143 ms (bf16) gathered, 61-64 ms with this bound; 16-sequence decode steps
-# (64 pairs) gather still, as with a bound of 2 they had lost a quarter of their tokens/s
-# (benchmarks/bench_ttft.py, ferryman bench serve; docs/benchmarks.md, session 17).
-GATHER_MAX_COPIES = 4
+# ... and only while each expert it touches is gathered at most this many times on average (by
+# the compute dtype): the gathered path copies an expert's weights once per (token, expert) pair,
+# the loop once. Crossovers on the dev VM (2 cores, demo-model layer, benchmarks/bench_cpu_moe.py):
+# fp32 between 1.5 pairs per expert (even) and 2.5 (the loop 1.2-1.35x faster); bf16, whose small
+# matmuls in the loop cost more, between 4 (gathered 1.4x faster) and 8 (the loop 1.25x faster).
+# End to end, a bf16 bound of 6 gave slower prompts than 4, and a bound of 2 cost 16-user CPU
+# serving a quarter of its tokens/s; without a bound the demo model's 64-token prompt took 1.5-6x
+# longer (docs/benchmarks.md, session 17).
+GATHER_MAX_COPIES = {torch.float32: 2}
+GATHER_MAX_COPIES_DEFAULT = 4  # bf16, fp16
 
 
 def _gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: torch.Tensor) -> bool:
     pairs = topk_ids.numel()
     if _gathered_bytes(form, banks, pairs, x) > GATHER_MAX_BYTES:
         return False
-    return pairs <= GATHER_MAX_COPIES * torch.unique(topk_ids).numel()
+    copies = GATHER_MAX_COPIES.get(x.dtype, GATHER_MAX_COPIES_DEFAULT)
+    return pairs <= copies * torch.unique(topk_ids).numel()
 
 
 def _gathered_bytes(form: ExpertFormat, banks: Banks, pairs: int, x: torch.Tensor) -> int:

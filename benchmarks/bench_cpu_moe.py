@@ -1,0 +1,64 @@
+"""CPU MoE of one layer by token count: the gathered path against the per-expert loop, and which
+one `fused_moe` picks (fused_moe.GATHER_MAX_COPIES, GATHER_MAX_BYTES).
+
+    python benchmarks/bench_cpu_moe.py [--tokens 1,4,8,16,32,64,128] [--dtype bfloat16]
+
+Shapes: the bundled demo model's layer (bf16 dense experts, 32 experts, top-4, 256 x 64) unless
+--experts/--top-k/--hidden/--inter say otherwise; random weights and routing (each token's top-k
+distinct). Median of --reps calls each; the ratio is the loop's time over the gathered path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ferryman.layers import fused_moe as fm
+from ferryman.quant import get_format
+
+
+def median_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,4,8,16,32,64,128")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--inter", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    form, act = get_format("dense"), fm.MoEActivation("silu")
+    gen = torch.Generator().manual_seed(0)
+    banks = form.random_banks(a.experts, a.hidden, a.inter, False, dtype, gen)
+    print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; {a.experts} experts, top-{a.top_k}, "
+          f"H {a.hidden}, I {a.inter}, {a.dtype}")
+    print("| tokens | pairs | distinct experts | gathered ms | loop ms | loop / gathered | fused_moe picks |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for t in (int(s) for s in a.tokens.split(",")):
+        x = torch.randn(t, a.hidden, generator=gen).to(dtype)
+        ids = torch.rand(t, a.experts, generator=gen).topk(a.top_k, dim=-1).indices  # [T, K]
+        w = torch.softmax(torch.randn(t, a.top_k, generator=gen), -1)
+        tg = median_ms(lambda: fm.fused_moe_gathered(form, banks, x, ids, w, act), a.reps)
+        tl = median_ms(lambda: fm.fused_moe_reference(form, banks, x, ids, w, act), a.reps)
+        picks = "gathered" if fm._gather_pays(form, banks, ids, x) else "loop"
+        print(f"| {t} | {ids.numel()} | {torch.unique(ids).numel()} | {tg:.2f} | {tl:.2f} | {tl / tg:.2f} | {picks} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
