@@ -3,6 +3,8 @@
     python benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
         --variant FERRYMAN_PREFETCH_BEFORE_GROUPS=0 --variant "" --variant FERRYMAN_PREFETCH_SPLIT_BUSY=1 --reps 2
 
+`--prompt 256,8192` runs each size in turn (a warm-up prompt of that size first).
+
 Separate processes are a poor A/B on a fresh machine: the first pays Triton's compiles (the disk
 cache serves the next), and the 120b load pins ~60 GB each time. Here one engine loads once, runs a
 warm-up prompt, then goes through the variants in turn over fresh prompts (no prefix-cache hit).
@@ -105,7 +107,7 @@ def _sweep(llm: LLM, variants: list[dict[str, str]], named: set[str], n: int, un
             secs = prefill_s(llm, rand())
             s1 = eng.stats()["experts"]
             row = {"variant": " ".join(f"{k}={x}" for k, x in v.items()) or "defaults", "prompt": n, "rep": rep,
-                   "tok_s": n / secs, "vs_stream": limit_s / secs,
+                   "stream_limit_tok_s": n / limit_s, "tok_s": n / secs, "vs_stream": limit_s / secs,
                    "moved_gb": (s1["bytes_h2d"] - s0["bytes_h2d"]) / 1e9,
                    "stall_s": s1["stall_seconds"] - s0["stall_seconds"], "h2d_s": s1["h2d_seconds"] - s0["h2d_seconds"]}
             rows.append(row)
