@@ -6,7 +6,8 @@ Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880) and qwen3-30b-a3b (b
 top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Paths:
 - batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (the prefill default);
 - grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel; for MXFP4 also
-  "grouped bits", the same kernel decoding tiles by bit fields (GroupedConfig.mxfp4_decode="bits");
+  the kernel's experimental tile decodes (GroupedConfig.mxfp4_decode): "bits" (bit fields) and
+  "dot_scaled" (packed tiles into tl.dot_scaled);
 - gemv: the Triton per-pair kernel (decode's, up to 64 pairs by default), where it is cheap to try.
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -51,9 +53,9 @@ def wall(fn: Callable[[], torch.Tensor], iters: int) -> float:
 def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: MoEActivation,
           iters: int, err: Callable[[torch.Tensor], float]) -> None:
     """The grouped kernel's tile configurations at one token count: ms and error of each."""
-    decodes = ("exp2", "bits") if fmt == "mxfp4" else ("exp2",)
+    decodes = ("exp2", "bits", "dot_scaled") if fmt == "mxfp4" else ("exp2",)
     rows = []
-    for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4, 8), decodes):
+    for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), decodes):
         cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, mxfp4_decode=dec)
         try:
             ms = wall(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", default="", help="token counts at which to also time the grouped kernel's tile "
-                    "configurations (block_m x block_n x block_k x MXFP4 decode), e.g. 128,1024")
+                    "configurations (block_m x block_n x block_k x MXFP4 decode, 4 warps), e.g. 128,1024")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill_moe needs a CUDA device")
@@ -89,10 +91,10 @@ def main() -> None:
         form, act = get_format(fmt), MoEActivation(act_kind)
         banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
         print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
-        print("| tokens | batched ms | grouped ms | grouped bits ms | gemv ms | grouped / batched | err batched | "
-              "err grouped | err bits |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        bits_cfg = GroupedConfig(mxfp4_decode="bits")
+        print("| tokens | batched ms | grouped ms | grouped bits ms | grouped dot_scaled ms | gemv ms | "
+              "grouped / batched | err batched | err grouped | err bits | err dot_scaled |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        decodes = ("bits", "dot_scaled")
         for t in (int(s) for s in a.tokens.split(",")):
             x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
             ids, w = routing(t, experts, top_k, gen)
@@ -107,17 +109,29 @@ def main() -> None:
             def grouped() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act, path="grouped")
 
-            def bits() -> torch.Tensor:
-                return grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=bits_cfg)
+            def decoded(decode: str) -> Callable[[], torch.Tensor]:
+                cfg = GroupedConfig(mxfp4_decode=decode)
+                return lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg)
 
             def gemv() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
 
             tb, tg = wall(batched, a.iters), wall(grouped, a.iters)
-            tbits, ebits = (f"{wall(bits, a.iters) * 1e3:.3f}", f"{err(bits()):.1e}") if fmt == "mxfp4" else ("-", "-")
+            times, errs = [], []
+            for decode in decodes:
+                ms, e = "-", "-"
+                if fmt == "mxfp4":
+                    fn = decoded(decode)
+                    try:
+                        ms, e = f"{wall(fn, a.iters) * 1e3:.3f}", f"{err(fn()):.1e}"
+                    except Exception as exc:  # an experimental decode that does not compile here
+                        ms = f"failed: {type(exc).__name__}"
+                        print(f"{decode}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                times.append(ms)
+                errs.append(e)
             tv = f"{wall(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
-            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tbits} | {tv} | {tg / tb:.2f} | {err(batched()):.1e} | "
-                  f"{err(grouped()):.1e} | {ebits} |", flush=True)
+            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {' | '.join(times)} | {tv} | {tg / tb:.2f} | "
+                  f"{err(batched()):.1e} | {err(grouped()):.1e} | {' | '.join(errs)} |", flush=True)
             if str(t) in a.sweep.split(","):
                 sweep(fmt, banks, x, ids, w, act, a.iters, err)
             del x, ids, w, ref

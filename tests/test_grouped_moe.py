@@ -69,6 +69,12 @@ bits = [("mxfp4", "swiglu_oai", torch.float32, "grouped", "strided"),
         ("mxfp4", "silu", torch.float16, "grouped", "contiguous")]
 cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="bits")
 out += [dict(r, case=r["case"] + "-bits") for r in run(bits, "cpu", 5, 96, 64, 9, 2, cfg)]
+# packed tiles into tl.dot_scaled (fp16 here: the interpreter's bf16 dots are wrong); fp32 falls back
+ds = [("mxfp4", "swiglu_oai", torch.float16, "grouped", "strided"),
+      ("mxfp4", "silu", torch.float16, "grouped", "contiguous"),
+      ("mxfp4", "silu", torch.float32, "grouped", "contiguous")]
+cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="dot_scaled")
+out += [dict(r, case=r["case"] + "-dot_scaled") for r in run(ds, "cpu", 5, 96, 64, 9, 2, cfg)]
 print(json.dumps(out))
 """
 
@@ -131,6 +137,8 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
         GroupedConfig(mxfp4_decode="lut")
     with pytest.raises(ValueError, match="block_k must be >= 32"):
         GroupedConfig(block_k=16, mxfp4_decode="bits")
+    with pytest.raises(ValueError, match="block_k must be >= 32"):
+        GroupedConfig(block_k=16, mxfp4_decode="dot_scaled")
     with pytest.raises(ValueError, match="topk_ids must be"):
         grouped_moe("dense", banks, x, torch.zeros(2, 1, dtype=torch.int32), w, MoEActivation())
 
@@ -145,8 +153,9 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
              for dtype in (torch.bfloat16, torch.float32)
              for path in ("gemv", "grouped") for layout in ("contiguous", "strided")]
     _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
-    bits = [c for c in cases if c[0] == "mxfp4" and c[3] == "grouped"]  # the bit-field MXFP4 decode
-    _check(scope["run"](bits, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode="bits")))
+    mx = [c for c in cases if c[0] == "mxfp4" and c[3] == "grouped"]  # the other MXFP4 tile decodes
+    for decode in ("bits", "dot_scaled"):
+        _check(scope["run"](mx, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode=decode)))
 
 
 @pytest.mark.gpu

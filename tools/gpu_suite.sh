@@ -32,7 +32,7 @@
 #   top-k and a fixed half: gpt-oss-20b at 8 GiB, gpt-oss-120b at 16 GiB (no fixed half), qwen3-30b-a3b at 8 GiB); upab (GPU tests of the prefill stream, offload identity, the
 #   batched path and the hybrid; 120b 8k prefill with a layer's inputs on the copy stream / on the compute stream, one
 #   process); off120 (offload120 with a longer limit); mxbits (the grouped-GEMM GPU tests, then bench_prefill_moe:
-#   the prefill MoE paths by token count, the grouped kernel's tiles and MXFP4 bit-field decode at 128 tokens); densepf (qwen3-30b-a3b at 8 GiB, 256- and 8192-token prefill:
+#   the prefill MoE paths by token count with the grouped kernel's MXFP4 tile decodes (bits, dot_scaled), and its tiles at 128 tokens); densepf (qwen3-30b-a3b at 8 GiB, 256- and 8192-token prefill:
 #   the default (grouped GEMM for bf16 experts) against FERRYMAN_MOE_PREFILL=batched, one process); resident (gpt-oss-20b resident decode: bench_decode, then
 #   bench_offload at 40 GiB, which plans every expert on the GPU); evenab (GPU tests of the prefill stream, offload identity and
 #   the batched path; 120b 8k prefill, experts kept evenly over the layers / as the first chunks left them, one process);

@@ -32,7 +32,7 @@ from ferryman.quant.base import Banks, get_format
 
 FORMATS = ("dense", "mxfp4")
 PATHS = ("auto", "gemv", "grouped")
-MXFP4_DECODES = ("exp2", "bits")
+MXFP4_DECODES = ("exp2", "bits", "dot_scaled")
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class GroupedConfig:
     block_k: int = 64  # reduction step; a multiple of 32 keeps mxfp4 scale groups whole
     num_warps: int = 4
     # how the grouped path decodes MXFP4 tiles: "exp2" (per element: code fields, exp2, the scale
-    # loaded per element) or "bits" (experimental, not yet timed on a GPU: a byte's two nibbles
-    # placed into fp32 bit fields, one scale per 32 elements as an exponent, no exp2)
+    # loaded per element); experimental, not yet timed on a GPU: "bits" (a byte's two nibbles
+    # placed into fp32 bit fields, one scale per 32 elements as an exponent, no exp2) and
+    # "dot_scaled" (the packed tile and its scales straight into tl.dot_scaled; bf16/fp16 inputs
+    # only, fp32 ones take "exp2")
     mxfp4_decode: str = "exp2"
 
     def __post_init__(self) -> None:
@@ -53,8 +55,9 @@ class GroupedConfig:
                 raise ValueError(f"GroupedConfig.{name} must be a power of two >= 16, got {v}")
         if self.mxfp4_decode not in MXFP4_DECODES:
             raise ValueError(f"GroupedConfig.mxfp4_decode must be one of {MXFP4_DECODES}, got {self.mxfp4_decode!r}")
-        if self.mxfp4_decode == "bits" and self.block_k < 32:
-            raise ValueError(f"GroupedConfig.block_k must be >= 32 with mxfp4_decode='bits', got {self.block_k}")
+        if self.mxfp4_decode != "exp2" and self.block_k < 32:
+            raise ValueError(f"GroupedConfig.block_k must be >= 32 with mxfp4_decode={self.mxfp4_decode!r}, "
+                             f"got {self.block_k}")
 
 
 @triton.jit
@@ -117,6 +120,24 @@ def _mx_tile(w_base, s_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, MXF
 
 
 @triton.jit
+def _dot_scaled_tile(w_base, s_base, rows, rmask, k0, a, KDIM: tl.constexpr, BK: tl.constexpr,
+                     FP16: tl.constexpr):
+    # a [M, BK] (bf16 or fp16) x rows [R] of one MXFP4 expert weight at columns [k0, k0 + BK)
+    # -> [M, R] fp32: the packed bytes and E8M0 scales go to tl.dot_scaled as they are stored
+    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
+    w = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=rmask[:, None] & (jj < KDIM // 2)[None, :],
+                other=0)  # [R, BK/2], code 0 outside
+    gg = k0 // 32 + tl.arange(0, BK // 32)  # [BK/32]
+    sc = tl.load(s_base + rows[:, None] * (KDIM // 32) + gg[None, :], mask=rmask[:, None] & (gg < KDIM // 32)[None, :],
+                 other=0)  # [R, BK/32]
+    if FP16:
+        part = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "fp16")  # [R, M]
+    else:
+        part = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "bf16")
+    return tl.trans(part)
+
+
+@triton.jit
 def _dot(a, w, FP32: tl.constexpr):
     # a [M, BK] x w [N, BK] -> [M, N] fp32; weights rounded to the compute dtype like the reference
     if FP32:
@@ -128,7 +149,8 @@ def _dot(a, w, FP32: tl.constexpr):
 def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
                  w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                  ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DS: tl.constexpr,
+                 FP16: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -147,8 +169,12 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
         kk = k0 + tl.arange(0, BK)
         kmask = kk < H
         a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc_g += _dot(a, _mx_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
-        acc_u += _dot(a, _mx_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
+        if DS:
+            acc_g += _dot_scaled_tile(w_base, s_base, g_rows, nmask, k0, a, H, BK, FP16)
+            acc_u += _dot_scaled_tile(w_base, s_base, u_rows, nmask, k0, a, H, BK, FP16)
+        else:
+            acc_g += _dot(a, _mx_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
+            acc_u += _dot(a, _mx_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -161,7 +187,7 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
 def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr,
                 w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, BITS: tl.constexpr):
+                BK: tl.constexpr, BITS: tl.constexpr, DS: tl.constexpr, FP16: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -177,7 +203,10 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
         kk = k0 + tl.arange(0, BK)
         kmask = kk < I
         a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(a, _mx_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BITS, BN, BK), FP32)
+        if DS:
+            acc += _dot_scaled_tile(w_base, s_base, n, nmask, k0, a, I, BK, FP16)
+        else:
+            acc += _dot(a, _mx_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BITS, BN, BK), FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(tw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -301,8 +330,10 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
             h, ids, *a2, tw, y, *w2.strides, H=hidden, I=inter, BN=cfg.block_n, BK=cfg.block_k, **flags)
     else:
         order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
+        # dot_scaled takes bf16 / fp16 activations only: fp32 ones decode with exp2
+        ds = fmt == "mxfp4" and cfg.mxfp4_decode == "dot_scaled" and x.dtype in (torch.bfloat16, torch.float16)
         tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                     BITS=cfg.mxfp4_decode == "bits", **flags)
+                     BITS=cfg.mxfp4_decode == "bits", DS=ds, FP16=x.dtype == torch.float16, **flags)
         _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
             x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
             H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
