@@ -153,9 +153,19 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
              for dtype in (torch.bfloat16, torch.float32)
              for path in ("gemv", "grouped") for layout in ("contiguous", "strided")]
     _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
-    mx = [c for c in cases if c[0] == "mxfp4" and c[3] == "grouped"]  # the other MXFP4 tile decodes
-    for decode in ("bits", "dot_scaled"):
-        _check(scope["run"](mx, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode=decode)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["bits", "dot_scaled"])
+@pytest.mark.parametrize("t", [3, 300])
+def test_grouped_moe_experimental_mxfp4_decodes_on_cuda(decode: str, t: int) -> None:
+    """The grouped path's experimental MXFP4 tile decodes at gpt-oss-20b shapes, bf16 and fp32
+    (dot_scaled falls back there), contiguous and strided banks."""
+    scope: dict = {}
+    exec(_CASES, scope)
+    cases = [("mxfp4", kind, dtype, "grouped", layout) for kind in ("swiglu_oai", "silu")
+             for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
+    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode=decode)))
 
 
 @pytest.mark.gpu
