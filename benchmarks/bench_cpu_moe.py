@@ -11,24 +11,16 @@ distinct). Median of --reps calls each; the ratio is the loop's time over the ga
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 
-from ferryman.layers import fused_moe as fm
-from ferryman.quant import get_format
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import median_seconds  # noqa: E402
 
-
-def median_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from ferryman.layers import fused_moe as fm  # noqa: E402
+from ferryman.quant import get_format  # noqa: E402
 
 
 def main() -> None:
@@ -53,8 +45,8 @@ def main() -> None:
         x = torch.randn(t, a.hidden, generator=gen).to(dtype)
         ids = torch.rand(t, a.experts, generator=gen).topk(a.top_k, dim=-1).indices  # [T, K]
         w = torch.softmax(torch.randn(t, a.top_k, generator=gen), -1)
-        tg = median_ms(lambda: fm.fused_moe_gathered(form, banks, x, ids, w, act), a.reps)
-        tl = median_ms(lambda: fm.fused_moe_reference(form, banks, x, ids, w, act), a.reps)
+        tg = median_seconds(lambda: fm.fused_moe_gathered(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
+        tl = median_seconds(lambda: fm.fused_moe_reference(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
         picks = "gathered" if fm._gather_pays(form, banks, ids, x) else "loop"
         print(f"| {t} | {ids.numel()} | {torch.unique(ids).numel()} | {tg:.2f} | {tl:.2f} | {tl / tg:.2f} | {picks} |",
               flush=True)

@@ -18,36 +18,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
-from ferryman.quant import Banks, get_format
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import median_seconds  # noqa: E402
+
+from ferryman.layers.batched_moe import fused_moe_batched  # noqa: E402
+from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference  # noqa: E402
+from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe  # noqa: E402
+from ferryman.quant import Banks, get_format  # noqa: E402
 
 SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
     "gpt-oss-20b": ("mxfp4", 32, 4, 2880, 2880, True, "swiglu_oai"),
     "qwen3-30b-a3b": ("dense", 128, 8, 2048, 768, False, "silu"),
 }
-
-
-def wall(fn: Callable[[], torch.Tensor], iters: int) -> float:
-    """Median seconds from launch to synchronize."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: MoEActivation,
@@ -58,7 +46,7 @@ def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.T
     for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), decodes):
         cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, mxfp4_decode=dec)
         try:
-            ms = wall(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
+            ms = median_seconds(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
             e = err(grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg))
         except Exception as exc:  # a tile configuration that does not compile (registers, shared memory)
             print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:160]}")
@@ -116,20 +104,20 @@ def main() -> None:
             def gemv() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
 
-            tb, tg = wall(batched, a.iters), wall(grouped, a.iters)
+            tb, tg = median_seconds(batched, a.iters), median_seconds(grouped, a.iters)
             times, errs = [], []
             for decode in decodes:
                 ms, e = "-", "-"
                 if fmt == "mxfp4":
                     fn = decoded(decode)
                     try:
-                        ms, e = f"{wall(fn, a.iters) * 1e3:.3f}", f"{err(fn()):.1e}"
+                        ms, e = f"{median_seconds(fn, a.iters) * 1e3:.3f}", f"{err(fn()):.1e}"
                     except Exception as exc:  # an experimental decode that does not compile here
                         ms = f"failed: {type(exc).__name__}"
                         print(f"{decode}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
                 times.append(ms)
                 errs.append(e)
-            tv = f"{wall(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
+            tv = f"{median_seconds(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
             print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {' | '.join(times)} | {tv} | {tg / tb:.2f} | "
                   f"{err(batched()):.1e} | {err(grouped()):.1e} | {' | '.join(errs)} |", flush=True)
             if str(t) in a.sweep.split(","):

@@ -12,11 +12,16 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from ferryman import LLM, SamplingParams
-from ferryman.engine.warm_up import warm_up
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_prefix_cache import ttft  # noqa: E402
+
+from ferryman import LLM  # noqa: E402
+from ferryman.engine.warm_up import warm_up  # noqa: E402
 
 
 def main() -> None:
@@ -39,9 +44,7 @@ def main() -> None:
     for n in sizes:
         times = []
         for _ in range(a.reps):
-            ids = torch.randint(1, vocab, (n,), generator=gen).tolist()
-            out = llm.generate(prompt_token_ids=[ids], params=SamplingParams(temperature=0.0, max_tokens=1))[0]
-            times.append(out.metrics.ttft_s * 1e3)
+            times.append(ttft(llm, torch.randint(1, vocab, (n,), generator=gen).tolist())[0] * 1e3)
         print(f"{n}-token prompt: TTFT median {statistics.median(times):.1f} ms "
               f"({', '.join(f'{t:.1f}' for t in times)})", flush=True)
 

@@ -215,7 +215,8 @@ def _gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: to
     if _gathered_bytes(form, banks, pairs, x) > GATHER_MAX_BYTES:
         return False
     copies = GATHER_MAX_COPIES.get(x.dtype, GATHER_MAX_COPIES_DEFAULT)
-    return pairs <= copies * torch.unique(topk_ids).numel()
+    # a token's K experts are distinct, so up to `copies` tokens (decode steps) pass without counting
+    return topk_ids.shape[0] <= copies or pairs <= copies * torch.unique(topk_ids).numel()
 
 
 def _gathered_bytes(form: ExpertFormat, banks: Banks, pairs: int, x: torch.Tensor) -> int:
