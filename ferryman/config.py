@@ -236,6 +236,18 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """What a user may choose about routed experts; `EngineConfig.offload` builds it."""
+
+    gpu_memory: str | int | None = None  # device budget, e.g. "16GiB" (caps every allocation)
+    moe_strategy: str = "auto"  # auto | resident | offload
+    expert_cache: str | float | int | None = None  # a fraction ("10%", 0.1) or a slot count
+    cpu_experts: str = "off"  # off | auto | on: misses computed on the CPU (experts/hybrid.py)
+    calibration: str | None = None  # rates file of `ferryman bench bw` (default: the cache folder's)
+    decode_prefetch: bool = True  # copy the next layer's guessed experts ahead in decode steps
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything `LLM(...)` and the CLI flags set. Validated once, here."""
 
@@ -268,6 +280,12 @@ class EngineConfig:
     # KV cache storage: auto (the model's dtype) | fp8 (e4m3, half of bf16's bytes; the attention
     # reads it back in the model's dtype). See `kv_dtype`.
     kv_cache_dtype: str = "auto"
+    decode_prefetch: bool = True  # see OffloadConfig
+
+    @property
+    def offload(self) -> OffloadConfig:
+        return OffloadConfig(self.gpu_memory, self.moe_strategy, self.expert_cache, self.cpu_experts,
+                             self.calibration, self.decode_prefetch)
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
