@@ -284,6 +284,12 @@ class Scheduler:
 
     # ---- stats -------------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block that no sequence holds, in every pool."""
+        self.pool.reset_prefix_cache()
+        if self.window_pool is not None:
+            self.window_pool.reset_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         return {
             "num_running": len(self.running),

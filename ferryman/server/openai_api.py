@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ferryman.engine.sampler import TokenLogprobs
+from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.chat import TemplateError
 from ferryman.server.errors import APIError, error_body
