@@ -122,10 +122,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """Finish a waiting or running sequence now (stop string seen, client gone, ...).
         Returns it, or None when no unfinished sequence has this id."""

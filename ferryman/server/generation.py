@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,20 @@ class Choice:
             self.finish_reason = d.finish_reason
         if d.metrics is not None:
             self.metrics = d.metrics
+
+
+def make_params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams, or a 400 naming the bad field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def choice_params(spec: GenSpec, i: int) -> SamplingParams:
