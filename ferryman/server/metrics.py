@@ -22,9 +22,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 # metric -> (key in engine stats()["experts"] (the expert cache, when offloading), help); absent = 0
 _EXPERT_COUNTERS = {"expert_hits": ("hits", "expert cache hits (expert uses served from device slots)"),
                     "expert_misses": ("misses", "expert cache misses (experts fetched from host RAM)"),
-                    "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device"),
-                    "expert_bytes_host_reads": ("bytes_host_reads",
-                                                "expert bytes zero-copy decode kernels read from host RAM")}
+                    "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device")}
 
 
 class EngineCollector(Collector):
