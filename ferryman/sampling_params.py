@@ -21,7 +21,7 @@ class LogitsProcessor(Protocol):
     """Changes one sequence's next-token logits before sampling (a grammar's mask, a bias).
 
     Called in the engine thread each time the sequence samples, with its output tokens so far;
-    logits: [V] fp32, the raw logits (logprobs are taken before any processor)."""
+    logits: [V] fp32, the model's or the previous processor's (logprobs are taken before any)."""
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 
