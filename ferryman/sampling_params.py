@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 # Below this temperature a request is decoded greedily: dividing fp32 logits by a smaller
 # number overflows, and the distribution is a point mass anyway.
@@ -11,6 +15,15 @@ GREEDY_TEMPERATURE = 1e-5
 
 # torch.Generator.manual_seed accepts any value in [-2**63, 2**64).
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class LogitsProcessor(Protocol):
+    """Changes one sequence's next-token logits before sampling (a grammar's mask, a bias).
+
+    Called in the engine thread each time the sequence samples, with its output tokens so far;
+    logits: [V] fp32, the model's or the previous processor's (logprobs are taken before any)."""
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -34,13 +47,15 @@ class SamplingParams:
     max_tokens: int = 16  # finish with "length" after this many output tokens
     ignore_eos: bool = False  # keep going past the model's eos ids
     n: int = 1  # completions per request; reserved, only 1 is supported
-    logprobs: int | None = None  # number of top logprobs to return per token; reserved
+    logprobs: int | None = None  # top logprobs returned with each token (StepDelta.logprobs); None: none
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logits_processors = list(self.logits_processors)
         self._check_floats()
         self._check_ints()
         self._check_lists()
@@ -86,6 +101,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+        for proc in self.logits_processors:
+            if not callable(proc):
+                raise ValueError(f"logits_processors must hold callables, got {proc!r}")
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

@@ -6,6 +6,7 @@ model's tokenizer and ChatML template copied in, so every API path runs in milli
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import threading
@@ -48,17 +49,16 @@ def build_tiny_chat_model(folder: Path, seed: int = 0) -> Path:
 
 
 class ScriptedLogits:
-    """A logits processor that makes the model write `script` (then EOS) for every request:
-    the real API paths with an output we choose (reasoning, tool calls, stop strings)."""
+    """A logits processor that makes the model write `script` (then EOS): the real API paths with
+    an output we choose (reasoning, tool calls, stop strings)."""
 
     def __init__(self, script: list[int], eos: int = 0) -> None:
         self.script, self.eos = script, eos
 
-    def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
-        out = torch.full_like(logits, float("-inf"))
-        for i, s in enumerate(seqs):
-            n = s.num_output_tokens
-            out[i, self.script[n] if n < len(self.script) else self.eos] = 0.0
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        out = torch.full_like(logits, float("-inf"))  # [V]
+        n = len(output_token_ids)
+        out[self.script[n] if n < len(self.script) else self.eos] = 0.0
         return out
 
 
@@ -104,13 +104,14 @@ def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: A
 
 @contextmanager
 def logits_processor(server: "LiveServer", proc: Any) -> Iterator[None]:
-    """Run the engine with `proc` between logits and sampling; the previous one comes back after."""
-    before = server.loop.engine.runner.logits_processor
-    server.loop.set_logits_processor(proc)
+    """Requests submitted meanwhile sample through `proc` alone (it replaces their grammar)."""
+    loop = server.loop
+    submit = loop.submit
+    loop.submit = lambda ids, params: submit(ids, dataclasses.replace(params, logits_processors=[proc]))
     try:
         yield
     finally:
-        server.loop.set_logits_processor(before)
+        del loop.submit
 
 
 def scripted(server: "LiveServer", text: str) -> Any:
@@ -119,15 +120,19 @@ def scripted(server: "LiveServer", text: str) -> Any:
     return logits_processor(server, ScriptedLogits(tok.encode(text, add_special_tokens=False)))
 
 
-class SlowLogits:
-    """A logits processor that sleeps each step: keeps requests in flight for as long as a test needs."""
+def delay_steps(server: "LiveServer", delay_s: float) -> None:
+    """From now on every engine step sleeps `delay_s` first (0: no more): keeps requests in flight
+    for as long as a test needs."""
+    engine = server.loop.engine
+    engine.__dict__.pop("step", None)
+    if delay_s > 0:
+        step = engine.step
 
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s = delay_s
+        def slow_step() -> Any:
+            time.sleep(delay_s)
+            return step()
 
-    def __call__(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
-        time.sleep(self.delay_s)
-        return logits
+        engine.step = slow_step
 
 
 def wait_until(predicate: Any, timeout_s: float = 5.0, what: str = "condition") -> float:

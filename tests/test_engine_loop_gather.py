@@ -10,7 +10,6 @@ import pytest
 
 from ferryman import LLM, SamplingParams
 from ferryman.server import EngineLoop
-from ferryman.server import engine_loop as loop_module
 from tiny_models import build_tiny
 
 
@@ -33,14 +32,14 @@ def test_requests_arriving_together_share_the_first_step(tmp_path: Path, monkeyp
     build_tiny("qwen3_moe", tmp_path)
     engine = LLM(str(tmp_path), device="cpu", dtype="float32", enforce_eager=True).engine
     sizes: list[int] = []
-    schedule = engine.scheduler.schedule
+    step = engine.step
 
     def recorded():  # noqa: ANN202
-        out = schedule()
-        sizes.append(len(out.scheduled))
-        return out
+        deltas = step()
+        sizes.append(engine.last_step_size)
+        return deltas
 
-    monkeypatch.setattr(engine.scheduler, "schedule", recorded)
+    monkeypatch.setattr(engine, "step", recorded)
     loop = EngineLoop(engine)
     loop.start()
     try:

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ferryman.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, _filter_params
+from ferryman.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, filter_params
 from ferryman.engine.sequence import Sequence
 from ferryman.sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ def test_filters_keep_exactly_the_transformers_support():
     torch.manual_seed(3)
     logits = torch.randn(len(FILTER_CASES), V) * 2
     temps = torch.tensor([p.temperature for p in FILTER_CASES]).unsqueeze(1)
-    got = apply_top_k_top_p_min_p(logits / temps, *_filter_params(FILTER_CASES, logits))
+    got = apply_top_k_top_p_min_p(logits / temps, *filter_params(FILTER_CASES, logits))
     for i, p in enumerate(FILTER_CASES):
         expected = hf_filtered(logits[i], p)
         kept = torch.isfinite(expected)
@@ -160,6 +160,31 @@ def test_masked_vocab_entries_are_never_sampled():
     assert set(tokens.tolist()) == {2, 5}
 
 
+def test_sample_runs_each_rows_processors_and_takes_logprobs_before_them():
+    """Row 0 has a processor that forces token 5 (it sees its own output so far); row 1 has none
+    and asks for logprobs; row 2 asks with a processor: its logprobs are the raw distribution's."""
+    logits = torch.randn(3, V)
+    seen: list[list[int]] = []
+
+    def force_5(output_token_ids: list[int], row: torch.Tensor) -> torch.Tensor:
+        seen.append(list(output_token_ids))
+        return torch.full_like(row, float("-inf")).index_fill(0, torch.tensor([5]), 0.0)
+
+    params = [SamplingParams(temperature=0.0, logits_processors=[force_5]),
+              SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, logprobs=0, logits_processors=[force_5])]
+    seqs = seqs_with(params, outputs=[[9, 8], [], [4]])
+    out = Sampler().sample(logits.clone(), seqs)
+    ids = [s.seq_id for s in seqs]
+    assert out.token_ids == {ids[0]: 5, ids[1]: logits[1].argmax().item(), ids[2]: 5}
+    assert seen == [[9, 8], [4]]
+    assert set(out.logprobs) == {ids[1], ids[2]}
+    logp = logits.log_softmax(-1)
+    chosen, top = out.logprobs[ids[1]]
+    assert chosen == pytest.approx(logp[1].max().item()) and [t for t, _ in top] == logp[1].topk(2).indices.tolist()
+    assert out.logprobs[ids[2]] == (pytest.approx(logp[2, 5].item()), [])
+
+
 def test_bad_logits_shape_raises():
     with pytest.raises(ValueError, match="B = 2"):
         Sampler()(torch.zeros(3, V), seqs_with([SamplingParams()] * 2))
@@ -171,9 +196,9 @@ def test_cuda_matches_cpu_support_and_seeds():
     torch.manual_seed(7)
     logits = torch.randn(len(FILTER_CASES), V) * 2
     temps = torch.tensor([p.temperature for p in FILTER_CASES]).unsqueeze(1)
-    cpu = apply_top_k_top_p_min_p(logits / temps, *_filter_params(FILTER_CASES, logits))
+    cpu = apply_top_k_top_p_min_p(logits / temps, *filter_params(FILTER_CASES, logits))
     gpu_logits = (logits / temps).cuda()
-    gpu = apply_top_k_top_p_min_p(gpu_logits, *_filter_params(FILTER_CASES, gpu_logits))
+    gpu = apply_top_k_top_p_min_p(gpu_logits, *filter_params(FILTER_CASES, gpu_logits))
     assert torch.equal(torch.isfinite(gpu.cpu()), torch.isfinite(cpu))
     p = SamplingParams(seed=11)
     a = Sampler()(logits[:1].cuda(), seqs_with([p]))

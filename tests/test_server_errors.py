@@ -13,9 +13,8 @@ httpx = pytest.importorskip("httpx")
 from ferryman.server import ServerConfig  # noqa: E402
 from server_harness import (  # noqa: E402
     LiveServer,
-    SlowLogits,
     build_tiny_chat_model,
-    logits_processor,
+    delay_steps,
     start_server,
     wait_until,
 )
@@ -42,8 +41,9 @@ def http(server: LiveServer) -> httpx.Client:
 @pytest.fixture
 def slow(server: LiveServer):
     """Every engine step takes 50 ms while the test runs (requests stay in flight)."""
-    with logits_processor(server, SlowLogits(0.05)):
-        yield
+    delay_steps(server, 0.05)
+    yield
+    delay_steps(server, 0.0)
 
 
 def _stats(http: httpx.Client) -> dict:

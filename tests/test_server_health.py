@@ -12,7 +12,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from server_harness import LiveServer, SlowLogits, start_server, wait_until  # noqa: E402
+from server_harness import LiveServer, delay_steps, start_server, wait_until  # noqa: E402
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_metrics_and_stats(server: LiveServer) -> None:
 
 def test_engine_killed_mid_stream(server: LiveServer) -> None:
     """Clients get an error within 2 s of the engine dying; /health turns 503; new requests fail at once."""
-    server.loop.set_logits_processor(SlowLogits(0.02))
+    delay_steps(server, 0.02)
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30)
     failed_after: list[float] = []
     started = threading.Barrier(4)
@@ -97,7 +97,7 @@ def test_engine_killed_mid_stream(server: LiveServer) -> None:
 
 def test_watchdog_catches_a_hung_step(server: LiveServer) -> None:
     server.loop.step_timeout_s = 0.3
-    server.loop.set_logits_processor(SlowLogits(2.0))  # one step "hangs" for 2 s
+    delay_steps(server, 2.0)  # one step "hangs" for 2 s
     client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=30)
     t0 = time.monotonic()
     with pytest.raises(openai.InternalServerError, match="more than 0.3 s"):
@@ -113,12 +113,12 @@ def test_metrics_report_device_memory_peaks_when_the_engine_has_them() -> None:
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from ferryman.server.metrics import _EngineCollector
+    from ferryman.server.metrics import EngineCollector
 
     def scrape(snapshot: dict) -> dict[str, float]:
         registry = CollectorRegistry()
         loop = SimpleNamespace(stats_snapshot=snapshot, num_pending=0, alive=True)
-        registry.register(_EngineCollector(loop, {"weights": 1}))
+        registry.register(EngineCollector(loop, {"weights": 1}))
         return _samples(generate_latest(registry).decode())
 
     peaks = {"plan_total": 8 << 30, "plan_activations": 1 << 30, "peak_allocated": 7 << 30, "peak_reserved": 3 << 31}

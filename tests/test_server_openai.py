@@ -161,11 +161,11 @@ def test_long_prefill_does_not_freeze_streams(tiny_model: Path) -> None:
     import threading
     import time
 
-    from server_harness import SlowLogits
+    from server_harness import delay_steps
 
     srv = start_server(str(tiny_model), max_num_batched_tokens=32)
     try:
-        srv.loop.set_logits_processor(SlowLogits(0.01))
+        delay_steps(srv, 0.01)
         client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
         arrivals: list[float] = []
         stream = client.completions.create(model="tiny", prompt="x = 1", max_tokens=200, stream=True,

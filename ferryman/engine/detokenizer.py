@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ferryman.tokenizer import TokenIdText
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
             if idx != -1:
                 full, self.stopped = full[:idx], True
         # hold back a tail that could be the start of a stop string
-        hold = 0 if self.stopped else _partial_stop_len(full, self.stop)
+        hold = 0 if self.stopped else partial_suffix_len(full, self.stop)
         stable = full[: len(full) - hold] if hold else full
         if len(stable) <= len(self.text):
             return ""
@@ -52,11 +53,13 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _partial_stop_len(text: str, stops: list[str]) -> int:
+def partial_suffix_len(text: str, tags: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags` (text that
+    may yet become a stop string or a tag)."""
     best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                best = max(best, n)
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
                 break
     return best

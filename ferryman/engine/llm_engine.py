@@ -160,13 +160,13 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
         self._note_slow(out, prefill, time.perf_counter() - started)
-        self.scheduler.update(out, sampled)
+        self.scheduler.update(out, sampled.token_ids)
         self.num_steps += 1
         self.last_step_size = len(out.scheduled)
         self.last_step_shape = (sum(1 for s in out.scheduled if s.is_decode), prefill)
-        self.num_generated += len(sampled)
+        self.num_generated += len(sampled.token_ids)
         deltas = []
-        for seq_id, token in sampled.items():
+        for seq_id, token in sampled.token_ids.items():
             req = self.requests[seq_id]
             text = req.detok.update(req.seq.output_token_ids)
             if req.detok.stopped and not req.seq.is_finished:
@@ -176,7 +176,7 @@ class LLMEngine:
                 text += req.detok.flush(req.seq.output_token_ids)
                 self._finalize(req, reason)
             req.output.text += text
-            deltas.append(StepDelta(seq_id, [token], text, reason))
+            deltas.append(StepDelta(seq_id, [token], text, reason, [sampled.logprobs.get(seq_id)]))
         return deltas
 
     def _note_slow(self, out: SchedulerOutput, prefill: int, seconds: float) -> None:
@@ -203,6 +203,23 @@ class LLMEngine:
     def pop_output(self, request_id: int) -> RequestOutput | None:
         """The final output of a finished request (once)."""
         return self.finished.pop(request_id, None)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that finish a request unless it ignores eos: the model's and its tokenizer's."""
+        return self.scheduler.eos_token_ids
+
+    def reset_after_warm_up(self) -> None:
+        """Forget what warm-up requests left: cached prompts, step counters and the expert guesses'
+        grades (the gates learn from real traffic, not from the warm-up's small batches)."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_after_warm_up() needs an idle engine")
+        guesser = getattr(self.runner.experts, "guesser", None)
+        if guesser is not None:
+            guesser.reset_grades()
+        self.scheduler.reset_prefix_cache()
+        self.num_steps = self.num_generated = self.slow_steps = 0
+        self.slowest_step = {}
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -266,6 +283,20 @@ class LLMEngine:
             **self.memory_stats(),
             **self.scheduler.stats(),
         }
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes by use: weights other than routed experts on the device, routed experts on the device
+        (all of them when resident, the cache slots when offloading), KV cache; experts in host RAM."""
+        model = self.runner.model
+        # a token-embedding table kept in host RAM (offloaded plans) is not device memory
+        weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == self.device.type)
+        kv = sum(t.numel() * t.element_size() for attn in model.attention_layers()
+                 for t in (attn.k_cache, attn.v_cache) if isinstance(t, torch.Tensor))
+        experts = self.expert_stats()
+        total = int(self.expert_bytes)
+        on_device = int(experts["slots"] * experts["slot_bytes"]) if "slot_bytes" in experts else total
+        return {"weights": weights, "experts": on_device, "kv_cache": kv,
+                "experts_host": total if on_device != total else 0}
 
     def memory_stats(self) -> dict:
         """On CUDA, the plan's device budget and activation headroom against the peaks the caching

@@ -7,7 +7,6 @@ MoE block. Decode-only steps replay a captured CUDA graph when one fits the batc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,10 +14,10 @@ import torch
 from ferryman.config import ModelConfig
 from ferryman.engine.cuda_graph import DecodeGraphs
 from ferryman.engine.inputs import StepInputs, prepare_inputs
-from ferryman.engine.sampler import Sampler, TokenLogprobs, token_logprobs
+from ferryman.engine.outputs import SamplerOutput
+from ferryman.engine.sampler import Sampler
 from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
-from ferryman.engine.sequence import Sequence
 from ferryman.envs import envs
 from ferryman.experts.placement import make_backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
@@ -68,11 +67,6 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.sampler = Sampler()
-        # Optional hook between logits and sampling (the server's grammar masks):
-        # (logits [B_s, V] fp32, sampling seqs) -> logits [B_s, V]. Runs in the engine thread.
-        self.logits_processor: Callable[[torch.Tensor, list[Sequence]], torch.Tensor] | None = None
-        # seq_id -> logprobs of the token sampled in the last step, for seqs with params.logprobs set
-        self.last_logprobs: dict[int, TokenLogprobs] = {}
         self.graphs: DecodeGraphs | SegmentedDecode | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size), max_model_len)
@@ -94,25 +88,16 @@ class ModelRunner:
             return None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run the step; returns seq_id -> sampled token for the sequences that sample."""
+    def execute(self, out: SchedulerOutput) -> SamplerOutput:
+        """Run the step; returns the tokens (and logprobs) of the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
         after_step = getattr(self.experts, "after_step", None)
         if after_step is not None and out.is_decode_only:
             after_step(inputs.input_ids.shape[0])  # zero-copy decode's statistics (experts/offload.py)
-        self.last_logprobs = {}
         if not inputs.sample_seq_ids:
-            return {}
-        seqs = [s.seq for s in out.scheduled if s.sample]
-        raw = logits
-        if self.logits_processor is not None:
-            logits = self.logits_processor(logits, seqs)
-        tokens = self.sampler(logits, seqs)
-        if any(s.params.logprobs is not None for s in seqs):
-            lps = token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
-            self.last_logprobs = {s.seq_id: lp for s, lp in zip(seqs, lps) if lp is not None}
-        return dict(zip(inputs.sample_seq_ids, tokens.tolist()))
+            return SamplerOutput()
+        return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])
 
     def compute_logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
         """logits [B_s, V] fp32 for the sampling rows."""

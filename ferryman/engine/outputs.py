@@ -1,8 +1,18 @@
-"""What generation returns to callers."""
+"""What the sampler and the engine return: sampled tokens, logprobs, request outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
+
+
+@dataclass
+class SamplerOutput:
+    """What one step sampled, for the sequences that sampled."""
+
+    token_ids: dict[int, int] = field(default_factory=dict)  # seq_id -> sampled token
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq_id -> its logprobs, when asked
 
 
 @dataclass
@@ -38,3 +48,4 @@ class StepDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token id; None: not asked

@@ -4,13 +4,15 @@ Semantics follow transformers' logits processors (order: repetition penalty, tem
 top-p, min-p) plus OpenAI presence / frequency penalties applied right after the repetition
 penalty (vLLM's order). Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) i.i.d.
 picks token i with probability p_i. Rows of seeded sequences draw q from the sequence's own
-generator, so a seed gives the same tokens whatever else is in the batch.
+generator, so a seed gives the same tokens whatever else is in the batch. A sequence's own logits
+processors (SamplingParams.logits_processors) run first; logprobs come from the raw logits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ferryman.engine.outputs import SamplerOutput, TokenLogprobs
 from ferryman.engine.sequence import Sequence
 from ferryman.sampling_params import SamplingParams
 
@@ -31,12 +33,37 @@ class Sampler:
             return logits.argmax(dim=-1)
         logits = logits / _column([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                   logits)
-        logits = apply_top_k_top_p_min_p(logits, *_filter_params(params, logits))
+        logits = apply_top_k_top_p_min_p(logits, *filter_params(params, logits))
         tokens = sample_exponential_race(logits.softmax(dim=-1), seqs)  # [B]
         if any(greedy):
             greedy_rows = torch.tensor(greedy, device=logits.device)
             tokens = torch.where(greedy_rows, logits.argmax(dim=-1), tokens)
         return tokens
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [B, V] fp32, raw -> each sequence's token (after its logits processors), and the
+        raw distribution's logprobs for the sequences whose params ask for them."""
+        tokens = self(apply_logits_processors(logits, seqs), seqs)  # [B]
+        out = SamplerOutput(dict(zip((s.seq_id for s in seqs), tokens.tolist())))
+        top_n = [s.params.logprobs for s in seqs]
+        if any(n is not None for n in top_n):
+            lps = token_logprobs(logits, tokens, top_n)
+            out.logprobs = {s.seq_id: lp for s, lp in zip(seqs, lps) if lp is not None}
+        return out
+
+
+def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [B, V] -> [B, V], each row through its sequence's processors (a copy when any runs)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logits_processors]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        row = out[i]  # [V]
+        for proc in seqs[i].params.logits_processors:
+            row = proc(seqs[i].output_token_ids, row)
+        out[i] = row
+    return out
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -77,7 +104,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _filter_params(params: list[SamplingParams], logits: torch.Tensor
+def filter_params(params: list[SamplingParams], logits: torch.Tensor
                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Per-row top_k [B] int64, top_p [B], min_p [B]; None where no row uses the filter."""
     V = logits.shape[1]
@@ -130,9 +157,6 @@ def sample_exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.
     # A draw of exactly 0 would turn a zero-probability token into 0/0 = nan, which argmax picks.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
-
-
-TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (chosen token's logprob, top-n (id, logprob))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int | None]

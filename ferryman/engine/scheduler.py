@@ -122,10 +122,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """Finish a waiting or running sequence now (stop string seen, client gone, ...).
         Returns it, or None when no unfinished sequence has this id."""
@@ -283,6 +279,12 @@ class Scheduler:
         return None
 
     # ---- stats -------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block that no sequence holds, in every pool."""
+        self.pool.reset_prefix_cache()
+        if self.window_pool is not None:
+            self.window_pool.reset_prefix_cache()
 
     def stats(self) -> dict[str, float]:
         return {

@@ -1,21 +1,13 @@
 """Warm-up before serving: run the step shapes the first users would otherwise compile.
 
 Triton compiles a kernel at its first launch for each specialisation of its integer arguments
-(1, a multiple of 16, anything else: sequences and tokens of a step), and autotunes some. A server
-that skipped this made its first requests pay for it: on the H200 a 16-user run on a fresh machine
-had a mean time to first token of 1.16-1.37 s, and the same run right after 0.66-0.69 s
-(docs/benchmarks.md, session 14). So `ferryman serve` first runs a prefill chunk of
-min(max_num_seqs, 16) sequences that fills a step, their decodes as they finish one by one (every
-batch size down to 1), then smaller waves whose sequence and token counts fall in the other
-specialisations, and one sequence alone; then it forgets the prompts (prefix cache), the step
-counters and the guesses' grades (on the H200 the warm-up's small batches had turned the batch
-guesses of 4 layers off for the whole run: hit rate 0.86 against 0.94).
-
-Steps that mix prompts with decodes compile too: with only the waves above, the first serve
-still had a 1.09 s step (4 decodes beside 4092 prompt tokens) and a 1.44 s one (15 decodes beside
-a 22-token prompt tail) that the second serve did not have (session 15). So one wave has
-long prompts join while its sequences decode: a chunk filled by decodes and a cut prompt, then
-the prompt's tail beside the decodes, then short prompts beside them.
+(1, a multiple of 16, anything else: sequences and tokens of a step), and autotunes some; a server
+that skipped this made its first requests pay for it (docs/benchmarks.md). So `ferryman serve`
+first runs a prefill chunk of min(max_num_seqs, 16) sequences that fills a step, their decodes as
+they finish one by one (every batch size down to 1), a wave where long prompts join sequences
+that decode (steps that mix prompts with decodes compile too), smaller waves whose sequence and
+token counts fall in the other specialisations, and one sequence alone. Then the engine forgets
+them (`LLMEngine.reset_after_warm_up`): prefix cache, step counters, the expert guesses' grades.
 """
 
 from __future__ import annotations
@@ -60,14 +52,7 @@ def warm_up(engine: LLMEngine) -> WarmUpReport:
         slowest = _run_waves(engine, sizes, shapes)
     finally:
         engine.warming_up = False
-    guesser = getattr(engine.runner.experts, "guesser", None)
-    if guesser is not None:  # the gates learn from real traffic, not from these small batches
-        guesser.reset_grades()
-    engine.scheduler.pool.reset_prefix_cache()
-    if engine.scheduler.window_pool is not None:
-        engine.scheduler.window_pool.reset_prefix_cache()
-    engine.num_steps = engine.num_generated = engine.slow_steps = 0
-    engine.slowest_step = {}
+    engine.reset_after_warm_up()
     return WarmUpReport(time.perf_counter() - start, len(sizes), tuple(sizes), slowest, tuple(shapes))
 
 

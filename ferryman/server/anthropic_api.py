@@ -16,11 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ferryman.sampling_params import SamplingParams
 from ferryman.server.chat import ChatPrompt, TemplateError
 from ferryman.server.errors import APIError, error_body
-from ferryman.server.generation import Choice, ChoiceDelta, GenSpec, engine_error, generate, stop_string_hit, stream_choices
-from ferryman.server.openai_api import sse
+from ferryman.server.generation import (Choice, ChoiceDelta, GenSpec, engine_error, generate, make_params, sse,
+                                        stop_string_hit, stream_choices)
 from ferryman.server.parsers import ToolCall
 from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
 from ferryman.server.state import ServerState
@@ -89,12 +88,9 @@ async def messages(body: AMessagesRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
     prompt, setup = _prompt(st, body)
     st.check_prompt(prompt.token_ids, "messages")
-    try:
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                stop=list(body.stop_sequences or []),
-                                max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
-    except ValueError as e:
-        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+    params = make_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                         stop=list(body.stop_sequences or []),
+                         max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
     spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:

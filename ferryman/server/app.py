@@ -19,10 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferryman.server import anthropic_api, openai_api
+from ferryman.server.anthropic_api import router as anthropic_router
 from ferryman.server.engine_loop import EngineLoop
 from ferryman.server.errors import APIError, error_body, error_response, validation_error
 from ferryman.server.metrics import ServerMetrics
+from ferryman.server.openai_api import router as openai_router
 from ferryman.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("ferryman.server")
@@ -130,8 +131,8 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.add_middleware(GateMiddleware, cfg=cfg, metrics=metrics)
     _install_handlers(app)
-    app.include_router(openai_api.router)
-    app.include_router(anthropic_api.router)
+    app.include_router(openai_router)
+    app.include_router(anthropic_router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -73,8 +73,7 @@ def link_bytes(cfg: BenchConfig) -> int | None:
     experts = stats.get("experts") if isinstance(stats, dict) else None
     if not isinstance(experts, dict) or not isinstance(experts.get("bytes_h2d"), (int, float)):
         return None
-    # copies into the cache, plus what zero-copy decode kernels read from host memory
-    return int(experts["bytes_h2d"]) + int(experts.get("bytes_host_reads", 0))
+    return int(experts["bytes_h2d"])
 
 
 def _sse_data(resp: Any) -> Any:

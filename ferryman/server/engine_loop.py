@@ -18,13 +18,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ferryman.engine.llm_engine import LLMEngine
-from ferryman.engine.outputs import RequestOutput, StepDelta
-from ferryman.engine.sampler import TokenLogprobs
+from ferryman.engine.outputs import RequestOutput, StepDelta, TokenLogprobs
 from ferryman.errors import EngineDeadError, FerrymanError
 from ferryman.sampling_params import SamplingParams
 
@@ -45,12 +44,6 @@ class OverloadedError(FerrymanError):
     """The request queue is full (HTTP 429)."""
 
 
-class TokenMatcher(Protocol):
-    """Per-request grammar state the loop advances with every sampled token."""
-
-    def consume(self, token_id: int) -> None: ...
-
-
 @dataclass
 class TokenEvent:
     """New output of one request after one engine step."""
@@ -69,7 +62,6 @@ class RequestHandle:
     key: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    matcher: TokenMatcher | None
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
@@ -119,14 +111,12 @@ class EngineLoop:
         # Invariant: a handle is in _pending from submit() until its last event or error is posted.
         self._pending: dict[int, RequestHandle] = {}  # by key
         self._by_rid: dict[int, RequestHandle] = {}  # engine-thread only
-        self._matchers: dict[int, TokenMatcher] = {}  # by engine rid; engine-thread only
         self._fault: BaseException | None = None
         self._stop = threading.Event()
         self._step_started: float | None = None
         self.dead_reason: str | None = None
         self.stats_snapshot: dict[str, Any] = engine.stats()
         self._stats_time = time.monotonic()
-        engine.runner.logits_processor = None
         self._thread = threading.Thread(target=self._run, name="ferryman-engine", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="ferryman-watchdog", daemon=True)
 
@@ -150,29 +140,20 @@ class EngineLoop:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def set_logits_processor(self, fn: Callable | None) -> None:
-        self.engine.runner.logits_processor = fn
-
-    def matcher_for(self, rid: int) -> TokenMatcher | None:
-        """Engine thread: the grammar matcher of an engine request (for the logits processor)."""
-        return self._matchers.get(rid)
-
     def inject_fault(self, exc: BaseException | None = None) -> None:
         """Testing hook (not reachable over HTTP): the next engine step raises `exc`."""
         self._fault = exc or RuntimeError("fault injected into the engine loop")
         self._commands.put(("wake", None))
 
     # ---- intake (event-loop thread) ------------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               matcher: TokenMatcher | None = None) -> RequestHandle:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestHandle:
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine thread is not running")
         with self._lock:
             if len(self._pending) >= self.max_pending:
                 raise OverloadedError(f"the server has {len(self._pending)} requests in flight "
                                       f"(limit {self.max_pending}); retry later")
-            handle = RequestHandle(next(self._keys), list(prompt_token_ids), params, matcher,
-                                   asyncio.get_running_loop())
+            handle = RequestHandle(next(self._keys), list(prompt_token_ids), params, asyncio.get_running_loop())
             self._pending[handle.key] = handle
         self._commands.put(("add", handle))
         return handle
@@ -235,8 +216,6 @@ class EngineLoop:
             self._finish_handle(handle, e)
             return
         self._by_rid[handle.rid] = handle
-        if handle.matcher is not None:
-            self._matchers[handle.rid] = handle.matcher
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
@@ -245,11 +224,10 @@ class EngineLoop:
         if self.dead_reason is not None:
             return  # the watchdog gave up on this step; its requests were already failed
         now = time.monotonic()
-        logprobs = self.engine.runner.last_logprobs
         for d in deltas:
             handle = self._by_rid.get(d.request_id)
             if handle is not None:
-                self._deliver(handle, d, logprobs.get(d.request_id), now)
+                self._deliver(handle, d, now)
         # statistics are for monitoring: refresh them at most every _STATS_PERIOD_S while busy, and
         # always once the work runs out
         if now - self._stats_time >= _STATS_PERIOD_S or not self.engine.has_unfinished():
@@ -260,14 +238,11 @@ class EngineLoop:
         self.stats_snapshot = self.engine.stats(block=False)
         self._stats_time = time.monotonic()
 
-    def _deliver(self, handle: RequestHandle, d: StepDelta, lp: TokenLogprobs | None, now: float) -> None:
-        if handle.matcher is not None and d.finish_reason is None:
-            for t in d.token_ids:
-                handle.matcher.consume(t)
+    def _deliver(self, handle: RequestHandle, d: StepDelta, now: float) -> None:
         if self.observer is not None:
             self.observer.on_token(handle, now, first=handle.last_token_time is None)
         handle.last_token_time = now
-        event = TokenEvent(d.token_ids, d.text, [lp] * len(d.token_ids), d.finish_reason)
+        event = TokenEvent(d.token_ids, d.text, d.logprobs, d.finish_reason)
         if d.finish_reason is None:
             handle.post(event)
         else:
@@ -278,7 +253,6 @@ class EngineLoop:
         assert handle.rid is not None
         event.output = self.engine.pop_output(handle.rid)
         self._by_rid.pop(handle.rid, None)
-        self._matchers.pop(handle.rid, None)
         if self.observer is not None and event.output is not None:
             self.observer.on_finish(handle, event.output)
         self._finish_handle(handle, event)

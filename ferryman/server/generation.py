@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 
-from ferryman.engine.outputs import RequestMetrics
-from ferryman.engine.sampler import TokenLogprobs
+from ferryman.engine.outputs import RequestMetrics, TokenLogprobs
 from ferryman.errors import EngineDeadError
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.engine_loop import OverloadedError, RequestHandle
@@ -72,11 +72,29 @@ class Choice:
             self.metrics = d.metrics
 
 
-def seeded(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of n: same params, seed + i (so seeded choices differ but are reproducible)."""
-    if params.seed is None or i == 0:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+def make_params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams, or a 400 naming the bad field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def choice_params(spec: GenSpec, i: int) -> SamplingParams:
+    """Choice i of n: the spec's params with seed + i (seeded choices differ but are reproducible)
+    and a fresh grammar matcher among its logits processors."""
+    params = spec.params
+    if params.seed is not None and i > 0:
+        params = dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+    if spec.grammar is not None:
+        params = dataclasses.replace(params, logits_processors=[*params.logits_processors, spec.grammar()])
+    return params
 
 
 def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandle, OutputParser]]:
@@ -85,8 +103,7 @@ def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandl
     try:
         for spec in specs:
             for i in range(spec.n):
-                matcher = spec.grammar() if spec.grammar is not None else None
-                handle = state.loop.submit(spec.prompt_ids, seeded(spec.params, i), matcher)
+                handle = state.loop.submit(spec.prompt_ids, choice_params(spec, i))
                 subs.append((handle, spec.parser() if spec.parser is not None else PlainParser()))
     except OverloadedError as e:
         _abort(state, subs)

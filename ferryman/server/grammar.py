@@ -1,9 +1,9 @@
 """Structured output through llguidance: JSON schemas become token masks applied to the logits.
 
-Each constrained request owns a `GrammarMatcher`. Before sampling, the engine runner calls
-`GrammarLogitsProcessor` (engine thread) which fills one bitmask row per constrained sequence
-and sets every disallowed token's logit to -inf; after the step the engine loop feeds the sampled
-token to the matcher. Once the grammar is complete only EOS is allowed, so the request stops.
+Each constrained request carries its own `GrammarMatcher` among its SamplingParams' logits
+processors. Each time the request samples, the engine (its thread) calls it: the matcher takes the
+tokens sampled since the last call, fills the allowed-token bitmask and every other token's logit
+becomes -inf. Once the grammar is complete only EOS is allowed, so the request stops.
 
 JSON is generated compact (no free whitespace): a model cannot pad it with blanks forever.
 """
@@ -11,12 +11,9 @@ JSON is generated compact (no free whitespace): a model cannot pad it with blank
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from ferryman.engine.sequence import Sequence
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _NEG_INF = float("-inf")
@@ -40,31 +37,30 @@ def _require_llguidance() -> Any:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and its logits processor (a `LogitsProcessor`)."""
 
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
+        self._consumed = 0  # output tokens fed to the matcher so far
 
-    def consume(self, token_id: int) -> None:
-        if not self._m.is_stopped():
-            self._m.consume_token(token_id)
-
-    def fill(self, row: torch.Tensor) -> None:
-        """Write the allowed-token bitmask into `row` ([W] int32, contiguous, on the CPU)."""
-        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits: [V] -> [V] with the tokens the grammar does not allow next at -inf."""
+        for t in output_token_ids[self._consumed:]:
+            if not self._m.is_stopped():
+                self._m.consume_token(t)
+        self._consumed = len(output_token_ids)
+        bitmask = torch.zeros((1, (logits.shape[0] + 31) // 32), dtype=torch.int32)  # [1, W], V <= 32 W
+        self._m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+        return apply_bitmask(logits.unsqueeze(0), bitmask)[0]
 
 
 class GrammarCompiler:
     """Builds matchers for one tokenizer (the llguidance tokenizer is built once, lazily)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self._ll_tokenizer: Any = None
 
     def _llt(self) -> Any:
@@ -75,7 +71,7 @@ class GrammarCompiler:
             import llguidance.hf
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return self._ll_tokenizer
 
     def json_schema(self, schema: dict[str, Any], param: str) -> GrammarMatcher:
@@ -113,24 +109,3 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     if allowed.shape[1] < V:
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
     return logits.masked_fill(~allowed[:, :V].to(logits.device), _NEG_INF)
-
-
-class GrammarLogitsProcessor:
-    """The runner's logits hook: masks the rows of sequences whose request has a grammar."""
-
-    def __init__(self, matcher_for: Callable[[int], GrammarMatcher | None]) -> None:
-        self.matcher_for = matcher_for
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        # logits: [B, V] fp32, one row per sampling sequence
-        rows = [(i, m) for i, s in enumerate(seqs) if (m := self.matcher_for(s.seq_id)) is not None]
-        if not rows:
-            return logits
-        words = (logits.shape[1] + 31) // 32  # the llguidance tokenizer was built with n_vocab = V
-        bitmask = torch.zeros((len(rows), words), dtype=torch.int32)  # [R, W]
-        for j, (_, m) in enumerate(rows):
-            m.fill(bitmask[j])
-        idx = torch.tensor([i for i, _ in rows], device=logits.device)
-        out = logits.clone()
-        out[idx] = apply_bitmask(logits[idx], bitmask)
-        return out

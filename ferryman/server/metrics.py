@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ferryman.engine.llm_engine import LLMEngine
 from ferryman.engine.outputs import RequestOutput
 from ferryman.server.engine_loop import EngineLoop, RequestHandle
 
@@ -24,31 +22,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 # metric -> (key in engine stats()["experts"] (the expert cache, when offloading), help); absent = 0
 _EXPERT_COUNTERS = {"expert_hits": ("hits", "expert cache hits (expert uses served from device slots)"),
                     "expert_misses": ("misses", "expert cache misses (experts fetched from host RAM)"),
-                    "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device"),
-                    "expert_bytes_host_reads": ("bytes_host_reads",
-                                                "expert bytes zero-copy decode kernels read from host RAM")}
+                    "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device")}
 
 
-def memory_split(engine: LLMEngine) -> dict[str, int]:
-    """Device bytes by use: non-expert weights, routed experts on the device (all of them when
-    resident, the cache slots when offloading), KV cache; and experts kept in host RAM."""
-    model = engine.runner.model
-    device = engine.device
-    # a token-embedding table kept in host RAM (offloaded plans) is not device memory
-    params = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device.type)
-    kv = 0
-    for attn in model.attention_layers():
-        for t in (attn.k_cache, attn.v_cache):
-            if isinstance(t, torch.Tensor):
-                kv += t.numel() * t.element_size()
-    experts = engine.stats().get("experts") or {}
-    total = int(engine.expert_bytes)
-    on_device = int(experts["slots"] * experts["slot_bytes"]) if "slot_bytes" in experts else total
-    return {"weights": params, "experts": on_device, "kv_cache": kv,
-            "experts_host": total if on_device != total else 0}
-
-
-class _EngineCollector(Collector):
+class EngineCollector(Collector):
     def __init__(self, loop: EngineLoop, memory: dict[str, int]) -> None:
         self.loop, self.memory = loop, memory
 
@@ -109,8 +86,8 @@ class ServerMetrics:
 
     def attach(self, loop: EngineLoop) -> None:
         loop.observer = self
-        self.memory = memory_split(loop.engine)
-        self.registry.register(_EngineCollector(loop, self.memory))
+        self.memory = loop.engine.memory_usage()
+        self.registry.register(EngineCollector(loop, self.memory))
 
     # ---- EngineLoop observer (engine thread) ----------------------------------------------------
     def on_token(self, handle: RequestHandle, now: float, first: bool) -> None:

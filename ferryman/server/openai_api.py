@@ -11,11 +11,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ferryman.engine.sampler import TokenLogprobs
+from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.chat import TemplateError
 from ferryman.server.errors import APIError, error_body
-from ferryman.server.generation import Choice, ChoiceDelta, GenSpec, engine_error, generate, stream_choices, usage
+from ferryman.server.generation import (Choice, ChoiceDelta, GenSpec, engine_error, generate, make_params, sse,
+                                        stream_choices, usage)
 from ferryman.server.parsers import Parsed
 from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferryman.server.state import ServerState
@@ -28,21 +29,12 @@ def _state(request: Request) -> ServerState:
     return request.app.state.ferryman
 
 
-def sse(data: Any, event: str | None = None) -> str:
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 def sampling_params(req: Any, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    try:
-        return SamplingParams(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, stop=stop, max_tokens=max_tokens,
-            ignore_eos=req.ignore_eos, logprobs=top_logprobs)
-    except ValueError as e:
-        raise APIError(400, str(e), str(e).split(" ")[0]) from None
+    return make_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                       seed=req.seed, repetition_penalty=req.repetition_penalty,
+                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                       stop=stop, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=top_logprobs)
 
 
 def _finish(choice_reason: str | None, parsed_calls: bool) -> str | None:

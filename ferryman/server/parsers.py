@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferryman.engine.detokenizer import partial_suffix_len
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -50,10 +52,6 @@ class Parsed:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls.extend(other.tool_calls)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.reasoning or self.content or self.tool_calls)
 
 
 class OutputParser(ABC):
@@ -90,17 +88,6 @@ def parse_tool_json(body: str) -> ToolCall | None:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-
-
-def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    best = 0
-    for tag in tags:
-        for n in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:n]):
-                best = n
-                break
-    return best
 
 
 class Qwen3Parser(OutputParser):
@@ -159,7 +146,7 @@ class Qwen3Parser(OutputParser):
         tags = self._open_tags()
         hits = [(self.buf.find(t), t) for t in tags if t in self.buf]
         if not hits:
-            hold = _partial_tag_len(self.buf, tags)
+            hold = partial_suffix_len(self.buf, tags)
             emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
             out.content += self._content(emit)
             return False
@@ -176,7 +163,7 @@ class Qwen3Parser(OutputParser):
     def _until(self, close: str, out: Parsed, field_name: str, next_mode: str) -> bool:
         idx = self.buf.find(close)
         if idx == -1:
-            hold = _partial_tag_len(self.buf, (close,))
+            hold = partial_suffix_len(self.buf, (close,))
             emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
             setattr(out, field_name, getattr(out, field_name) + emit)
             return False

@@ -12,7 +12,7 @@ from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.server.chat import ChatPrompt, ChatRenderer
 from ferryman.server.engine_loop import EngineLoop
 from ferryman.server.errors import APIError
-from ferryman.server.grammar import GrammarCompiler, GrammarLogitsProcessor
+from ferryman.server.grammar import GrammarCompiler
 from ferryman.server.harmony import HarmonyParser, harmony_marker_ids
 from ferryman.server.parsers import OutputParser, PlainParser, Qwen3Parser
 from ferryman.tokenizer import TokenIdText
@@ -58,9 +58,8 @@ class ServerState:
         self._accepted = set(self.model_names) | {engine.ecfg.model}
         self.renderer = ChatRenderer(self.tokenizer)
         vocab = engine.cfg.vocab_size
-        eos = sorted(t for t in engine.scheduler.eos_token_ids if 0 <= t < vocab)
+        eos = sorted(t for t in engine.eos_token_ids if 0 <= t < vocab)
         self.grammars = GrammarCompiler(self.tokenizer, vocab, eos or None)
-        loop.set_logits_processor(GrammarLogitsProcessor(loop.matcher_for))
         self.parser_kind = self._parser_kind(cfg.output_parser, engine.cfg.model_type)
         self._harmony = harmony_marker_ids(self.tokenizer) if self.parser_kind == "harmony" else None
         if self.parser_kind == "harmony" and self._harmony is None:
