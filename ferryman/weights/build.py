@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from ferryman.config import ModelConfig, dtype_from_str, read_config_json
+from ferryman.config import ModelConfig, dtype_from_str
 from ferryman.errors import ConfigError, ModelLoadError
 from ferryman.experts.store import ExpertStore
-from ferryman.models.registry import get_architecture
+from ferryman.models.registry import get_architecture, model_config, read_config_json
 from ferryman.models.transformer import MoETransformer
 from ferryman.weights.loader import load_weights
 from ferryman.weights.presets import get_preset, is_preset
@@ -64,7 +64,7 @@ def build_model(
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     hf, folder = resolve_hf_config(model, load_format)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     torch_dtype = resolve_dtype(dtype, cfg)
     positions = max_positions or cfg.max_position_embeddings
