@@ -26,8 +26,7 @@ Invariants:
 from __future__ import annotations
 
 from ferryman.config import ModelConfig
-from ferryman.engine.sequence import Sequence
-from ferryman.kvcache.block_pool import BlockPool, cdiv
+from ferryman.kvcache.block_pool import BlockPool, Sequence, cdiv
 
 NULL_BLOCK = 0  # the entry of out-of-window blocks: never free, never written
 
