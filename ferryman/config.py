@@ -227,16 +227,6 @@ class OffloadConfig:
         if self.expert_cache is not None:
             parse_expert_cache(self.expert_cache)
 
-    @property
-    def budget_bytes(self) -> int | None:
-        """gpu_memory in bytes (None: no budget)."""
-        return None if self.gpu_memory is None else parse_bytes(self.gpu_memory)
-
-    @property
-    def cache_size(self) -> float | int | None:
-        """expert_cache as a fraction of all experts (float) or a slot count (int); None: unset."""
-        return None if self.expert_cache is None else parse_expert_cache(self.expert_cache)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
