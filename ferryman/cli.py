@@ -50,7 +50,7 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                         "docs/benchmarks.md compares them")
     g.add_argument("--gpu-memory", metavar="SIZE",
                    help="cap on everything ferryman allocates on the GPU, e.g. 16GiB (default: the free memory "
-                        "x 0.9; see `ferryman plan`)")
+                        "less 10%% of the total; see `ferryman plan`)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES,
                    help="routed experts all on the device, or in host RAM with a device cache (auto: resident "
                         "if they fit)")
