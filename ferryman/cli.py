@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ferryman.cli_bench import add_bench, cmd_bench
-from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, STRATEGIES, EngineConfig
+from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig
 from ferryman.envs import envs
 from ferryman.errors import FerrymanError
 
@@ -62,7 +62,7 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights of the exact shapes (no files needed)")
     _plan_flags(g, max_num_seqs)
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")

@@ -199,6 +199,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 
 STRATEGIES = ("auto", "resident", "offload")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this
 CPU_EXPERTS = ("off", "auto", "on")
 
@@ -266,7 +267,7 @@ class EngineConfig:
             raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.dtype != "auto":
             dtype_from_str(self.dtype)
-        _check_choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
