@@ -23,7 +23,7 @@ docs/configuration.md describes every setting."""
 MODEL_HELP = "model folder or preset (default: the demo model)"
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends '(default: X)' to a flag's help, unless the help says its default itself (None
     defaults, on/off switches)."""
 
@@ -32,6 +32,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if "(default" in text or action.default is None or isinstance(action.default, bool):
             return text
         return super()._get_help_string(action) or text
+
+
+class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter that keeps the description's own lines."""
 
 
 def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> None:
@@ -94,7 +98,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION, formatter_class=RawHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks and DEBUG logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate text from a prompt, streamed to the terminal",
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     _add_plan(sub)
     _add_serve(sub)
-    add_bench(sub, HelpFormatter)
+    add_bench(sub, HelpFormatter, RawHelpFormatter)
     return parser
 
 
@@ -136,7 +140,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                        "/v1/messages, /health, /metrics, /v1/stats.",
                            formatter_class=HelpFormatter)
     serve.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key; default: none)")
     serve.add_argument("--served-model-name", action="append",

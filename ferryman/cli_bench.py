@@ -8,8 +8,11 @@ import argparse
 from ferryman.errors import FerrymanError
 
 
-def add_bench(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
-    """`bench serve` and `bench bw`; `formatter` keeps raw descriptions (cli.HelpFormatter)."""
+Formatter = type[argparse.HelpFormatter]
+
+
+def add_bench(sub: argparse._SubParsersAction, formatter: Formatter, raw: Formatter) -> None:
+    """`bench serve` and `bench bw`, their help in `formatter`, or `raw` for bw's preformatted description."""
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.", formatter_class=formatter)
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
     b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server", formatter_class=formatter,
@@ -25,7 +28,7 @@ def add_bench(sub: argparse._SubParsersAction, formatter: type[argparse.HelpForm
     b.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: none)")
     b.add_argument("--json", metavar="PATH", help="write the results as JSON (default: not written)")
     b.add_argument("--plot", metavar="PATH", help="write a PNG plot, needs matplotlib (default: none)")
-    _add_bench_bw(kinds, formatter)
+    _add_bench_bw(kinds, raw)
 
 
 BW_DESCRIPTION = """\
@@ -41,7 +44,7 @@ file keyed by the expert geometry (never by format alone), with the machine reco
 reads it when the expert geometry, machine and thread count match."""
 
 
-def _add_bench_bw(kinds: argparse._SubParsersAction, formatter: type[argparse.HelpFormatter]) -> None:
+def _add_bench_bw(kinds: argparse._SubParsersAction, formatter: Formatter) -> None:
     b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
                          description=BW_DESCRIPTION, formatter_class=formatter)
     b.add_argument("model", nargs="?", metavar="MODEL", help="model folder or preset (default: the demo model)")
