@@ -11,13 +11,14 @@
 - expert cache: what is left, in slots of one expert (all its banks). If every routed expert
   fits, the plan is resident (strategy "auto"/"resident") and what is still left grows the KV
   cache up to `max_num_seqs x max_model_len` tokens.
+  An offloaded plan keeps the token-embedding table in host RAM; its bytes become slots.
 A budget that cannot hold the floor (weights + KV floor + activations + top-k expert slots, or
 every expert for "resident") is refused with the amount missing.
 
-The budget is `gpu_memory` when given (enforced on CUDA with
-`torch.cuda.set_per_process_memory_fraction`), else on CUDA the free memory times
-`gpu_memory_utilization`; with neither (CPU), nothing is limited and offload needs an explicit
-`expert_cache`.
+The plan is a function of its request alone: it reads no environment. The budget is `gpu_memory`
+when given (enforced on CUDA with `torch.cuda.set_per_process_memory_fraction`), else on CUDA the
+free memory less `1 - gpu_memory_utilization` of the total; with neither (CPU), nothing is limited
+and offload needs an explicit `expert_cache`.
 """
 
 from __future__ import annotations
