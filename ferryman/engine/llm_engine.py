@@ -12,7 +12,7 @@ import torch
 from ferryman.config import EngineConfig, ModelConfig
 from ferryman.engine.detokenizer import IncrementalDetokenizer
 from ferryman.engine.inputs import prepare_inputs
-from ferryman.engine.model_runner import ModelRunner, kv_bytes_per_token
+from ferryman.engine.model_runner import ModelRunner
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
 from ferryman.engine.scheduler import (
     ScheduledSeq,
@@ -27,6 +27,7 @@ from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
 from ferryman.kvcache.window_pool import num_window_layers, window_split
 from ferryman.models.registry import model_config
+from ferryman.planner import kv_bytes_per_token
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
