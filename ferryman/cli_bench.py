@@ -8,22 +8,27 @@ import argparse
 from ferryman.errors import FerrymanError
 
 
-def add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+Formatter = type[argparse.HelpFormatter]
+
+
+def add_bench(sub: argparse._SubParsersAction, formatter: Formatter, raw: Formatter) -> None:
+    """`bench serve` and `bench bw`, their help in `formatter`, or `raw` for bw's preformatted description."""
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.", formatter_class=formatter)
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
-    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server",
+    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server", formatter_class=formatter,
                          description="Concurrency sweep against URL/v1/completions (streaming): TTFT, "
                                      "inter-token latency and output tokens/s at p50 / p99.")
     b.add_argument("url", metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
-    b.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    b.add_argument("--model", help="model name (default: the first of /v1/models)")
     b.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated levels")
-    b.add_argument("--prompt-tokens", type=int, default=128)
-    b.add_argument("--output-tokens", type=int, default=64)
-    b.add_argument("--requests-per-level", type=int, default=None, help="default: max(8, 2 x concurrency); 0: one request per user (a single round)")
-    b.add_argument("--api-key", default=None)
-    b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    b.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot (needs matplotlib)")
-    _add_bench_bw(kinds)
+    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each request")
+    b.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request")
+    b.add_argument("--requests-per-level", type=int,
+                   help="requests per level (default: max(8, 2 x concurrency); 0: one per user, a single round)")
+    b.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: none)")
+    b.add_argument("--json", metavar="PATH", help="write the results as JSON (default: not written)")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG plot, needs matplotlib (default: none)")
+    _add_bench_bw(kinds, raw)
 
 
 BW_DESCRIPTION = """\
@@ -31,22 +36,20 @@ Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts
   (a) host memory read bandwidth: torch.sum over a large buffer, all torch threads
   (b) pinned host -> device copies of one expert (one row of the host store; skipped without CUDA),
       and host -> host copies of one expert (the "link" when the CPU is the device)
-  (c) CPU expert compute, the hybrid's own path (MXFP4: the C kernel, else fused_moe), 1 token x
-      top-k experts of random weights of MODEL's shape and format, in experts/s and GB/s of expert
-      bytes; then 4 tokens per expert, which gives what each token past the first costs (the slope
-      the split charges experts with several tokens)
+  (c) CPU expert compute, the hybrid's own path, 1 token x top-k experts of random weights of
+      MODEL's shape and format; then 4 tokens per expert (what each token past the first costs)
   (d) with CUDA, the link and the CPU compute running at the same time (they share host memory)
 Each figure is the median of --reps repetitions over experts not in the CPU caches. Writes a JSON
-file keyed by the expert geometry (never by format alone) with the machine recorded; the engine
-reads it when the expert geometry, machine and thread count match (torch.set_num_threads counts)."""
+file keyed by the expert geometry (never by format alone), with the machine recorded; the engine
+reads it when the expert geometry, machine and thread count match."""
 
 
-def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
+def _add_bench_bw(kinds: argparse._SubParsersAction, formatter: Formatter) -> None:
     b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
-                         description=BW_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("model", nargs="?", default=None, metavar="MODEL", help="model folder or preset (default: demo model)")
+                         description=BW_DESCRIPTION, formatter_class=formatter)
+    b.add_argument("model", nargs="?", metavar="MODEL", help="model folder or preset (default: the demo model)")
     b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
-    b.add_argument("--output", default=None, metavar="PATH",
+    b.add_argument("--output", metavar="PATH",
                    help="calibration file (default: ~/.cache/ferryman/calibration-<fingerprint>.json)")
     b.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (the median is kept)")
     b.add_argument("--read-mib", type=int, default=1024, help="buffer size of the host read measurement")
@@ -59,16 +62,16 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
 
     from ferryman.calibrate.bandwidth import MiB, run_bench
     from ferryman.calibrate.calibration import default_path, expert_key
-    from ferryman.config import ModelConfig
     from ferryman.engine.model_runner import expert_activation
     from ferryman.errors import ConfigError
     from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
     from ferryman.llm import default_model
+    from ferryman.models.registry import model_config
     from ferryman.weights.build import resolve_dtype, resolve_hf_config
 
     if a.reps < 1 or a.read_mib < 1 or a.pool_mib < 1:
         raise ConfigError("--reps, --read-mib and --pool-mib must be >= 1")
-    cfg = ModelConfig.from_hf(resolve_hf_config(a.model or default_model(), "dummy")[0])
+    cfg = model_config(resolve_hf_config(a.model or default_model(), "dummy")[0])
     if cfg.num_experts == 0:
         raise ConfigError("this model has no routed experts: nothing to measure")
     dtype = resolve_dtype(a.dtype, cfg)

@@ -1,16 +1,16 @@
-"""Frozen configuration dataclasses.
+"""Frozen configuration dataclasses, and the parsing of the values users write into them.
 
 `ModelConfig` is the engine's normalised view of a Hugging Face `config.json`: every architecture
-file in `ferryman/models/` turns its own config dialect into this one shape, so layers and the
-engine never read raw HF keys.
+file in `ferryman/models/` turns its own config dialect into this one shape (models/registry.py:
+`model_config`), so layers and the engine never read raw HF keys. `EngineConfig` and
+`OffloadConfig` hold what a user chooses (docs/configuration.md).
 """
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -118,20 +118,6 @@ class ModelConfig:
     def dtype(self) -> torch.dtype:
         return dtype_from_str(self.torch_dtype)
 
-    @staticmethod
-    def from_hf(source: str | Path | dict[str, Any]) -> "ModelConfig":
-        """Build from a model folder, a config.json path, or an already-parsed dict."""
-        from ferryman.models.registry import get_architecture
-
-        hf = source if isinstance(source, dict) else read_config_json(source)
-        model_type = hf.get("model_type")
-        if not model_type:
-            raise ConfigError("config.json has no 'model_type'")
-        try:
-            return get_architecture(model_type).parse_config(hf)
-        except KeyError as e:
-            raise ConfigError(f"config.json of a {model_type} model lacks the field {e.args[0]!r}") from None
-
 
 _DTYPES = {
     "float32": torch.float32,
@@ -154,76 +140,13 @@ def dtype_from_str(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
-def read_config_json(source: str | Path) -> dict[str, Any]:
-    path = Path(source)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.parent.exists():
-        raise ConfigError(f"model folder {path.parent} does not exist")
-    if not path.exists():
-        raise ConfigError(f"no config.json in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e}") from None
-
-
-def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
-    """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
-    kind = merged.get("rope_type", merged.get("type", "default"))
-    if kind not in ("default", "yarn", "linear"):
-        raise ConfigError(f"unsupported rope type {kind!r} (supported: default, yarn, linear)")
-    max_pos = int(hf.get("max_position_embeddings", 4096))
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(merged.get("factor") or 1.0),
-        original_max_position=int(
-            merged.get("original_max_position_embeddings")
-            or hf.get("original_max_position_embeddings")
-            or max_pos
-        ),
-        beta_fast=float(merged.get("beta_fast") or 32.0),
-        beta_slow=float(merged.get("beta_slow") or 1.0),
-        truncate=bool(merged.get("truncate", True)),
-        attention_factor=merged.get("attention_factor"),
-        partial_rotary_factor=float(
-            merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        ),
-    )
-
-
-def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig | None:
-    qc = hf.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method", "?")
-    if method not in supported:
-        raise ConfigError(
-            f"unsupported quantization_config.quant_method {method!r} for "
-            f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
-        )
-    return QuantConfig(method=method, modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()))
-
-
-def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
-    eos = hf.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """The KV cache's storage dtype: the model's (auto) or float8 e4m3 (fp8: values saturate at
-    +-448, no scale, as vLLM's fp8 KV without calibration). fp8 on CUDA needs compute capability
-    8.9 or newer (the kernels convert with the hardware's e4m3 instructions)."""
+    +-448, no scale). fp8 on CUDA needs compute capability 8.9 or newer (the kernels convert with
+    the hardware's e4m3 instructions)."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if kv_cache_dtype == "auto":
@@ -235,21 +158,82 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
     return torch.float8_e4m3fn
 
 
+# ---- sizes and shares as users write them ---------------------------------------------------------
+GiB = 1 << 30
+MiB = 1 << 20
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
+          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int | float, what: str = "gpu_memory") -> int:
+    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a size like '16GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what} must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n <= 0:
+        raise ConfigError(f"{what} must be positive, got {value!r}")
+    return int(n)
+
+
+def parse_expert_cache(value: str | int | float) -> float | int:
+    """'10%' or 0.1 -> a fraction of all routed experts; '64' or 64 -> a number of slots."""
+    if isinstance(value, bool):
+        raise ConfigError(f"expert_cache must be a fraction, a percentage or a slot count, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            value = float(text[:-1]) / 100 if text.endswith("%") else int(text) if text.isdigit() else float(text)
+        except ValueError:
+            raise ConfigError(f"expert_cache must look like '10%', '0.1' or '64', got {value!r}") from None
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, (int, float)) and value >= 1 and float(value).is_integer():
+        return int(value)
+    raise ConfigError(f"expert_cache must be a fraction in (0, 1], a percentage or a slot count >= 1, got {value!r}")
+
+
+STRATEGIES = ("auto", "resident", "offload")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this
+CPU_EXPERTS = ("off", "auto", "on")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
-    """What a user may choose about routed experts; `EngineConfig.offload` builds it."""
+    """What a user may choose about routed experts (docs/configuration.md has each field's flag)."""
 
-    gpu_memory: str | int | None = None  # device budget, e.g. "16GiB" (caps every allocation)
-    moe_strategy: str = "auto"  # auto | resident | offload
-    expert_cache: str | float | int | None = None  # a fraction ("10%", 0.1) or a slot count
+    gpu_memory: str | int | None = None  # device budget, e.g. "16GiB": caps every allocation
+    moe_strategy: str = "auto"  # auto (resident if every expert fits) | resident | offload
+    expert_cache: str | float | int | None = None  # a share ("10%", 0.1) or a slot count; None: the plan's rest
     cpu_experts: str = "off"  # off | auto | on: misses computed on the CPU (experts/hybrid.py)
-    calibration: str | None = None  # rates file of `ferryman bench bw` (default: the cache folder's)
+    calibration: str | None = None  # rates file of `ferryman bench bw` (None: the cache folder's)
     decode_prefetch: bool = True  # copy the next layer's guessed experts ahead in decode steps
+
+    def __post_init__(self) -> None:
+        _check_choice("moe_strategy", self.moe_strategy, STRATEGIES)
+        _check_choice("cpu_experts", self.cpu_experts, CPU_EXPERTS)
+        if self.gpu_memory is not None:
+            parse_bytes(self.gpu_memory)
+        if self.expert_cache is not None:
+            parse_expert_cache(self.expert_cache)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything `LLM(...)` and the CLI flags set. Validated once, here."""
+    """Everything `LLM(...)` keyword arguments and the CLI flags set, validated here, once.
+
+    The routed-expert fields (gpu_memory .. decode_prefetch) are read through `offload`."""
 
     model: str
     device: str = "auto"  # cpu | cuda | cuda:N | auto
@@ -257,30 +241,21 @@ class EngineConfig:
     load_format: str = "auto"  # auto | safetensors | dummy
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
-    max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick (planner.py)
-    # per step: prefill chunks + decodes; None: 2048, or 4096 when experts are offloaded (planner.py)
-    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick
+    max_num_batched_tokens: int | None = None  # tokens per step; None: 2048, or 4096 when offloaded
     block_size: int = 16
-    kv_cache_tokens: int | None = None  # None: sized from memory (CUDA) or max_num_seqs x 2 x context cap (CPU)
+    kv_cache_tokens: int | None = None  # None: sized from memory (CUDA) or from the context (CPU)
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # disable CUDA graphs
+    enforce_eager: bool = False  # no CUDA graphs
     gpu_memory_utilization: float = 0.9
     progress: bool = False
-    # routed experts (ferryman/planner.py): a device budget like "16GiB" (caps every allocation),
-    # auto | resident | offload, and the expert cache as a fraction ("10%", 0.1) or a slot count
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, see `kv_dtype`)
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None
-    # misses computed on the CPU while others are fetched (experts/hybrid.py): off | auto | on;
-    # "off" by default: on the GPU machine auto decoded 16 sequences 20% faster, but 16 served
-    # users gained nothing (docs/benchmarks.md, session 12). calibration: the rates file (default:
-    # ~/.cache/ferryman/calibration-<fingerprint>.json, written by `ferryman bench bw`)
     cpu_experts: str = "off"
     calibration: str | None = None
-    # KV cache storage: auto (the model's dtype) | fp8 (e4m3, half of bf16's bytes; the attention
-    # reads it back in the model's dtype). See `kv_dtype`.
-    kv_cache_dtype: str = "auto"
-    decode_prefetch: bool = True  # see OffloadConfig
+    decode_prefetch: bool = True
 
     @property
     def offload(self) -> OffloadConfig:
@@ -292,27 +267,23 @@ class EngineConfig:
             raise ConfigError(f"device must be cpu, cuda or auto, got {self.device!r}")
         if self.dtype != "auto":
             dtype_from_str(self.dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        self._check_experts()
+        kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at start
+        _ = self.offload  # builds, so validates, the routed-expert fields
 
-    def _check_experts(self) -> None:
-        from ferryman.planner import STRATEGIES, parse_bytes, parse_expert_cache
-
-        if self.moe_strategy not in STRATEGIES:
-            raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {self.moe_strategy!r}")
-        if self.gpu_memory is not None:
-            parse_bytes(self.gpu_memory)
-        if self.expert_cache is not None:
-            parse_expert_cache(self.expert_cache)
-        if self.cpu_experts not in ("off", "auto", "on"):
-            raise ConfigError(f"cpu_experts must be one of off, auto, on, got {self.cpu_experts!r}")
-        kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at engine start
+    def context_len(self, cfg: ModelConfig) -> int:
+        """max_model_len, or the model's context capped at DEFAULT_CONTEXT_CAP; ConfigError past the model's."""
+        ctx = cfg.max_position_embeddings
+        if self.max_model_len is None:
+            return min(ctx, DEFAULT_CONTEXT_CAP)
+        if self.max_model_len > ctx:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context ({ctx})")
+        return self.max_model_len
 
     def torch_device(self) -> torch.device:
         """The device, with an index on CUDA (some torch.cuda calls refuse a bare 'cuda')."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ferryman.planner import GiB, MiB, MemoryPlan
+from ferryman.config import GiB, MiB
+from ferryman.kvcache.window_pool import num_window_layers
+from ferryman.planner import MemoryPlan
 
 
 def describe_plan(plan: MemoryPlan) -> str:
@@ -11,8 +13,6 @@ def describe_plan(plan: MemoryPlan) -> str:
     kv = (f"{plan.kv_tokens} tokens (floor {r.kv_floor_tokens})" if plan.kv_tokens is not None
           else "sized by the engine (no budget)")
     if r.window_blocks:
-        from ferryman.kvcache.window_pool import num_window_layers
-
         kv += (f"; {num_window_layers(cfg)} sliding-window layers keep their window only "
                f"({r.window_blocks * r.block_size} tokens, {r.window_kv_bytes / GiB:.2f} GiB)")
     if r.kv_dtype is not None and r.kv_dtype != r.dtype:
@@ -51,8 +51,8 @@ def _fp8_kv_hint(plan: MemoryPlan) -> str | None:
             f"expert slots, fewer bytes over the link per token")
 
 
-# host -> device links for the estimate in `describe_plan` (bytes/s, pinned copies as measured in
-# practice: PCIe 4.0 x16 ~25 GB/s; PCIe 5.0 x16 ~55 GB/s on the H200 machine, shared/notes/device.md)
+# host -> device links for the estimate in `describe_plan`: pinned copies, bytes/s, as such links
+# deliver in practice (docs/benchmarks.md measures the H200 machine's)
 REFERENCE_LINKS = (("PCIe 4.0", 25e9), ("PCIe 5.0", 55e9))
 
 

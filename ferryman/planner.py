@@ -11,74 +11,33 @@
 - expert cache: what is left, in slots of one expert (all its banks). If every routed expert
   fits, the plan is resident (strategy "auto"/"resident") and what is still left grows the KV
   cache up to `max_num_seqs x max_model_len` tokens.
+  An offloaded plan keeps the token-embedding table in host RAM; its bytes become slots.
 A budget that cannot hold the floor (weights + KV floor + activations + top-k expert slots, or
 every expert for "resident") is refused with the amount missing.
 
-The budget is `gpu_memory` when given (enforced on CUDA with
-`torch.cuda.set_per_process_memory_fraction`), else on CUDA the free memory times
-`gpu_memory_utilization`; with neither (CPU), nothing is limited and offload needs an explicit
-`expert_cache`.
+The plan is a function of its request alone: it reads no environment. The budget is `gpu_memory`
+when given (enforced on CUDA with `torch.cuda.set_per_process_memory_fraction`), else on CUDA the
+free memory less `1 - gpu_memory_utilization` of the total; with neither (CPU), nothing is limited
+and offload needs an explicit `expert_cache`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
-from ferryman.config import ModelConfig
+from ferryman.config import GiB, MiB, STRATEGIES, ModelConfig
 from ferryman.errors import ConfigError
+from ferryman.experts.host_store import ExpertLayout
+from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
+from ferryman.layers.batched_moe import default_group
+from ferryman.layers.fused_moe import prefill_path
 from ferryman.quant.base import get_format
 
-GiB = 1 << 30
-MiB = 1 << 20
 CONTEXT_CAP = 32768  # the KV floor's per-sequence context cap
-STRATEGIES = ("auto", "resident", "offload")
-# allocator slack, cuBLAS workspace, CUDA graph pools. The estimate below carries no other margin:
-# on the H200 (expandable segments, docs/benchmarks.md) gpt-oss-20b's 4096-token chunk peaked at
-# 0.85 GiB reserved beyond weights, KV and slots, against 1.16 GiB planned; -120b 0.69 GiB allocated
-# (1.15 GiB reserved before expandable segments, experts/placement.py).
+# allocator slack, cuBLAS workspace, CUDA graph pools: the activation estimate's only margin
 _FIXED_HEADROOM = 192 * MiB
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_bytes(value: str | int | float, what: str = "gpu_memory") -> int:
-    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a size like '16GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        n = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what} must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if n <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
-    return int(n)
-
-
-def parse_expert_cache(value: str | int | float) -> float | int:
-    """'10%' or 0.1 -> a fraction of all routed experts; '64' or 64 -> a number of slots."""
-    if isinstance(value, bool):
-        raise ConfigError(f"expert_cache must be a fraction, a percentage or a slot count, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            if text.endswith("%"):
-                value = float(text[:-1]) / 100
-            else:
-                value = int(text) if text.isdigit() else float(text)
-        except ValueError:
-            raise ConfigError(f"expert_cache must look like '10%', '0.1' or '64', got {value!r}") from None
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, (int, float)) and value >= 1 and float(value).is_integer():
-        return int(value)
-    raise ConfigError(f"expert_cache must be a fraction in (0, 1], a percentage or a slot count >= 1, got {value!r}")
 
 
 def expert_slots(cache: float | int, total: int) -> int:
@@ -109,51 +68,41 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def _dequantised_experts(fmt: str) -> int:
-    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once (the path is CUDA-only,
-    but the plan does not depend on the device): a group on the batched path, none on the grouped
-    GEMM (it reads the banks as they are, or decodes MXFP4 inside its tiles), one on the reference."""
-    from ferryman.layers.fused_moe import prefill_path
-
+    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once (the plan does not
+    depend on the device): a group on the batched path, none on the grouped GEMM, one on the
+    reference path."""
     path = prefill_path(fmt)
     if path == "batched":
-        from ferryman.layers.batched_moe import default_group
-
         return default_group()
     return 0 if path == "grouped" else 1
 
 
-def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Parameters of the module tree (everything but routed experts) in `dtype`."""
-    from ferryman.models.registry import get_architecture
+def non_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of the module tree (models/transformer.py): everything but the routed experts."""
+    h, hd, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn = (q + 2 * kv) * h + q * h  # qkv_proj, o_proj
+    attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.attention_out_bias
+    attn += {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
+    router = cfg.num_experts * (h + cfg.router_bias)
+    dense_mlp = 3 * cfg.intermediate_size * h  # gate_up_proj, down_proj
+    layers = sum(2 * h + attn + (router if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)  # a tied lm_head shares the table
+    return embed + layers + h  # + the final norm
 
-    arch = get_architecture(cfg.model_type)
-    total = 0
-    for name, (shape, _) in arch.checkpoint_tensors(cfg).items():
-        target = arch.map_name(cfg, name)
-        if target is not None and target.kind == "expert":
-            continue
-        numel = 1
-        for s in shape:
-            numel *= s
-        total += numel
-    return total * dtype.itemsize  # a tied lm_head is absent from the checkpoint and shares memory
+
+def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    return non_expert_params(cfg) * dtype.itemsize
 
 
 def host_embedding_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the token-embedding table an offloaded plan keeps in host RAM (as llama.cpp does):
-    a lookup is a row gather on the host and a [T, H] copy, and its vocab x hidden bytes become
-    expert slots. 0 when lm_head shares the table (tied) or FERRYMAN_HOST_EMBEDDING=0."""
-    from ferryman.envs import envs
-
-    if cfg.tie_word_embeddings or not envs.HOST_EMBEDDING:
-        return 0
-    return cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    """Bytes of the token-embedding table an offloaded plan keeps in host RAM: a lookup is a row
+    gather on the host and a [T, H] copy, and its vocab x hidden bytes become expert slots. 0 when
+    lm_head shares the table (tied)."""
+    return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
 
 
 def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one cache slot: one expert, all its banks, aligned as the host store lays it out."""
-    from ferryman.experts.host_store import ExpertLayout
-
     specs = get_format(cfg.expert_format).bank_specs(1, cfg.hidden_size, cfg.moe_intermediate_size,
                                                     cfg.expert_bias, dtype)
     return ExpertLayout.of(specs).row_bytes
@@ -176,15 +125,11 @@ class PlanRequest:
     @property
     def kv_per_token(self) -> int:
         """A token's KV in the main pool: every layer's but the window pool's."""
-        from ferryman.kvcache.window_pool import num_window_layers
-
         return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, self.cfg.num_layers - num_window_layers(self.cfg))
 
     @property
     def window_blocks(self) -> int:
         """Blocks of the sliding-window layers' own pool (0: none, kvcache/window_pool.py)."""
-        from ferryman.kvcache.window_pool import window_pool_blocks, window_split
-
         window = window_split(self.cfg)
         if window is None:
             return 0
@@ -193,8 +138,6 @@ class PlanRequest:
 
     @property
     def window_kv_bytes(self) -> int:
-        from ferryman.kvcache.window_pool import num_window_layers
-
         layers = num_window_layers(self.cfg)
         return self.window_blocks * self.block_size * kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, layers)
 
@@ -233,11 +176,6 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes
 
-    def describe(self) -> str:
-        from ferryman.plan_report import describe_plan
-
-        return describe_plan(self)
-
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
@@ -245,8 +183,7 @@ def _round_up(n: int, m: int) -> int:
 
 # Tokens per step when max_num_batched_tokens is left to the planner. Offloaded experts stream
 # (about) every uncached expert once per prefill chunk, so a longer chunk moves fewer bytes per
-# token; on the H200, gpt-oss-20b at 8 GiB served 16 users at a mean TTFT of 1.36 s with 4096
-# against 2.31 s with 2048, and more tokens/s at 1, 4 and 16 users (docs/benchmarks.md).
+# token (docs/benchmarks.md).
 DEFAULT_CHUNK = 2048
 OFFLOAD_CHUNK = 4096
 
@@ -358,8 +295,3 @@ def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_tok
         f"or max_num_batched_tokens ({req.max_num_batched_tokens})"
     )
 
-
-def request_from(hf: dict[str, Any], dtype: torch.dtype, budget: int | None, max_model_len: int,
-                 **engine: Any) -> PlanRequest:
-    """A PlanRequest for a raw config.json dict (the CLI's `plan` needs no weights)."""
-    return PlanRequest(ModelConfig.from_hf(hf), dtype, budget, max_model_len, **engine)

@@ -113,11 +113,11 @@ def test_a_bad_group_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ferryman.config import ModelConfig
+    from ferryman.models.registry import model_config
     from ferryman.weights.presets import get_preset
     from ferryman.planner import activation_bytes
 
-    cfg = ModelConfig.from_hf(get_preset("gpt-oss-20b"))
+    cfg = model_config(get_preset("gpt-oss-20b"))
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")  # the default, groups of 8
@@ -135,14 +135,14 @@ def test_planner_counts_what_the_auto_path_dequantises(preset: str, auto_group: 
     """auto: MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
     grouped GEMM (none); with FERRYMAN_MOE_BACKEND=torch the grouped kernel cannot run and
     fused_moe falls back to the batched path, which the plan then counts."""
-    from ferryman.config import ModelConfig
+    from ferryman.models.registry import model_config
     from ferryman.layers.fused_moe import triton_available
     from ferryman.planner import activation_bytes
     from ferryman.weights.presets import get_preset
 
     if not triton_available():
         auto_group = 8  # no grouped kernel: the batched path
-    cfg = ModelConfig.from_hf(get_preset(preset))
+    cfg = model_config(get_preset(preset))
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")  # one expert
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1) - one_w13

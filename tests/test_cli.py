@@ -5,6 +5,15 @@ from __future__ import annotations
 import pytest
 
 from ferryman.cli import build_parser, main
+from ferryman.envs import envs
+
+
+@pytest.fixture(autouse=True)
+def reread_environment(monkeypatch: pytest.MonkeyPatch):
+    """main() reads the environment at start: give later tests the real one back."""
+    yield
+    monkeypatch.undo()
+    envs.reload()
 
 
 def test_run_without_model_uses_demo_and_streams(capsys: pytest.CaptureFixture) -> None:
@@ -47,16 +56,45 @@ def test_run_without_tokenizer_shows_token_ids(tmp_path, capsys: pytest.CaptureF
     assert main(["run", str(tmp_path / "m"), "-p", "hi", "--chat", "--device", "cpu"]) == 2
 
 
-def test_top_level_help_lists_the_environment_variables(capsys: pytest.CaptureFixture,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from ferryman.envs import all_vars
-
-    monkeypatch.setenv("FERRYMAN_SEGMENT_GRAPHS", "0")
+def test_help_shows_defaults_and_no_environment(capsys: pytest.CaptureFixture) -> None:
+    texts = {}
+    for cmd in ("run", "serve", "plan", "info"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([cmd, "--help"])
+        texts[cmd] = capsys.readouterr().out
+    run = " ".join(texts["run"].split())  # argparse wraps lines
+    assert "--max-tokens MAX_TOKENS tokens to generate at most (default: 128)" in run
+    assert "--moe-strategy {auto,resident,offload}" in run and "(default: auto)" in run
+    assert "sequences decoded together (default: 1)" in run  # run plans for one prompt
+    assert "--no-decode-prefetch" in run and "not measured" not in run
+    assert "(default: 32, or under --gpu-memory" in " ".join(texts["serve"].split())
+    assert "(default: 8000)" in texts["serve"] and "--gpu-memory SIZE" in texts["plan"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
-    out = capsys.readouterr().out
-    assert all(v.name in out for v in all_vars())
-    assert "[set: 0]" in out
+    top = capsys.readouterr().out
+    assert "plan" in top and "serve" in top and "docs/configuration.md" in top
+    assert not any("FERRYMAN_" in t for t in [top, *texts.values()])
+
+
+def test_flags_build_the_engine_config() -> None:
+    from ferryman.cli import engine_config
+
+    a = build_parser().parse_args(["run", "m", "--gpu-memory", "8GiB", "--no-decode-prefetch", "--seed-weights",
+                                   "3", "--seed", "7", "--expert-cache", "10%", "--kv-cache-dtype", "fp8"])
+    ecfg = engine_config(a)
+    assert (ecfg.model, ecfg.seed, ecfg.max_num_seqs, ecfg.kv_cache_dtype) == ("m", 3, 1, "fp8")
+    assert (ecfg.offload.gpu_memory, ecfg.offload.expert_cache, ecfg.offload.decode_prefetch) == ("8GiB", "10%", False)
+    assert a.sampling_seed == 7
+    assert engine_config(build_parser().parse_args(["serve", "m"])).offload.decode_prefetch is True
+    plan = engine_config(build_parser().parse_args(["plan", "m", "--max-num-seqs", "4"]))
+    assert (plan.max_num_seqs, plan.device, plan.offload.moe_strategy) == (4, "auto", "auto")
+
+
+def test_a_bad_environment_variable_is_a_one_line_error(capsys: pytest.CaptureFixture,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRYMAN_KERNELS", "cutlass")
+    assert main(["info"]) == 2
+    assert "FERRYMAN_KERNELS='cutlass' is invalid" in capsys.readouterr().err
 
 
 def test_log_level_applies_to_the_ferryman_loggers(capsys: pytest.CaptureFixture,

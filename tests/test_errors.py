@@ -57,3 +57,34 @@ def test_messages_are_one_line_and_exit_code_is_2() -> None:
 )
 def test_hierarchy(err: Exception, bases: tuple[type, ...]) -> None:
     assert all(isinstance(err, b) for b in bases)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(moe_strategy="hybrid"), "moe_strategy"),
+        (dict(cpu_experts="maybe"), "cpu_experts"),
+        (dict(gpu_memory="lots"), "gpu_memory"),
+        (dict(expert_cache="150%"), "expert_cache"),
+        (dict(load_format="gguf"), "load_format"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(kv_cache_tokens=0), "kv_cache_tokens"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype"),
+        (dict(device="tpu"), "device"),
+    ],
+)
+def test_engine_config_names_the_bad_field(kwargs: dict, field: str) -> None:
+    from ferryman.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(model="m", **kwargs)
+
+
+def test_offload_settings_reach_the_offload_config() -> None:
+    from ferryman.config import EngineConfig, OffloadConfig
+
+    ecfg = EngineConfig(model="m", gpu_memory="8GiB", expert_cache=64, cpu_experts="auto", decode_prefetch=False)
+    assert ecfg.offload == OffloadConfig(gpu_memory="8GiB", expert_cache=64, cpu_experts="auto", decode_prefetch=False)
+    with pytest.raises(ConfigError, match="moe_strategy"):
+        OffloadConfig(moe_strategy="sometimes")

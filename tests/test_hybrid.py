@@ -17,7 +17,7 @@ from ferryman.calibrate.calibration import (
     save,
     token_slope,
 )
-from ferryman.config import ModelConfig
+from ferryman.models.registry import model_config
 from ferryman.errors import ConfigError
 from ferryman.experts.hybrid import (
     MIN_CPU_SHARE,
@@ -182,7 +182,7 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
 def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates: tuple[float, float],
                                                   tmp_path: Path) -> None:
     arch, folder = tiny
-    cfg = ModelConfig.from_hf(folder)
+    cfg = model_config(folder)
     path = tmp_path / "cal.json"
     save(calibration_of(cfg, torch.float32, *rates), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
@@ -323,7 +323,7 @@ def _hybrid_segments(folder: Path, tmp_path: Path, device: str, rates: tuple[flo
     a count of MoE graph runs): on CPU the segment functions run eagerly over the static buffers."""
     from ferryman.engine.segment_graphs import SegmentedDecode
 
-    cfg = ModelConfig.from_hf(folder)
+    cfg = model_config(folder)
     cal = calibration_of(cfg, torch.float32, *rates)
     save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")  # on CUDA the split reads h2d
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)

@@ -7,6 +7,7 @@ import torch
 
 from ferryman import LLM, SamplingParams
 from ferryman.config import EngineConfig, kv_dtype
+from ferryman.plan_report import describe_plan
 from ferryman.errors import ConfigError
 from ferryman.layers.paged_attention import AttnMetadata, FP8_KV, paged_attention_reference, write_kv_reference
 
@@ -60,7 +61,7 @@ def test_engine_with_fp8_kv_plans_half_the_bytes_and_scores_close() -> None:
     attn = fp8.engine.runner.model.attention_layers()[0]
     assert attn.k_cache is not None and attn.k_cache.dtype == FP8_KV and attn.v_cache.dtype == FP8_KV
     assert fp8.engine.plan.request.kv_per_token * 2 == ref.engine.plan.request.kv_per_token
-    assert "stored as float8_e4m3fn" in fp8.engine.plan.describe()
+    assert "stored as float8_e4m3fn" in describe_plan(fp8.engine.plan)
     ids = ref.encode("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n")
     a, b = ref.score([ids])[0], fp8.score([ids])[0]  # [L, V]
     assert not torch.equal(a, b)

@@ -55,7 +55,7 @@ def test_scale_255_doubles_like_the_reference() -> None:
 
 
 def test_build_without_native_flags_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("ferryman.envs.envs.CACHE_DIR", str(tmp_path))
     lib, how = mxfp4_cpu.build(portable_only=True)
     if lib is None:
         pytest.skip(f"no build: {how}")
@@ -101,7 +101,7 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     monkeypatch.setattr(mxfp4_cpu.LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
     fast = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1  # one kernel call for the layer
-    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
+    monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", False)
     slow = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -152,7 +152,7 @@ def test_layer_job_sums_the_experts_like_fused_moe(monkeypatch: pytest.MonkeyPat
     bias: dict = {}
     got = mxfp4_cpu.LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
     assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]
-    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
+    monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", False)
     keep = torch.isin(ids, torch.tensor([0, 3]))
     want = fused_moe("mxfp4", banks, x, ids, w.masked_fill(~keep, 0.0), MoEActivation("swiglu_oai"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,10 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-from ferryman.weights.param_count import count_params
+from ferryman.errors import UnsupportedModelError
+from ferryman.models.registry import model_config
+from ferryman.models.summary import summarize
+from ferryman.planner import non_expert_params
 from ferryman.weights.presets import (
     HF_REPO_IDS,
     PRESETS,
@@ -56,26 +59,26 @@ def test_every_field_is_known_to_transformers(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_count_params_matches_transformers_model(name: str) -> None:
+def test_param_counts_matches_transformers_model(name: str) -> None:
     preset = get_preset(name)
     params = dict(_meta_model(preset).named_parameters())
     total = sum(p.numel() for p in params.values())
     routed = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
     experts = preset.get("num_local_experts") or preset["num_experts"]
     top_k = preset["num_experts_per_tok"]
-    got = count_params(preset)
-    assert got.total == total
-    assert got.active == total - routed * (experts - top_k) // experts
+    got = summarize(preset)
+    assert got.total_params == total
+    assert got.active_params == total - routed * (experts - top_k) // experts
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_count_params_matches_published_sizes(name: str) -> None:
+def test_param_counts_matches_published_sizes(name: str) -> None:
     preset = get_preset(name)
     total, active, with_embedding = PUBLISHED[name]
-    got = count_params(preset)
+    got = summarize(preset)
     embedding = preset["vocab_size"] * preset["hidden_size"]
-    got_active = got.active if with_embedding else got.active - embedding
-    assert got.total == pytest.approx(total, rel=0.02)
+    got_active = got.active_params if with_embedding else got.active_params - embedding
+    assert got.total_params == pytest.approx(total, rel=0.02)
     assert got_active == pytest.approx(active, rel=0.03)
 
 
@@ -86,15 +89,17 @@ def test_count_params_matches_published_sizes(name: str) -> None:
         ("qwen3-30b-a3b", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
     ],
 )
-def test_count_params_variants(base: str, overrides: dict) -> None:
+def test_param_counts_variants(base: str, overrides: dict) -> None:
     # Tied embeddings and Qwen3's dense layers, on small dims, against transformers.
     cfg = {**get_preset(base), "num_hidden_layers": 4, "hidden_size": 64, "vocab_size": 256,
            "intermediate_size": 96, "moe_intermediate_size": 32, "bos_token_id": 1,
            "eos_token_id": 2, "pad_token_id": 3, **overrides}
     if cfg["model_type"] == "qwen3_moe":
         cfg["head_dim"] = 16
-    model = _meta_model(cfg)
-    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+    params = dict(_meta_model(cfg).named_parameters())
+    assert summarize(cfg).total_params == sum(p.numel() for p in params.values())
+    other = sum(p.numel() for n, p in params.items() if ".mlp.experts." not in n)
+    assert non_expert_params(model_config(cfg)) == other  # the planner's count
 
 
 def test_gpt_oss_layout() -> None:
@@ -131,6 +136,6 @@ def test_write_preset_folder(tmp_path) -> None:
         write_preset_folder("mixtral-8x7b", folder)
 
 
-def test_count_params_rejects_unknown_architecture() -> None:
-    with pytest.raises(ValueError, match="deepseek_v3"):
-        count_params({"model_type": "deepseek_v3"})
+def test_sizes_of_an_unknown_architecture_are_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
+        summarize({"model_type": "deepseek_v3"})

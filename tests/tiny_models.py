@@ -161,17 +161,17 @@ def count_calls(obj: object, method: str, when=None) -> list[int]:  # noqa: ANN0
 
 def preset_config(name: str) -> ModelConfig:
     """A preset's config (dummy weights: nothing downloaded)."""
-    from ferryman.config import ModelConfig
+    from ferryman.models.registry import model_config
     from ferryman.weights.build import resolve_hf_config
 
-    return ModelConfig.from_hf(resolve_hf_config(name, "dummy")[0])
+    return model_config(resolve_hf_config(name, "dummy")[0])
 
 
 def demo_config() -> ModelConfig:
-    from ferryman.config import ModelConfig
+    from ferryman.models.registry import model_config
     from ferryman.llm import default_model
 
-    return ModelConfig.from_hf(default_model())
+    return model_config(default_model())
 
 
 def calibration_of(cfg: ModelConfig, dtype: torch.dtype, link: float, cpu: float) -> Calibration:

@@ -12,7 +12,7 @@ import torch
 from ferryman.config import EngineConfig, ModelConfig
 from ferryman.engine.detokenizer import IncrementalDetokenizer
 from ferryman.engine.inputs import prepare_inputs
-from ferryman.engine.model_runner import ModelRunner, kv_bytes_per_token
+from ferryman.engine.model_runner import ModelRunner
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
 from ferryman.engine.scheduler import (
     ScheduledSeq,
@@ -26,6 +26,8 @@ from ferryman.envs import envs
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
 from ferryman.kvcache.window_pool import num_window_layers, window_split
+from ferryman.models.registry import model_config
+from ferryman.planner import kv_bytes_per_token
 from ferryman.sampling_params import SamplingParams
 from ferryman.tokenizer import extra_eos_ids, load_tokenizer
 from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
@@ -35,7 +37,6 @@ log = logging.getLogger("ferryman.engine")
 _ACTIVATION_HEADROOM = 2 << 30
 # a step slower than this is logged with what it held (first-request compiles, stalls), and counted
 SLOW_STEP_S = 1.0
-_DEFAULT_CONTEXT_CAP = 32768
 
 
 @dataclass
@@ -49,8 +50,8 @@ class LLMEngine:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.ecfg = ecfg
         self.device = ecfg.torch_device()
-        self.cfg: ModelConfig = ModelConfig.from_hf(resolve_hf_config(ecfg.model, ecfg.load_format)[0])
-        self.max_model_len = self._max_model_len()
+        self.cfg: ModelConfig = model_config(resolve_hf_config(ecfg.model, ecfg.load_format)[0])
+        self.max_model_len = ecfg.context_len(self.cfg)
         # budget split, resident vs offloaded experts, KV size (ferryman/planner.py); cap the GPU first
         enforce_budget(ecfg, self.device)
         self.plan = engine_plan(ecfg, self.cfg, resolve_dtype(ecfg.dtype, self.cfg), self.device, self.max_model_len)
@@ -98,14 +99,6 @@ class LLMEngine:
         self.warming_up = False  # engine/warm_up.py runs: its slow steps (compiles) are expected
 
     # ---- sizing ------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        ctx = self.cfg.max_position_embeddings
-        if self.ecfg.max_model_len is None:
-            return min(ctx, _DEFAULT_CONTEXT_CAP)
-        if self.ecfg.max_model_len > ctx:
-            raise ConfigError(f"max_model_len {self.ecfg.max_model_len} exceeds the model's context ({ctx})")
-        return self.ecfg.max_model_len
-
     def _num_blocks(self, dtype: torch.dtype) -> int:
         """Blocks of the main KV pool (every layer but the window pool's)."""
         per_token = kv_bytes_per_token(self.cfg, dtype, self.cfg.num_layers - num_window_layers(self.cfg))
@@ -253,7 +246,7 @@ class LLMEngine:
         msg = f"KV cache too small to score {tokens} tokens at once ({cfg.num_blocks * cfg.block_size} tokens"
         if cfg.window is not None:  # every prompt is one step: its window layers hold all of it too
             msg += (f"; the sliding-window layers' pool holds {(cfg.num_window_blocks - 1) * cfg.block_size}: "
-                    f"score fewer or shorter prompts per call, or set FERRYMAN_WINDOW_KV=0")
+                    f"score fewer or shorter prompts per call")
         return msg + ")"
 
     def expert_stats(self, block: bool = True) -> dict:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ferryman.config import EngineConfig, ModelConfig, kv_dtype
+from ferryman.config import EngineConfig, ModelConfig, kv_dtype, parse_bytes, parse_expert_cache
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.experts.store import ExpertStore
@@ -22,8 +22,6 @@ from ferryman.planner import (
     AUTO_NUM_SEQS,
     MemoryPlan,
     PlanRequest,
-    parse_bytes,
-    parse_expert_cache,
     plan_auto_seqs,
     plan_memory,
 )

@@ -17,10 +17,24 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-
-from ferryman.engine.sequence import Sequence
+from typing import Protocol
 
 BlockHash = bytes
+
+
+class Sequence(Protocol):
+    """What the pools read and write of a sequence (engine/sequence.py's Sequence)."""
+
+    seq_id: int
+    block_table: list[int]  # logical block -> block id of the main pool
+    window_table: list[int]  # the same of the window pool (window_pool.py)
+    block_hashes: list[BlockHash]  # hashes of its full blocks, filled as they are needed
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_ids_slice(self, start: int, stop: int) -> list[int]: ...
 
 # Parent hash of a sequence's first block.
 ROOT_HASH: BlockHash = b"ferryman-kv-root"

@@ -20,27 +20,23 @@ Invariants:
   block_pool.py): an agent's next turn can adopt the last window of its conversation;
 - a prefix hit of the main pool is taken only as far as this pool still holds the window before
   its end (`usable_prefix`); tokens past it are recomputed.
-`LLM.score` computes its prompts in one step, so with this pool it scores at most the pool's
-tokens per call; past that its error says so (FERRYMAN_WINDOW_KV=0 lifts the limit).
+`LLM.score` computes its prompts in one step, so it scores at most this pool's tokens per call.
 """
 
 from __future__ import annotations
 
 from ferryman.config import ModelConfig
-from ferryman.engine.sequence import Sequence
-from ferryman.kvcache.block_pool import BlockPool, cdiv
+from ferryman.kvcache.block_pool import BlockPool, Sequence, cdiv
 
 NULL_BLOCK = 0  # the entry of out-of-window blocks: never free, never written
 
 
 def window_split(cfg: ModelConfig) -> int | None:
-    """The window W when the model mixes layers of one sliding window W with full-attention layers
-    and FERRYMAN_WINDOW_KV is on (the default); None: one pool holds every layer's KV."""
-    from ferryman.envs import envs
-
+    """The window W when the model mixes layers of one sliding window W with full-attention
+    layers; None: one pool holds every layer's KV."""
     windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
     sizes = {w for w in windows if w is not None}
-    if not envs.WINDOW_KV or len(sizes) != 1 or None not in windows:
+    if len(sizes) != 1 or None not in windows:
         return None
     return sizes.pop()
 

@@ -3,7 +3,7 @@
 An architecture (i) turns its HF config dialect into `ModelConfig`, (ii) lists the tensors a
 checkpoint must hold (name -> shape, dtype), which drives both validation and dummy weights, and
 (iii) maps each checkpoint name to a `Target`: a parameter of `MoETransformer` or a slice of an
-expert bank. Adding DeepSeek-V3 or Qwen3-Next means a new file here, not engine changes.
+expert bank. A new architecture is a new file here, listed in registry.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import torch
 
-from ferryman.config import ModelConfig
+from ferryman.config import ModelConfig, QuantConfig, RopeConfig
+from ferryman.errors import ConfigError
 
 Shape = tuple[int, ...]
 TensorSpec = tuple[Shape, torch.dtype]
@@ -135,8 +136,6 @@ def map_dense_mlp(cfg: ModelConfig, layer: int, rel: str) -> Target | None:
 
 def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[str, Any]:
     """ModelConfig fields that every HF decoder config spells the same way."""
-    from ferryman.config import eos_ids, quant_from_hf, rope_from_hf
-
     heads = hf["num_attention_heads"]
     return dict(
         model_type=hf["model_type"],
@@ -159,3 +158,52 @@ def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[s
         pad_token_id=hf.get("pad_token_id"),
         quant=quant_from_hf(hf, quant_methods),
     )
+
+
+def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+    """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if kind not in ("default", "yarn", "linear"):
+        raise ConfigError(f"unsupported rope type {kind!r} (supported: default, yarn, linear)")
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(merged.get("factor") or 1.0),
+        original_max_position=int(
+            merged.get("original_max_position_embeddings")
+            or hf.get("original_max_position_embeddings")
+            or max_pos
+        ),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        truncate=bool(merged.get("truncate", True)),
+        attention_factor=merged.get("attention_factor"),
+        partial_rotary_factor=float(
+            merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        ),
+    )
+
+
+def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig | None:
+    qc = hf.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method", "?")
+    if method not in supported:
+        raise ConfigError(
+            f"unsupported quantization_config.quant_method {method!r} for "
+            f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
+        )
+    return QuantConfig(method=method, modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

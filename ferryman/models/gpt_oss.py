@@ -10,7 +10,6 @@ import torch
 
 from ferryman.config import ModelConfig
 from ferryman.models.base import Architecture, Target, TensorSpec, hf_common
-from ferryman.models.registry import register
 
 _P = "mlp.experts."
 
@@ -81,5 +80,3 @@ class GptOss(Architecture):
         # dense gpt-oss experts are stored [E, in, out]; banks are [E, out, in]
         return Target("expert", bank, layer, None, transpose=bank in ("w13", "w2"))
 
-
-register(GptOss())

@@ -9,7 +9,6 @@ import torch
 from ferryman.config import ModelConfig
 from ferryman.models.base import Architecture, Target, TensorSpec, hf_common
 from ferryman.models.per_expert import map_per_expert, per_expert_tensors
-from ferryman.models.registry import register
 
 _NAMES = ("w1", "w3", "w2")
 _PREFIX = "block_sparse_moe"
@@ -38,5 +37,3 @@ class Mixtral(Architecture):
     def map_mlp(self, cfg: ModelConfig, layer: int, rel: str) -> Target | None:
         return map_per_expert(cfg, layer, rel, _PREFIX, _NAMES, "gate")
 
-
-register(Mixtral())

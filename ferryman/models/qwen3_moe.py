@@ -16,7 +16,6 @@ from ferryman.models.base import (
     map_dense_mlp,
 )
 from ferryman.models.per_expert import map_per_expert, per_expert_tensors
-from ferryman.models.registry import register
 
 _NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -56,5 +55,3 @@ class Qwen3Moe(Architecture):
             return map_dense_mlp(cfg, layer, rel)
         return map_per_expert(cfg, layer, rel, "mlp", _NAMES, "gate")
 
-
-register(Qwen3Moe())

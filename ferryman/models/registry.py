@@ -1,32 +1,55 @@
-"""Architecture registry, keyed by Hugging Face `model_type`."""
+"""Architectures by Hugging Face `model_type`, and `model_config`: a config.json -> ModelConfig."""
 
 from __future__ import annotations
 
-from ferryman.errors import UnsupportedModelError
+import json
+from pathlib import Path
+from typing import Any
+
+from ferryman.config import ModelConfig
+from ferryman.errors import ConfigError, UnsupportedModelError
 from ferryman.models.base import Architecture
+from ferryman.models.gpt_oss import GptOss
+from ferryman.models.mixtral import Mixtral
+from ferryman.models.olmoe import Olmoe
+from ferryman.models.qwen3_moe import Qwen3Moe
 
-_REGISTRY: dict[str, Architecture] = {}
-
-
-def register(arch: Architecture) -> Architecture:
-    _REGISTRY[arch.model_type] = arch
-    return arch
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GptOss(), Mixtral(), Olmoe(), Qwen3Moe())}
 
 
 def supported_model_types() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return sorted(ARCHITECTURES)
 
 
 def get_architecture(model_type: str) -> Architecture:
-    _load_builtin()
-    if model_type not in _REGISTRY:
+    if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_REGISTRY))}"
+            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
         )
-    return _REGISTRY[model_type]
+    return ARCHITECTURES[model_type]
 
 
-def _load_builtin() -> None:
-    # importing the modules registers them
-    from ferryman.models import gpt_oss, mixtral, olmoe, qwen3_moe  # noqa: F401
+def model_config(source: str | Path | dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of a model folder, a config.json path, or an already-parsed dict."""
+    hf = source if isinstance(source, dict) else read_config_json(source)
+    model_type = hf.get("model_type")
+    if not model_type:
+        raise ConfigError("config.json has no 'model_type'")
+    try:
+        return get_architecture(model_type).parse_config(hf)
+    except KeyError as e:
+        raise ConfigError(f"config.json of a {model_type} model lacks the field {e.args[0]!r}") from None
+
+
+def read_config_json(source: str | Path) -> dict[str, Any]:
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.parent.exists():
+        raise ConfigError(f"model folder {path.parent} does not exist")
+    if not path.exists():
+        raise ConfigError(f"no config.json in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None

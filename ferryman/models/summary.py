@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferryman.config import ModelConfig
-from ferryman.models.registry import get_architecture
+from ferryman.models.registry import get_architecture, model_config
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ModelSummary:
 
 
 def summarize(hf: dict[str, Any]) -> ModelSummary:
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     expert_params = other_params = expert_bytes = other_bytes = 0
     for name, (shape, dtype) in arch.checkpoint_tensors(cfg).items():

@@ -8,17 +8,14 @@ from pathlib import Path
 
 import torch
 
-from ferryman.config import ModelConfig, dtype_from_str, read_config_json
-from ferryman.errors import ConfigError, ModelLoadError
+from ferryman.config import ModelConfig, dtype_from_str
+from ferryman.errors import ModelLoadError
 from ferryman.experts.store import ExpertStore
-from ferryman.models.registry import get_architecture
+from ferryman.models.registry import get_architecture, model_config, read_config_json
 from ferryman.models.transformer import MoETransformer
 from ferryman.weights.loader import load_weights
 from ferryman.weights.presets import get_preset, is_preset
 from ferryman.weights.sources import DummySource, SafetensorsSource, TensorSource
-
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
-
 
 @dataclass
 class LoadedModel:
@@ -61,10 +58,8 @@ def build_model(
 ) -> LoadedModel:
     """store_factory: where routed experts live (experts/placement.py); default: on `device`.
     host_embedding: keep the token-embedding table in host RAM (an offloaded plan's choice)."""
-    if load_format not in LOAD_FORMATS:
-        raise ConfigError(f"unknown load_format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     hf, folder = resolve_hf_config(model, load_format)
-    cfg = ModelConfig.from_hf(hf)
+    cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     torch_dtype = resolve_dtype(dtype, cfg)
     positions = max_positions or cfg.max_position_embeddings
