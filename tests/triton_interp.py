@@ -1,11 +1,13 @@
-"""Run a snippet under Triton's interpreter (TRITON_INTERPRET=1) in a child process.
+"""Helpers of the kernel tests: run a snippet under Triton's interpreter (TRITON_INTERPRET=1) in a
+child process, and set FERRYMAN_KERNELS for one test.
 
-The flag must be set before triton is first imported and must not leak into the test process,
-where other tests may import triton normally.
+The interpreter flag must be set before triton is first imported and must not leak into the test
+process, where other tests may import triton normally.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -26,3 +28,12 @@ def run_interpreted(script: str, timeout: float = 300) -> str:
     if proc.returncode != 0:
         pytest.fail(f"interpreted Triton script failed:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+def use_kernels(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """FERRYMAN_KERNELS=value for the rest of the test: the process reads it once, so the cached
+    reader is swapped for a fresh one (monkeypatch puts the old one back)."""
+    from ferryman.layers import backend
+
+    monkeypatch.setenv("FERRYMAN_KERNELS", value)
+    monkeypatch.setattr(backend, "kernels", functools.cache(backend.kernels.__wrapped__))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ferryman.config import RopeConfig
-from ferryman.layers.triton_util import use_triton
+from ferryman.layers.backend import use_triton
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
