@@ -8,7 +8,6 @@ top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Pa
 - grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel; for MXFP4 also
   the kernel's experimental tile decodes (GroupedConfig.mxfp4_decode): "bits" (bit fields) and
   "dot_scaled" (packed tiles into tl.dot_scaled);
-- gemv: the Triton per-pair kernel (decode's, up to 64 pairs by default), where it is cheap to try.
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
 against the torch reference (fused_moe_reference) on the same inputs.
@@ -28,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import median_seconds  # noqa: E402
 
 from ferryman.layers.batched_moe import fused_moe_batched  # noqa: E402
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference  # noqa: E402
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe  # noqa: E402
+from ferryman.layers.moe_common import MoEActivation  # noqa: E402
+from ferryman.layers.moe_reference import fused_moe_reference  # noqa: E402
 from ferryman.quant import Banks, get_format  # noqa: E402
 
 SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
@@ -46,8 +46,8 @@ def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.T
     for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), decodes):
         cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, mxfp4_decode=dec)
         try:
-            ms = median_seconds(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
-            e = err(grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg))
+            ms = median_seconds(lambda: grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg), iters) * 1e3
+            e = err(grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg))
         except Exception as exc:  # a tile configuration that does not compile (registers, shared memory)
             print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:160]}")
             continue
@@ -79,9 +79,9 @@ def main() -> None:
         form, act = get_format(fmt), MoEActivation(act_kind)
         banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
         print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
-        print("| tokens | batched ms | grouped ms | grouped bits ms | grouped dot_scaled ms | gemv ms | "
+        print("| tokens | batched ms | grouped ms | grouped bits ms | grouped dot_scaled ms | "
               "grouped / batched | err batched | err grouped | err bits | err dot_scaled |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         decodes = ("bits", "dot_scaled")
         for t in (int(s) for s in a.tokens.split(",")):
             x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
@@ -95,14 +95,11 @@ def main() -> None:
                 return fused_moe_batched(form, banks, x, ids, w, act)
 
             def grouped() -> torch.Tensor:
-                return grouped_moe(fmt, banks, x, ids, w, act, path="grouped")
+                return grouped_moe(fmt, banks, x, ids, w, act)
 
             def decoded(decode: str) -> Callable[[], torch.Tensor]:
                 cfg = GroupedConfig(mxfp4_decode=decode)
-                return lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg)
-
-            def gemv() -> torch.Tensor:
-                return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
+                return lambda: grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg)
 
             tb, tg = median_seconds(batched, a.iters), median_seconds(grouped, a.iters)
             times, errs = [], []
@@ -117,8 +114,7 @@ def main() -> None:
                         print(f"{decode}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
                 times.append(ms)
                 errs.append(e)
-            tv = f"{median_seconds(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
-            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {' | '.join(times)} | {tv} | {tg / tb:.2f} | "
+            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {' | '.join(times)} | {tg / tb:.2f} | "
                   f"{err(batched()):.1e} | {err(grouped()):.1e} | {' | '.join(errs)} |", flush=True)
             if str(t) in a.sweep.split(","):
                 sweep(fmt, banks, x, ids, w, act, a.iters, err)

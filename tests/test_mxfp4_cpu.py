@@ -115,16 +115,17 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
 def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, portable: bool) -> None:
     """One expert through LayerJob (both products and the activation in C) against the torch
     path's expert in float32: dequantise, matmul, bias, apply_activation, matmul, bias."""
-    from ferryman.layers.fused_moe import _project, apply_activation
+    from ferryman.layers.moe_common import apply_activation
+    from ferryman.layers.moe_reference import project
 
     form = get_format("mxfp4")
     banks = form.random_banks(3, 64, 96, bias, torch.float32, torch.Generator().manual_seed(7))
     act = MoEActivation(kind)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)) * 3  # some gates past the limit
-    gate_up = _project(form, banks, "w13", 1, x)
+    gate_up = project(form, banks, "w13", 1, x)
     if bias:
         gate_up = gate_up + banks["w13_bias"][1]
-    want = _project(form, banks, "w2", 1, apply_activation(gate_up, act))
+    want = project(form, banks, "w2", 1, apply_activation(gate_up, act))
     if bias:
         want = want + banks["w2_bias"][1]
     pairs = {1: (list(range(9)), [1.0] * 9)}

@@ -1,5 +1,5 @@
-"""Triton MoE over slot-indexed expert banks with any slot stride: grouped GEMM (many tokens) and
-per-pair GEMV (few tokens), bf16/fp16/fp32 or MXFP4 weights dequantised inside the kernels.
+"""Triton grouped GEMM over slot-indexed expert banks with any slot stride: the CUDA prefill path
+of unquantised experts, bf16/fp16/fp32 or MXFP4 weights dequantised inside the kernels.
 
     `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
     kernel 1  h[p] = act(x[t] @ W13[slot]^T + b13[slot])               p = t*K + k, h: [P, I]
@@ -8,14 +8,10 @@ per-pair GEMV (few tokens), bf16/fp16/fp32 or MXFP4 weights dequantised inside t
 
 Banks may be strided along the slot dim (the expert-major slot pool of experts/gpu_cache.py:
 every bank a view into one row of bytes per slot); the dims inside one expert are contiguous.
-
-prefill ("grouped"): pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs
-of one slot (a slot's last block is partial); program (block, n-tile) loads one weight tile of that
-slot and multiplies all the block's token rows with `tl.dot`. Grid size is a static bound
-(cdiv(P, BM) + min(P, S) blocks; the unused ones return), so nothing syncs with the host.
-decode ("gemv"): program (pair, n-tile) streams its slot's rows; for P <= DECODE_MAX_PAIRS.
-
-Torch reference: `ferryman.layers.fused_moe.fused_moe_reference` (tests/test_grouped_moe.py).
+Pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs of one slot (a slot's
+last block is partial); program (block, n-tile) loads one weight tile of that slot and multiplies
+all the block's token rows with `tl.dot`. Grid size is a static bound (cdiv(P, BM) + min(P, S)
+blocks; the unused ones return), so nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -26,18 +22,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, _check_inputs
-from ferryman.layers.fused_moe_triton import ACT_KINDS, gate_up_rows, moe_act
+from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
+from ferryman.layers.moe_common import MoEActivation, check_inputs
 from ferryman.quant.base import Banks, get_format
 
 FORMATS = ("dense", "mxfp4")
-PATHS = ("auto", "gemv", "grouped")
 MXFP4_DECODES = ("exp2", "bits", "dot_scaled")
 
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    block_m: int = 16  # pairs per block (grouped path); tl.dot needs >= 16
+    block_m: int = 16  # pairs per block; tl.dot needs >= 16
     block_n: int = 32  # output columns per program
     block_k: int = 64  # reduction step; a multiple of 32 keeps mxfp4 scale groups whole
     num_warps: int = 4
@@ -213,53 +208,6 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
     tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
-def _w13_gemv(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride, s_stride, b_stride,
-              H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pair = tl.program_id(0)
-    slot = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < I
-    g_rows, u_rows = gate_up_rows(n, I, ACT)
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < H
-        xv = tl.load(x_ptr + (pair // TOPK) * H + kk, mask=kmask, other=0.0).to(tl.float32)
-        acc_g += tl.sum(_w_tile(w_base, s_base, g_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
-        acc_u += tl.sum(_w_tile(w_base, s_base, u_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)
-        acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)
-    dt = h_ptr.dtype.element_ty
-    h = moe_act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
-    tl.store(h_ptr + pair * I + n, h.to(dt), mask=nmask)
-
-
-@triton.jit
-def _w2_gemv(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, w_stride, s_stride, b_stride,
-             H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr):
-    pair = tl.program_id(0)
-    slot = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < H
-    acc = tl.zeros([BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < I
-        hv = tl.load(h_ptr + pair * I + kk, mask=kmask, other=0.0).to(tl.float32)
-        acc += tl.sum(_w_tile(w_base, s_base, n, nmask, kk, kmask, I, MXFP4) * hv[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)
-    acc *= tl.load(tw_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + pair * H + n, acc, mask=nmask)
-
-
 @dataclass(frozen=True)
 class _Proj:
     """One projection's tensors and slot strides (elements); scales alias weights for dense."""
@@ -301,15 +249,13 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 
 
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
-                act: MoEActivation, path: str = "auto", cfg: GroupedConfig | None = None) -> torch.Tensor:
-    """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype. path: auto | gemv | grouped."""
+                act: MoEActivation, cfg: GroupedConfig | None = None) -> torch.Tensor:
+    """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
     if fmt not in FORMATS:
         raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {FORMATS}")
-    if path not in PATHS:
-        raise ValueError(f"grouped_moe: path must be one of {PATHS}, got {path!r}")
     cfg = cfg or GroupedConfig()
     num_slots, hidden, inter = get_format(fmt).dims(banks)
-    _check_inputs(x, slot_ids, topk_w, hidden)
+    check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape
     pairs = t * k
     x = x.contiguous()
@@ -321,22 +267,14 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     flags = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, num_warps=cfg.num_warps)
     a13 = (w13.w, w13.s, w13.b)
     a2 = (w2.w, w2.s, w2.b)
-    if path == "gemv" or (path == "auto" and pairs <= DECODE_MAX_PAIRS):
-        ids = slot_ids.reshape(-1).contiguous()
-        _w13_gemv[(pairs, triton.cdiv(inter, cfg.block_n))](
-            x, ids, *a13, h, float(act.alpha), float(act.limit), *w13.strides, H=hidden, I=inter, TOPK=k,
-            ACT=ACT_KINDS[act.kind], BN=cfg.block_n, BK=cfg.block_k, **flags)
-        _w2_gemv[(pairs, triton.cdiv(hidden, cfg.block_n))](
-            h, ids, *a2, tw, y, *w2.strides, H=hidden, I=inter, BN=cfg.block_n, BK=cfg.block_k, **flags)
-    else:
-        order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-        # dot_scaled takes bf16 / fp16 activations only: fp32 ones decode with exp2
-        ds = fmt == "mxfp4" and cfg.mxfp4_decode == "dot_scaled" and x.dtype in (torch.bfloat16, torch.float16)
-        tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                     BITS=cfg.mxfp4_decode == "bits", DS=ds, FP16=x.dtype == torch.float16, **flags)
-        _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
-            x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
-            H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
-        _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
-            h, order, bslot, first, end, *a2, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
+    order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
+    # dot_scaled takes bf16 / fp16 activations only: fp32 ones decode with exp2
+    ds = fmt == "mxfp4" and cfg.mxfp4_decode == "dot_scaled" and x.dtype in (torch.bfloat16, torch.float16)
+    tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+                 BITS=cfg.mxfp4_decode == "bits", DS=ds, FP16=x.dtype == torch.float16, **flags)
+    _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
+        x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
+        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
+    _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
+        h, order, bslot, first, end, *a2, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
