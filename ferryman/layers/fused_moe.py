@@ -47,17 +47,9 @@ def prefill_path(fmt: str, kernels: str | None = None) -> str:
     return "batched"
 
 
-def fused_moe(
-    fmt: str,
-    banks: Banks,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_w: torch.Tensor,
-    act: MoEActivation,
-    host_ids: torch.Tensor | None = None,
-    inputs_issued: Callable[[], None] | None = None,
-    upload: Upload | None = None,
-) -> torch.Tensor:
+def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+              act: MoEActivation, host_ids: torch.Tensor | None = None,
+              inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     slot ids on the host when the caller has them (offloaded experts): the prefill paths then
     group the pairs without reading the ids back from the device (no sync). inputs_issued: called

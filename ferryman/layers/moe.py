@@ -27,16 +27,12 @@ class RoutingRecorder(Protocol):
 
 
 class ExpertBackend(Protocol):
-    def forward(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x: [T, H], topk_ids: [T, K] expert ids, topk_w: [T, K] -> [T, H]."""
         ...
 
 
-def route(
-    logits: torch.Tensor, top_k: int, kind: str, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, kind: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router math of each family (see shared/notes/formats.md). logits: [T, E] -> ids, weights [T, K]."""
     if use_triton(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[1] <= 1024:
         from ferryman.layers.router_triton import route_triton

@@ -53,9 +53,8 @@ def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, 
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
     if topk_w.shape != topk_ids.shape or not topk_w.is_floating_point():
-        raise ValueError(
-            f"fused_moe: topk_w must be float {tuple(topk_ids.shape)}, got {tuple(topk_w.shape)} {topk_w.dtype}"
-        )
+        raise ValueError(f"fused_moe: topk_w must be float {tuple(topk_ids.shape)}, got {tuple(topk_w.shape)} "
+                         f"{topk_w.dtype}")
     if topk_ids.device != x.device or topk_w.device != x.device:
         raise ValueError(f"fused_moe: x, topk_ids, topk_w on different devices ({x.device}, "
                          f"{topk_ids.device}, {topk_w.device})")

@@ -22,13 +22,7 @@ from torch import Tensor
 from ferryman.layers import backend
 from ferryman.layers.attn_metadata import AttnMetadata
 
-__all__ = [
-    "AttnMetadata",
-    "write_kv",
-    "paged_attention",
-    "write_kv_reference",
-    "paged_attention_reference",
-]
+__all__ = ["AttnMetadata", "write_kv", "paged_attention", "write_kv_reference", "paged_attention_reference"]
 
 # the fp8 KV cache's storage (kv_cache_dtype fp8): written with a saturating cast, read back into
 # q's dtype (Triton) or fp32 (the reference)
@@ -61,9 +55,8 @@ def _check_write_inputs(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
 
 
-def _check_attn_inputs(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, window: int | None, sinks: Tensor | None
-) -> None:
+def _check_attn_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, window: int | None,
+                       sinks: Tensor | None) -> None:
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
@@ -100,15 +93,8 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                    window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D].
 
     Rows of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified.
@@ -151,9 +137,8 @@ def _visible(q_pos: Tensor, kv_len: int, window: int | None) -> Tensor:
     return mask
 
 
-def _attend(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None, sinks: Tensor | None
-) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None,
+            sinks: Tensor | None) -> Tensor:
     """Dense attention of q: [Q, Hq, D] over k, v: [L, Hkv, D] (fp32 math) -> [Q, Hq, D] in q.dtype."""
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -171,15 +156,8 @@ def _attend(
     return out.reshape(num_q, num_q_heads, head_dim).to(q.dtype)
 
 
-def paged_attention_reference(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                              window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Torch reference: per sequence gather kv from the block table and attend (vectorised)."""
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
     out = torch.zeros_like(q)

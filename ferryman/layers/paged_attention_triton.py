@@ -295,16 +295,9 @@ def _tile_config(max_query_len: int, group_pad: int, window: int | None) -> tupl
     return max(128, group_pad), 64, 8, 2
 
 
-def paged_attention_triton(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-    num_splits: int | None = None,
-) -> Tensor:
+def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                           window: int | None = None, sinks: Tensor | None = None,
+                           num_splits: int | None = None) -> Tensor:
     # q: [T, Hq, D]; caches: [N, S, Hkv, D] -> out: [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
