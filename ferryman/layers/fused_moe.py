@@ -6,13 +6,13 @@
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
 the path; each lives in its own module:
 - CUDA, T*K <= DECODE_MAX_PAIRS: the Triton decode GEMVs (fused_moe_triton.py);
-- CUDA prefill (prefill_path): the Triton grouped GEMM for unquantised experts
+- CUDA, larger batches (prefill_path): the Triton grouped GEMM for unquantised experts
   (grouped_moe_triton.py), groups of experts through padded torch.bmm for quantised ones
   (batched_moe.py);
 - CPU: MXFP4 through the C kernel (quant/mxfp4_cpu.py), few pairs of small experts gathered into
   one batch, else the torch reference (moe_reference.py).
-FERRYMAN_KERNELS=torch keeps CUDA off Triton (decode: the reference; prefill: batched);
-=triton takes the decode kernel for every batch on CUDA (layers/backend.py).
+FERRYMAN_KERNELS=torch sends every CUDA batch to the batched path (its MXFP4 dequantisation stays
+in Triton); =triton takes the decode kernel for every CUDA batch (layers/backend.py).
 """
 
 from __future__ import annotations

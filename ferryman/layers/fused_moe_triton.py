@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
+from ferryman.layers.moe_common import kernel_bank
 from ferryman.quant.base import Banks, get_format
 
 FORMATS = {"dense": 0, "mxfp4": 1}
@@ -158,24 +159,6 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
     tl.store(y_ptr + pair * H + rows, acc, mask=rmask)
 
 
-def _weights(fmt: str, banks: Banks, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, scales) of one projection; dense passes its weights twice (scales unused)."""
-    if fmt == "mxfp4":
-        pair = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"])
-    else:
-        pair = (banks[proj], banks[proj])
-    for t in pair:
-        check_expert_contiguous(t, f"{fmt} bank of {proj}")
-    return pair
-
-
-def check_expert_contiguous(t: torch.Tensor, what: str) -> None:
-    """Each expert's slice contiguous; the experts may be any stride apart (expert-major pools)."""
-    if t.shape[0] > 0 and not t[0].is_contiguous():
-        raise ValueError(f"{what}: each expert's slice must be contiguous for the Triton kernels, "
-                         f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
-
-
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                      kind: str, alpha: float, limit: float) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
@@ -186,23 +169,16 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()  # [P] slot of each pair
     tw = topk_w.reshape(-1).contiguous()  # [P]
-    w13, s13 = _weights(fmt, banks, "w13")
-    w2, s2 = _weights(fmt, banks, "w2")
+    w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
     has_bias = "w13_bias" in banks and "w2_bias" in banks
-    b13 = banks["w13_bias"] if has_bias else x
-    b2 = banks["w2_bias"] if has_bias else x
-    if has_bias:
-        check_expert_contiguous(b13, "w13_bias")
-        check_expert_contiguous(b2, "w2_bias")
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
-    st13 = dict(W_STRIDE=w13.stride(0), S_STRIDE=s13.stride(0), B_STRIDE=b13.stride(0) if has_bias else 0)
-    st2 = dict(W_STRIDE=w2.stride(0), S_STRIDE=s2.stride(0), B_STRIDE=b2.stride(0) if has_bias else 0)
+    st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides)) for p in (w13, w2))
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
     common = dict(MXFP4=FORMATS[fmt], HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
-        x, ids, w13, s13, b13, h, float(alpha), float(limit), **st13,
+        x, ids, w13.w, w13.s, w13.b, h, float(alpha), float(limit), **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, BLOCK_N))](
-        h, ids, w2, s2, b2, tw, y, **st2, H=hidden, I=inter, **common)
+        h, ids, w2.w, w2.s, w2.b, tw, y, **st2, H=hidden, I=inter, **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import MoEActivation, check_inputs
+from ferryman.layers.moe_common import MoEActivation, check_inputs, kernel_bank
 from ferryman.quant.base import Banks, get_format
 
 FORMATS = ("dense", "mxfp4")
@@ -208,25 +208,6 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
     tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
 
 
-@dataclass(frozen=True)
-class _Proj:
-    """One projection's tensors and slot strides (elements); scales alias weights for dense."""
-
-    w: torch.Tensor
-    s: torch.Tensor
-    b: torch.Tensor
-    strides: tuple[int, int, int]
-
-
-def _proj(fmt: str, banks: Banks, proj: str, x: torch.Tensor) -> _Proj:
-    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
-    b = banks.get(f"{proj}_bias", x)
-    for name, t in (("weights", w), ("scales", s), ("bias", b)):
-        if t is not x and not t[0].is_contiguous():
-            raise ValueError(f"grouped_moe: {proj} {name} must be contiguous inside each slot")
-    return _Proj(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if b is not x else 0))
-
-
 def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, ...]:
     """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, all on the device.
 
@@ -260,7 +241,7 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     pairs = t * k
     x = x.contiguous()
     tw = topk_w.reshape(-1).contiguous()  # [P]
-    w13, w2 = _proj(fmt, banks, "w13", x), _proj(fmt, banks, "w2", x)
+    w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ferryman.quant import Banks
+
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
 
 
@@ -43,6 +45,30 @@ def apply_activation(gate_up: torch.Tensor, act: MoEActivation) -> torch.Tensor:
     gate = gate.clamp(min=None, max=act.limit)
     up = up.clamp(min=-act.limit, max=act.limit)
     return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+@dataclass(frozen=True)
+class KernelBank:
+    """One projection's tensors as the Triton kernels take them, with their slot strides in
+    elements: weights, scales (dense: the weights again, unread) and bias (or a stand-in, unread,
+    stride 0). Each expert's slice is contiguous; the experts may be any stride apart (the
+    expert-major slot pool)."""
+
+    w: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    strides: tuple[int, int, int]
+
+
+def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
+    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
+    has_bias = "w13_bias" in banks and "w2_bias" in banks
+    b = banks[f"{proj}_bias"] if has_bias else stand_in
+    for name, t in (("weights", w), ("scales", s), ("bias", b)):
+        if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
+            raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
+                             f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0))
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
