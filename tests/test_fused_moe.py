@@ -275,7 +275,7 @@ def test_gpu_prefill_agrees_with_forced_triton(monkeypatch: pytest.MonkeyPatch) 
     banks = _gpt_oss_20b_layer(torch.bfloat16)
     gen = _gen(15, "cuda")
     x = torch.randn(40, 2880, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, w = _routing(40, 4, 32, gen, "cuda")  # 160 pairs: the batched prefill path
+    ids, w = _routing(40, 4, 32, gen, "cuda")  # 160 pairs: the grouped prefill path
     act = MoEActivation("swiglu_oai")
     ref = fused_moe("mxfp4", banks, x, ids, w, act)
     use_kernels(monkeypatch, "triton")

@@ -62,19 +62,9 @@ cases = [("dense", "silu", torch.float32, "contiguous"),
          ("dense", "swiglu_oai", torch.float16, "strided"),
          ("mxfp4", "swiglu_oai", torch.float32, "strided"),
          ("mxfp4", "silu", torch.float16, "contiguous")]
-# H = 96 with BLOCK_K = 64: a partial K step; 18 pairs over 5 slots: partial and several blocks
+# H = 96 with BLOCK_K = 64: a partial K step and MXFP4 scale group; 18 pairs over 5 slots: partial
+# and several blocks
 out = run(cases, "cpu", 5, 96, 64, 9, 2, GroupedConfig(block_m=16, block_n=32, block_k=64))
-# MXFP4 tiles decoded by bit fields; H = 96, I = 64 with BLOCK_K = 64: a partial K step and scale group
-bits = [("mxfp4", "swiglu_oai", torch.float32, "strided"),
-        ("mxfp4", "silu", torch.float16, "contiguous")]
-cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="bits")
-out += [dict(r, case=r["case"] + "-bits") for r in run(bits, "cpu", 5, 96, 64, 9, 2, cfg)]
-# packed tiles into tl.dot_scaled (fp16 here: the interpreter's bf16 dots are wrong); fp32 falls back
-ds = [("mxfp4", "swiglu_oai", torch.float16, "strided"),
-      ("mxfp4", "silu", torch.float16, "contiguous"),
-      ("mxfp4", "silu", torch.float32, "contiguous")]
-cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="dot_scaled")
-out += [dict(r, case=r["case"] + "-dot_scaled") for r in run(ds, "cpu", 5, 96, 64, 9, 2, cfg)]
 print(json.dumps(out))
 """
 
@@ -91,17 +81,21 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
     _check(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("fmt, kernels, path", [
-    ("dense", None, "grouped"), ("mxfp4", None, "batched"), ("gguf_q4_k", None, "batched"),
-    ("dense", "triton", "grouped"), ("dense", "torch", "batched"), ("mxfp4", "triton", "batched"),
+@pytest.mark.parametrize("fmt, tokens, kernels, path", [
+    ("dense", 17, None, "grouped"), ("dense", 8192, None, "grouped"), ("dense", None, None, "grouped"),
+    ("mxfp4", 17, None, "grouped"), ("mxfp4", 512, None, "grouped"), ("mxfp4", 513, None, "batched"),
+    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 17, None, "batched"),
+    ("dense", 17, "triton", "grouped"), ("dense", 17, "torch", "batched"), ("mxfp4", 17, "torch", "batched"),
 ])
-def test_prefill_path_by_format_and_kernels(fmt: str, kernels: str | None, path: str) -> None:
-    """Unquantised experts take the grouped GEMM, quantised ones the batched path; grouped falls
-    back to batched where its kernel cannot run (FERRYMAN_KERNELS=torch, no kernel for the format)."""
+def test_prefill_path_by_format_tokens_and_kernels(fmt: str, tokens: int | None, kernels: str | None,
+                                                   path: str) -> None:
+    """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 512 tokens (the
+    batched path above, and for the planner's worst case, tokens None); other formats, and any
+    format with FERRYMAN_KERNELS=torch, the batched path."""
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
-    assert prefill_path(fmt, kernels) == path
+    assert prefill_path(fmt, tokens, kernels) == path
 
 
 def test_prefill_path_reads_ferryman_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,12 +118,8 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
         grouped_moe("gguf", banks, x, ids, w, MoEActivation())
     with pytest.raises(ValueError, match="power of two"):
         GroupedConfig(block_m=24)
-    with pytest.raises(ValueError, match="mxfp4_decode must be one of"):
-        GroupedConfig(mxfp4_decode="lut")
     with pytest.raises(ValueError, match="block_k must be >= 32"):
-        GroupedConfig(block_k=16, mxfp4_decode="bits")
-    with pytest.raises(ValueError, match="block_k must be >= 32"):
-        GroupedConfig(block_k=16, mxfp4_decode="dot_scaled")
+        GroupedConfig(block_k=16)
     with pytest.raises(ValueError, match="topk_ids must be"):
         grouped_moe("dense", banks, x, torch.zeros(2, 1, dtype=torch.int32), w, MoEActivation())
 
@@ -146,19 +136,6 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["bits", "dot_scaled"])
-@pytest.mark.parametrize("t", [3, 300])
-def test_grouped_moe_experimental_mxfp4_decodes_on_cuda(decode: str, t: int) -> None:
-    """The grouped path's experimental MXFP4 tile decodes at gpt-oss-20b shapes, bf16 and fp32
-    (dot_scaled falls back there), contiguous and strided banks."""
-    scope: dict = {}
-    exec(_CASES, scope)
-    cases = [("mxfp4", kind, dtype, layout) for kind in ("swiglu_oai", "silu")
-             for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode=decode)))
-
-
-@pytest.mark.gpu
 def test_prefill_through_grouped_gemm_equals_batched(tiny: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed prefill batches (> 64 pairs) through the grouped GEMM score what the batched path
     (checked against the reference in test_batched_moe.py) scores, for every tiny architecture."""
@@ -170,17 +147,19 @@ def test_prefill_through_grouped_gemm_equals_batched(tiny: tuple, monkeypatch: p
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
     scores = {}
     for path in ("batched", "grouped"):
-        monkeypatch.setattr(fm, "prefill_path", lambda fmt, kernels=None, path=path: path)
+        monkeypatch.setattr(fm, "prefill_path", lambda fmt, tokens=None, kernels=None, path=path: path)
         scores[path] = LLM(str(folder), **kw).score(prompts)
     for a, b in zip(scores["grouped"], scores["batched"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item()), arch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, taken", [("dense", "grouped"), ("mxfp4", "batched")])
-def test_cuda_default_prefill_dispatch(fmt: str, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the defaults, a prefill-sized call (> 64 pairs) on CUDA reaches the kernel its format's
-    path names, and equals the reference."""
+@pytest.mark.parametrize("fmt, t, taken", [("dense", 40, "grouped"), ("dense", 1000, "grouped"),
+                                            ("mxfp4", 40, "grouped"), ("mxfp4", 512, "grouped"),
+                                            ("mxfp4", 513, "batched")])
+def test_cuda_default_prefill_dispatch(fmt: str, t: int, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the defaults, a call of more than 64 pairs on CUDA reaches the kernel prefill_path names
+    for its format and token count, and equals the reference."""
     import ferryman.layers.fused_moe as fm
     import ferryman.layers.grouped_moe_triton as grouped_mod
     from ferryman.quant import get_format
@@ -192,9 +171,9 @@ def test_cuda_default_prefill_dispatch(fmt: str, taken: str, monkeypatch: pytest
     gen = torch.Generator(device="cuda").manual_seed(0)
     form, act = get_format(fmt), MoEActivation("silu")
     banks = form.random_banks(8, 128, 64, True, torch.bfloat16, gen, "cuda")
-    x = torch.randn(40, 128, device="cuda", generator=gen).to(torch.bfloat16)
-    ids = torch.rand(40, 8, device="cuda", generator=gen).topk(2, dim=-1).indices.to(torch.int32)  # 80 pairs
-    w = torch.softmax(torch.randn(40, 2, device="cuda", generator=gen), -1)
+    x = torch.randn(t, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, 8, device="cuda", generator=gen).topk(2, dim=-1).indices.to(torch.int32)  # 2t pairs
+    w = torch.softmax(torch.randn(t, 2, device="cuda", generator=gen), -1)
     out = fm.fused_moe(fmt, banks, x, ids, w, act)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
     assert calls == [taken]

@@ -6,9 +6,9 @@
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
 the path; each lives in its own module:
 - CUDA, T*K <= DECODE_MAX_PAIRS: the Triton decode GEMVs (fused_moe_triton.py);
-- CUDA, larger batches (prefill_path): the Triton grouped GEMM for unquantised experts
-  (grouped_moe_triton.py), groups of experts through padded torch.bmm for quantised ones
-  (batched_moe.py);
+- CUDA, larger batches (prefill_path): the Triton grouped GEMM (grouped_moe_triton.py) for
+  unquantised experts and for MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS tokens, else groups of
+  experts through padded torch.bmm (batched_moe.py);
 - CPU: MXFP4 through the C kernel (quant/mxfp4_cpu.py), few pairs of small experts gathered into
   one batch, else the torch reference (moe_reference.py).
 FERRYMAN_KERNELS=torch sends every CUDA batch to the batched path (its MXFP4 dequantisation stays
@@ -31,18 +31,22 @@ __all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "prefill_
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 TRITON_FORMATS = ("dense", "mxfp4")
-# Formats whose experts the grouped GEMM reads as they are (nothing to decode in its tiles); the
-# others take the batched path, faster for MXFP4 (benchmarks/bench_prefill_moe.py)
-GROUPED_FORMATS = ("dense",)
+# MXFP4 experts take the grouped GEMM up to this many tokens, the batched path above: the
+# crossover lies between 512 and 1024 tokens (docs/benchmarks.md, benchmarks/bench_prefill_moe.py)
+GROUPED_MXFP4_MAX_TOKENS = 512
 
 
-def prefill_path(fmt: str, kernels: str | None = None) -> str:
-    """The CUDA prefill path of experts in format `fmt`: "grouped" for unquantised experts where
-    the grouped kernel can run (Triton importable, not FERRYMAN_KERNELS=torch), else "batched".
-    kernels: a FERRYMAN_KERNELS value to decide for (default: the process's). The planner counts
-    this path's memory (planner._dequantised_experts)."""
+def prefill_path(fmt: str, tokens: int | None = None, kernels: str | None = None) -> str:
+    """The CUDA path of a batch of `tokens` tokens too large for the decode kernel: "grouped" (the
+    grouped GEMM) for unquantised experts, and for MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS
+    tokens; "batched" for larger MXFP4 batches, other formats, and wherever the grouped kernel
+    cannot run (Triton not importable, FERRYMAN_KERNELS=torch). tokens None: the path of the
+    largest batches, whose dequantised experts the planner counts (planner._dequantised_experts).
+    kernels: a FERRYMAN_KERNELS value to decide for (default: the process's)."""
     choice = backend.kernels() if kernels is None else kernels
-    if fmt in GROUPED_FORMATS and choice != "torch" and backend.triton_available():
+    if choice == "torch" or not backend.triton_available():
+        return "batched"
+    if fmt == "dense" or (fmt == "mxfp4" and tokens is not None and tokens <= GROUPED_MXFP4_MAX_TOKENS):
         return "grouped"
     return "batched"
 
@@ -79,7 +83,7 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
-    if x.is_cuda and prefill_path(fmt) == "grouped":
+    if x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
         return grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
