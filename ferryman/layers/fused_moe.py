@@ -31,8 +31,7 @@ __all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "prefill_
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 TRITON_FORMATS = ("dense", "mxfp4")
-# MXFP4 experts take the grouped GEMM up to this many tokens, the batched path above: the
-# crossover lies between 512 and 1024 tokens (docs/benchmarks.md, benchmarks/bench_prefill_moe.py)
+# MXFP4: the grouped GEMM up to this many tokens, batched above (crossover 512-1024: docs/benchmarks.md)
 GROUPED_MXFP4_MAX_TOKENS = 512
 
 
