@@ -12,7 +12,7 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, dequant_mxfp4, get_format
 from ferryman.quant.dense import DenseFormat
-from triton_interp import run_interpreted, use_kernels
+from triton_interp import run_interpreted, use_cpu_kernel, use_kernels
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
@@ -52,7 +52,7 @@ def test_reference_matches_transformers_gpt_oss(dtype: torch.dtype, cpu_kernel: 
 
     if cpu_kernel and not mxfp4_cpu.available():
         pytest.skip("no C compiler to build the CPU kernel")
-    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "1" if cpu_kernel else "0")
+    use_cpu_kernel(monkeypatch, cpu_kernel)
     e, h, i, t, k = 8, 128, 64, 7, 4
     gen = _gen(0)
     banks = get_format("mxfp4").random_banks(e, h, i, True, dtype, gen)

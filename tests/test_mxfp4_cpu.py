@@ -14,6 +14,7 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
 from ferryman.quant import mxfp4_cpu
 from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
+from triton_interp import use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not mxfp4_cpu.available(), reason="no C compiler to build the CPU kernel")
 
@@ -101,7 +102,7 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     monkeypatch.setattr(mxfp4_cpu.LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
     fast = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1  # one kernel call for the layer
-    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
+    use_cpu_kernel(monkeypatch, False)
     slow = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -153,7 +154,7 @@ def test_layer_job_sums_the_experts_like_fused_moe(monkeypatch: pytest.MonkeyPat
     bias: dict = {}
     got = mxfp4_cpu.LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
     assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]
-    monkeypatch.setenv("FERRYMAN_CPU_KERNEL", "0")
+    use_cpu_kernel(monkeypatch, False)
     keep = torch.isin(ids, torch.tensor([0, 3]))
     want = fused_moe("mxfp4", banks, x, ids, w.masked_fill(~keep, 0.0), MoEActivation("swiglu_oai"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
 """Helpers of the kernel tests: run a snippet under Triton's interpreter (TRITON_INTERPRET=1) in a
-child process, and set FERRYMAN_KERNELS for one test.
+child process, and set for one test an environment variable that the process reads once.
 
 The interpreter flag must be set before triton is first imported and must not leak into the test
 process, where other tests may import triton normally.
@@ -30,10 +30,23 @@ def run_interpreted(script: str, timeout: float = 300) -> str:
     return proc.stdout
 
 
+def set_read_once(monkeypatch: pytest.MonkeyPatch, name: str, value: str, module: object, reader: str) -> None:
+    """Environment variable `name` = value for the rest of the test. The process reads it once
+    (`module.reader`, a cached function), so the reader is swapped for a fresh one; monkeypatch
+    puts the old one back."""
+    monkeypatch.setenv(name, value)
+    monkeypatch.setattr(module, reader, functools.cache(getattr(module, reader).__wrapped__))
+
+
 def use_kernels(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
-    """FERRYMAN_KERNELS=value for the rest of the test: the process reads it once, so the cached
-    reader is swapped for a fresh one (monkeypatch puts the old one back)."""
+    """FERRYMAN_KERNELS=value for the rest of the test."""
     from ferryman.layers import backend
 
-    monkeypatch.setenv("FERRYMAN_KERNELS", value)
-    monkeypatch.setattr(backend, "kernels", functools.cache(backend.kernels.__wrapped__))
+    set_read_once(monkeypatch, "FERRYMAN_KERNELS", value, backend, "kernels")
+
+
+def use_cpu_kernel(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """FERRYMAN_CPU_KERNEL=1 or 0 for the rest of the test."""
+    from ferryman.quant import mxfp4_cpu
+
+    set_read_once(monkeypatch, "FERRYMAN_CPU_KERNEL", "1" if on else "0", mxfp4_cpu, "enabled")

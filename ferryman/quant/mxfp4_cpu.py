@@ -119,11 +119,17 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
+@lru_cache(maxsize=1)
+def enabled() -> bool:
+    """FERRYMAN_CPU_KERNEL, read at first use."""
     from ferryman.envs import envs
 
-    return envs.CPU_KERNEL and _library() is not None
+    return envs.CPU_KERNEL
+
+
+def available() -> bool:
+    """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
+    return enabled() and _library() is not None
 
 
 def _threads() -> int:
