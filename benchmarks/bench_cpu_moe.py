@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import median_seconds  # noqa: E402
 
-from ferryman.layers import fused_moe as fm  # noqa: E402
+from ferryman.layers.fused_moe import gather_pays  # noqa: E402
+from ferryman.layers.moe_common import MoEActivation  # noqa: E402
+from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference  # noqa: E402
 from ferryman.quant import get_format  # noqa: E402
 
 
@@ -34,7 +36,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    form, act = get_format("dense"), fm.MoEActivation("silu")
+    form, act = get_format("dense"), MoEActivation("silu")
     gen = torch.Generator().manual_seed(0)
     banks = form.random_banks(a.experts, a.hidden, a.inter, False, dtype, gen)
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; {a.experts} experts, top-{a.top_k}, "
@@ -45,9 +47,9 @@ def main() -> None:
         x = torch.randn(t, a.hidden, generator=gen).to(dtype)
         ids = torch.rand(t, a.experts, generator=gen).topk(a.top_k, dim=-1).indices  # [T, K]
         w = torch.softmax(torch.randn(t, a.top_k, generator=gen), -1)
-        tg = median_seconds(lambda: fm.fused_moe_gathered(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
-        tl = median_seconds(lambda: fm.fused_moe_reference(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
-        picks = "gathered" if fm._gather_pays(form, banks, ids, x) else "loop"
+        tg = median_seconds(lambda: fused_moe_gathered(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
+        tl = median_seconds(lambda: fused_moe_reference(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
+        picks = "gathered" if gather_pays(form, banks, ids, x) else "loop"
         print(f"| {t} | {ids.numel()} | {torch.unique(ids).numel()} | {tg:.2f} | {tl:.2f} | {tl / tg:.2f} | {picks} |",
               flush=True)
 

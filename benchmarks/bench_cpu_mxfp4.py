@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--pool-mib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3, help="passes over the pool")
     a = ap.parse_args()
+    default_threads = torch.get_num_threads()
     if not mxfp4_cpu.available():
         raise SystemExit("the CPU MXFP4 kernel is unavailable here (see the warning above)")
     per_expert = 3 * a.hidden * a.inter * 17 // 32  # blocks + scales bytes of w13 and w2
@@ -70,9 +71,10 @@ def main() -> None:
 
         ref = _time(torch_pass, 1) / 4
         for threads in (int(v) for v in a.threads.split(",")):
-            os.environ["FERRYMAN_CPU_THREADS"] = str(threads)
+            torch.set_num_threads(threads or default_threads)  # the kernel runs torch's thread count
             sec = _time(kernel_pass, a.reps) / len(pool)
-            print(f"tokens {t:2d} threads {threads or torch.get_num_threads():2d}: {sec * 1e3:6.3f} ms/expert, "
+            torch.set_num_threads(default_threads)
+            print(f"tokens {t:2d} threads {threads or default_threads:2d}: {sec * 1e3:6.3f} ms/expert, "
                   f"{1 / sec:7.0f} experts/s, {per_expert / sec / 1e9:5.1f} GB/s ({per_expert / sec / 1e9 / read:.2f} "
                   f"of host read); torch path {ref * 1e3:.1f} ms/expert: kernel {ref / sec:.0f}x faster")
 

@@ -1,7 +1,6 @@
 """Decode speed of the Triton fused-MoE kernels against the GPU's own copy bandwidth.
 
     python benchmarks/bench_fused_moe.py                 # gpt-oss-20b layer, batch 1, top-4
-    python benchmarks/bench_fused_moe.py --sweep         # also try tile configurations
 
 Reports the GPU, the device-to-device copy bandwidth measured in the same run, the time of one
 fused_moe decode call (eager and replayed from a CUDA graph), and the GB/s of expert bytes read.
@@ -10,13 +9,13 @@ fused_moe decode call (eager and replayed from a CUDA graph), and the GB/s of ex
 from __future__ import annotations
 
 import argparse
-import itertools
 from collections.abc import Callable
 
 import torch
 
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.layers.fused_moe_triton import DecodeConfig, fused_moe_decode
+from ferryman.layers.fused_moe_triton import BLOCK_K, BLOCK_N, NUM_WARPS, fused_moe_decode
+from ferryman.layers.moe_common import MoEActivation
+from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import get_format
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,8 +75,6 @@ def main() -> None:
     ap.add_argument("--act", default="swiglu_oai", choices=["swiglu_oai", "silu"])
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--sweep", action="store_true", help="time several tile configurations")
-    ap.add_argument("--sweep-dot", action="store_true", help="with --sweep, also the tensor-core (dot_scaled) tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fused_moe needs a CUDA device")
@@ -101,32 +98,16 @@ def main() -> None:
           f"cycling over {n_sets} routings")
 
     refs = [fused_moe_reference(fmt, banks, x, ids, topk_w, act).float() for ids in id_sets]
-    configs = [DecodeConfig()]
-    if args.sweep:
-        configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="fma", fuse_k=f)
-                    for n, k, w, f in itertools.product((16, 32), (512, 1024), (2, 4, 8), (False, True))]
-        if args.sweep_dot:
-            configs += [DecodeConfig(block_n=n, block_k=k, num_warps=w, impl="dot")
-                        for n, k, w in itertools.product((16, 32, 64), (128, 256), (4, 8))]
-    rows = []
-    for cfg in configs:
-        def call(cfg: DecodeConfig = cfg) -> list[torch.Tensor]:
-            return [fused_moe_decode(args.format, banks, x, ids, topk_w, act.kind, act.alpha, act.limit, cfg)
-                    for ids in id_sets]
 
-        try:
-            err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(call(), refs))
-            eager = time_cuda(call, args.iters) / n_sets
-            graph = graph_time(call, args.iters) / n_sets
-        except Exception as exc:  # a tile config that does not compile (registers, shared memory)
-            print(f"{cfg}: failed: {type(exc).__name__}: {str(exc)[:200]}")
-            continue
-        rows.append((graph, cfg))
-        print(f"{cfg}: eager {eager * 1e6:7.1f} us  graph {graph * 1e6:7.1f} us  "
-              f"{read / graph / 1e9:6.0f} GB/s = {read / graph / bw:5.1%} of copy  rel.err {err:.1e}", flush=True)
-    best, cfg = min(rows, key=lambda r: r[0])
-    print(f"best: {cfg} {best * 1e6:.1f} us per call, {read / best / 1e9:.0f} GB/s "
-          f"({read / best / bw:.1%} of the {bw / 1e9:.0f} GB/s copy bandwidth)")
+    def call() -> list[torch.Tensor]:
+        return [fused_moe_decode(args.format, banks, x, ids, topk_w, act.kind, act.alpha, act.limit) for ids in id_sets]
+
+    err = max(((o.float() - r).norm() / r.norm()).item() for o, r in zip(call(), refs))
+    eager = time_cuda(call, args.iters) / n_sets
+    graph = graph_time(call, args.iters) / n_sets
+    print(f"tiles block_n {BLOCK_N} block_k {BLOCK_K} warps {NUM_WARPS}: eager {eager * 1e6:.1f} us  "
+          f"graph {graph * 1e6:.1f} us  {read / graph / 1e9:.0f} GB/s = {read / graph / bw:.1%} of copy  "
+          f"rel.err {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,10 @@
 
 Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880) and qwen3-30b-a3b (bf16, 128 experts,
 top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Paths:
-- batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (the prefill default);
-- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel; for MXFP4 also
-  the kernel's experimental tile decodes (GroupedConfig.mxfp4_decode): "bits" (bit fields) and
-  "dot_scaled" (packed tiles into tl.dot_scaled);
-- gemv: the Triton per-pair kernel (decode's, up to 64 pairs by default), where it is cheap to try.
+- batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (fused_moe's path
+  for MXFP4 batches above 512 tokens);
+- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel's tiles
+  (fused_moe's path for bf16 experts, and for MXFP4 batches up to 512 tokens).
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
 against the torch reference (fused_moe_reference) on the same inputs.
@@ -28,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import median_seconds  # noqa: E402
 
 from ferryman.layers.batched_moe import fused_moe_batched  # noqa: E402
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference  # noqa: E402
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe  # noqa: E402
+from ferryman.layers.moe_common import MoEActivation  # noqa: E402
+from ferryman.layers.moe_reference import fused_moe_reference  # noqa: E402
 from ferryman.quant import Banks, get_format  # noqa: E402
 
 SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
@@ -41,13 +41,12 @@ SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
 def sweep(fmt: str, banks: Banks, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: MoEActivation,
           iters: int, err: Callable[[torch.Tensor], float]) -> None:
     """The grouped kernel's tile configurations at one token count: ms and error of each."""
-    decodes = ("exp2", "bits", "dot_scaled") if fmt == "mxfp4" else ("exp2",)
     rows = []
-    for bm, bn, bk, nw, dec in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,), decodes):
-        cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, mxfp4_decode=dec)
+    for bm, bn, bk, nw in itertools.product((16, 32, 64), (32, 64, 128), (64, 128), (4,)):
+        cfg = GroupedConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=nw)
         try:
-            ms = median_seconds(lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg), iters) * 1e3
-            e = err(grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg))
+            ms = median_seconds(lambda: grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg), iters) * 1e3
+            e = err(grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg))
         except Exception as exc:  # a tile configuration that does not compile (registers, shared memory)
             print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:160]}")
             continue
@@ -68,7 +67,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", default="", help="token counts at which to also time the grouped kernel's tile "
-                    "configurations (block_m x block_n x block_k x MXFP4 decode, 4 warps), e.g. 128,1024")
+                    "configurations (block_m x block_n x block_k, 4 warps), e.g. 128,1024")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill_moe needs a CUDA device")
@@ -79,10 +78,8 @@ def main() -> None:
         form, act = get_format(fmt), MoEActivation(act_kind)
         banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
         print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
-        print("| tokens | batched ms | grouped ms | grouped bits ms | grouped dot_scaled ms | gemv ms | "
-              "grouped / batched | err batched | err grouped | err bits | err dot_scaled |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        decodes = ("bits", "dot_scaled")
+        print("| tokens | batched ms | grouped ms | grouped / batched | err batched | err grouped |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for t in (int(s) for s in a.tokens.split(",")):
             x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
             ids, w = routing(t, experts, top_k, gen)
@@ -95,31 +92,11 @@ def main() -> None:
                 return fused_moe_batched(form, banks, x, ids, w, act)
 
             def grouped() -> torch.Tensor:
-                return grouped_moe(fmt, banks, x, ids, w, act, path="grouped")
-
-            def decoded(decode: str) -> Callable[[], torch.Tensor]:
-                cfg = GroupedConfig(mxfp4_decode=decode)
-                return lambda: grouped_moe(fmt, banks, x, ids, w, act, path="grouped", cfg=cfg)
-
-            def gemv() -> torch.Tensor:
-                return grouped_moe(fmt, banks, x, ids, w, act, path="gemv")
+                return grouped_moe(fmt, banks, x, ids, w, act)
 
             tb, tg = median_seconds(batched, a.iters), median_seconds(grouped, a.iters)
-            times, errs = [], []
-            for decode in decodes:
-                ms, e = "-", "-"
-                if fmt == "mxfp4":
-                    fn = decoded(decode)
-                    try:
-                        ms, e = f"{median_seconds(fn, a.iters) * 1e3:.3f}", f"{err(fn()):.1e}"
-                    except Exception as exc:  # an experimental decode that does not compile here
-                        ms = f"failed: {type(exc).__name__}"
-                        print(f"{decode}: {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-                times.append(ms)
-                errs.append(e)
-            tv = f"{median_seconds(gemv, a.iters) * 1e3:.3f}" if t * top_k <= 1024 else "-"
-            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {' | '.join(times)} | {tv} | {tg / tb:.2f} | "
-                  f"{err(batched()):.1e} | {err(grouped()):.1e} | {' | '.join(errs)} |", flush=True)
+            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tg / tb:.2f} | {err(batched()):.1e} | "
+                  f"{err(grouped()):.1e} |", flush=True)
             if str(t) in a.sweep.split(","):
                 sweep(fmt, banks, x, ids, w, act, a.iters, err)
             del x, ids, w, ref

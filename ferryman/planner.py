@@ -31,7 +31,7 @@ from ferryman.config import GiB, MiB, STRATEGIES, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import ExpertLayout
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
-from ferryman.layers.batched_moe import default_group
+from ferryman.layers import batched_moe
 from ferryman.layers.fused_moe import prefill_path
 from ferryman.quant.base import get_format
 
@@ -68,13 +68,10 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def _dequantised_experts(fmt: str) -> int:
-    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once (the plan does not
-    depend on the device): a group on the batched path, none on the grouped GEMM, one on the
-    reference path."""
-    path = prefill_path(fmt)
-    if path == "batched":
-        return default_group()
-    return 0 if path == "grouped" else 1
+    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once, for its largest
+    batches and the default kernels (the plan depends on no environment variable): a group on the
+    batched path, none on the grouped GEMM."""
+    return batched_moe.PREFILL_GROUP if prefill_path(fmt, kernels="auto") == "batched" else 0
 
 
 def non_expert_params(cfg: ModelConfig) -> int:

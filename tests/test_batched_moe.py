@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference, to_device
+from ferryman.layers.batched_moe import PREFILL_GROUP, fused_moe_batched
+from ferryman.layers.moe_common import MoEActivation, to_device
+from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
+from triton_interp import use_kernels
 
 
 def _skewed_routing(t: int, k: int, e: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,32 +105,42 @@ def test_batched_rejects_a_bad_group() -> None:
         fused_moe_batched(form, banks, torch.zeros(3, 32), ids, w, MoEActivation(), group=0)
 
 
-def test_a_bad_group_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ferryman.errors import ConfigError
-    from ferryman.layers.batched_moe import default_group
+def _force_prefill_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    from ferryman.layers import fused_moe as fm
 
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL_GROUP", "0")
-    with pytest.raises(ConfigError, match="FERRYMAN_MOE_PREFILL_GROUP must be >= 1"):
-        default_group()
+    monkeypatch.setattr(fm, "prefill_path", lambda fmt, tokens=None, kernels=None: path)
 
 
 def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+<<<<<<< HEAD
     from ferryman.models.registry import model_config
     from ferryman.weights.presets import get_preset
+=======
+    import ferryman.layers.batched_moe as bm
+    from ferryman.config import ModelConfig
+>>>>>>> kernels
     from ferryman.planner import activation_bytes
+    from ferryman.weights.presets import get_preset
 
+<<<<<<< HEAD
     cfg = model_config(get_preset("gpt-oss-20b"))
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
     monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")  # the default, groups of 8
     extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
+=======
+    cfg = ModelConfig.from_hf(get_preset("gpt-oss-20b"))
+>>>>>>> kernels
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # bf16 w13 of one expert
-    assert extra == 7 * one_w13  # 7 more experts' w13
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL_GROUP", "3")
-    extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
-    assert extra == 2 * one_w13
+    _force_prefill_path(monkeypatch, "grouped")  # dequantises none
+    base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
+    _force_prefill_path(monkeypatch, "batched")
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == PREFILL_GROUP * one_w13
+    monkeypatch.setattr(bm, "PREFILL_GROUP", 3)
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 3 * one_w13
 
 
+<<<<<<< HEAD
 @pytest.mark.parametrize("preset, auto_group", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
 def test_planner_counts_what_the_auto_path_dequantises(preset: str, auto_group: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,35 +149,50 @@ def test_planner_counts_what_the_auto_path_dequantises(preset: str, auto_group: 
     fused_moe falls back to the batched path, which the plan then counts."""
     from ferryman.models.registry import model_config
     from ferryman.layers.fused_moe import triton_available
+=======
+@pytest.mark.parametrize("preset, dequantised", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
+def test_planner_counts_what_the_default_path_dequantises(preset: str, dequantised: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
+    grouped GEMM (none); with FERRYMAN_KERNELS=torch the grouped kernel cannot run and fused_moe
+    falls back to the batched path, which the plan then counts."""
+    from ferryman.config import ModelConfig
+    from ferryman.layers.backend import triton_available
+>>>>>>> kernels
     from ferryman.planner import activation_bytes
     from ferryman.weights.presets import get_preset
 
     if not triton_available():
+<<<<<<< HEAD
         auto_group = 8  # no grouped kernel: the batched path
     cfg = model_config(get_preset(preset))
+=======
+        dequantised = 8  # no grouped kernel: the batched path
+    cfg = ModelConfig.from_hf(get_preset(preset))
+>>>>>>> kernels
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")  # one expert
-    base = activation_bytes(cfg, torch.bfloat16, 2048, 1) - one_w13
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "auto")
-    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == auto_group * one_w13
-    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "torch")
+    with monkeypatch.context() as m:
+        _force_prefill_path(m, "grouped")
+        base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
+    use_kernels(monkeypatch, "auto")
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == dequantised * one_w13
+    use_kernels(monkeypatch, "torch")
     assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 8 * one_w13
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_batched_equals_reference_at_gpt_oss_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_batched_equals_reference_at_gpt_oss_shapes() -> None:
     from ferryman.layers.fused_moe import fused_moe
 
     form = get_format("mxfp4")
     gen = torch.Generator(device="cuda").manual_seed(5)
     banks = form.random_banks(32, 2880, 2880, True, torch.bfloat16, gen, "cuda")
-    x = torch.randn(512, 2880, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, w = _skewed_routing(512, 4, 32, 6, "cuda")
+    x = torch.randn(1024, 2880, generator=gen, device="cuda").to(torch.bfloat16)
+    ids, w = _skewed_routing(1024, 4, 32, 6, "cuda")
     a = MoEActivation("swiglu_oai")
     want = fused_moe_reference(form, banks, x, ids, w, a)
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
-    got = fused_moe("mxfp4", banks, x, ids, w, a)  # the dispatcher takes the batched path
+    got = fused_moe("mxfp4", banks, x, ids, w, a)  # > 512 MXFP4 tokens: the dispatcher takes the batched path
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
@@ -175,7 +202,7 @@ def test_gpu_demo_model_offload_with_batched_prefill_equals_resident(monkeypatch
     from ferryman import LLM
     from tiny_models import greedy_ids
 
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")
+    _force_prefill_path(monkeypatch, "batched")
     kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64, enforce_eager=True)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "import os\nimport sys\n\n\nclass ")]
@@ -190,14 +217,14 @@ def test_padded_layout_matches_its_definition(group: int, skew: bool) -> None:
     padding row repeats its expert's first sorted row and is marked invalid. Checked row by row in
     Python. Even runs keep slot order; skewed ones (one expert in every token) are regrouped so
     padding stays within PAD_SLACK of the pairs."""
-    from ferryman.layers.batched_moe import PAD_SLACK, _padded_layout, expert_groups
+    from ferryman.layers.batched_moe import PAD_SLACK, expert_groups, padded_layout
 
     gen = torch.Generator().manual_seed(group)
     counts = torch.randint(100, 109, (11,), generator=gen).tolist()
     if skew:
         counts[4] = 2000
     slots = sorted(torch.randperm(40, generator=gen)[:11].tolist())
-    lay = _padded_layout(slots, counts, group, to_device(torch.device("cpu")))
+    lay = padded_layout(slots, counts, group, to_device(torch.device("cpu")))
     members = expert_groups(counts, group)
     assert sorted(e for g in members for e in g) == list(range(11)) and all(len(g) <= group for g in members)
     assert (members == [list(range(g0, min(g0 + group, 11))) for g0 in range(0, 11, group)]) == (not skew or group == 1)
@@ -238,9 +265,8 @@ def test_cuda_batched_peak_stays_within_the_planners_moe_share(skew: bool) -> No
     """A qwen3-30b-a3b layer (bf16, 128 experts, top-8) on a 4096-token chunk: what the batched
     path allocates beyond its inputs stays within the planner's MoE share of the chunk
     (planner.activation_bytes: per pair item (3 I + H) + 4 H, a group's w13 once), with even
-    routing and with half the tokens on expert 0. Session 16's qwen3 run at 8 GiB ran out of
-    memory here: slot-order groups had padded skewed runs to 3x the pairs."""
-    from ferryman.layers.batched_moe import default_group
+    routing and with half the tokens on expert 0 (slot-order groups once padded skewed runs to 3x
+    the pairs and ran out of memory here)."""
 
     form, (t, k, e, h, i) = get_format("dense"), (4096, 8, 128, 2048, 768)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -260,6 +286,6 @@ def test_cuda_batched_peak_stays_within_the_planners_moe_share(skew: bool) -> No
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     item = x.element_size()
-    share = t * k * (item * (3 * i + h) + 4 * h) + default_group() * 2 * i * h * item
+    share = t * k * (item * (3 * i + h) + 4 * h) + PREFILL_GROUP * 2 * i * h * item
     assert out.shape == (t, h) and out.isfinite().all()
     assert extra <= share, f"batched MoE peak {extra / 2**20:.0f} MiB > the planner's {share / 2**20:.0f} MiB"

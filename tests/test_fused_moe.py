@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from ferryman.layers.fused_moe import MoEActivation, fused_moe, fused_moe_reference
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, dequant_mxfp4, get_format
 from ferryman.quant.dense import DenseFormat
-from triton_interp import run_interpreted
+from triton_interp import run_interpreted, use_cpu_kernel, use_kernels
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
@@ -51,7 +52,11 @@ def test_reference_matches_transformers_gpt_oss(dtype: torch.dtype, cpu_kernel: 
 
     if cpu_kernel and not mxfp4_cpu.available():
         pytest.skip("no C compiler to build the CPU kernel")
+<<<<<<< HEAD
     monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", cpu_kernel)
+=======
+    use_cpu_kernel(monkeypatch, cpu_kernel)
+>>>>>>> kernels
     e, h, i, t, k = 8, 128, 64, 7, 4
     gen = _gen(0)
     banks = get_format("mxfp4").random_banks(e, h, i, True, dtype, gen)
@@ -148,8 +153,8 @@ def test_fused_moe_rejects_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
         fused_moe("mxfp4", banks, x, ids, w, act)
     with pytest.raises(ValueError, match="kind"):
         MoEActivation("gelu")
-    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="FERRYMAN_MOE_BACKEND"):
+    use_kernels(monkeypatch, "cuda")
+    with pytest.raises(ValueError, match="FERRYMAN_KERNELS"):
         fused_moe("dense", banks, x, ids, w, act)
 
 
@@ -158,17 +163,22 @@ def test_fused_moe_rejects_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 _INTERP_SCRIPT = """
 import json, torch
 from ferryman.experts.host_store import ExpertLayout
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.layers.fused_moe_triton import DecodeConfig, fused_moe_decode
+from ferryman.layers.fused_moe_triton import BLOCK_K, BLOCK_N, fused_moe_decode
+from ferryman.layers.moe_reference import fused_moe_reference
+from ferryman.layers.moe_common import MoEActivation
 from ferryman.quant import get_format
-# H = 96 with BLOCK_K = 64 leaves a partial K step; BLOCK_N = 64 > H - 64 leaves masked rows
-e, h, i, t, k = 4, 96, 64, 3, 2
+e, t, k = 4, 3, 2
+# (H, I) per format: mxfp4 H = BLOCK_K + 32, two K steps, the second partial; dense H = 72 and
+# I = 40 leave partial K steps and masked rows of the last BLOCK_N tile
+dims = {"mxfp4": (BLOCK_K + 32, 64), "dense": (72, 40)}
+assert 72 % BLOCK_N and 40 % BLOCK_N
 out = []
 for seed, (fmt, kind, dtype) in enumerate([
     ("dense", "silu", torch.float32), ("dense", "swiglu_oai", torch.bfloat16),
     ("mxfp4", "silu", torch.float16), ("mxfp4", "swiglu_oai", torch.float32),
     ("mxfp4", "silu", torch.float32), ("mxfp4", "swiglu_oai", torch.bfloat16),
 ]):
+    h, i = dims[fmt]
     gen = torch.Generator().manual_seed(seed)
     form = get_format(fmt)
     banks = form.random_banks(e, h, i, True, dtype, gen)
@@ -182,59 +192,13 @@ for seed, (fmt, kind, dtype) in enumerate([
     strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
     for name, bank in banks.items():
         strided[name].copy_(bank)
-    for fuse_k, layout_name, bk in ((False, "contiguous", banks), (True, "contiguous", banks),
-                                    (False, "strided", strided), (True, "strided", strided)):
-        cfg = DecodeConfig(block_n=64, block_k=64, fuse_k=fuse_k)
-        got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit, cfg)
+    for layout_name, bk in (("contiguous", banks), ("strided", strided)):
+        got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}-{layout_name}", err=err, dtype=str(dtype),
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout_name}", err=err, dtype=str(dtype),
                         dtype_ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """
-
-
-# Experts addressed by row (RowAddresses): half of them in one buffer ("cache slots"), half in
-# another ("pinned host memory"), in shuffled rows; the kernel must follow addr[e] for each pair.
-_INTERP_ROWS_SCRIPT = """
-import json, torch
-from ferryman.experts.host_store import ExpertLayout
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
-from ferryman.layers.fused_moe_triton import DecodeConfig, RowAddresses, fused_moe_decode
-from ferryman.quant import get_format
-e, h, i, t, k = 6, 96, 64, 3, 2
-out = []
-for seed, (fmt, kind, dtype) in enumerate([("mxfp4", "swiglu_oai", torch.float32), ("dense", "silu", torch.float32),
-                                           ("mxfp4", "silu", torch.bfloat16)]):
-    gen = torch.Generator().manual_seed(seed)
-    form = get_format(fmt)
-    banks = form.random_banks(e, h, i, True, dtype, gen)
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
-    slots = torch.zeros(e // 2, layout.row_bytes, dtype=torch.uint8)
-    host = torch.zeros(e - e // 2, layout.row_bytes, dtype=torch.uint8)
-    addr = torch.zeros(e, dtype=torch.int64)
-    for ex in range(e):  # expert ex -> a row of slots (odd ex, reversed) or of host (even ex)
-        buf, r = (slots, (e // 2 - 1) - ex // 2) if ex % 2 else (host, ex // 2)
-        views = layout.views(buf[r : r + 1])
-        for name, bank in banks.items():
-            views[name][0].copy_(bank[ex])
-        addr[ex] = buf.data_ptr() + r * layout.row_bytes
-    x = (torch.randn(t, h, generator=gen) * 3).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
-    act = MoEActivation(kind)
-    ref = fused_moe_reference(form, banks, x, ids, w, act)
-    carriers = layout.views(slots)  # dtypes and dims only
-    for fuse_k in (False, True):
-        got = fused_moe_decode(fmt, carriers, x, ids, w, kind, act.alpha, act.limit,
-                               DecodeConfig(block_n=64, block_k=64, fuse_k=fuse_k), RowAddresses(addr, layout.offsets))
-        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-fusek{fuse_k}", err=err, dtype=str(dtype), dtype_ok=got.dtype == dtype))
-print(json.dumps(out))
-"""
-
-
-def test_triton_decode_follows_row_addresses_in_interpreter() -> None:
-    _check_interpreted(_INTERP_ROWS_SCRIPT)
 
 
 # The interpreter casts fp32 -> bf16 by truncation (GPUs round to nearest), hence bf16's wider bound.
@@ -262,7 +226,7 @@ def _gpt_oss_20b_layer(dtype: torch.dtype) -> Banks:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_decode_gpt_oss_20b_shapes(t: int, dtype: torch.dtype) -> None:
     banks = _gpt_oss_20b_layer(dtype)
     gen = _gen(11, "cuda")
@@ -273,23 +237,6 @@ def test_gpu_decode_gpt_oss_20b_shapes(t: int, dtype: torch.dtype) -> None:
     ref = fused_moe_reference(get_format("mxfp4"), banks, x, ids, w, act)
     assert got.dtype == dtype
     assert _rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("impl", ["fma", "dot", "fma-fusek"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_decode_impls(impl: str, dtype: torch.dtype) -> None:
-    from ferryman.layers.fused_moe_triton import DecodeConfig, fused_moe_decode
-
-    banks = _gpt_oss_20b_layer(dtype)
-    gen = _gen(16, "cuda")
-    x = torch.randn(2, 2880, generator=gen, device="cuda").to(dtype)
-    ids, w = _routing(2, 4, 32, gen, "cuda")
-    act = MoEActivation("swiglu_oai")
-    cfg = DecodeConfig(impl=impl.split("-")[0], fuse_k=impl.endswith("fusek"))
-    got = fused_moe_decode("mxfp4", banks, x, ids, w, act.kind, act.alpha, act.limit, cfg)
-    assert _rel_err(got, fused_moe_reference(get_format("mxfp4"), banks, x, ids, w, act)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -327,64 +274,33 @@ def test_gpu_decode_is_graph_capturable() -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_prefill_reference_agrees_with_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_prefill_agrees_with_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FERRYMAN_KERNELS=triton takes the decode kernel for a prefill-sized batch too."""
     banks = _gpt_oss_20b_layer(torch.bfloat16)
     gen = _gen(15, "cuda")
     x = torch.randn(40, 2880, generator=gen, device="cuda").to(torch.bfloat16)
-    ids, w = _routing(40, 4, 32, gen, "cuda")  # 160 pairs: the reference path
+    ids, w = _routing(40, 4, 32, gen, "cuda")  # 160 pairs: the grouped prefill path
     act = MoEActivation("swiglu_oai")
     ref = fused_moe("mxfp4", banks, x, ids, w, act)
-    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "triton")
+    use_kernels(monkeypatch, "triton")
     assert _rel_err(fused_moe("mxfp4", banks, x, ids, w, act), ref) < 1e-2
 
 
 def test_cpu_decode_paths_match_reference_for_big_dense_experts() -> None:
     """Few pairs on CPU: big dense experts are multiplied in place (bank views), small ones gathered."""
-    from ferryman.layers import fused_moe as fm
+    from ferryman.layers import moe_reference as ref_mod
 
     form = get_format("dense")
     gen = torch.Generator().manual_seed(3)
     banks = form.random_banks(8, 1024, 512, False, torch.float32, gen)  # 4 MiB per w13: in place
-    assert banks["w13"][0].numel() * 4 >= fm.IN_PLACE_MIN_BYTES
+    assert banks["w13"][0].numel() * 4 >= ref_mod.IN_PLACE_MIN_BYTES
     x = torch.randn(2, 1024, generator=gen)
     ids = torch.tensor([[1, 5], [2, 5]])
     w = torch.softmax(torch.randn(2, 2, generator=gen), -1)
     act = MoEActivation("silu")
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    for got in (fm.fused_moe_gathered(form, banks, x, ids, w, act), fused_moe("dense", banks, x, ids, w, act)):
+    for got in (ref_mod.fused_moe_gathered(form, banks, x, ids, w, act), fused_moe("dense", banks, x, ids, w, act)):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_decode_reads_experts_from_pinned_host_memory(dtype: torch.dtype) -> None:
-    """Zero-copy: the kernel follows RowAddresses into page-locked host memory (UVA) and computes
-    what it computes from device memory (bit for bit in bf16)."""
-    from ferryman.experts.host_store import ExpertLayout, allocate_rows
-    from ferryman.layers.fused_moe_triton import RowAddresses, fused_moe_decode
-
-    form, e, h, i = get_format("mxfp4"), 8, 2880, 2880
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
-    dev_flat = torch.empty(e, layout.row_bytes, dtype=torch.uint8, device="cuda")
-    views = layout.views(dev_flat)
-    for name, bank in form.random_banks(e, h, i, True, dtype, _gen(12, "cuda"), "cuda").items():
-        views[name].copy_(bank)
-    host, pinned = allocate_rows(e, layout.row_bytes, pin=True)
-    assert pinned
-    host.copy_(dev_flat.cpu())
-    addr = torch.tensor([host.data_ptr() + r * layout.row_bytes for r in range(e)], dtype=torch.int64, device="cuda")
-    gen = _gen(13, "cuda")
-    x = torch.randn(2, h, generator=gen, device="cuda").to(dtype)
-    ids, w = _routing(2, 4, e, gen, "cuda")
-    act = MoEActivation("swiglu_oai")
-    want = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit)
-    got = fused_moe_decode("mxfp4", views, x, ids, w, act.kind, act.alpha, act.limit,
-                           rows=RowAddresses(addr, layout.offsets))
-    if dtype == torch.bfloat16:
-        assert torch.equal(got, want)
-    else:  # the two specialisations contract multiply-adds differently: fp32 agrees to rounding (H200)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype, tokens, path", [

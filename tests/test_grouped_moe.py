@@ -1,7 +1,7 @@
 """grouped_moe (ferryman/layers/grouped_moe_triton.py) against the torch reference `fused_moe_reference`
-(itself checked against transformers in test_fused_moe.py): both paths (gemv for few tokens,
-grouped GEMM for many), dense and MXFP4 with biases, contiguous banks and the strided slot banks
-of the expert-major cache pool. Interpreter on CPU in a subprocess; compiled on CUDA (gpu)."""
+(itself checked against transformers in test_fused_moe.py): dense and MXFP4 with biases, contiguous
+banks and the strided slot banks of the expert-major cache pool. Interpreter on CPU in a
+subprocess; compiled on CUDA (gpu). And which prefill path fused_moe takes."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ import json
 import pytest
 import torch
 
-from triton_interp import run_interpreted
+from ferryman.layers.moe_common import MoEActivation
+from ferryman.layers.moe_reference import fused_moe_reference
+from triton_interp import run_interpreted, use_kernels
 
 # The case runner, shared by the interpreter script and the GPU test.
 _CASES = """
 import json, torch
 from ferryman.experts.host_store import ExpertLayout
-from ferryman.layers.fused_moe import MoEActivation, fused_moe_reference
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
+from ferryman.layers.moe_common import MoEActivation
+from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import get_format
 
 def strided(banks, fmt, h, i, dtype):
@@ -32,7 +35,7 @@ def strided(banks, fmt, h, i, dtype):
 
 def run(cases, device, e, h, i, t, k, cfg):
     out = []
-    for seed, (fmt, kind, dtype, path, layout) in enumerate(cases):
+    for seed, (fmt, kind, dtype, layout) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed)
         form = get_format(fmt)
         # weights drawn where they are used (CPU draws of real-shape banks take seconds)
@@ -44,37 +47,24 @@ def run(cases, device, e, h, i, t, k, cfg):
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(device)
         w = torch.softmax(torch.randn(t, k, generator=gen), -1).to(device)
         act = MoEActivation(kind)
-        got = grouped_moe(fmt, banks, x, ids, w, act, path=path, cfg=cfg)
+        got = grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg)
         ref = fused_moe_reference(form, banks, x, ids, w, act)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{path}-{layout}", err=err, dtype=str(dtype),
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout}", err=err, dtype=str(dtype),
                         dtype_ok=got.dtype == dtype))
     return out
 """
 
-# Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers, so the grouped path is
-# checked in fp32/fp16 here and in bf16 on the GPU. It also truncates fp32 -> bf16 (GPUs round).
+# Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers, so the kernels are
+# checked in fp32/fp16 here and in bf16 on the GPU.
 _INTERP = _CASES + """
-cases = [("dense", "silu", torch.float32, "grouped", "contiguous"),
-         ("dense", "swiglu_oai", torch.float16, "grouped", "strided"),
-         ("mxfp4", "swiglu_oai", torch.float32, "grouped", "strided"),
-         ("mxfp4", "silu", torch.float16, "grouped", "contiguous"),
-         ("dense", "silu", torch.bfloat16, "gemv", "strided"),
-         ("mxfp4", "swiglu_oai", torch.float32, "gemv", "contiguous"),
-         ("mxfp4", "silu", torch.bfloat16, "gemv", "strided")]
-# H = 96 with BLOCK_K = 64: a partial K step; 18 pairs over 5 slots: partial and several blocks
+cases = [("dense", "silu", torch.float32, "contiguous"),
+         ("dense", "swiglu_oai", torch.float16, "strided"),
+         ("mxfp4", "swiglu_oai", torch.float32, "strided"),
+         ("mxfp4", "silu", torch.float16, "contiguous")]
+# H = 96 with BLOCK_K = 64: a partial K step and MXFP4 scale group; 18 pairs over 5 slots: partial
+# and several blocks
 out = run(cases, "cpu", 5, 96, 64, 9, 2, GroupedConfig(block_m=16, block_n=32, block_k=64))
-# MXFP4 tiles decoded by bit fields; H = 96, I = 64 with BLOCK_K = 64: a partial K step and scale group
-bits = [("mxfp4", "swiglu_oai", torch.float32, "grouped", "strided"),
-        ("mxfp4", "silu", torch.float16, "grouped", "contiguous")]
-cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="bits")
-out += [dict(r, case=r["case"] + "-bits") for r in run(bits, "cpu", 5, 96, 64, 9, 2, cfg)]
-# packed tiles into tl.dot_scaled (fp16 here: the interpreter's bf16 dots are wrong); fp32 falls back
-ds = [("mxfp4", "swiglu_oai", torch.float16, "grouped", "strided"),
-      ("mxfp4", "silu", torch.float16, "grouped", "contiguous"),
-      ("mxfp4", "silu", torch.float32, "grouped", "contiguous")]
-cfg = GroupedConfig(block_m=16, block_n=32, block_k=64, mxfp4_decode="dot_scaled")
-out += [dict(r, case=r["case"] + "-dot_scaled") for r in run(ds, "cpu", 5, 96, 64, 9, 2, cfg)]
 print(json.dumps(out))
 """
 
@@ -91,54 +81,45 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
     _check(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("setting, fmt, path", [
-    (None, "dense", "grouped"), (None, "mxfp4", "batched"), ("auto", "dense", "grouped"),
-    ("batched", "dense", "batched"), ("grouped", "mxfp4", "grouped"), ("reference", "dense", "reference"),
+@pytest.mark.parametrize("fmt, tokens, kernels, path", [
+    ("dense", 17, None, "grouped"), ("dense", 8192, None, "grouped"), ("dense", None, None, "grouped"),
+    ("mxfp4", 17, None, "grouped"), ("mxfp4", 512, None, "grouped"), ("mxfp4", 513, None, "batched"),
+    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 17, None, "batched"),
+    ("dense", 17, "triton", "grouped"), ("dense", 17, "torch", "batched"), ("mxfp4", 17, "torch", "batched"),
 ])
-def test_prefill_path_resolves_auto_by_format(setting: str | None, fmt: str, path: str,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto (the default): unquantised experts take the grouped GEMM, quantised ones the batched path;
-    any other setting is taken as it is, but grouped falls back to batched where its kernel cannot
-    run."""
+def test_prefill_path_by_format_tokens_and_kernels(fmt: str, tokens: int | None, kernels: str | None,
+                                                   path: str) -> None:
+    """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 512 tokens (the
+    batched path above, and for the planner's worst case, tokens None); other formats, and any
+    format with FERRYMAN_KERNELS=torch, the batched path."""
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
-    monkeypatch.delenv("FERRYMAN_MOE_BACKEND", raising=False)
-    if setting is None:
-        monkeypatch.delenv("FERRYMAN_MOE_PREFILL", raising=False)
-    else:
-        monkeypatch.setenv("FERRYMAN_MOE_PREFILL", setting)
-    assert prefill_path(fmt) == path
-    monkeypatch.setenv("FERRYMAN_MOE_BACKEND", "torch")
-    assert prefill_path(fmt) == ("batched" if path == "grouped" else path)
+    assert prefill_path(fmt, tokens, kernels) == path
 
 
-def test_prefill_path_grouped_needs_a_kernel_for_the_format(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_path_reads_ferryman_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "grouped")
-    assert prefill_path("gguf_q4_k") == "batched"
+    use_kernels(monkeypatch, "auto")
+    assert prefill_path("dense") == "grouped"
+    use_kernels(monkeypatch, "torch")
+    assert prefill_path("dense") == "batched"
 
 
 def test_grouped_moe_rejects_bad_arguments() -> None:
     pytest.importorskip("triton")
-    from ferryman.layers.fused_moe import MoEActivation
     from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
 
     banks = {"w13": torch.zeros(2, 64, 32), "w2": torch.zeros(2, 32, 32)}
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
     with pytest.raises(ValueError, match="no kernel for expert format 'gguf'"):
         grouped_moe("gguf", banks, x, ids, w, MoEActivation())
-    with pytest.raises(ValueError, match="path must be one of"):
-        grouped_moe("dense", banks, x, ids, w, MoEActivation(), path="fast")
     with pytest.raises(ValueError, match="power of two"):
         GroupedConfig(block_m=24)
-    with pytest.raises(ValueError, match="mxfp4_decode must be one of"):
-        GroupedConfig(mxfp4_decode="lut")
     with pytest.raises(ValueError, match="block_k must be >= 32"):
-        GroupedConfig(block_k=16, mxfp4_decode="bits")
-    with pytest.raises(ValueError, match="block_k must be >= 32"):
-        GroupedConfig(block_k=16, mxfp4_decode="dot_scaled")
+        GroupedConfig(block_k=16)
     with pytest.raises(ValueError, match="topk_ids must be"):
         grouped_moe("dense", banks, x, torch.zeros(2, 1, dtype=torch.int32), w, MoEActivation())
 
@@ -148,66 +129,52 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
 def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
     scope: dict = {}
     exec(_CASES, scope)
-    cases = [(fmt, kind, dtype, path, layout)
+    cases = [(fmt, kind, dtype, layout)
              for fmt, kind in (("mxfp4", "swiglu_oai"), ("dense", "silu"))
-             for dtype in (torch.bfloat16, torch.float32)
-             for path in ("gemv", "grouped") for layout in ("contiguous", "strided")]
+             for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
     _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("decode", ["bits", "dot_scaled"])
-@pytest.mark.parametrize("t", [3, 300])
-def test_grouped_moe_experimental_mxfp4_decodes_on_cuda(decode: str, t: int) -> None:
-    """The grouped path's experimental MXFP4 tile decodes at gpt-oss-20b shapes, bf16 and fp32
-    (dot_scaled falls back there), contiguous and strided banks."""
-    scope: dict = {}
-    exec(_CASES, scope)
-    cases = [("mxfp4", kind, dtype, "grouped", layout) for kind in ("swiglu_oai", "silu")
-             for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"](mxfp4_decode=decode)))
-
-
-@pytest.mark.gpu
-def test_prefill_through_grouped_gemm_equals_reference(tiny: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRYMAN_MOE_PREFILL=grouped: packed prefill batches (> 64 pairs) take the grouped GEMM."""
+def test_prefill_through_grouped_gemm_equals_batched(tiny: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed prefill batches (> 64 pairs) through the grouped GEMM score what the batched path
+    (checked against the reference in test_batched_moe.py) scores, for every tiny architecture."""
     from ferryman import LLM
+    from ferryman.layers import fused_moe as fm
 
     arch, folder = tiny
     prompts = [[5, 17, 42, 7, 99] * 6, list(range(20, 60)), [(i * 37) % 250 + 3 for i in range(29)]]
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
-    want = LLM(str(folder), **kw).score(prompts)
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "grouped")
-    got = LLM(str(folder), **kw).score(prompts)
-    for a, b in zip(got, want):
+    scores = {}
+    for path in ("batched", "grouped"):
+        monkeypatch.setattr(fm, "prefill_path", lambda fmt, tokens=None, kernels=None, path=path: path)
+        scores[path] = LLM(str(folder), **kw).score(prompts)
+    for a, b in zip(scores["grouped"], scores["batched"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item()), arch
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, taken", [("dense", "grouped"), ("mxfp4", "batched")])
-def test_cuda_default_prefill_dispatch(fmt: str, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the defaults, a prefill-sized call (> 64 pairs) on CUDA reaches the kernel its format's
-    auto path names, and equals the reference."""
-    import ferryman.layers.batched_moe as batched_mod
+@pytest.mark.parametrize("fmt, t, taken", [("dense", 40, "grouped"), ("dense", 1000, "grouped"),
+                                            ("mxfp4", 40, "grouped"), ("mxfp4", 512, "grouped"),
+                                            ("mxfp4", 513, "batched")])
+def test_cuda_default_prefill_dispatch(fmt: str, t: int, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the defaults, a call of more than 64 pairs on CUDA reaches the kernel prefill_path names
+    for its format and token count, and equals the reference."""
+    import ferryman.layers.fused_moe as fm
     import ferryman.layers.grouped_moe_triton as grouped_mod
-    from ferryman.layers.fused_moe import MoEActivation, fused_moe, fused_moe_reference
     from ferryman.quant import get_format
 
-    monkeypatch.delenv("FERRYMAN_MOE_PREFILL", raising=False)
-    monkeypatch.delenv("FERRYMAN_MOE_BACKEND", raising=False)
     calls: list[str] = []
-    real_grouped, real_batched = grouped_mod.grouped_moe, batched_mod.fused_moe_batched
+    real_grouped, real_batched = grouped_mod.grouped_moe, fm.fused_moe_batched
     monkeypatch.setattr(grouped_mod, "grouped_moe", lambda *a, **k: calls.append("grouped") or real_grouped(*a, **k))
-    monkeypatch.setattr(batched_mod, "fused_moe_batched",
-                        lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
+    monkeypatch.setattr(fm, "fused_moe_batched", lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
     gen = torch.Generator(device="cuda").manual_seed(0)
     form, act = get_format(fmt), MoEActivation("silu")
     banks = form.random_banks(8, 128, 64, True, torch.bfloat16, gen, "cuda")
-    x = torch.randn(40, 128, device="cuda", generator=gen).to(torch.bfloat16)
-    ids = torch.rand(40, 8, device="cuda", generator=gen).topk(2, dim=-1).indices.to(torch.int32)  # 80 pairs
-    w = torch.softmax(torch.randn(40, 2, device="cuda", generator=gen), -1)
-    out = fused_moe(fmt, banks, x, ids, w, act)
+    x = torch.randn(t, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, 8, device="cuda", generator=gen).topk(2, dim=-1).indices.to(torch.int32)  # 2t pairs
+    w = torch.softmax(torch.randn(t, 2, device="cuda", generator=gen), -1)
+    out = fm.fused_moe(fmt, banks, x, ids, w, act)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
     assert calls == [taken]
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 3e-2

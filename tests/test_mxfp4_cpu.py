@@ -14,6 +14,7 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
 from ferryman.quant import mxfp4_cpu
 from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
+from triton_interp import use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not mxfp4_cpu.available(), reason="no C compiler to build the CPU kernel")
 
@@ -55,7 +56,7 @@ def test_scale_255_doubles_like_the_reference() -> None:
 
 
 def test_build_without_native_flags_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ferryman.envs.envs.CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
     lib, how = mxfp4_cpu.build(portable_only=True)
     if lib is None:
         pytest.skip(f"no build: {how}")
@@ -101,7 +102,7 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     monkeypatch.setattr(mxfp4_cpu.LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
     fast = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1  # one kernel call for the layer
-    monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", False)
+    use_cpu_kernel(monkeypatch, False)
     slow = fused_moe("mxfp4", banks, x, ids, w, act)
     assert calls[0] == 1
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
@@ -115,16 +116,17 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
 def test_expert_in_one_call_matches_the_torch_expert(kind: str, bias: bool, portable: bool) -> None:
     """One expert through LayerJob (both products and the activation in C) against the torch
     path's expert in float32: dequantise, matmul, bias, apply_activation, matmul, bias."""
-    from ferryman.layers.fused_moe import _project, apply_activation
+    from ferryman.layers.moe_common import apply_activation
+    from ferryman.layers.moe_reference import project
 
     form = get_format("mxfp4")
     banks = form.random_banks(3, 64, 96, bias, torch.float32, torch.Generator().manual_seed(7))
     act = MoEActivation(kind)
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(8)) * 3  # some gates past the limit
-    gate_up = _project(form, banks, "w13", 1, x)
+    gate_up = project(form, banks, "w13", 1, x)
     if bias:
         gate_up = gate_up + banks["w13_bias"][1]
-    want = _project(form, banks, "w2", 1, apply_activation(gate_up, act))
+    want = project(form, banks, "w2", 1, apply_activation(gate_up, act))
     if bias:
         want = want + banks["w2_bias"][1]
     pairs = {1: (list(range(9)), [1.0] * 9)}
@@ -152,7 +154,7 @@ def test_layer_job_sums_the_experts_like_fused_moe(monkeypatch: pytest.MonkeyPat
     bias: dict = {}
     got = mxfp4_cpu.LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
     assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]
-    monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", False)
+    use_cpu_kernel(monkeypatch, False)
     keep = torch.isin(ids, torch.tensor([0, 3]))
     want = fused_moe("mxfp4", banks, x, ids, w.masked_fill(~keep, 0.0), MoEActivation("swiglu_oai"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

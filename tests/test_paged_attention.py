@@ -211,8 +211,10 @@ def test_cpu_dispatch_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch(MIXED[:2], seed=7)
     expect = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
     torch.testing.assert_close(paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2), expect)
-    monkeypatch.setenv("FERRYMAN_ATTN_BACKEND", "cuda-magic")
-    with pytest.raises(ValueError, match="FERRYMAN_ATTN_BACKEND"):
+    from triton_interp import use_kernels  # here: the interpreter script imports this module
+
+    use_kernels(monkeypatch, "cuda-magic")
+    with pytest.raises(ValueError, match="FERRYMAN_KERNELS"):
         paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
 
 
@@ -271,7 +273,7 @@ mixed.q = fused[:, :8]
 check(mixed, 8, sinks8, 1)
 # the public entry point on CPU tensors, forced to Triton
 import os
-os.environ["FERRYMAN_ATTN_BACKEND"] = "triton"
+os.environ["FERRYMAN_KERNELS"] = "triton"
 out = paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, 0.3, 8, sinks8)
 ref = paged_attention_reference(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, 0.3, 8, sinks8)
 torch.testing.assert_close(out[: mixed.num_real], ref[: mixed.num_real], atol=1e-4, rtol=1e-4)
@@ -289,7 +291,7 @@ print("INTERPRETER-OK")
 def test_triton_interpreter_matches_reference() -> None:
     python_path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
-    env.pop("FERRYMAN_ATTN_BACKEND", None)
+    env.pop("FERRYMAN_KERNELS", None)
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -362,7 +364,9 @@ def test_cuda_graph_decode_replays_with_new_lengths() -> None:
 @gpu
 def test_cuda_backend_env_selects_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch(MIXED, seed=26, **GPT_OSS)
-    monkeypatch.setenv("FERRYMAN_ATTN_BACKEND", "torch")
+    from triton_interp import use_kernels
+
+    use_kernels(monkeypatch, "torch")
     out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, 8, None)
     ref = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, 8, None)
     assert torch.equal(out, ref)

@@ -140,8 +140,6 @@ def test_non_expert_params_match_the_checkpoint_schema(name: str) -> None:
 
 
 # Every variable ferryman read before its settings moved into EngineConfig, set to odd values.
-# FERRYMAN_MOE_PREFILL and _GROUP are left out while layers/ still read them (the prefill path
-# is the kernels' choice; their variables go with the kernels' change).
 HOSTILE_ENV = {
     "FERRYMAN_MOE_BACKEND": "torch", "FERRYMAN_ATTN_BACKEND": "torch", "FERRYMAN_MOE_DECODE_TILES": "16,16,1,x",
     "FERRYMAN_DISABLE_CUDA_GRAPHS": "1", "FERRYMAN_SEGMENT_GRAPHS": "0", "FERRYMAN_PREFILL_LOOKAHEAD": "7",
@@ -152,6 +150,7 @@ HOSTILE_ENV = {
     "FERRYMAN_PREFETCH_AVOID_BUSY": "0", "FERRYMAN_PREFETCH_SPLIT_BUSY": "1", "FERRYMAN_DECODE_WRAP_GUESS": "0",
     "FERRYMAN_DECODE_PREFETCH_TOPK": "11", "FERRYMAN_DECODE_PREFETCH_SOLO_TOPK": "5", "FERRYMAN_ZERO_COPY": "1",
     "FERRYMAN_ZERO_COPY_STAGE": "64", "FERRYMAN_CPU_THREADS": "3", "FERRYMAN_HYBRID_MIN_CPU": "9",
+    "FERRYMAN_MOE_PREFILL": "reference", "FERRYMAN_MOE_PREFILL_GROUP": "3", "FERRYMAN_KERNELS": "torch",
 }
 
 
@@ -161,6 +160,10 @@ def test_the_plan_is_a_function_of_its_inputs(monkeypatch: pytest.MonkeyPatch) -
     clean = [plan_memory(r) for r in requests] + [plan_auto_seqs(requests[1])]
     for name, value in HOSTILE_ENV.items():
         monkeypatch.setenv(name, value)
+    from ferryman.envs import envs
+
+    monkeypatch.setattr(envs, "KERNELS", envs.KERNELS)  # undone after the test
+    envs.reload()  # the read-once variables see the hostile environment too
     for _ in range(2):
         assert [plan_memory(r) for r in requests] + [plan_auto_seqs(requests[1])] == clean
 

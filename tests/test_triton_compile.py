@@ -72,3 +72,46 @@ def test_kv_write_and_attention_kernels_compile_for_sm90(cache: str) -> None:
     ptx = _compile_or_skip("ferryman.layers.paged_attention_triton:_merge_splits_kernel", merge_sig,
                            {"HEAD_DIM": 64, "D_PAD": 64, "MAX_SPLITS": 64}, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "dense"])
+def test_moe_decode_kernels_compile_for_sm90(mxfp4: bool) -> None:
+    """The decode GEMVs at gpt-oss-20b shapes with the default tiles, bf16 activations."""
+    from ferryman.layers import fused_moe_triton as fmt
+
+    w = "*u8" if mxfp4 else "*bf16"
+    w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
+    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K,
+              "S_STRIDE": s_stride, "H": 2880, "I": 2880}
+    sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": w, "b_ptr": "*bf16", "h_ptr": "*bf16",
+             "alpha": "fp32", "limit": "fp32"}
+    ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,
+                           {**common, "W_STRIDE": w_stride, "B_STRIDE": 5760, "TOPK": 4, "ACT": 1}, stage="ptx")
+    assert "ld.global" in ptx and "st.global" in ptx
+    sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": w, "b_ptr": "*bf16", "topk_w_ptr": "*fp32",
+            "y_ptr": "*fp32"}
+    ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w2_kernel", sig2,
+                           {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "B_STRIDE": 2880},
+                           stage="ptx")
+    assert "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "dense"])
+def test_grouped_moe_kernels_compile_for_sm90(mxfp4: bool) -> None:
+    """The grouped GEMM with its default tiles, bf16 activations: MXFP4 tiles decoded from bit fields."""
+    from ferryman.layers.grouped_moe_triton import GroupedConfig
+
+    cfg = GroupedConfig()
+    w = "*u8" if mxfp4 else "*bf16"
+    blocks = {"order_ptr": "*i64", "bslot_ptr": "*i64", "brow_ptr": "*i64", "bend_ptr": "*i64", "w_ptr": w,
+              "s_ptr": w, "b_ptr": "*bf16"}
+    strides = {"w_stride": "i64", "s_stride": "i64", "b_stride": "i64"}
+    cx = {"H": 2880, "I": 2880, "MXFP4": mxfp4, "HAS_BIAS": True, "FP32": False, "BM": cfg.block_m,
+          "BN": cfg.block_n, "BK": cfg.block_k}
+    sig13 = {"x_ptr": "*bf16", **blocks, "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **strides}
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w13_grouped", sig13, {**cx, "TOPK": 4, "ACT": 1},
+                           stage="ptx")
+    assert "mma" in ptx
+    sig2 = {"h_ptr": "*bf16", **blocks, "tw_ptr": "*fp32", "y_ptr": "*fp32", **strides}
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w2_grouped", sig2, cx, stage="ptx")
+    assert "mma" in ptx

@@ -1,7 +1,8 @@
-"""Run a snippet under Triton's interpreter (TRITON_INTERPRET=1) in a child process.
+"""Helpers of the kernel tests: run a snippet under Triton's interpreter (TRITON_INTERPRET=1) in a
+child process, and set for one test an environment variable that the process reads once.
 
-The flag must be set before triton is first imported and must not leak into the test process,
-where other tests may import triton normally.
+The interpreter flag must be set before triton is first imported and must not leak into the test
+process, where other tests may import triton normally.
 """
 
 from __future__ import annotations
@@ -26,3 +27,24 @@ def run_interpreted(script: str, timeout: float = 300) -> str:
     if proc.returncode != 0:
         pytest.fail(f"interpreted Triton script failed:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+def set_read_once(monkeypatch: pytest.MonkeyPatch, attr: str, value: str) -> None:
+    """FERRYMAN_<attr> = value for the rest of the test: the process reads its variables once
+    (`ferryman.envs.envs`), so the environment and the read value both change; monkeypatch puts
+    both back."""
+    from ferryman.envs import envs
+
+    monkeypatch.setenv(f"FERRYMAN_{attr}", value)
+    monkeypatch.setattr(envs, attr, getattr(envs, attr))  # read now, so undo restores it
+    envs.reload()
+
+
+def use_kernels(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """FERRYMAN_KERNELS=value for the rest of the test."""
+    set_read_once(monkeypatch, "KERNELS", value)
+
+
+def use_cpu_kernel(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """FERRYMAN_CPU_KERNEL=1 or 0 for the rest of the test."""
+    set_read_once(monkeypatch, "CPU_KERNEL", "1" if on else "0")

@@ -6,8 +6,6 @@ kernels per expert. Here every padded row of every group is gathered once, each 
 is dequantised together (`[G, 2I, H]`, read in place from the slot banks) and multiplied by two
 `torch.bmm`, ~15 launches per group, and the outputs go back to pair order in one scatter. With
 the pair grouping done on the host from the caller's host ids, a layer needs no device sync.
-Measured on the H200 (docs/benchmarks.md, session 9): gpt-oss-20b at 8 GiB, TTFT of a 4k prompt
-1.59 s (reference) -> 0.53 s (groups of 4) -> 0.39 s (groups of 8).
 
 Invariants:
 - padding rows read a real row of their own expert (finite values), get weight 0, and are written
@@ -27,20 +25,11 @@ from itertools import accumulate
 
 import torch
 
-from ferryman.errors import ConfigError
-from ferryman.layers.fused_moe import (MoEActivation, Upload, _group_by_slot, apply_activation, sum_in_slot_order,
-                                       to_device)
+from ferryman.layers.moe_common import (MoEActivation, Upload, apply_activation, group_by_slot, sum_in_slot_order,
+                                        to_device)
 from ferryman.quant import Banks, ExpertFormat
 
-
-def default_group() -> int:
-    """Experts per launch (FERRYMAN_MOE_PREFILL_GROUP, default 8)."""
-    from ferryman.envs import envs
-
-    group = envs.MOE_PREFILL_GROUP
-    if group < 1:
-        raise ConfigError(f"FERRYMAN_MOE_PREFILL_GROUP must be >= 1 experts, got {group}")
-    return group
+PREFILL_GROUP = 8  # experts dequantised and multiplied per launch (the planner counts their w13)
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
@@ -53,14 +42,14 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     once the pair layout's host -> device copy is issued, before the groups' launches (the caller's
     large copies may start then: they no longer delay an input of these kernels). upload: how the
     host-built pair order and layout reach the device (fused_moe.Upload; default: on this stream)."""
-    group = default_group() if group is None else group
+    group = PREFILL_GROUP if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
     num_slots, hidden, _ = form.dims(banks)
-    slots, order, counts = _group_by_slot(topk_ids, num_slots, host_ids, upload)
+    slots, order, counts = group_by_slot(topk_ids, num_slots, host_ids, upload)
     P = T * K
-    layout = _padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
+    layout = padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
     if inputs_issued is not None:
         inputs_issued()
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
@@ -76,7 +65,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
         y_g.copy_(y_g * w[rows].view(g, m, 1))
     # the peak stays at the groups' loop: xs [R, H] is not read again, nor y once copied (with both
-    # alive to the end, qwen3-30b-a3b's 4k-token chunk, 32k pairs, overran its 8 GiB plan: session 16)
+    # alive to the end, qwen3-30b-a3b's 4k-token chunk overran its 8 GiB plan)
     del xs
     sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
     y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
@@ -134,7 +123,7 @@ def expert_groups(counts: list[int], group: int) -> list[list[int]]:
     return out
 
 
-def _padded_layout(slots: list[int], counts: list[int], group: int, upload: Upload) -> PaddedLayout:
+def padded_layout(slots: list[int], counts: list[int], group: int, upload: Upload) -> PaddedLayout:
     """Built on the host and moved in one asynchronous copy (a tensor made on the device from a
     list would synchronise the stream). A padding row repeats its expert's first row (finite)."""
     starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert

@@ -35,9 +35,8 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, weight_fp32: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                    weight_fp32: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x, residual: [T, H] -> (norm(x + residual), x + residual) or (norm(x), None)."""
     T, H = x.shape
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)

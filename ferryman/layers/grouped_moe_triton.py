@@ -1,5 +1,6 @@
-"""Triton MoE over slot-indexed expert banks with any slot stride: grouped GEMM (many tokens) and
-per-pair GEMV (few tokens), bf16/fp16/fp32 or MXFP4 weights dequantised inside the kernels.
+"""Triton grouped GEMM over slot-indexed expert banks with any slot stride: a CUDA prefill path
+(fused_moe.prefill_path), bf16/fp16/fp32 weights read as they are or MXFP4 weights decoded inside
+the kernels' tiles (bit fields, no exp2).
 
     `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
     kernel 1  h[p] = act(x[t] @ W13[slot]^T + b13[slot])               p = t*K + k, h: [P, I]
@@ -8,14 +9,10 @@ per-pair GEMV (few tokens), bf16/fp16/fp32 or MXFP4 weights dequantised inside t
 
 Banks may be strided along the slot dim (the expert-major slot pool of experts/gpu_cache.py:
 every bank a view into one row of bytes per slot); the dims inside one expert are contiguous.
-
-prefill ("grouped"): pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs
-of one slot (a slot's last block is partial); program (block, n-tile) loads one weight tile of that
-slot and multiplies all the block's token rows with `tl.dot`. Grid size is a static bound
-(cdiv(P, BM) + min(P, S) blocks; the unused ones return), so nothing syncs with the host.
-decode ("gemv"): program (pair, n-tile) streams its slot's rows; for P <= DECODE_MAX_PAIRS.
-
-Torch reference: `ferryman.layers.fused_moe.fused_moe_reference` (tests/test_grouped_moe.py).
+Pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs of one slot (a slot's
+last block is partial); program (block, n-tile) loads one weight tile of that slot and multiplies
+all the block's token rows with `tl.dot`. Grid size is a static bound (cdiv(P, BM) + min(P, S)
+blocks; the unused ones return), so nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -26,63 +23,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation, _check_inputs
-from ferryman.layers.fused_moe_triton import ACT_KINDS, gate_up_rows, moe_act
+from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
+from ferryman.layers.moe_common import MoEActivation, check_inputs, kernel_bank
 from ferryman.quant.base import Banks, get_format
 
 FORMATS = ("dense", "mxfp4")
-PATHS = ("auto", "gemv", "grouped")
-MXFP4_DECODES = ("exp2", "bits", "dot_scaled")
-
-
 @dataclass(frozen=True)
 class GroupedConfig:
-    block_m: int = 16  # pairs per block (grouped path); tl.dot needs >= 16
+    block_m: int = 16  # pairs per block; tl.dot needs >= 16
     block_n: int = 32  # output columns per program
     block_k: int = 64  # reduction step; a multiple of 32 keeps mxfp4 scale groups whole
     num_warps: int = 4
-    # how the grouped path decodes MXFP4 tiles: "exp2" (per element: code fields, exp2, the scale
-    # loaded per element); experimental, not yet timed on a GPU: "bits" (a byte's two nibbles
-    # placed into fp32 bit fields, one scale per 32 elements as an exponent, no exp2) and
-    # "dot_scaled" (the packed tile and its scales straight into tl.dot_scaled; bf16/fp16 inputs
-    # only, fp32 ones take "exp2")
-    mxfp4_decode: str = "exp2"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GroupedConfig.{name} must be a power of two >= 16, got {v}")
-        if self.mxfp4_decode not in MXFP4_DECODES:
-            raise ValueError(f"GroupedConfig.mxfp4_decode must be one of {MXFP4_DECODES}, got {self.mxfp4_decode!r}")
-        if self.mxfp4_decode != "exp2" and self.block_k < 32:
-            raise ValueError(f"GroupedConfig.block_k must be >= 32 with mxfp4_decode={self.mxfp4_decode!r}, "
-                             f"got {self.block_k}")
-
-
-@triton.jit
-def _e2m1(code):
-    # 4-bit e2m1 code -> fp32: sign bit 3, exponent bits 2..1, mantissa bit 0 (bias 1)
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((c >> 3) == 1, -mag, mag)
-
-
-@triton.jit
-def _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr):
-    # rows [R] of one expert's weight [OUT, KDIM] at columns kk [BK] -> fp32 [R, BK] (0 outside)
-    m2 = rmask[:, None] & kmask[None, :]
-    if MXFP4:
-        # blocks: [OUT, KDIM/2] bytes, element 2j in the low nibble of byte j; scales [OUT, KDIM/32]
-        byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + kk[None, :] // 2, mask=m2, other=0).to(tl.int32)
-        code = tl.where((kk % 2 == 0)[None, :], byte & 0xF, byte >> 4)
-        s = tl.load(s_base + rows[:, None] * (KDIM // 32) + kk[None, :] // 32, mask=m2, other=127)
-        w = _e2m1(code) * tl.exp2(s.to(tl.float32) - 127.0)
-    else:
-        w = tl.load(w_base + rows[:, None] * KDIM + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-    return w
+        if self.block_k < 32:
+            raise ValueError(f"GroupedConfig.block_k must be >= 32 (one MXFP4 scale group), got {self.block_k}")
 
 
 @triton.jit
@@ -96,9 +55,10 @@ def _e2m1_fp32(code):
 
 
 @triton.jit
-def _w_tile_bits(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+def _mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
     # rows [R] of one MXFP4 expert weight [OUT, KDIM] at columns [k0, k0 + BK) -> fp32 [R, BK]
-    # (0 outside). Byte j holds elements 2j (low nibble) and 2j + 1; BK is a multiple of 32.
+    # (0 outside). Byte j holds elements 2j (low nibble) and 2j + 1; BK is a multiple of 32, so a
+    # tile holds whole scale groups and each scale multiplies 32 values as an exponent.
     jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
     m2 = rmask[:, None] & (jj < KDIM // 2)[None, :]
     byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=m2, other=0).to(tl.int32)
@@ -111,30 +71,13 @@ def _w_tile_bits(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.cons
 
 
 @triton.jit
-def _mx_tile(w_base, s_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr,
-             BITS: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
-    # the grouped path's weight tile: _w_tile, or _w_tile_bits for MXFP4 with BITS
-    if MXFP4 and BITS:
-        return _w_tile_bits(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
-    return _w_tile(w_base, s_base, rows, rmask, kk, kmask, KDIM, MXFP4)
-
-
-@triton.jit
-def _dot_scaled_tile(w_base, s_base, rows, rmask, k0, a, KDIM: tl.constexpr, BK: tl.constexpr,
-                     FP16: tl.constexpr):
-    # a [M, BK] (bf16 or fp16) x rows [R] of one MXFP4 expert weight at columns [k0, k0 + BK)
-    # -> [M, R] fp32: the packed bytes and E8M0 scales go to tl.dot_scaled as they are stored
-    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
-    w = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=rmask[:, None] & (jj < KDIM // 2)[None, :],
-                other=0)  # [R, BK/2], code 0 outside
-    gg = k0 // 32 + tl.arange(0, BK // 32)  # [BK/32]
-    sc = tl.load(s_base + rows[:, None] * (KDIM // 32) + gg[None, :], mask=rmask[:, None] & (gg < KDIM // 32)[None, :],
-                 other=0)  # [R, BK/32]
-    if FP16:
-        part = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "fp16")  # [R, M]
-    else:
-        part = tl.dot_scaled(w, sc, "e2m1", tl.trans(a), None, "bf16")
-    return tl.trans(part)
+def _w_tile(w_base, s_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr,
+            R: tl.constexpr, BK: tl.constexpr):
+    # rows [R] of one expert's weight [OUT, KDIM] at columns kk = k0 + [0, BK) -> fp32 [R, BK] (0 outside)
+    if MXFP4:
+        return _mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
+    m2 = rmask[:, None] & kmask[None, :]
+    return tl.load(w_base + rows[:, None] * KDIM + kk[None, :], mask=m2, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -149,8 +92,7 @@ def _dot(a, w, FP32: tl.constexpr):
 def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
                  w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                  ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BITS: tl.constexpr, DS: tl.constexpr,
-                 FP16: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -169,12 +111,8 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
         kk = k0 + tl.arange(0, BK)
         kmask = kk < H
         a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if DS:
-            acc_g += _dot_scaled_tile(w_base, s_base, g_rows, nmask, k0, a, H, BK, FP16)
-            acc_u += _dot_scaled_tile(w_base, s_base, u_rows, nmask, k0, a, H, BK, FP16)
-        else:
-            acc_g += _dot(a, _mx_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
-            acc_u += _dot(a, _mx_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BITS, BN, BK), FP32)
+        acc_g += _dot(a, _w_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BN, BK), FP32)
+        acc_u += _dot(a, _w_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BN, BK), FP32)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -187,7 +125,7 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
 def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr,
                 w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
                 HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr, BITS: tl.constexpr, DS: tl.constexpr, FP16: tl.constexpr):
+                BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -203,80 +141,11 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
         kk = k0 + tl.arange(0, BK)
         kmask = kk < I
         a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if DS:
-            acc += _dot_scaled_tile(w_base, s_base, n, nmask, k0, a, I, BK, FP16)
-        else:
-            acc += _dot(a, _mx_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BITS, BN, BK), FP32)
+        acc += _dot(a, _w_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BN, BK), FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(tw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _w13_gemv(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit, w_stride, s_stride, b_stride,
-              H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pair = tl.program_id(0)
-    slot = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < I
-    g_rows, u_rows = gate_up_rows(n, I, ACT)
-    acc_g = tl.zeros([BN], dtype=tl.float32)
-    acc_u = tl.zeros([BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < H
-        xv = tl.load(x_ptr + (pair // TOPK) * H + kk, mask=kmask, other=0.0).to(tl.float32)
-        acc_g += tl.sum(_w_tile(w_base, s_base, g_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
-        acc_u += tl.sum(_w_tile(w_base, s_base, u_rows, nmask, kk, kmask, H, MXFP4) * xv[None, :], axis=1)
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)
-        acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)
-    dt = h_ptr.dtype.element_ty
-    h = moe_act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit, ACT)
-    tl.store(h_ptr + pair * I + n, h.to(dt), mask=nmask)
-
-
-@triton.jit
-def _w2_gemv(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr, w_stride, s_stride, b_stride,
-             H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
-             BN: tl.constexpr, BK: tl.constexpr):
-    pair = tl.program_id(0)
-    slot = tl.load(ids_ptr + pair).to(tl.int64)
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    nmask = n < H
-    acc = tl.zeros([BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < I
-        hv = tl.load(h_ptr + pair * I + kk, mask=kmask, other=0.0).to(tl.float32)
-        acc += tl.sum(_w_tile(w_base, s_base, n, nmask, kk, kmask, I, MXFP4) * hv[None, :], axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)
-    acc *= tl.load(tw_ptr + pair).to(tl.float32)
-    tl.store(y_ptr + pair * H + n, acc, mask=nmask)
-
-
-@dataclass(frozen=True)
-class _Proj:
-    """One projection's tensors and slot strides (elements); scales alias weights for dense."""
-
-    w: torch.Tensor
-    s: torch.Tensor
-    b: torch.Tensor
-    strides: tuple[int, int, int]
-
-
-def _proj(fmt: str, banks: Banks, proj: str, x: torch.Tensor) -> _Proj:
-    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
-    b = banks.get(f"{proj}_bias", x)
-    for name, t in (("weights", w), ("scales", s), ("bias", b)):
-        if t is not x and not t[0].is_contiguous():
-            raise ValueError(f"grouped_moe: {proj} {name} must be contiguous inside each slot")
-    return _Proj(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if b is not x else 0))
 
 
 def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, ...]:
@@ -301,42 +170,27 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 
 
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
-                act: MoEActivation, path: str = "auto", cfg: GroupedConfig | None = None) -> torch.Tensor:
-    """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype. path: auto | gemv | grouped."""
+                act: MoEActivation, cfg: GroupedConfig | None = None) -> torch.Tensor:
+    """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
     if fmt not in FORMATS:
         raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {FORMATS}")
-    if path not in PATHS:
-        raise ValueError(f"grouped_moe: path must be one of {PATHS}, got {path!r}")
     cfg = cfg or GroupedConfig()
     num_slots, hidden, inter = get_format(fmt).dims(banks)
-    _check_inputs(x, slot_ids, topk_w, hidden)
+    check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape
     pairs = t * k
     x = x.contiguous()
     tw = topk_w.reshape(-1).contiguous()  # [P]
-    w13, w2 = _proj(fmt, banks, "w13", x), _proj(fmt, banks, "w2", x)
+    w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
-    flags = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, num_warps=cfg.num_warps)
-    a13 = (w13.w, w13.s, w13.b)
-    a2 = (w2.w, w2.s, w2.b)
-    if path == "gemv" or (path == "auto" and pairs <= DECODE_MAX_PAIRS):
-        ids = slot_ids.reshape(-1).contiguous()
-        _w13_gemv[(pairs, triton.cdiv(inter, cfg.block_n))](
-            x, ids, *a13, h, float(act.alpha), float(act.limit), *w13.strides, H=hidden, I=inter, TOPK=k,
-            ACT=ACT_KINDS[act.kind], BN=cfg.block_n, BK=cfg.block_k, **flags)
-        _w2_gemv[(pairs, triton.cdiv(hidden, cfg.block_n))](
-            h, ids, *a2, tw, y, *w2.strides, H=hidden, I=inter, BN=cfg.block_n, BK=cfg.block_k, **flags)
-    else:
-        order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-        # dot_scaled takes bf16 / fp16 activations only: fp32 ones decode with exp2
-        ds = fmt == "mxfp4" and cfg.mxfp4_decode == "dot_scaled" and x.dtype in (torch.bfloat16, torch.float16)
-        tiles = dict(FP32=x.dtype == torch.float32, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
-                     BITS=cfg.mxfp4_decode == "bits", DS=ds, FP16=x.dtype == torch.float16, **flags)
-        _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
-            x, order, bslot, first, end, *a13, h, float(act.alpha), float(act.limit), *w13.strides,
-            H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
-        _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
-            h, order, bslot, first, end, *a2, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
+    order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
+    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
+                 BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
+    _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
+        x, order, bslot, first, end, w13.w, w13.s, w13.b, h, float(act.alpha), float(act.limit), *w13.strides,
+        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
+    _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
+        h, order, bslot, first, end, w2.w, w2.s, w2.b, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

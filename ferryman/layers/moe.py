@@ -14,24 +14,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferryman.config import ModelConfig
-from ferryman.experts.trace import RoutingTrace
-from ferryman.layers.triton_util import use_triton
+from ferryman.layers.backend import use_triton
 
 # decode-sized steps take the one-launch Triton router; prefill keeps torch's (same math)
 ROUTE_TRITON_MAX_TOKENS = 256
 
 
+class RoutingRecorder(Protocol):
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """topk_ids: [T, K] expert ids a layer routed to (experts/trace.py's RoutingTrace)."""
+        ...
+
+
 class ExpertBackend(Protocol):
-    def forward(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """x: [T, H], topk_ids: [T, K] expert ids, topk_w: [T, K] -> [T, H]."""
         ...
 
 
-def route(
-    logits: torch.Tensor, top_k: int, kind: str, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, kind: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router math of each family (see shared/notes/formats.md). logits: [T, E] -> ids, weights [T, K]."""
     if use_triton(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[1] <= 1024:
         from ferryman.layers.router_triton import route_triton
@@ -56,7 +57,7 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
         self.experts: ExpertBackend | None = None  # bound by the model runner
-        self.trace: RoutingTrace | None = None  # records routing when set (measurements)
+        self.trace: RoutingRecorder | None = None  # records routing when set (measurements)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferryman.layers.triton_util import use_triton
+from ferryman.layers.backend import use_triton
 
 
 class RMSNorm(nn.Module):

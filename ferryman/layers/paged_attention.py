@@ -10,24 +10,19 @@ p > pos - w (transformers' `sliding_window_overlay`). Sinks (gpt-oss): one logit
 the softmax denominator; its column is dropped. Softmax runs in fp32; the output has q's dtype.
 
 `paged_attention` runs the Triton kernel on CUDA (no host syncs, CUDA-graph safe) and the torch
-reference otherwise. FERRYMAN_ATTN_BACKEND=torch forces the reference, =triton forces Triton
+reference otherwise. FERRYMAN_KERNELS=torch forces the reference, =triton forces Triton
 (on CPU tensors this needs TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 from torch import Tensor
 
-__all__ = [
-    "AttnMetadata",
-    "write_kv",
-    "paged_attention",
-    "write_kv_reference",
-    "paged_attention_reference",
-]
+from ferryman.layers import backend
+from ferryman.layers.attn_metadata import AttnMetadata
+
+__all__ = ["AttnMetadata", "write_kv", "paged_attention", "write_kv_reference", "paged_attention_reference"]
 
 # the fp8 KV cache's storage (kv_cache_dtype fp8): written with a saturating cast, read back into
 # q's dtype (Triton) or fp32 (the reference)
@@ -35,31 +30,6 @@ FP8_KV = torch.float8_e4m3fn
 
 # the reference materialises [Hq, chunk, L] fp32 scores; this bounds chunk * L * Hq
 _REF_MAX_SCORE_ELEMS = 1 << 25
-
-
-@dataclass
-class AttnMetadata:
-    query_start_loc: Tensor  # [B+1] int32, cumulative query lengths (decode: 0..B)
-    seq_lens: Tensor  # [B] int32, kv length after this step (cached + new)
-    block_tables: Tensor  # [B, max_blocks] int32, -1/0 padded
-    slot_mapping: Tensor  # [T] int64, block * S + offset where each new token's k/v goes (-1 = skip)
-    max_query_len: int
-    max_seq_len: int
-    # sliding-window layers with a pool of their own (kvcache/window_pool.py): their tables
-    # [B, max_blocks] (NULL_BLOCK before the window, same width as block_tables) and slots [T]
-    window_block_tables: Tensor | None = None
-    window_slot_mapping: Tensor | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def windowed(self) -> AttnMetadata:
-        """The metadata a sliding-window layer reads: its own pool's tables and slots, if it has a pool."""
-        if self.window_block_tables is None or self.window_slot_mapping is None:
-            return self
-        return replace(self, block_tables=self.window_block_tables, slot_mapping=self.window_slot_mapping,
-                       window_block_tables=None, window_slot_mapping=None)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -85,9 +55,8 @@ def _check_write_inputs(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         raise ValueError(f"slot_mapping must be an integer tensor, got {slot_mapping.dtype}")
 
 
-def _check_attn_inputs(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, window: int | None, sinks: Tensor | None
-) -> None:
+def _check_attn_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, window: int | None,
+                       sinks: Tensor | None) -> None:
     _check_cache(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
@@ -110,24 +79,13 @@ def _check_attn_inputs(
         raise ValueError(f"sinks must be [Hq={num_q_heads}], got shape {tuple(sinks.shape)}")
 
 
-def _backend() -> str:
-    from ferryman.envs import envs
-
-    return envs.ATTN_BACKEND  # FERRYMAN_ATTN_BACKEND, checked against auto|torch|triton
-
-
-def _use_triton(device: torch.device) -> bool:
-    backend = _backend()
-    return backend == "triton" or (backend == "auto" and device.type == "cuda")
-
-
 # ----------------------------------------------------------------------------- public API
 
 
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store the step's k/v ([T, Hkv, D]) at `slot_mapping` (block * S + offset; -1 = skip)."""
     _check_write_inputs(k, v, k_cache, v_cache, slot_mapping)
-    if _use_triton(k.device):
+    if backend.attention_triton(k.device):
         from ferryman.layers.paged_attention_triton import write_kv_triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -135,21 +93,14 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                    window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D].
 
     Rows of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified.
     """
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
-    if _use_triton(q.device):
+    if backend.attention_triton(q.device):
         from ferryman.layers.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
@@ -186,9 +137,8 @@ def _visible(q_pos: Tensor, kv_len: int, window: int | None) -> Tensor:
     return mask
 
 
-def _attend(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None, sinks: Tensor | None
-) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window: int | None,
+            sinks: Tensor | None) -> Tensor:
     """Dense attention of q: [Q, Hq, D] over k, v: [L, Hkv, D] (fp32 math) -> [Q, Hq, D] in q.dtype."""
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -206,15 +156,8 @@ def _attend(
     return out.reshape(num_q, num_q_heads, head_dim).to(q.dtype)
 
 
-def paged_attention_reference(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                              window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Torch reference: per sequence gather kv from the block table and attend (vectorised)."""
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
     out = torch.zeros_like(q)

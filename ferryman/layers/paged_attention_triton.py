@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ferryman.layers.paged_attention import AttnMetadata
+from ferryman.layers.attn_metadata import AttnMetadata
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # finite "minus infinity" for the running max: exp2(-inf - _NEG_BIG) = 0 without NaNs
@@ -84,11 +84,9 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-# batch sizes vary step to step: no ==1 / %16 specialisation (and recompile) on them
-# the split count is a run-time value (one compile serves all), not a constexpr: a server's first
-# steps at new context lengths compiled new variants mid-load (docs/benchmarks.md, session 15). So is
-# the block-table row stride: an eager step's table is as wide as its longest sequence, and Triton
-# would compile apart a width of 1, a multiple of 16 and any other
+# No specialisation (and recompile) on values that vary step to step: batch sizes, the split count
+# (a new context length must not compile a variant mid-load) and the block-table row stride (an
+# eager step's table is as wide as its longest sequence)
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits", "stride_bt"])
 def _paged_attn_kernel(
     out, part_acc, part_ml,  # out: [T, Hq, D]; partials: [SPLITS, T, Hq, D_PAD] and [SPLITS, T, Hq, 2]
@@ -288,8 +286,8 @@ def _pick_num_splits(num_programs: int, kv_span: int, block_n: int, device: torc
 
 
 def _tile_config(max_query_len: int, group_pad: int, window: int | None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on an H200 at gpt-oss shapes (G=8, D=64):
-    decode-sized tiles when every query is alone, smaller ones when a short window bounds the kv."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), tuned at gpt-oss shapes (G=8, D=64): decode-sized
+    tiles when every query is alone, smaller ones when a short window bounds the kv."""
     if max_query_len <= 1:
         return max(16, group_pad), 64, 4, 2
     if window is not None and window <= 256:
@@ -297,16 +295,9 @@ def _tile_config(max_query_len: int, group_pad: int, window: int | None) -> tupl
     return max(128, group_pad), 64, 8, 2
 
 
-def paged_attention_triton(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    meta: AttnMetadata,
-    scale: float,
-    window: int | None = None,
-    sinks: Tensor | None = None,
-    num_splits: int | None = None,
-) -> Tensor:
+def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                           window: int | None = None, sinks: Tensor | None = None,
+                           num_splits: int | None = None) -> Tensor:
     # q: [T, Hq, D]; caches: [N, S, Hkv, D] -> out: [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

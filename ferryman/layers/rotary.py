@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ferryman.config import RopeConfig
-from ferryman.layers.triton_util import use_triton
+from ferryman.layers.backend import use_triton
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -22,9 +22,7 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     interpolation = 1.0 / (factor * pos_freqs)
 
     def correction_dim(rotations: float) -> float:
-        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
-            2 * math.log(base)
-        )
+        return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (2 * math.log(base))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -76,9 +74,7 @@ class RotaryEmbedding(nn.Module):
             cos, sin = freqs.cos() * scaling, freqs.sin() * scaling
         self.cos, self.sin = cos.to(device), sin.to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
         if use_triton(q) and self._pow2:
             from ferryman.layers.fused_ops_triton import rope_triton

@@ -4,16 +4,5 @@ from ferryman.quant.base import Banks, BankSpec, ExpertFormat, get_format, known
 from ferryman.quant.dense import DenseFormat
 from ferryman.quant.mxfp4 import Mxfp4Format, dequant_mxfp4, quantize_mxfp4, random_mxfp4
 
-__all__ = [
-    "Banks",
-    "BankSpec",
-    "DenseFormat",
-    "ExpertFormat",
-    "Mxfp4Format",
-    "dequant_mxfp4",
-    "get_format",
-    "known_formats",
-    "quantize_mxfp4",
-    "random_mxfp4",
-    "register_format",
-]
+__all__ = ["Banks", "BankSpec", "DenseFormat", "ExpertFormat", "Mxfp4Format", "dequant_mxfp4", "get_format",
+           "known_formats", "quantize_mxfp4", "random_mxfp4", "register_format"]

@@ -41,16 +41,11 @@ class BankSpec:
 
 def bias_specs(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
     """The optional bias banks, shared by every format (always in the model dtype)."""
-    return {
-        "w13_bias": BankSpec((num_experts, 2 * inter), dtype),
-        "w2_bias": BankSpec((num_experts, hidden), dtype),
-    }
+    return {"w13_bias": BankSpec((num_experts, 2 * inter), dtype), "w2_bias": BankSpec((num_experts, hidden), dtype)}
 
 
-def random_bias(
-    num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-    generator: torch.Generator | None, device: torch.device | str,
-) -> Banks:
+def random_bias(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, generator: torch.Generator | None,
+                device: torch.device | str) -> Banks:
     """Random w13_bias / w2_bias banks with std 0.1."""
     gen_device = generator.device if generator is not None else torch.device(device)
     return {
@@ -75,15 +70,13 @@ class ExpertFormat(ABC):
     name: str
 
     @abstractmethod
-    def bank_specs(
-        self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype
-    ) -> dict[str, BankSpec]:
+    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
+                   dtype: torch.dtype) -> dict[str, BankSpec]:
         """Every bank this format needs; `dtype` is the model (compute) dtype."""
 
     @abstractmethod
-    def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
+    def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
         """Weights of experts `idx` ([n] ids, or a slice: views where the format stores weights as they
         are) for `proj` ("w13" | "w2") -> [n, out, in].
 
@@ -96,16 +89,8 @@ class ExpertFormat(ABC):
         """(num_experts_or_slots, hidden, inter) read from the bank shapes."""
 
     @abstractmethod
-    def random_banks(
-        self,
-        num_experts: int,
-        hidden: int,
-        inter: int,
-        bias: bool,
-        dtype: torch.dtype,
-        generator: torch.Generator | None = None,
-        device: torch.device | str = "cpu",
-    ) -> Banks:
+    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
+                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
         """Valid random banks (dummy weights, tests): weights with std ~ 1/sqrt(fan_in)."""
 
     def expert_bytes(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> int:
@@ -129,10 +114,8 @@ class ExpertFormat(ABC):
         for name, spec in specs.items():
             got = self.bank(banks, name)
             if tuple(got.shape) != spec.shape or got.dtype != spec.dtype:
-                raise ValueError(
-                    f"{self.name} bank {name!r}: expected {spec.shape} {spec.dtype}, "
-                    f"got {tuple(got.shape)} {got.dtype}"
-                )
+                raise ValueError(f"{self.name} bank {name!r}: expected {spec.shape} {spec.dtype}, "
+                                 f"got {tuple(got.shape)} {got.dtype}")
 
     def model_dtype(self, banks: Banks) -> torch.dtype:
         """dtype of the float banks, the default compute dtype (bf16 when nothing says)."""

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ferryman.quant.base import (
-    Banks,
-    BankSpec,
-    ExpertFormat,
-    bias_specs,
-    check_dims,
-    check_proj,
-    random_bias,
-    register_format,
-)
+from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, bias_specs, check_dims, check_proj, random_bias,
+                                 register_format)
 
 
 class DenseFormat(ExpertFormat):
     name = "dense"
 
-    def bank_specs(
-        self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype
-    ) -> dict[str, BankSpec]:
+    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
+                   dtype: torch.dtype) -> dict[str, BankSpec]:
         check_dims(hidden, inter)
         if not dtype.is_floating_point:
             raise ValueError(f"dense experts need a float dtype, got {dtype}")
@@ -40,16 +31,8 @@ class DenseFormat(ExpertFormat):
     def model_dtype(self, banks: Banks) -> torch.dtype:
         return self.bank(banks, "w13").dtype
 
-    def random_banks(
-        self,
-        num_experts: int,
-        hidden: int,
-        inter: int,
-        bias: bool,
-        dtype: torch.dtype,
-        generator: torch.Generator | None = None,
-        device: torch.device | str = "cpu",
-    ) -> Banks:
+    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
+                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
         gen_device = generator.device if generator is not None else torch.device(device)
         banks: Banks = {}
         for name, spec in self.bank_specs(num_experts, hidden, inter, False, dtype).items():
@@ -59,9 +42,8 @@ class DenseFormat(ExpertFormat):
             banks.update(random_bias(num_experts, hidden, inter, dtype, generator, device))
         return banks
 
-    def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
+    def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
         check_proj(proj)
         w = self.bank(banks, proj)[idx]  # [n, out, in]
         return w if dtype is None else w.to(dtype)

@@ -12,17 +12,8 @@ from functools import lru_cache
 
 import torch
 
-from ferryman.layers.triton_util import use_triton
-from ferryman.quant.base import (
-    Banks,
-    BankSpec,
-    ExpertFormat,
-    bias_specs,
-    check_dims,
-    check_proj,
-    random_bias,
-    register_format,
-)
+from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, bias_specs, check_dims, check_proj, random_bias,
+                                 register_format)
 
 BLOCK = 32  # values per scale
 BLOCK_BYTES = BLOCK // 2
@@ -31,6 +22,15 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _EMAX_ELEM = 2  # 6.0 = 1.5 * 2^2: the largest e2m1 power of two
 _E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / 16)  # rms of a uniformly random code
+
+
+@lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=8)
@@ -65,10 +65,8 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"mxfp4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
-            f"(expected blocks = scales.shape + ({BLOCK_BYTES},))"
-        )
+        raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+                         f"(expected blocks = scales.shape + ({BLOCK_BYTES},))")
     vals = _byte_pairs(blocks.device)[blocks.long()].flatten(-2)  # [..., G, 32] codes of 2j, 2j+1
     # x 2^(s-127) as multiplies by finite powers of two, exact like ldexp: s = 255 (2^128 is not a
     # finite fp32) is 2^127 then x 2, so 0 stays 0 and only values that overflow become inf
@@ -104,11 +102,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), scales
 
 
-def random_mxfp4(
-    shape: tuple[int, ...] | torch.Size,
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
+def random_mxfp4(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None = None,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random valid mxfp4 weights of logical `shape` [..., K] -> (blocks, scales).
 
     Codes are uniform; scales are 127 - log2(rms(code) * sqrt(K) * jitter) with a jitter of
@@ -130,9 +125,8 @@ def random_mxfp4(
 class Mxfp4Format(ExpertFormat):
     name = "mxfp4"
 
-    def bank_specs(
-        self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype
-    ) -> dict[str, BankSpec]:
+    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
+                   dtype: torch.dtype) -> dict[str, BankSpec]:
         check_dims(hidden, inter)
         _check_k(hidden, "mxfp4 hidden size")
         _check_k(inter, "mxfp4 expert FFN size")
@@ -151,16 +145,8 @@ class Mxfp4Format(ExpertFormat):
         e, two_i, g, _ = self.bank(banks, "w13_blocks").shape
         return e, g * BLOCK, two_i // 2
 
-    def random_banks(
-        self,
-        num_experts: int,
-        hidden: int,
-        inter: int,
-        bias: bool,
-        dtype: torch.dtype,
-        generator: torch.Generator | None = None,
-        device: torch.device | str = "cpu",
-    ) -> Banks:
+    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
+                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
         self.bank_specs(num_experts, hidden, inter, bias, dtype)  # validates the dims
         banks: Banks = {}
         for proj, out, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
@@ -170,14 +156,13 @@ class Mxfp4Format(ExpertFormat):
             banks.update(random_bias(num_experts, hidden, inter, dtype, generator, device))
         return banks
 
-    def dequant(
-        self, banks: Banks, proj: str, idx: torch.Tensor | slice, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
+    def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
         check_proj(proj)
         blocks = self.bank(banks, f"{proj}_blocks")  # [E, out, in/32, 16]
         scales = self.bank(banks, f"{proj}_scales")  # [E, out, in/32]
         dtype = dtype or self.model_dtype(banks)
-        if use_triton(blocks):  # the same values in one launch, read in place (quant/mxfp4_triton.py)
+        if blocks.is_cuda and _triton_importable():  # the same values in one launch, read in place (quant/mxfp4_triton.py)
             from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows, dequant_mxfp4_triton
 
             if isinstance(idx, slice) or idx.dim() == 1:

@@ -4,14 +4,12 @@
   (fused_moe's CPU path and the hybrid split's CPU part both use it);
 - `mxfp4_matmul`: one product x @ W^T (tests and benchmarks/bench_cpu_mxfp4.py).
 
-torch has no MXFP4 kernel for the CPU, and dequantising an expert to bf16 before a GEMV moves
-~4x its bytes through memory at a few hundred MB/s (11 gpt-oss experts/s on the dev VM). The C
-kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a portable loop elsewhere, rows
-split over OpenMP threads) reads each weight once and dequantises it in registers.
-
-It is built at first use with the system C compiler (`$CC`, else `cc`) into the cache directory
-(FERRYMAN_CACHE_DIR, else $XDG_CACHE_HOME/ferryman or ~/.cache/ferryman), keyed by the source, the
-flags and the machine, and loaded with ctypes (no Python API, so one build serves every Python).
+torch has no MXFP4 kernel for the CPU, and dequantising an expert before a GEMV moves ~4x its
+bytes through memory. The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a
+portable loop elsewhere, rows split over OpenMP threads) reads each weight once and dequantises it
+in registers. It is built at first use with the system C compiler (`$CC`, else `cc`) into the
+cache directory (FERRYMAN_CACHE_DIR, else $XDG_CACHE_HOME/ferryman or ~/.cache/ferryman), keyed by
+the source, the flags and the machine, and loaded with ctypes (one build serves every Python).
 No compiler, or a failed build: a warning saying why, once, and callers keep the torch path.
 FERRYMAN_CPU_KERNEL=0 turns it off.
 """
@@ -121,21 +119,21 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
+def enabled() -> bool:
+    """FERRYMAN_CPU_KERNEL (envs reads it once)."""
     from ferryman.envs import envs
 
-    return envs.CPU_KERNEL and _library() is not None
+    return envs.CPU_KERNEL
+
+
+def available() -> bool:
+    """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
+    return enabled() and _library() is not None
 
 
 def _threads() -> int:
-    """FERRYMAN_CPU_THREADS, else torch's thread count, less one when this process drives a GPU:
-    its thread needs a core, and one preempted OpenMP thread stalls the whole product (on the H200
-    host, measured together with the link's copies: 664 experts/s with 16 of 16 cores)."""
-    from ferryman.envs import envs
-
-    if envs.CPU_THREADS > 0:
-        return envs.CPU_THREADS
+    """torch's thread count, less one when this process drives a GPU: its thread needs a core, and
+    one preempted OpenMP thread stalls the whole product."""
     n = torch.get_num_threads()
     return n - 1 if n > 2 and torch.cuda.is_initialized() else n
 

@@ -2,8 +2,8 @@
 
 `dequant_mxfp4_triton(blocks, scales, dtype)` returns exactly what `dequant_mxfp4` returns (the
 e2m1 value times 2^(s-127) in fp32, rounded once to `dtype`) in one launch and without a host
-sync, where the reference takes ~6 launches, fp32 temporaries 8x the packed size and one sync
-(the scale-255 check). Prefill-sized MoE on CUDA dequantises each expert it runs through it.
+sync (the reference syncs on its scale-255 check). Prefill-sized MoE on CUDA dequantises each
+expert it runs through it.
 
 The power of two is built from its bits, not `exp2`, so it is exact: s in 1..254 is the normal
 fp32 with exponent field s; s = 0 is the subnormal 2^-127 (bit 22); s = 255 is 2^127 then x 2,

@@ -167,8 +167,7 @@ static void rows(const float *xd, int64_t T, int64_t K, const uint8_t *blocks, c
 
 /* Scratch memory of the calling thread, grown on demand and kept: a fresh malloc of a few hundred
  * KiB per expert is an mmap, whose first touch page-faults and whose munmap shoots down the TLBs of
- * every OpenMP thread (with 4 tokens per expert on a 16-core host that made a CPU expert 2-3x
- * slower). Two regions, so the experts entry and the expert it calls each have their own. */
+ * every OpenMP thread. Two regions, so the experts entry and the expert it calls each have their own. */
 static float *scratch(int which, size_t floats) {
     static __thread float *buf[2];
     static __thread size_t cap[2];

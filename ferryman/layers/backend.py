@@ -1,0 +1,54 @@
+"""Which kernels run: FERRYMAN_KERNELS (auto|torch|triton), the escape hatch for the MoE and
+attention kernels, read once per process.
+
+auto: Triton for CUDA tensors when Triton imports, torch otherwise; torch: the torch paths;
+triton: Triton wherever a kernel exists (attention on CPU tensors then needs TRITON_INTERPRET=1).
+The small fused kernels (norms, RoPE, router) follow only `use_triton`: CUDA and Triton importable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels() -> str:
+    """FERRYMAN_KERNELS (envs reads it once; a bad value raises ConfigError naming it)."""
+    from ferryman.envs import envs
+
+    return envs.KERNELS
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """The small fused kernels: CUDA tensors and Triton importable."""
+    return x.is_cuda and triton_available()
+
+
+def attention_triton(device: torch.device) -> bool:
+    """Paged attention through Triton: auto on CUDA, or forced by FERRYMAN_KERNELS=triton."""
+    choice = kernels()
+    return choice == "triton" or (choice == "auto" and device.type == "cuda")
+
+
+def moe_triton(x: torch.Tensor, small: bool) -> bool:
+    """The MoE decode kernel for x on CUDA: auto for `small` batches (few (token, k) pairs), any
+    batch with FERRYMAN_KERNELS=triton, never with torch."""
+    choice = kernels()
+    if choice == "torch" or not x.is_cuda:
+        return False
+    if not triton_available():
+        if choice == "triton":
+            raise ValueError("FERRYMAN_KERNELS=triton but triton is not importable")
+        return False
+    return choice == "triton" or small
+

@@ -1,0 +1,131 @@
+"""What every routed-expert path shares: the activation, input checks, the grouping of (token, k)
+pairs by slot and the per-token sum in slot order. The MoE kernels import this, never the
+dispatcher (layers/fused_moe.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ferryman.quant import Banks
+
+Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
+
+
+def to_device(device: torch.device) -> Upload:
+    """The plain upload: an asynchronous copy on the current stream (of a fresh pageable tensor,
+    which the driver stages at once)."""
+    return lambda t: t.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class MoEActivation:
+    """silu: gate = first I rows of w13, up = last I, out = silu(gate) * up.
+    swiglu_oai (gpt-oss): gate = even rows, up = odd rows, gate <= limit, |up| <= limit,
+    out = (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swiglu_oai"):
+            raise ValueError(f"MoEActivation.kind must be 'silu' or 'swiglu_oai', got {self.kind!r}")
+
+
+def apply_activation(gate_up: torch.Tensor, act: MoEActivation) -> torch.Tensor:
+    """gate_up: [n, 2I] -> [n, I], op for op as transformers does it."""
+    if act.kind == "silu":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=act.limit)
+    up = up.clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
+@dataclass(frozen=True)
+class KernelBank:
+    """One projection's tensors as the Triton kernels take them, with their slot strides in
+    elements: weights, scales (dense: the weights again, unread) and bias (or a stand-in, unread,
+    stride 0). Each expert's slice is contiguous; the experts may be any stride apart (the
+    expert-major slot pool)."""
+
+    w: torch.Tensor
+    s: torch.Tensor
+    b: torch.Tensor
+    strides: tuple[int, int, int]
+
+
+def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
+    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
+    has_bias = "w13_bias" in banks and "w2_bias" in banks
+    b = banks[f"{proj}_bias"] if has_bias else stand_in
+    for name, t in (("weights", w), ("scales", s), ("bias", b)):
+        if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
+            raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
+                             f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0))
+
+
+def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
+    if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
+        raise ValueError(f"fused_moe: x must be a float [T, {hidden}] tensor, got {tuple(x.shape)} {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids must be [T={x.shape[0]}, K], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int32/int64, got {topk_ids.dtype}")
+    if topk_w.shape != topk_ids.shape or not topk_w.is_floating_point():
+        raise ValueError(f"fused_moe: topk_w must be float {tuple(topk_ids.shape)}, got {tuple(topk_w.shape)} "
+                         f"{topk_w.dtype}")
+    if topk_ids.device != x.device or topk_w.device != x.device:
+        raise ValueError(f"fused_moe: x, topk_ids, topk_w on different devices ({x.device}, "
+                         f"{topk_ids.device}, {topk_w.device})")
+
+
+def check_slot_range(ids: torch.Tensor, num_slots: int) -> None:
+    """Every id in [0, num_slots), read back with one device -> host copy."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.stack((ids.min(), ids.max())).tolist()
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {lo}, max {hi}")
+
+
+def group_by_slot(topk_ids: torch.Tensor, num_slots: int, host_ids: torch.Tensor | None = None,
+                  upload: Upload | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
+    """(slots used, ascending, on the host; pair ids [P] sorted by slot, on topk_ids' device; pairs
+    per used slot). From host_ids (the same ids on the host) with no device sync; else with one
+    device -> host read for the slots and their counts together."""
+    if host_ids is not None:
+        if host_ids.shape != topk_ids.shape:
+            raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+        sorted_ids, order = torch.sort(host_ids.reshape(-1).long(), stable=True)
+        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        host_slots, host_counts = slots.tolist(), counts.tolist()
+        order = (upload or to_device(topk_ids.device))(order)
+    else:
+        flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
+        sorted_ids, order = torch.sort(flat, stable=True)
+        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+        host_slots, host_counts = torch.stack((slots, counts)).tolist()
+    if host_slots and (host_slots[0] < 0 or host_slots[-1] >= num_slots):
+        raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {host_slots[0]}, "
+                         f"max {host_slots[-1]}")
+    return host_slots, order, host_counts
+
+
+def sum_in_slot_order(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """y [T, K, H] (pair t*K + k's weighted output, in the output dtype) -> [T, H]: each token's K
+    terms added one by one in ascending slot order from zero, the order in which the reference's
+    (and transformers') index_add_ accumulates them."""
+    T, K, hidden = y.shape
+    order = topk_ids.long().argsort(dim=1, stable=True)  # [T, K] ascending slot per token
+    y = y.gather(1, order[:, :, None].expand(T, K, hidden))
+    out = torch.zeros_like(y[:, 0])
+    for k in range(K):
+        out = out + y[:, k]
+    return out
