@@ -69,9 +69,10 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 def _dequantised_experts(fmt: str) -> int:
     """Experts the CUDA prefill MoE path of format `fmt` dequantises at once, for its largest
-    batches and the default kernels (the plan depends on no environment variable): a group on the
-    batched path, none on the grouped GEMM."""
-    return batched_moe.PREFILL_GROUP if prefill_path(fmt, kernels="auto") == "batched" else 0
+    batches: a group on the batched path, none on the grouped GEMM. The kernels' escape hatch
+    (FERRYMAN_KERNELS=torch, read once at start) or a machine without Triton takes the batched
+    path, and the plan counts it."""
+    return batched_moe.PREFILL_GROUP if prefill_path(fmt) == "batched" else 0
 
 
 def non_expert_params(cfg: ModelConfig) -> int:

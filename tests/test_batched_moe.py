@@ -112,25 +112,12 @@ def _force_prefill_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
 
 
 def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
-<<<<<<< HEAD
-    from ferryman.models.registry import model_config
-    from ferryman.weights.presets import get_preset
-=======
     import ferryman.layers.batched_moe as bm
-    from ferryman.config import ModelConfig
->>>>>>> kernels
+    from ferryman.models.registry import model_config
     from ferryman.planner import activation_bytes
     from ferryman.weights.presets import get_preset
 
-<<<<<<< HEAD
     cfg = model_config(get_preset("gpt-oss-20b"))
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "reference")
-    base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
-    monkeypatch.setenv("FERRYMAN_MOE_PREFILL", "batched")  # the default, groups of 8
-    extra = activation_bytes(cfg, torch.bfloat16, 2048, 1) - base
-=======
-    cfg = ModelConfig.from_hf(get_preset("gpt-oss-20b"))
->>>>>>> kernels
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # bf16 w13 of one expert
     _force_prefill_path(monkeypatch, "grouped")  # dequantises none
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
@@ -140,36 +127,20 @@ def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) 
     assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 3 * one_w13
 
 
-<<<<<<< HEAD
-@pytest.mark.parametrize("preset, auto_group", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
-def test_planner_counts_what_the_auto_path_dequantises(preset: str, auto_group: int,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto: MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
-    grouped GEMM (none); with FERRYMAN_MOE_BACKEND=torch the grouped kernel cannot run and
-    fused_moe falls back to the batched path, which the plan then counts."""
-    from ferryman.models.registry import model_config
-    from ferryman.layers.fused_moe import triton_available
-=======
 @pytest.mark.parametrize("preset, dequantised", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
 def test_planner_counts_what_the_default_path_dequantises(preset: str, dequantised: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
     grouped GEMM (none); with FERRYMAN_KERNELS=torch the grouped kernel cannot run and fused_moe
     falls back to the batched path, which the plan then counts."""
-    from ferryman.config import ModelConfig
+    from ferryman.models.registry import model_config
     from ferryman.layers.backend import triton_available
->>>>>>> kernels
     from ferryman.planner import activation_bytes
     from ferryman.weights.presets import get_preset
 
     if not triton_available():
-<<<<<<< HEAD
-        auto_group = 8  # no grouped kernel: the batched path
-    cfg = model_config(get_preset(preset))
-=======
         dequantised = 8  # no grouped kernel: the batched path
-    cfg = ModelConfig.from_hf(get_preset(preset))
->>>>>>> kernels
+    cfg = model_config(get_preset(preset))
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
     with monkeypatch.context() as m:
         _force_prefill_path(m, "grouped")

@@ -52,11 +52,7 @@ def test_reference_matches_transformers_gpt_oss(dtype: torch.dtype, cpu_kernel: 
 
     if cpu_kernel and not mxfp4_cpu.available():
         pytest.skip("no C compiler to build the CPU kernel")
-<<<<<<< HEAD
-    monkeypatch.setattr("ferryman.envs.envs.CPU_KERNEL", cpu_kernel)
-=======
     use_cpu_kernel(monkeypatch, cpu_kernel)
->>>>>>> kernels
     e, h, i, t, k = 8, 128, 64, 7, 4
     gen = _gen(0)
     banks = get_format("mxfp4").random_banks(e, h, i, True, dtype, gen)

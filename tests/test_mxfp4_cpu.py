@@ -14,7 +14,7 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
 from ferryman.quant import mxfp4_cpu
 from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
-from triton_interp import use_cpu_kernel
+from triton_interp import set_read_once, use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not mxfp4_cpu.available(), reason="no C compiler to build the CPU kernel")
 
@@ -56,7 +56,7 @@ def test_scale_255_doubles_like_the_reference() -> None:
 
 
 def test_build_without_native_flags_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRYMAN_CACHE_DIR", str(tmp_path))
+    set_read_once(monkeypatch, "CACHE_DIR", str(tmp_path))
     lib, how = mxfp4_cpu.build(portable_only=True)
     if lib is None:
         pytest.skip(f"no build: {how}")
