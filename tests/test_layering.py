@@ -199,8 +199,8 @@ def read_package(root: Path) -> dict[str, Module]:
 
 
 def cycle_edges(modules: dict[str, Module]) -> Iterator[tuple[str, str]]:
-    """Every runtime import edge that lies on a cycle: the edges inside a strongly connected
-    component (Tarjan, iterative), and self-imports."""
+    """Every runtime import edge that lies on a cycle: the edges between two modules of one strongly
+    connected component (Tarjan's algorithm, iterative)."""
     graph = {m: sorted({t for t, type_only in mod.imports if not type_only and t in modules})
              for m, mod in modules.items()}
     index: dict[str, int] = {}
@@ -235,7 +235,7 @@ def cycle_edges(modules: dict[str, Module]) -> Iterator[tuple[str, str]]:
                             break
     for a, targets in graph.items():
         for b in targets:
-            if comp[a] == comp[b] and (a != b or b in graph[a]):
+            if a != b and comp[a] == comp[b]:
                 yield a, b
 
 
