@@ -1,6 +1,21 @@
+import os
+
 import pytest
 import torch
 from tiny_models import ARCHS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker takes its share of torch's threads (OpenMP, also the C
+    kernel's), and so do the processes it starts (OMP_NUM_THREADS: the Triton interpreter scripts).
+    With every worker's threads on every core, each parallel region waits for a thread that is not
+    running: on 2 cores, 2 workers of 2 threads ran test_hf_parity in 3x the CPU time of 2 workers
+    of 1 thread, and 3-6x the wall time."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,7 +48,7 @@ def test_heldout_loss_matches_transformers() -> None:
 def test_demo_model_is_the_default_and_writes_python() -> None:
     llm = LLM(device="cpu")
     assert Path(llm.config.model) == DEMO_MODEL
-    out = llm.generate(["def quicksort(xs):"], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    out = llm.generate(["def quicksort(xs):"], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert len(out.token_ids) > 0 and out.finish_reason in ("stop", "length")
     assert out.text == AutoTokenizer.from_pretrained(DEMO_MODEL).decode(out.token_ids, skip_special_tokens=True)
 

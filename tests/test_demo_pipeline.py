@@ -35,7 +35,8 @@ TRICKY_FILES = ("lib2to3/tests/data/crlf.py", "test/tokenizedata/coding20731.py"
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "demo-moe"
-    assert build.main(["--out", str(out), "--tiny", "--device", "cpu"]) == 0
+    # 10 steps: one validation (val_every=10), a best step and a loss curve, as with the preset's 30
+    assert build.main(["--out", str(out), "--tiny", "--device", "cpu", "--max-steps", "10"]) == 0
     return out
 
 

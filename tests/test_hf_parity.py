@@ -36,10 +36,11 @@ def test_logits_match_transformers(tiny_with_ref, device: str) -> None:
 def test_greedy_tokens_match_transformers(tiny_with_ref, device: str) -> None:
     arch, folder, ref = tiny_with_ref
     llm = LLM(str(folder), device=device, dtype="float32")
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # 20 tokens after prompts of 5 and 13: past the sliding windows (8, 12) and two KV blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=PROMPTS[:2], params=params)
     for ids, out in zip(PROMPTS[:2], outs):
-        assert out.token_ids == hf_greedy(ref, ids, 32), f"{arch}: greedy tokens differ"
+        assert out.token_ids == hf_greedy(ref, ids, 20), f"{arch}: greedy tokens differ"
         assert out.finish_reason == "length"
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, rich, jinja2,
 # safetensors, tokenizers, anyio, click, prometheus-client, but no fastapi/uvicorn/pydantic/
-# llguidance) into .whl/ (git-ignored via .git/info/exclude), for `device run --carry .whl`.
+# llguidance) into .whl/ (git-ignored via the repository's info/exclude), for `device run --carry .whl`.
 # On the GPU machine: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+mkdir -p "$(dirname "$exclude")"
+for p in /.whl/ /.old/ /gpu-out/; do grep -qx "$p" "$exclude" 2>/dev/null || echo "$p" >> "$exclude"; done
 mkdir -p .whl
 plat=()
 for n in 17 24 27 28 31 34 35 39; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
