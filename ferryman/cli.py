@@ -260,7 +260,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         from ferryman.server import ServerConfig, serve
     except ImportError as e:
-        raise FerrymanError(f"ferryman serve needs the serve extra (pip install 'ferryman[serve]'): {e}") from None
+        raise FerrymanError(f"ferryman serve needs fastapi, uvicorn and pydantic (reinstall ferryman: pip install -e .): {e}") from None
     cfg = ServerConfig(served_model_names=a.served_model_name or [], api_key=a.api_key,
                        max_body_bytes=int(a.max_body_mb * 2**20), max_pending=a.max_queue,
                        output_parser=a.output_parser, warm_up=a.warm_up)

@@ -31,8 +31,7 @@ from ferryman.config import GiB, MiB, STRATEGIES, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import ExpertLayout
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
-from ferryman.layers import batched_moe
-from ferryman.layers.fused_moe import prefill_path
+from ferryman.layers import batched_moe, fused_moe
 from ferryman.quant.base import get_format
 
 CONTEXT_CAP = 32768  # the KV floor's per-sequence context cap
@@ -72,7 +71,7 @@ def _dequantised_experts(fmt: str) -> int:
     batches: a group on the batched path, none on the grouped GEMM. The kernels' escape hatch
     (FERRYMAN_KERNELS=torch, read once at start) or a machine without Triton takes the batched
     path, and the plan counts it."""
-    return batched_moe.PREFILL_GROUP if prefill_path(fmt) == "batched" else 0
+    return batched_moe.PREFILL_GROUP if fused_moe.prefill_path(fmt) == "batched" else 0
 
 
 def non_expert_params(cfg: ModelConfig) -> int:
