@@ -31,7 +31,7 @@ def _cfg(fmt: str = "dense", experts: int = 8, layers: int = 3, bias: bool = Fal
     )
 
 
-def _store(fmt: str = "dense", bias: bool = False, seed: int = 0, **kw: int) -> HostExpertStore:
+def make_store(fmt: str = "dense", bias: bool = False, seed: int = 0, **kw: int) -> HostExpertStore:
     cfg = _cfg(fmt, bias=bias, **kw)
     store = HostExpertStore(cfg, torch.float32, pin=False)
     gen = torch.Generator().manual_seed(seed)
@@ -81,7 +81,7 @@ def test_slots_fill_lowest_first_then_evict_lru_in_order() -> None:
 def test_exact_eviction_under_each_policy_on_the_fake_device(policy: str, victim: int) -> None:
     """Expert 1 is used most, 2 and 3 most recently: LRU drops 1, LRFU (half-life 16 steps) drops
     2, whose CRF 2^(-5/16) + 2^(-2/16) is the smallest; the new expert lands in the victim's slot."""
-    store = _store()
+    store = make_store()
     cache = ExpertCache(store, 3, torch.device("cpu"), make_policy(policy), True, RecordingTransfer())
     for step in ([1, 2, 3], [1], [1], [2], [3]):
         cache.begin_step()
@@ -153,7 +153,7 @@ def test_coalesce_runs() -> None:
 # ---- host store ------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
 def test_host_store_keeps_each_expert_contiguous(fmt: str, bias: bool) -> None:
-    store = _store(fmt, bias)
+    store = make_store(fmt, bias)
     layout = store.layout
     assert layout.row_bytes % ALIGN == 0
     spec_bytes = get_format(fmt).expert_bytes(64, 32, bias, torch.float32)
@@ -185,7 +185,7 @@ def test_host_store_is_pinned_on_cuda() -> None:
 @pytest.mark.parametrize("expert_major", [True, False])
 @pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
 def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_major: bool) -> None:
-    store = _store(fmt, bias)
+    store = make_store(fmt, bias)
     rec = RecordingTransfer()
     cache = ExpertCache(store, 4, torch.device("cpu"), LRUPolicy(), expert_major, rec)
     slots = cache.acquire(1, [2, 3, 4])
@@ -200,14 +200,14 @@ def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_
     assert rec.bytes == 3 * (store.layout.row_bytes if expert_major else sum(store.layout.sizes.values()))
 
 
-def _backend(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
+def offload_of(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
              expert_major: bool = True) -> tuple[OffloadExperts, RecordingTransfer]:
     rec = RecordingTransfer()
     cache = ExpertCache(store, slots, torch.device("cpu"), LRUPolicy(), expert_major, rec)
     return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
 
 
-def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(t, 64, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -217,8 +217,8 @@ def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("expert_major", [True, False])
 def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> None:
-    store = _store()
-    backend, rec = _backend(store, 6, expert_major=expert_major)
+    store = make_store()
+    backend, rec = offload_of(store, 6, expert_major=expert_major)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[1, 4], [4, 1], [2, 4], [1, 2], [4, 6]])  # 4 distinct experts, 10 pairs
     w = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(4)), dim=-1)
@@ -235,9 +235,9 @@ def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> Non
 
 
 def test_union_larger_than_the_cache_runs_in_rounds() -> None:
-    store = _store(seed=5)
-    backend, rec = _backend(store, 2)
-    x, ids, w = _routing(9, 8, 2, seed=6)
+    store = make_store(seed=5)
+    backend, rec = offload_of(store, 2)
+    x, ids, w = make_routing(9, 8, 2, seed=6)
     used = len(ids.unique())
     out = backend.forward(2, x, ids, w)
     want = fused_moe("dense", store.banks[2], x, ids, w, MoEActivation("silu"))
@@ -263,10 +263,10 @@ class FixedGate(torch.nn.Module):
 
 
 def test_next_layer_guess_is_prefetched_then_hit() -> None:
-    store = _store()
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
-    backend, rec = _backend(store, 6, NextLayerGuesser(gates, top_k=2))
-    x, _, w = _routing(1, 8, 2, seed=7)
+    backend, rec = offload_of(store, 6, NextLayerGuesser(gates, top_k=2))
+    x, _, w = make_routing(1, 8, 2, seed=7)
     backend.forward(0, x, torch.tensor([[2, 3]]), w)
     # layer 0's misses, the kernel, then the guess for layer 1 (experts 5, 6): its copies start
     # after every input of the kernel was issued
@@ -278,11 +278,11 @@ def test_next_layer_guess_is_prefetched_then_hit() -> None:
 
 
 def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
-    store = _store()
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
     guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
-    backend, _ = _backend(store, 8, guesser)
-    x, _, w = _routing(1, 8, 2, seed=8)
+    backend, _ = offload_of(store, 8, guesser)
+    x, _, w = make_routing(1, 8, 2, seed=8)
     for step in range(12):
         backend.forward(0, x, torch.tensor([[2, 3]]), w)
         backend.forward(1, x, torch.tensor([[(step % 2) + 1, 7]]), w)  # never 5 or 6
@@ -295,12 +295,12 @@ def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
 def test_one_sequence_grades_do_not_turn_batches_off() -> None:
     """A layer whose one-token guesses are wrong stops guessing for one sequence but still guesses
     for batches, graded apart (a batch's union of guesses is right far more often)."""
-    store = _store()
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
     guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
-    backend, _ = _backend(store, 8, guesser)
-    x1, _, w1 = _routing(1, 8, 2, seed=8)
-    x3, _, w3 = _routing(3, 8, 2, seed=9)
+    backend, _ = offload_of(store, 8, guesser)
+    x1, _, w1 = make_routing(1, 8, 2, seed=8)
+    x3, _, w3 = make_routing(3, 8, 2, seed=9)
     for step in range(12):  # one sequence: layer 1's guess (5, 6) is never used
         backend.forward(0, x1, torch.tensor([[2, 3]]), w1)
         backend.forward(1, x1, torch.tensor([[(step % 2) + 1, 7]]), w1)

@@ -13,7 +13,7 @@ from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.plan import Guess, LayerPlan, Prefetch, make_plan
 from ferryman.experts.policies import LRUPolicy
 from ferryman.layers.fused_moe import MoEActivation
-from test_expert_cache import FixedGate, RecordingTransfer, _routing, _store
+from test_expert_cache import FixedGate, RecordingTransfer, make_routing, make_store
 
 
 def test_plan_splits_used_experts_into_hits_and_fetches() -> None:
@@ -58,7 +58,7 @@ def test_plan_prefetches_in_order_with_their_widths() -> None:
 
 def _executor(slots: int, guesser: NextLayerGuesser | None = None) -> tuple[OffloadExperts, RecordingTransfer]:
     rec = RecordingTransfer()
-    cache = ExpertCache(_store(), slots, torch.device("cpu"), LRUPolicy(), True, rec)
+    cache = ExpertCache(make_store(), slots, torch.device("cpu"), LRUPolicy(), True, rec)
     return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
 
 
@@ -67,7 +67,7 @@ def test_route_plans_from_the_cache_and_the_guesser() -> None:
     first), layer 1 guesses layer 2; the last layer wraps to the first; hits are what is cached."""
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([3, 4])}
     backend, rec = _executor(8, NextLayerGuesser(gates, top_k=2))
-    x, _, w = _routing(1, 8, 2, seed=1)
+    x, _, w = make_routing(1, 8, 2, seed=1)
     backend.begin_step()
     plan, host = backend.route(0, x, torch.tensor([[2, 3]]), False)
     assert (plan.hits, plan.fetch, plan.cpu) == ((), (2, 3), ())
@@ -86,7 +86,7 @@ def test_executor_issues_the_plan_in_the_gpu_order() -> None:
     """Demand copies, the wait, the kernel's release, then the prefetch copies, for the eager path
     and for prepare_decode + finish_step (the CUDA-graph path) alike."""
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
-    x, _, w = _routing(1, 8, 2, seed=2)
+    x, _, w = make_routing(1, 8, 2, seed=2)
     logs = []
     for graph in (False, True):
         backend, rec = _executor(6, NextLayerGuesser(gates, top_k=2))
@@ -110,7 +110,7 @@ def test_a_gap_guess_copies_its_first_uncached_expert() -> None:
     guesser = NextLayerGuesser(gates, top_k=2)
     guesser.counters[1].enabled = False  # the precision gate turned layer 1's full guess off
     backend, rec = _executor(6, guesser)
-    x, _, w = _routing(1, 8, 2, seed=3)
+    x, _, w = make_routing(1, 8, 2, seed=3)
     backend.cache.release(1, [5], backend.cache.acquire(1, [5]))  # 5 is cached already
     rec.log.clear()
     plan, _ = backend.route(0, x, torch.tensor([[2, 3]]), False)

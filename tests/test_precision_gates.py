@@ -1,4 +1,4 @@
-"""The decode guesses' precision gates (experts/prefetch.py): graded per step width (one
+"""The decode guesses' precision gates (experts/guesses.py): graded per step width (one
 sequence, small batches, wide ones), re-probed after a while, their bar scaled with the guess
 width; and a one-sequence guess's adaptive copy width."""
 

@@ -1,24 +1,16 @@
 """Offloaded experts: the `ExpertBackend` that computes from a slot cache of a host store.
 
-The runner brackets each forward with `begin_step` / `end_step`. Per MoE layer and step (any mix
-of prefill chunks and decodes), the path of a miss:
-1. `route`: the guesser's routers run for the next layer (experts/guesses.py), then the union of
-   the batch's top-k ids and the guesses' ids are read on the host (one sync; concurrent requests
-   share every lookup and fetch);
-2. `make_plan` (experts/plan.py) decides, as data, hits, misses to fetch, misses for the CPU (the
-   hybrid split, experts/hybrid.py) and guesses to prefetch;
-3. `start` carries the plan out up to the kernel: the CPU job starts (experts/cpu_compute.py),
-   `ExpertCache.acquire` pins the device's experts, copies the misses in and orders the kernels
-   after the copies; expert ids become slot ids through a per-call table;
-4. the kernel runs on the slot banks, eagerly (`forward`) or as the layer's CUDA graph
-   (engine/segment_graphs.py, after `prepare_decode`); the CPU's pairs weigh 0 in it;
-5. `finish_step` unpins (later copies into those slots wait for the kernels that read them), then
-   starts the plan's prefetch copies; a streaming chunk then demotes what it brought in beyond the
-   layer's even share (`ExpertCache.demote_fetched`), so prefill cycles a window of slots.
-
-If the union is larger than the slots not in use (a long prefill chunk with a small cache), the
-layer runs in rounds: cached experts first, then as many misses as fit, each round a `fused_moe`
-over its (token, k) pairs, summed into the output.
+The runner brackets each forward with `begin_step` / `end_step`. Per MoE layer and step:
+1. `route`: the guesser's routers run (experts/guesses.py), then the batch's distinct expert ids
+   and the guesses' are read on the host in one sync, and `make_plan` (experts/plan.py) decides;
+2. `start`: the CPU's job starts (hybrid), `ExpertCache.acquire` pins the device's experts, copies
+   the misses in and orders the kernels after the copies; expert ids become slot ids;
+3. the kernel runs on the slot banks, eagerly (`forward`) or as the layer's CUDA graph
+   (engine/segment_graphs.py after `prepare_decode`); the CPU's pairs weigh 0 in it;
+4. `finish_step` unpins, then issues the prefetch copies; a streaming chunk then demotes what it
+   brought in beyond the layer's even share (`ExpertCache.demote_fetched`).
+A union larger than the slots not in use runs in rounds: cached experts first, then as many misses
+as fit, each round a `fused_moe` over its (token, k) pairs, summed into the output.
 """
 
 from __future__ import annotations
