@@ -19,7 +19,6 @@ class CPUPart:
 
     job: Future
     off: torch.Tensor
-    units: float  # what the split expects the job to cost, in 1-token experts (HybridSplit.units)
 
 
 @dataclass(frozen=True)

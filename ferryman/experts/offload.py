@@ -39,7 +39,6 @@ class OffloadExperts:
             self.cpu = CPUExperts(cache.store, act, threaded)
         self.fmt = cache.store.format.name
         self.num_experts = cache.num_experts
-        self._tokens: list[int] = []  # the last split's token count per expert (its CPU job's cost)
 
     # ---- a step ------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -85,11 +84,11 @@ class OffloadExperts:
             wrap = g.wrap(layer, used, rows, streaming)
             if wrap:
                 guesses.append(Guess(g.first, "wrap", tuple(wrap)))
-        cpu = None
+        cpu, units = None, 0.0
         if self.hybrid is not None and self.hybrid.applies(rows, streaming):
-            cpu = self._split(layer, used, host_ids)
+            cpu, units = self._split(layer, used, host_ids)
         cached = {e for e in used if self.cache.contains(layer, e)}
-        return make_plan(layer, rows, streaming, used, cached, self.cache.available(), cpu, guesses), host_ids
+        return make_plan(layer, rows, streaming, used, cached, self.cache.available(), cpu, guesses, units), host_ids
 
     def _width(self, target: int, kind: str, rows: int) -> int | None:
         assert self.guesser is not None  # a proposal came from it
@@ -97,15 +96,16 @@ class OffloadExperts:
             return self.guesser.gap_k
         return self.guesser.copy_width(target) if kind == "full" and rows == 1 else None
 
-    def _split(self, layer: int, used: list[int], host_ids: torch.Tensor) -> list[int]:
-        """The hybrid split's misses for the CPU (ascending)."""
+    def _split(self, layer: int, used: list[int], host_ids: torch.Tensor) -> tuple[list[int], float]:
+        """The hybrid split's misses for the CPU (ascending), and what they cost it (1-token experts)."""
         assert self.hybrid is not None
         self.hybrid.history.use([(layer, e) for e in used])
         misses = [e for e in used if not self.cache.contains(layer, e)]
         hits = len(used) - len(misses)
         room = self.cache.available() - hits  # hits are cached and not in use between layers: >= 0
-        self._tokens = torch.bincount(host_ids.flatten(), minlength=self.num_experts).tolist()  # per expert
-        return self.hybrid.split(layer, misses, room, device_min=0 if hits else 1, tokens=self._tokens)[1]
+        tokens = torch.bincount(host_ids.flatten(), minlength=self.num_experts).tolist()  # per expert
+        on_cpu = self.hybrid.split(layer, misses, room, device_min=0 if hits else 1, tokens=tokens)[1]
+        return on_cpu, self.hybrid.units(on_cpu, tokens) if on_cpu else 0.0
 
     def start(self, plan: LayerPlan, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor) -> LayerStep:
         """Carry `plan` out up to its kernel: start the CPU's job, pin the device's experts (copying
@@ -124,20 +124,19 @@ class OffloadExperts:
 
     def _submit(self, plan: LayerPlan, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor) -> CPUPart:
         """Start the CPU's part of a hybrid step (in the worker), while the device fetches."""
-        assert self.cpu is not None and self.hybrid is not None  # the split applied
+        assert self.cpu is not None  # the split applied
         on_cpu = list(plan.cpu)
         job = self.cpu.submit(plan.layer, x, host_ids, topk_w, on_cpu)
         off = torch.zeros(self.num_experts, dtype=torch.bool)
         off[on_cpu] = True
-        units = self.hybrid.units(on_cpu, self._tokens)
-        return CPUPart(job, off[host_ids].to(self.cache.device, non_blocking=True), units)  # off: [T, K]
+        return CPUPart(job, off[host_ids].to(self.cache.device, non_blocking=True))  # off: [T, K]
 
     def cpu_part(self, step: LayerStep) -> torch.Tensor:
         """The [T, H] output of the pairs `step` sent to the CPU, on the cache's device (waits)."""
         assert self.cpu is not None and step.cpu is not None  # a hybrid step
         out, seconds = self.cpu.result(step.cpu.job)
         if self.hybrid is not None:
-            self.hybrid.observe(step.cpu.units, seconds)
+            self.hybrid.observe(step.plan.cpu_units, seconds)
         return out.to(self.cache.device, non_blocking=True)
 
     def finish_step(self, step: LayerStep) -> None:

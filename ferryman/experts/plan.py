@@ -52,6 +52,7 @@ class LayerPlan:
     cpu: tuple[int, ...]  # misses computed on the CPU, ascending
     prefetch: tuple[Prefetch, ...]  # in issue order
     rounds: bool = False  # more experts than slots not in use: the layer runs in rounds (eager)
+    cpu_units: float = 0.0  # what the split expects the CPU's part to cost, in 1-token experts
 
     @property
     def device(self) -> list[int]:
@@ -60,17 +61,18 @@ class LayerPlan:
 
 
 def make_plan(layer: int, rows: int, streaming: bool, used: list[int], cached: Collection[int], available: int,
-              cpu: list[int] | None, guesses: list[Guess]) -> LayerPlan:
+              cpu: list[int] | None, guesses: list[Guess], cpu_units: float = 0.0) -> LayerPlan:
     """The plan of `layer`'s step. used: distinct experts of the step, ascending; cached: those of
     `layer` in the cache; available: slots not in use; cpu: the hybrid split's misses for the CPU
-    (None: no split applies); guesses: the guesser's answers, in issue order."""
+    (None: no split applies) and `cpu_units` their cost; guesses: the guesser's answers, in issue
+    order."""
     on_cpu = set(cpu or ())
     device = [e for e in used if e not in on_cpu]
     hits = tuple(e for e in device if e in cached)
     fetch = tuple(e for e in device if e not in cached)
     rounds = cpu is None and len(used) > available
     return LayerPlan(layer, rows, streaming, hits, fetch, tuple(sorted(on_cpu)),
-                     tuple(_prefetch(g, rows) for g in guesses), rounds)
+                     tuple(_prefetch(g, rows) for g in guesses), rounds, cpu_units)
 
 
 def _prefetch(g: Guess, rows: int) -> Prefetch:
