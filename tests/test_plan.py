@@ -117,3 +117,12 @@ def test_a_gap_guess_copies_its_first_uncached_expert() -> None:
     assert [(p.kind, p.limit) for p in plan.prefetch] == [("gap", 1)]
     backend.forward(0, x, torch.tensor([[2, 3]]), w)
     assert backend.cache.contains(1, 6) and guesser.gap_pending == {1: {6}}
+
+
+def test_the_guesser_sets_each_kinds_copy_limit() -> None:
+    """A gap guess copies gap_k, a one-sequence full guess its narrow width (top-4: 2) until its
+    tails prove precise; a batch's, a wrap and a prefill chunk's guess copy everything."""
+    g = NextLayerGuesser({0: FixedGate([0, 1]), 1: FixedGate([5, 6])}, top_k=4)
+    limits = [g.copy_limit(1, kind, rows) for kind, rows in (("gap", 1), ("full", 1), ("full", 2), ("wrap", 1),
+                                                             ("stream", 40))]
+    assert limits == [1, 2, None, None, None]

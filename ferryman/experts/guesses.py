@@ -113,6 +113,13 @@ class NextLayerGuesser:
         precise = c.tail_guessed >= self.min_samples and c.tail_used >= self.tail_bar * c.tail_guessed
         return self.top_k if precise else narrow_k(self.top_k)
 
+    def copy_limit(self, target: int, kind: str, rows: int) -> int | None:
+        """How many of a guess's experts to copy: a gap guess's `gap_k`, a one-sequence full
+        guess's `copy_width`; None: all of them."""
+        if kind == "gap":
+            return self.gap_k
+        return self.copy_width(target) if kind == "full" and rows == 1 else None
+
     def remember_tail(self, layer: int, tail: list[int]) -> None:
         """The one-sequence guess's experts past its copy width: graded when `layer` runs."""
         self.tail_pending[layer] = tail

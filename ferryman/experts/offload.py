@@ -78,8 +78,10 @@ class OffloadExperts:
         rows, g = x.shape[0], self.guesser
         proposals = g.propose(layer, x, streaming) if g is not None else []
         used, guessed, host_ids = host_ids_of(topk_ids, [p[2] for p in proposals])
-        guesses = [Guess(t, kind, tuple(ids), self._width(t, kind, rows)) for (t, kind, _), ids in zip(proposals, guessed)]
+        guesses: list[Guess] = []
         if g is not None:
+            guesses = [Guess(t, kind, tuple(ids), g.copy_limit(t, kind, rows))
+                       for (t, kind, _), ids in zip(proposals, guessed)]
             g.score(layer, used, 0 if streaming else rows)
             wrap = g.wrap(layer, used, rows, streaming)
             if wrap:
@@ -89,12 +91,6 @@ class OffloadExperts:
             cpu, units = self._split(layer, used, host_ids)
         cached = {e for e in used if self.cache.contains(layer, e)}
         return make_plan(layer, rows, streaming, used, cached, self.cache.available(), cpu, guesses, units), host_ids
-
-    def _width(self, target: int, kind: str, rows: int) -> int | None:
-        assert self.guesser is not None  # a proposal came from it
-        if kind == "gap":
-            return self.guesser.gap_k
-        return self.guesser.copy_width(target) if kind == "full" and rows == 1 else None
 
     def _split(self, layer: int, used: list[int], host_ids: torch.Tensor) -> tuple[list[int], float]:
         """The hybrid split's misses for the CPU (ascending), and what they cost it (1-token experts)."""
