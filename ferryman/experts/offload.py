@@ -58,7 +58,7 @@ class OffloadExperts:
         plan, host_ids = self.route(layer, x, topk_ids, streaming)
         if plan.rounds:
             out = self._compute_rounds(layer, x, topk_ids, topk_w, plan.device)
-            self.issue_prefetches(plan.prefetch, streaming, plan.rows)
+            self.issue_prefetches(plan)
             return out
         return self._compute(x, topk_w, self.start(plan, x, host_ids, topk_w))
 
@@ -145,16 +145,16 @@ class OffloadExperts:
         path's launches (`fused_moe(inputs_issued=)`); its step comes here with them started."""
         self.cache.release(step.layer, step.plan.device, step.slots)
         if not step.prefetched:
-            self.issue_prefetches(step.plan.prefetch, step.plan.streaming, step.plan.rows)
+            self.issue_prefetches(step.plan)
 
-    def issue_prefetches(self, prefetches: tuple[Prefetch, ...], streaming: bool, rows: int) -> None:
+    def issue_prefetches(self, plan: LayerPlan) -> None:
         """Start the copies of the plan's guesses, and hand the guesser what to grade."""
-        g = self.guesser
+        g, streaming = self.guesser, plan.streaming
         if g is None:
             return
         # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
         split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
-        for p in prefetches:
+        for p in plan.prefetch:
             if p.kind == "gap":
                 g.remember_gap(p.target, self.cache.prefetch(p.target, self._uncached(p)[: p.limit]))
                 continue
@@ -163,7 +163,7 @@ class OffloadExperts:
             # ascending: consecutive experts into consecutive slots coalesce into one copy
             copy = sorted(p.experts) if split is None else split.link_share(p.target, self._uncached(p))
             fetched = self.cache.prefetch(p.target, copy, streaming=streaming)
-            g.remember(p.target, list(p.guessed), fetched, streaming, rows)
+            g.remember(p.target, list(p.guessed), fetched, streaming, plan.rows)
 
     def _uncached(self, p: Prefetch) -> list[int]:
         """The prefetch's experts not cached now (the layer's own fetches may have evicted some)."""
@@ -175,7 +175,7 @@ class OffloadExperts:
             out = torch.zeros_like(x)  # [T, H]
         else:
             w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
-            early = (lambda: self.issue_prefetches(plan.prefetch, True, plan.rows)) if plan.streaming else None
+            early = (lambda: self.issue_prefetches(plan)) if plan.streaming else None
             out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids,
                             inputs_issued=early, upload=self._upload(plan.streaming))
             step = replace(step, prefetched=plan.streaming)
