@@ -15,16 +15,11 @@ its last one finishes), as `ferryman bench serve` does, prefills mixed into the 
 over the whole run and the mean time to first token, with no HTTP or tokenizer threads beside the
 engine (set beside a served run, this separates the engine from the server around it).
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
-machine's state: `off` and `early` set the decode prefetch (the next layer's router on this layer's
-MoE input, FERRYMAN_DECODE_PREFETCH=early, with the engine's guess widths; `early6` guesses 6
-experts per token in every step, FERRYMAN_DECODE_PREFETCH_TOPK=6 and FERRYMAN_DECODE_PREFETCH_SOLO_TOPK=6; `early@16` guesses in steps of up to 16 sequences,
-FERRYMAN_DECODE_PREFETCH_MAX_SEQS=16); `cpu` and `early+cpu` also turn on the hybrid split
-(the engine is then started with --cpu-experts on; `off`/`early` switch it off); `+noadm` turns the
-cache policy's admission control off (lrfu admit_margin None, experts/policies.py); `+gap` / `+gapN` copies 1 / N guessed experts in
-one-sequence steps of layers whose full guess is off (FERRYMAN_DECODE_GAP_GUESS; the engine's
-default is 1, so `early+gap` is the default and `early` turns gap guesses off); `+wrap` makes the
-last MoE layer copy what the first used, for the next step (FERRYMAN_DECODE_WRAP_GUESS); `+inputs`
-sends the decode steps' slot ids on the expert copy stream (FERRYMAN_INPUTS_ON_COPY_STREAM=all).
+machine's state: `off` and `early` set the decode prefetch (OffloadConfig.decode_prefetch: the
+next layer's router on this layer's MoE input, with the engine's guess widths); `cpu` and
+`early+cpu` also turn on the hybrid split (the engine is then started with --cpu-experts on;
+`off`/`early` switch it off); `+noadm` turns the cache policy's admission control off (lrfu
+admit_margin None, experts/policies.py).
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import re
 import sys
@@ -46,10 +40,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_offload import link_bandwidth  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
-from ferryman.experts.prefetch import GuessCounters  # noqa: E402
 
-MODES = ("off", "early", "cpu", "early+cpu")  # early may name a guess width and batch limit: early6@16+cpu
-MODE = re.compile(r"^(off|cpu|early(\d*)(?:@(\d+))?)((?:\+(?:cpu|noadm|wrap|inputs|gap\d*))*)$")
+MODES = ("off", "early", "cpu", "early+cpu")  # each may add +noadm
+MODE = re.compile(r"^(off|cpu|early)((?:\+(?:cpu|noadm))*)$")
 COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "prefetch_fetched", "prefetch_hits",
             "cpu_computed")
 
@@ -58,38 +51,22 @@ COUNTERS = ("hits", "misses", "bytes_h2d", "h2d_seconds", "stall_seconds", "pref
 class Defaults:
     """The engine's own settings that modes override, read once before the first mode."""
 
-    max_seqs: int  # the guesser's decode_max_seqs
     margin: float | None  # the cache policy's admission margin (lrfu)
-    solo_k: int  # the guesser's one-sequence guess width
 
     @staticmethod
     def of(llm: LLM) -> "Defaults":
         experts = llm.engine.runner.experts
-        guesser = getattr(experts, "guesser", None)
-        if guesser is None:
+        if getattr(experts, "guesser", None) is None:
             raise SystemExit("this engine has no next-layer guesser (not offloaded, or prefetch off)")
-        return Defaults(guesser.decode_max_seqs, getattr(experts.cache.table.policy, "admit_margin", None),
-                        guesser.solo_k)
+        return Defaults(getattr(experts.cache.table.policy, "admit_margin", None))
 
 
 def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     """Decode prefetch and the hybrid split as `mode` says, on the running engine."""
     experts = llm.engine.runner.experts
     guesser = experts.guesser
-    m = MODE.match(mode)
-    assert m is not None  # main() checked every mode
-    guesser.decode = "early" if mode.startswith("early") else "off"
-    guesser.decode_k = int(m.group(2) or 0)  # experts per token of a guess (0: top-k)
-    guesser.solo_k = int(m.group(2) or 0) or defaults.solo_k  # earlyN: N in one-sequence steps too
-    guesser.decode_max_seqs = int(m.group(3)) if m.group(3) else defaults.max_seqs
-    gap = re.search(r"\+gap(\d*)", mode)
-    guesser.gap_k = (int(gap.group(1) or 1)) if gap else 0
-    guesser.wrap = "+wrap" in mode
-    # +inputs: decode steps send their slot ids on the copy stream too (read at each step)
-    os.environ["FERRYMAN_INPUTS_ON_COPY_STREAM"] = "all" if "+inputs" in mode else "prefill"
-    if guesser.wrap:
-        for grades in (guesser.counters, guesser.batch_counters, guesser.wide_counters):
-            grades.setdefault(guesser.first, GuessCounters())
+    assert MODE.match(mode) is not None  # main() checked every mode
+    guesser.decode = mode.startswith("early")
     for c in guesser.every_grade():  # each run grades its own guesses
         c.enabled = c.gap_enabled = True
     policy = experts.cache.table.policy
@@ -192,7 +169,7 @@ def main() -> None:
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if bad := [m for m in modes if not MODE.match(m)]:
-        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)} (early[K][@SEQS], +noadm)")
+        raise SystemExit(f"unknown mode(s) {bad}: choose from {', '.join(MODES)} (each may add +noadm)")
     model, budget = a.target.split(":")
     hybrid = any("cpu" in m for m in modes)
     # demo:cpu is a smoke test on the CPU: the demo model with a 10% cache

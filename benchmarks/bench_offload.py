@@ -38,7 +38,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.engine.warm_up import warm_up  # noqa: E402
-from ferryman.experts.placement import rebind_offload  # noqa: E402
 
 TARGETS = ("gpt-oss-120b:16GiB", "gpt-oss-20b:8GiB", "qwen3-30b-a3b:8GiB")
 
@@ -69,7 +68,7 @@ def uncached_bytes(llm: LLM) -> int:
     return max(0, total - eng.stats()["experts"].get("slots", total)) * eng.plan.slot_bytes
 
 
-COUNTERS = ("hits", "misses", "bytes_h2d", "bytes_host_reads", "copies_h2d", "h2d_seconds", "stall_seconds",
+COUNTERS = ("hits", "misses", "bytes_h2d", "copies_h2d", "h2d_seconds", "stall_seconds",
             "prefetch_fetched", "prefetch_hits", "cpu_computed")
 
 
@@ -99,13 +98,15 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         kw["expert_cache"] = a.expert_cache
     if a.cpu_experts != "off":
         kw["cpu_experts"] = a.cpu_experts
+    if a.no_decode_prefetch:
+        kw["decode_prefetch"] = False
     t0 = time.perf_counter()
     llm = LLM(None if demo else model, **kw)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.bank_major or a.decode_prefetch):
-        rebind_offload(eng.runner, policy=a.policy, prefetch=not a.no_prefetch,
-                       expert_major=False if a.bank_major else None, decode_prefetch=a.decode_prefetch)
+    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.bank_major):
+        eng.runner.rebind_experts(policy=a.policy, prefetch=not a.no_prefetch,
+                                  expert_major=False if a.bank_major else None, decode_prefetch=not a.no_decode_prefetch)
     experts = eng.stats()["experts"]
     chunk = eng.plan.request.max_num_batched_tokens
     slot_bytes = eng.plan.slot_bytes
@@ -113,9 +114,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     vocab = eng.cfg.vocab_size
     rand = lambda n: torch.randint(1, vocab, (n,), generator=gen).tolist()  # noqa: E731
-    # warm-up: `ferryman serve`'s (every step shape a server meets: on a fresh Triton cache, session
-    # 16's 4k TTFT of gpt-oss-20b took 1.19 s, compiles included, after a lone 512-token warm-up),
-    # then one request as before: layer-graph capture, cuBLAS heuristics
+    # warm-up: `ferryman serve`'s (every step shape a server meets: Triton compiles), then one
+    # request as before: layer-graph capture, cuBLAS heuristics
     warm = warm_up(eng)
     print(f"warm-up: {warm.seconds:.1f} s, {warm.steps} steps, the slowest {warm.slowest_s:.2f} s", file=sys.stderr)
     generate(llm, rand(512), 8)
@@ -130,7 +130,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     decode_steps = max(1, a.decode_tokens - 1)  # the counters start after the first token
     misses_per_token = dec.get("misses", 0) / decode_steps
     # every byte that crossed the link per token (misses, and prefetched copies right or wrong)
-    moved_per_token = (dec.get("bytes_h2d", 0) + dec.get("bytes_host_reads", 0)) / decode_steps
+    moved_per_token = dec.get("bytes_h2d", 0) / decode_steps
     wasted = max(0, dec.get("prefetch_fetched", 0) - dec.get("prefetch_hits", 0)) * slot_bytes / decode_steps
     needed_per_token = moved_per_token - wasted  # the copies of wrong guesses left out
     row = {
@@ -205,10 +205,8 @@ def main() -> None:
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
-    ap.add_argument("--decode-prefetch", nargs="?", const="early", choices=("off", "early", "late", "late2"), default=None,
-                    help="prefetch guessed experts in decode steps: early (the flag alone), late or late2 "
-                         "(default: FERRYMAN_DECODE_PREFETCH, off). The flag rebinds the backend after the "
-                         "graphs were captured, so its MoE runs eagerly: A/B through the variable instead")
+    ap.add_argument("--no-decode-prefetch", action="store_true",
+                    help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
     ap.add_argument("--bank-major", action="store_true",
                     help="bank-major slot pool (one copy per bank of each expert; default: expert-major)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],

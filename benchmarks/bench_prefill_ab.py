@@ -1,17 +1,17 @@
 """Offloaded prefill, variants in turn in one process: tokens/s and the ratio to the streaming limit.
 
     python benchmarks/bench_prefill_ab.py --target gpt-oss-120b:16GiB --prompt 8192 \
-        --variant FERRYMAN_PREFETCH_BEFORE_GROUPS=0 --variant "" --variant FERRYMAN_PREFETCH_SPLIT_BUSY=1 --reps 2
+        --variant "" --variant prefetch=0 --variant policy=lru --settle 1 --reps 2
 
 `--prompt 256,8192` runs each size in turn (a warm-up prompt of that size first).
 
 Separate processes are a poor A/B on a fresh machine: the first pays Triton's compiles (the disk
 cache serves the next), and the 120b load pins ~60 GB each time. Here one engine loads once, runs a
 warm-up prompt, then goes through the variants in turn over fresh prompts (no prefix-cache hit).
-A variant is a list of VAR=VALUE settings ("" for the defaults): ferryman reads its environment
-variables at each use, and every variable any variant names is unset before a variant applies its
-own. Only variables read per step vary this way (FERRYMAN_PREFETCH_BEFORE_GROUPS, _SPLIT_BUSY,
-_AVOID_BUSY); FERRYMAN_PREFILL_LOOKAHEAD, for one, is read when the engine is built. The streaming limit is the
+A variant is a list of OPTION=VALUE settings of the offloaded experts ("" for the defaults):
+prefetch=0|1 (the next layer's experts streamed ahead), policy=lru|lrfu, expert_major=0|1; each
+switch rebuilds the expert backend with them (ModelRunner.rebind_experts), so its cache starts
+empty: --settle runs unmeasured prompts first. The streaming limit is the
 prompt's chunks x the uncached experts' bytes / the measured link bandwidth: every chunk of a long
 prompt routes to about every expert, and what is not cached has to cross the link once per chunk.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_offload import link_bandwidth, uncached_bytes  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
+
+OPTIONS = ("prefetch", "policy", "expert_major")
 
 
 def prefill_s(llm: LLM, prompt: list[int]) -> float:
@@ -49,7 +50,7 @@ def main() -> None:
     ap.add_argument("--expert-cache", help="expert slots (a count or a fraction such as 25%%) instead of the plan's")
     ap.add_argument("--prompt", default="8192", help="prompt tokens per run; a comma list runs each size in turn")
     ap.add_argument("--variant", action="append", required=True,
-                    help='space-separated VAR=VALUE settings ("" for the defaults); repeat for each variant')
+                    help='space-separated OPTION=VALUE settings ("" for the defaults); repeat for each variant')
     ap.add_argument("--reps", type=int, default=2, help="rounds over the variants")
     ap.add_argument("--settle", type=int, default=0,
                     help="unmeasured prompts after each switch (for variants that reshape the cache's contents)")
@@ -57,9 +58,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the rows here")
     a = ap.parse_args()
     variants = [dict(kv.split("=", 1) for kv in v.split()) for v in a.variant if all("=" in kv for kv in v.split())]
-    if len(variants) != len(a.variant):
-        ap.error(f"each --variant is VAR=VALUE settings separated by spaces, got {a.variant}")
-    named = {var for v in variants for var in v}
+    if len(variants) != len(a.variant) or any(set(v) - set(OPTIONS) for v in variants):
+        ap.error(f"each --variant is OPTION=VALUE settings ({', '.join(OPTIONS)}) separated by spaces, got {a.variant}")
     model, _, budget = a.target.partition(":")
     kw = {} if Path(model).is_dir() else {"load_format": "dummy"}
     if a.expert_cache:
@@ -72,13 +72,18 @@ def main() -> None:
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
     rows = []
     for size in (int(p) for p in a.prompt.split(",")):
-        rows += _sweep(llm, variants, named, min(size, eng.max_model_len - 2), uncached, bw, a)
+        rows += _sweep(llm, variants, min(size, eng.max_model_len - 2), uncached, bw, a)
     if a.json:
         a.json.write_text(json.dumps({"target": a.target, "slots": slots, "chunk": chunk, "link_gb_s": bw / 1e9,
                                       "rows": rows}, indent=1))
 
 
-def _sweep(llm: LLM, variants: list[dict[str, str]], named: set[str], n: int, uncached: int, bw: float,
+def options(variant: dict[str, str]) -> dict:
+    """rebind_experts' keyword arguments of a variant."""
+    return {k: (v if k == "policy" else v not in ("0", "false", "off")) for k, v in variant.items()}
+
+
+def _sweep(llm: LLM, variants: list[dict[str, str]], n: int, uncached: int, bw: float,
            a: argparse.Namespace) -> list[dict]:
     """Every variant over fresh n-token prompts, a.reps rounds; one row each (also printed)."""
     eng = llm.engine
@@ -88,8 +93,6 @@ def _sweep(llm: LLM, variants: list[dict[str, str]], named: set[str], n: int, un
     limit_s = -(-n // chunk) * uncached / bw  # seconds if the link streamed the uncached experts non-stop
     gen = torch.Generator().manual_seed(0)
     rand = lambda: torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-    for var in named:
-        os.environ.pop(var, None)
     prefill_s(llm, rand())  # warm-up with the defaults: compiles, cuBLAS heuristics, a full cache
     print(f"{model} at {budget}: {slots} slots, chunk {chunk}, link {bw / 1e9:.1f} GB/s, {n}-token prompt, "
           f"streaming limit {n / limit_s:.0f} tok/s")
@@ -98,9 +101,7 @@ def _sweep(llm: LLM, variants: list[dict[str, str]], named: set[str], n: int, un
     rows: list[dict] = []
     for rep in range(a.reps):
         for v in variants:
-            for var in named:
-                os.environ.pop(var, None)
-            os.environ.update(v)
+            eng.runner.rebind_experts(**options(v))
             for _ in range(a.settle):
                 prefill_s(llm, rand())
             s0 = eng.stats()["experts"]

@@ -15,7 +15,7 @@ from ferryman.experts.slot_table import SlotTable
 from ferryman.experts.host_store import ALIGN, HostExpertStore
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.policies import LRUPolicy, make_policy
-from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.experts.guesses import NextLayerGuesser
 from ferryman.experts.trace import lru_hit_rate
 from ferryman.experts.transfer import Copy, SyncTransfer
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
@@ -31,7 +31,7 @@ def _cfg(fmt: str = "dense", experts: int = 8, layers: int = 3, bias: bool = Fal
     )
 
 
-def _store(fmt: str = "dense", bias: bool = False, seed: int = 0, **kw: int) -> HostExpertStore:
+def make_store(fmt: str = "dense", bias: bool = False, seed: int = 0, **kw: int) -> HostExpertStore:
     cfg = _cfg(fmt, bias=bias, **kw)
     store = HostExpertStore(cfg, torch.float32, pin=False)
     gen = torch.Generator().manual_seed(seed)
@@ -51,10 +51,9 @@ class RecordingTransfer(SyncTransfer):
         super().__init__()
         self.log: list[tuple] = []
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool, after: object = None,
-              side: bool = False) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
         self.log.append(("fetch", tuple(slots), demand, len(copies)))
-        super().fetch(copies, slots, demand, after)
+        super().fetch(copies, slots, demand)
 
     def wait(self, slots: list[int]) -> None:
         self.log.append(("wait", tuple(slots)))
@@ -82,7 +81,7 @@ def test_slots_fill_lowest_first_then_evict_lru_in_order() -> None:
 def test_exact_eviction_under_each_policy_on_the_fake_device(policy: str, victim: int) -> None:
     """Expert 1 is used most, 2 and 3 most recently: LRU drops 1, LRFU (half-life 16 steps) drops
     2, whose CRF 2^(-5/16) + 2^(-2/16) is the smallest; the new expert lands in the victim's slot."""
-    store = _store()
+    store = make_store()
     cache = ExpertCache(store, 3, torch.device("cpu"), make_policy(policy), True, RecordingTransfer())
     for step in ([1, 2, 3], [1], [1], [2], [3]):
         cache.begin_step()
@@ -132,39 +131,6 @@ def test_admit_fills_free_slots_without_touching_pinned_or_its_own() -> None:
     assert look.evicted == [8]
 
 
-def test_held_prefetch_survives_the_layer_in_between_and_is_given_back_by_its_own() -> None:
-    """late2: experts guessed two layers ahead are held (pinned) until their layer acquires them, so
-    the next layer's misses evict something else; a wrong guess is then the first victim."""
-    cache = ExpertCache(_store(), 4, torch.device("cpu"), make_policy("lru"))
-    for layer, experts in ((0, [0, 1]), (1, [0, 1])):
-        cache.release(layer, experts, cache.acquire(layer, experts))  # the cache is full: 4 of 4
-    assert cache.prefetch(2, [5, 6], depth=2, hold=True) == [5, 6]  # evicts layer 0's 0, 1
-    assert cache.held == {2: [2 * 8 + 5, 2 * 8 + 6]} and cache.table.available() == 2
-    cache.prefetch(2, [5], depth=1, hold=True)  # a second guess naming 5 again holds it once
-    assert cache.held[2].count(2 * 8 + 5) == 1
-    slots = cache.acquire(1, [2, 3])  # layer 1's misses take layer 1's old slots, not the held ones
-    assert cache.contains(2, 5) and cache.contains(2, 6)
-    cache.release(1, [2, 3], slots)
-    slots = cache.acquire(2, [5, 7])  # 5 was right, 6 wrong; the acquire gives both holds back
-    assert not cache.held and cache.counters.prefetch_hits[2] == 1
-    cache.release(2, [5, 7], slots)
-    assert cache.table.num_pinned == 0
-    cache.acquire(0, [4])
-    assert not cache.contains(2, 6)  # the unused guess went first
-
-
-def test_holds_yield_to_a_step_that_needs_their_slots() -> None:
-    cache = ExpertCache(_store(), 3, torch.device("cpu"), make_policy("lrfu"))
-    cache.prefetch(2, [5, 6], depth=2, hold=True)
-    assert cache.table.available() == 1 and cache.available() == 3  # holds count as available
-    slots = cache.acquire(0, [0, 1, 2])  # needs every slot: the holds are taken back first
-    assert sorted(slots) == [0, 1, 2] and not cache.held
-    cache.release(0, [0, 1, 2], slots)
-    cache.prefetch(1, [3], depth=1, hold=True)
-    cache.begin_step()  # a new step: guesses for layers the last one did not reach are given back
-    assert not cache.held and cache.table.num_pinned == 0
-
-
 def test_lru_replay_matches_trace_lru_hit_rate() -> None:
     """The table + LRU policy against ferryman.experts.trace.lru_hit_rate, one layer, zipf-like ids."""
     gen = torch.Generator().manual_seed(0)
@@ -187,7 +153,7 @@ def test_coalesce_runs() -> None:
 # ---- host store ------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
 def test_host_store_keeps_each_expert_contiguous(fmt: str, bias: bool) -> None:
-    store = _store(fmt, bias)
+    store = make_store(fmt, bias)
     layout = store.layout
     assert layout.row_bytes % ALIGN == 0
     spec_bytes = get_format(fmt).expert_bytes(64, 32, bias, torch.float32)
@@ -219,7 +185,7 @@ def test_host_store_is_pinned_on_cuda() -> None:
 @pytest.mark.parametrize("expert_major", [True, False])
 @pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
 def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_major: bool) -> None:
-    store = _store(fmt, bias)
+    store = make_store(fmt, bias)
     rec = RecordingTransfer()
     cache = ExpertCache(store, 4, torch.device("cpu"), LRUPolicy(), expert_major, rec)
     slots = cache.acquire(1, [2, 3, 4])
@@ -234,14 +200,14 @@ def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_
     assert rec.bytes == 3 * (store.layout.row_bytes if expert_major else sum(store.layout.sizes.values()))
 
 
-def _backend(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
+def offload_of(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
              expert_major: bool = True) -> tuple[OffloadExperts, RecordingTransfer]:
     rec = RecordingTransfer()
     cache = ExpertCache(store, slots, torch.device("cpu"), LRUPolicy(), expert_major, rec)
     return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
 
 
-def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(t, 64, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
@@ -251,8 +217,8 @@ def _routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("expert_major", [True, False])
 def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> None:
-    store = _store()
-    backend, rec = _backend(store, 6, expert_major=expert_major)
+    store = make_store()
+    backend, rec = offload_of(store, 6, expert_major=expert_major)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[1, 4], [4, 1], [2, 4], [1, 2], [4, 6]])  # 4 distinct experts, 10 pairs
     w = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(4)), dim=-1)
@@ -269,9 +235,9 @@ def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> Non
 
 
 def test_union_larger_than_the_cache_runs_in_rounds() -> None:
-    store = _store(seed=5)
-    backend, rec = _backend(store, 2)
-    x, ids, w = _routing(9, 8, 2, seed=6)
+    store = make_store(seed=5)
+    backend, rec = offload_of(store, 2)
+    x, ids, w = make_routing(9, 8, 2, seed=6)
     used = len(ids.unique())
     out = backend.forward(2, x, ids, w)
     want = fused_moe("dense", store.banks[2], x, ids, w, MoEActivation("silu"))
@@ -296,18 +262,15 @@ class FixedGate(torch.nn.Module):
         return self.logits.expand(x.shape[0], -1)
 
 
-@pytest.mark.parametrize("after_kernels", [True, False])
-def test_next_layer_guess_is_prefetched_then_hit(after_kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRYMAN_PREFETCH_AFTER_KERNELS", "1" if after_kernels else "0")
-    store = _store()
+def test_next_layer_guess_is_prefetched_then_hit() -> None:
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
-    backend, rec = _backend(store, 6, NextLayerGuesser(gates, top_k=2))
-    x, _, w = _routing(1, 8, 2, seed=7)
+    backend, rec = offload_of(store, 6, NextLayerGuesser(gates, top_k=2))
+    x, _, w = make_routing(1, 8, 2, seed=7)
     backend.forward(0, x, torch.tensor([[2, 3]]), w)
     # layer 0's misses, the kernel, then the guess for layer 1 (experts 5, 6): its copies start
-    # after every input of the kernel was issued (FERRYMAN_PREFETCH_AFTER_KERNELS=0: before them)
-    guess, used = ("fetch", (2, 3), False, 1), ("used", (0, 1))
-    assert rec.log == [("fetch", (0, 1), True, 1), ("wait", (0, 1)), *((used, guess) if after_kernels else (guess, used))]
+    # after every input of the kernel was issued
+    assert rec.log == [("fetch", (0, 1), True, 1), ("wait", (0, 1)), ("used", (0, 1)), ("fetch", (2, 3), False, 1)]
     backend.forward(1, x, torch.tensor([[6, 7]]), w)  # one right guess, one miss
     st = backend.stats()
     assert st["prefetch_hits"] == 1 and st["prefetch_fetched"] == 4  # 5, 6 for layer 1; 0, 1 for layer 2
@@ -315,11 +278,11 @@ def test_next_layer_guess_is_prefetched_then_hit(after_kernels: bool, monkeypatc
 
 
 def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
-    store = _store()
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
     guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
-    backend, _ = _backend(store, 8, guesser)
-    x, _, w = _routing(1, 8, 2, seed=8)
+    backend, _ = offload_of(store, 8, guesser)
+    x, _, w = make_routing(1, 8, 2, seed=8)
     for step in range(12):
         backend.forward(0, x, torch.tensor([[2, 3]]), w)
         backend.forward(1, x, torch.tensor([[(step % 2) + 1, 7]]), w)  # never 5 or 6
@@ -332,12 +295,12 @@ def test_prefetch_turns_off_where_guesses_are_wrong() -> None:
 def test_one_sequence_grades_do_not_turn_batches_off() -> None:
     """A layer whose one-token guesses are wrong stops guessing for one sequence but still guesses
     for batches, graded apart (a batch's union of guesses is right far more often)."""
-    store = _store()
+    store = make_store()
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6]), 2: FixedGate([0, 1])}
     guesser = NextLayerGuesser(gates, top_k=2, min_samples=8)
-    backend, _ = _backend(store, 8, guesser)
-    x1, _, w1 = _routing(1, 8, 2, seed=8)
-    x3, _, w3 = _routing(3, 8, 2, seed=9)
+    backend, _ = offload_of(store, 8, guesser)
+    x1, _, w1 = make_routing(1, 8, 2, seed=8)
+    x3, _, w3 = make_routing(3, 8, 2, seed=9)
     for step in range(12):  # one sequence: layer 1's guess (5, 6) is never used
         backend.forward(0, x1, torch.tensor([[2, 3]]), w1)
         backend.forward(1, x1, torch.tensor([[(step % 2) + 1, 7]]), w1)
@@ -360,55 +323,3 @@ def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
     assert look.evicted == [11] and look.filled == [(20, 1)]
     look = t.admit([21], avoid=lambda slot: True)  # every victim busy: the policy's own choice,
     assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
-
-
-@pytest.mark.parametrize("split", [True, False])
-def test_a_guess_copies_into_idle_slots_first(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRYMAN_PREFETCH_SPLIT_BUSY: a guess's copies into slots a pending kernel reads go in a
-    second batch, after the others (same slots, same bytes); demand copies stay one batch."""
-    monkeypatch.setenv("FERRYMAN_PREFETCH_SPLIT_BUSY", "1" if split else "0")
-    monkeypatch.setenv("FERRYMAN_PREFETCH_AVOID_BUSY", "0")  # victims as the policy ranks them
-    rec = RecordingTransfer()
-    rec.busy = lambda slot: slot in (1, 3)  # type: ignore[method-assign]  # read by a pending kernel
-    cache = ExpertCache(_store(), 4, torch.device("cpu"), LRUPolicy(), True, rec)
-    cache.release(0, [0, 1, 2, 3], cache.acquire(0, [0, 1, 2, 3]))  # slots 0-3 hold experts 0-3
-    rec.log.clear()
-    assert cache.prefetch(1, [4, 5, 6, 7]) == [4, 5, 6, 7]  # every slot is a victim
-    fetches = [entry[1] for entry in rec.log if entry[0] == "fetch"]
-    assert fetches == ([(0, 2), (1, 3)] if split else [(0, 1, 2, 3)])
-    rec.log.clear()
-    cache.release(0, [0, 1], cache.acquire(0, [0, 1]))  # a demand fetch, busy slot 3 and idle 2: one batch
-    assert [entry[1] for entry in rec.log if entry[0] == "fetch"] == [(3, 2)]
-
-
-# ---- row addresses (zero-copy decode) -------------------------------------------------------
-def test_row_addresses_follow_fills_and_evictions() -> None:
-    """Every key's address is its host row until an acquire (after the copy's wait) points it at
-    its slot; an eviction points it back at the host row before the slot is refilled."""
-    store = _store("mxfp4", True)
-    cache = ExpertCache(store, 2, torch.device("cpu"), LRUPolicy(), True, RecordingTransfer())
-    rows = cache.enable_row_addresses()
-    row, e = store.layout.row_bytes, store.cfg.num_experts
-    host = lambda layer, ex: store.flat[layer].data_ptr() + ex * row  # noqa: E731
-    slot = lambda s: cache.pool.flat.data_ptr() + s * row  # noqa: E731
-    i1 = cache.moe_index[1]
-    assert rows.layer(i1).tolist() == [host(1, ex) for ex in range(e)]
-    slots = cache.acquire(1, [2, 3])
-    cache.release(1, [2, 3], slots)
-    assert rows.layer(i1)[2].item() == slot(slots[0]) and rows.layer(i1)[3].item() == slot(slots[1])
-    cache.prefetch(1, [5])  # admitted unreferenced: evicts an expert, not pointed at until acquired
-    assert rows.layer(i1)[5].item() == host(1, 5)
-    evicted = [ex for ex in (2, 3) if not cache.contains(1, ex)]
-    assert len(evicted) == 1 and rows.layer(i1)[evicted[0]].item() == host(1, evicted[0])
-    slots = cache.acquire(1, [5])
-    assert rows.layer(i1)[5].item() == slot(slots[0])
-    # the table reads back the very bytes of each expert: slot rows equal host rows
-    for ex in range(e):
-        a = rows.layer(i1)[ex].item()
-        src = cache.pool.flat[(a - cache.pool.flat.data_ptr()) // row] if a != host(1, ex) else store.flat[1][ex]
-        assert torch.equal(src, store.flat[1][ex])
-    with pytest.raises(ValueError, match="before the cache holds experts"):
-        cache.enable_row_addresses()
-    bank_major = ExpertCache(store, 2, torch.device("cpu"), LRUPolicy(), False, RecordingTransfer())
-    with pytest.raises(ValueError, match="expert-major"):
-        bank_major.enable_row_addresses()

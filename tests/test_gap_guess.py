@@ -1,4 +1,4 @@
-"""Gap guesses (FERRYMAN_DECODE_GAP_GUESS): in one-sequence decode steps, layers whose full guess
+"""Gap guesses (NextLayerGuesser.gap_k, GAP_GUESS = 1): in one-sequence decode steps, layers whose full guess
 the precision gate turned off still copy their first `gap_k` uncached guessed experts, most likely
 first; answers stay the resident ones; the gap guesses grade themselves and stop when useless."""
 
@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ferryman import LLM
-from ferryman.errors import ConfigError
-from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.experts.guesses import NextLayerGuesser
 from tiny_models import greedy_ids
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -28,10 +27,11 @@ def test_gap_guesses_only_where_the_full_guess_is_off_and_one_sequence() -> None
     off = _guesser(0)
     off.counters[1].enabled = False
     assert not off.wants_gap(1, seqs=1)
-    no_prefetch = NextLayerGuesser(off.gates, top_k=2, gap_k=1, decode="off")
+    no_prefetch = NextLayerGuesser(off.gates, top_k=2, gap_k=1, decode=False)
     no_prefetch.counters[1].enabled = False
     assert not no_prefetch.wants_gap(1, seqs=1)
-    with pytest.raises(ConfigError, match="FERRYMAN_DECODE_GAP_GUESS must be >= 0"):
+    assert NextLayerGuesser(off.gates, top_k=2).gap_k == 1
+    with pytest.raises(ValueError, match="gap_k=-1"):
         _guesser(-1)
 
 
@@ -51,8 +51,6 @@ def test_gap_guesses_stop_below_their_precision_bar(useful: int, stays: bool) ->
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gap_guesses_copy_at_most_gap_k_and_keep_the_answers(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
-    monkeypatch.setenv("FERRYMAN_DECODE_GAP_GUESS", "1")
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=32)
     prompts = [[5, 6, 7, 8, 9]]
     want = greedy_ids(LLM(**kw), prompts, 16)

@@ -19,6 +19,7 @@ from ferryman.calibrate.calibration import (
 )
 from ferryman.models.registry import model_config
 from ferryman.errors import ConfigError
+from ferryman.experts import hybrid as hybrid_module
 from ferryman.experts.hybrid import (
     MIN_CPU_SHARE,
     HybridSplit,
@@ -36,12 +37,12 @@ PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in
 def split_single_misses(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny models miss one or two experts per layer step: let the split send a single one to
     the CPU (the default, 2, fetches those), so these tests exercise the CPU path."""
-    monkeypatch.setenv("FERRYMAN_HYBRID_MIN_CPU", "1")
+    monkeypatch.setattr(hybrid_module, "MIN_CPU", 1)
 
 
 def test_split_fetches_what_would_leave_the_cpu_too_little(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FERRYMAN_HYBRID_MIN_CPU (default 2): a split giving the CPU fewer misses fetches them all."""
-    monkeypatch.delenv("FERRYMAN_HYBRID_MIN_CPU")
+    """MIN_CPU (2): a split giving the CPU fewer misses fetches them all."""
+    monkeypatch.setattr(hybrid_module, "MIN_CPU", 2)
     split = HybridSplit(decide("on", 3968.0, 1861.0, "test"))  # the H200's rates measured together
     assert split.min_cpu == 2
     assert split.split(0, [1, 2, 3], room=8) == ([1, 2, 3], [])  # split_fetch: 2 fetched, 1 on the CPU
@@ -206,15 +207,13 @@ def test_link_share_is_what_the_split_would_fetch() -> None:
     assert split.split(4, [1, 3, 5, 9], room=8) == ([1, 3, 9], [5])
     assert HybridSplit(decide("on", 2.0, 0.0, "test")).link_share(4, [1, 3]) == [1, 3]  # no CPU rate: all
     assert split.link_share(4, []) == []
-    # a CPU share below FERRYMAN_HYBRID_MIN_CPU: the layer would fetch it all, so the guess copies it all
+    # a CPU share below min_cpu: the layer would fetch it all, so the guess copies it all
     assert HybridSplit(decide("on", 2.0, 1.0, "test"), min_cpu=2).link_share(4, [1, 3, 5]) == [1, 3, 5]
 
 
-def test_demo_model_hybrid_with_early_prefetch_equals_resident(monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
+def test_demo_model_hybrid_with_early_prefetch_equals_resident(tmp_path: Path) -> None:
     """Early decode prefetch beside the hybrid split copies only the link's share of each guess;
     the answers stay the resident ones."""
-    monkeypatch.setenv("FERRYMAN_DECODE_PREFETCH", "early")
     cfg = demo_config()
     path = tmp_path / "cal.json"
     save(calibration_of(cfg, torch.float32, 1000.0, 1000.0), path)
@@ -247,14 +246,12 @@ def test_auto_is_off_on_a_cpu_device(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cpu_thread", [False, True], ids=["inline", "worker-thread"])
 def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thread: bool, tmp_path: Path) -> None:
     """No calibration file: the rates are measured at start on the engine's own store and slots."""
-    from ferryman.experts.placement import rebind_offload
-
     prompts = ["def quicksort(xs):", "import os\nimport sys\n\n\nclass ", "    for i in range(", "# "]
     kw = dict(device="cpu", dtype=dtype, max_num_batched_tokens=32)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in prompts]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-    backend = rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(tmp_path / "none.json"),
+    backend = hybrid.engine.runner.rebind_experts(cpu_experts="on", calibration=str(tmp_path / "none.json"),
                              cpu_thread=cpu_thread)
     assert (backend.cpu.pool is not None) == cpu_thread
     assert greedy_ids(hybrid, ids, 40) == greedy_ids(resident, ids, 40)
@@ -301,15 +298,13 @@ def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: boo
     hybrid step adds the CPU's part of a token to the device's, each rounded to bf16, where resident
     rounds one sum, and the split follows the CPU's measured job times (HybridSplit.observe), so a
     token whose two best logits are within bf16 rounding may flip; a larger difference is a bug."""
-    from ferryman.experts.placement import rebind_offload
-
     path = tmp_path / "cal.json"
     save(calibration_of(demo_config(), torch.bfloat16, 1000.0, 3000.0), path)
     kw = dict(device="cpu", dtype="bfloat16", max_num_batched_tokens=32)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-    rebind_offload(hybrid.engine.runner, cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
+    hybrid.engine.runner.rebind_experts(cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
     # bf16 logits of magnitude 8-32 are 0.0625-0.125 apart: a tie is within about one such step
     agree_but_near_ties(greedy_with_top2(hybrid, ids, 32), greedy_with_top2(resident, ids, 32), tie=0.15)
     assert hybrid.stats()["experts"]["cpu_computed"] > 0

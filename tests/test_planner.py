@@ -291,9 +291,6 @@ def test_expandable_segments_are_turned_on_unless_the_user_said(monkeypatch: pyt
     assert not expandable_segments() and len(calls) == 1
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # another allocator: left alone
     assert not expandable_segments() and len(calls) == 1
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
-    monkeypatch.setenv("FERRYMAN_EXPANDABLE_SEGMENTS", "0")
-    assert not expandable_segments() and len(calls) == 1
 
 
 def test_expandable_segments_refused_by_torch_is_a_warning(monkeypatch: pytest.MonkeyPatch,

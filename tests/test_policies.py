@@ -169,7 +169,7 @@ def test_registry_and_bad_arguments() -> None:
 
 
 def test_prefetched_keys_queue_behind_demoted_ones_under_lrfu() -> None:
-    """A prefill stream's demoted keys go before keys prefetched for a later layer (lookahead 2)."""
+    """A prefill stream's demoted keys go before keys prefetched for a later layer."""
     p = make_policy("lrfu")
     p.reference([1, 2])
     p.insert_prefetched(5)  # prefetched for layer L+1
@@ -183,16 +183,6 @@ def test_lru_treats_prefetched_as_unreferenced() -> None:
     p.reference([1])
     p.insert_prefetched(5)
     assert _drain(p) == [5, 1]
-
-
-def test_demoted_victim_is_only_a_demoted_key() -> None:
-    p = make_policy("lrfu")
-    p.reference([1])
-    p.insert_prefetched(5)
-    assert p.demoted_victim(NONE_PINNED) is None  # 5 is wanted by a later layer, 1 was used
-    p.insert_unreferenced(7)
-    assert p.demoted_victim(NONE_PINNED) == 7 and p.demoted_victim(lambda k: k == 7) is None
-    assert make_policy("lru").demoted_victim(NONE_PINNED) is None
 
 
 def test_admission_puts_a_cold_miss_on_probation() -> None:

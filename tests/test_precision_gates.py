@@ -1,4 +1,4 @@
-"""The decode guesses' precision gates (experts/prefetch.py): graded per step width (one
+"""The decode guesses' precision gates (experts/guesses.py): graded per step width (one
 sequence, small batches, wide ones), re-probed after a while, their bar scaled with the guess
 width; and a one-sequence guess's adaptive copy width."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ferryman.experts.prefetch import NextLayerGuesser
+from ferryman.experts.guesses import NextLayerGuesser
 from test_expert_cache import FixedGate
 
 
@@ -45,24 +45,24 @@ def test_small_batches_do_not_turn_wide_batches_off() -> None:
 
 
 def test_precision_gate_scales_with_the_guess_width() -> None:
-    from ferryman.experts.prefetch import NextLayerGuesser
+    from ferryman.experts.guesses import NextLayerGuesser
 
     gates = {0: torch.nn.Linear(4, 8), 1: torch.nn.Linear(4, 8)}
-    # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8. Batches copy decode_k wide, one sequence
-    # solo_k wide (0: at most top-k, so the plain bar)
-    for k, solo, seqs, stays in ((0, 0, 2, False), (8, 0, 2, True), (0, 0, 1, False), (8, 0, 1, False), (0, 8, 1, True)):
-        g = NextLayerGuesser(gates, top_k=4, decode_k=k, solo_k=solo, min_samples=32)
+    # 16 of 32 copies used: 0.5 passes only 0.75 x 4 / 8. Batches copy top-k, one sequence solo_k
+    # wide (0: at most top-k, so the plain bar)
+    for solo, seqs, stays in ((0, 2, False), (8, 2, False), (0, 1, False), (8, 1, True)):
+        g = NextLayerGuesser(gates, top_k=4, solo_k=solo, min_samples=32)
         for _ in range(8):
             g.remember(1, [0, 1, 2, 3], [0, 1, 2, 3], streaming=False, seqs=seqs)
             g.score(1, [0, 1], seqs=seqs)
-        assert g.counters_for(seqs)[1].enabled == stays, (k, solo, seqs)
+        assert g.counters_for(seqs)[1].enabled == stays, (solo, seqs)
 
 
 def test_one_sequence_guesses_copy_half_the_top_k_until_the_rest_proves_precise() -> None:
     """A one-sequence guess computes top-k but copies the top_k // 2 most likely (from top-4 up);
     the rest, graded without a copy, joins once it is right `tail_bar` of the time. Steps of
-    several sequences copy top-k; SOLO_TOPK fixes the width."""
-    from ferryman.experts.prefetch import NextLayerGuesser, narrow_k
+    several sequences copy top-k; solo_k fixes the width."""
+    from ferryman.experts.guesses import NextLayerGuesser, narrow_k
 
     assert [narrow_k(k) for k in (1, 2, 4, 8)] == [1, 2, 2, 4]
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ferryman import LLM, SamplingParams
-from ferryman.experts.placement import rebind_offload
 
 
 def run(llm: LLM, n: int) -> float:
@@ -71,7 +70,7 @@ def decode(llm: LLM, tokens: int) -> None:
         run(llm, 16)
     overlap(pr)
     timeline(pr, start_copy=200, span_ms=40.0)  # about one token, a few tokens in
-    rebind_offload(llm.engine.runner, prefetch=False)
+    llm.engine.runner.rebind_experts(prefetch=False)
     print(f"no prefetch: {run(llm, tokens):.1f} tok/s")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         run(llm, 8)
@@ -197,14 +196,14 @@ def _marked() -> Iterator[None]:
                 return fn(*args, **kwargs)
         return marked
 
-    saved = (offload.host_ids_of, offload.fused_moe, offload.OffloadExperts._prefetch)
+    saved = (offload.host_ids_of, offload.fused_moe, offload.OffloadExperts.issue_prefetches)
     offload.host_ids_of = wrap(saved[0], "mark::sync")
     offload.fused_moe = wrap(saved[1], "mark::moe_launch")
-    offload.OffloadExperts._prefetch = wrap(saved[2], "mark::issue_copies")
+    offload.OffloadExperts.issue_prefetches = wrap(saved[2], "mark::issue_copies")
     try:
         yield
     finally:
-        offload.host_ids_of, offload.fused_moe, offload.OffloadExperts._prefetch = saved
+        offload.host_ids_of, offload.fused_moe, offload.OffloadExperts.issue_prefetches = saved
 
 
 def timeline(pr, start_copy: int = 40, span_ms: float = 200.0) -> None:  # noqa: ANN001 (torch.profiler.profile)

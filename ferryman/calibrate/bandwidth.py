@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -35,12 +35,8 @@ from ferryman.calibrate.calibration import (
     token_slope,
 )
 from ferryman.config import ModelConfig
-from ferryman.experts.host_store import allocate_rows
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant.base import Banks, get_format
-
-if TYPE_CHECKING:
-    from ferryman.experts.gpu_cache import ExpertCache
 
 Rep = Callable[[], None]  # one timed repetition (waits for its own work)
 Log = Callable[[str], None]
@@ -188,7 +184,12 @@ def dummy_cpu_rep(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, pool
 def dummy_copy_rep(row_bytes: int, k: int, pool_bytes: int, device: torch.device) -> tuple[Rep, bool]:
     """(copies of k rows from a pool of expert rows, whether the pool is pinned: it is asked to be
     when the target is a GPU, as the host store's rows are)."""
-    rows, pinned = allocate_rows(_pool_size(row_bytes, k, pool_bytes), row_bytes, pin=device.type == "cuda")
+    rows, pinned = torch.empty((_pool_size(row_bytes, k, pool_bytes), row_bytes), dtype=torch.uint8), False
+    if device.type == "cuda":
+        try:
+            rows, pinned = rows.pin_memory(), True
+        except RuntimeError:  # a locked-memory quota: measure from pageable memory, and say so
+            pass
     rows.fill_(1)  # touch every page before timing
     dst = torch.empty((k, row_bytes), dtype=torch.uint8, device=device)
     return rows_copy_rep([rows], dst, k), pinned
@@ -249,41 +250,23 @@ def _rate(r: Rate) -> str:
 # ---- engine start: the engine's own store and slot pool, a few hundred ms -----------------------
 
 
-def pool_copy_rep(cache: "ExpertCache", k: int) -> Rep:
-    """k experts copied into the first k slots through the cache's own copy path (bank-major:
-    one copy per bank); slots in reverse order, so no copies coalesce, as with scattered misses."""
-    store, layers = cache.store, cache.store.cfg.moe_layers
-    cycle = ExpertCycle(len(layers), cache.num_experts, k)
-
-    def rep() -> None:
-        pool, ids = cycle.next()
-        for c in cache.pool.copies(store, layers[pool], list(zip(ids, reversed(range(k))))):
-            c.dst.copy_(c.src, non_blocking=True)
-        sync(cache.device)
-
-    return rep
-
-
-def quick_calibration(cache: "ExpertCache", act: MoEActivation, seconds: float = QUICK_SECONDS,
-                      overlap_share: float = 0.0) -> Calibration:
-    """Rates for the engine's experts from its own host store and slot pool (nothing is written).
-    Runs before serving: it copies into slots, which must all be empty. On CUDA the link and the
-    CPU are also measured together, unless the CPU alone is below `overlap_share` x the link (it
-    only gets slower together, and a slow CPU kernel would hold the start for seconds)."""
-    if cache.table.slot_of:
-        raise RuntimeError("quick_calibration copies into the cache's slots: run it before any expert is cached")
-    store = cache.store
+def quick_calibration(store: Any, link_rep: Rep, k: int, device: torch.device, act: MoEActivation,
+                      seconds: float = QUICK_SECONDS, overlap_share: float = 0.0) -> Calibration:
+    """Rates for the engine's experts from its own host store (experts/host_store.py: cfg, dtype,
+    banks, flat rows) and `link_rep`, k experts copied into its slot pool (nothing is written). On
+    CUDA the link and the CPU are also measured together, unless the CPU alone is below
+    `overlap_share` x the link (it only gets slower together, and a slow CPU kernel would hold the
+    start for seconds)."""
     cfg, dtype, layers = store.cfg, store.dtype, store.cfg.moe_layers
     key = expert_key(cfg, dtype)
-    k, eb, row = min(cfg.top_k, cache.table.num_slots), key["expert_bytes"], key["row_bytes"]
-    link_rep = pool_copy_rep(cache, k)
+    eb, row = key["expert_bytes"], key["row_bytes"]
     link = measure(link_rep, k, row, reps=50, budget_s=seconds)
     cpu_rep = cpu_compute_rep(store.format.name, [store.banks[layer] for layer in layers], cfg.top_k, act, dtype)
     cpu = measure(cpu_rep, cfg.top_k, eb, reps=50, budget_s=seconds)
     many = cpu_compute_rep(store.format.name, [store.banks[layer] for layer in layers], cfg.top_k, act, dtype,
                            CPU_SLOPE_TOKENS)
     cpu_tokens = measure(many, cfg.top_k, eb, reps=50, budget_s=seconds)
-    if cache.device.type != "cuda":  # the slot pool is in host memory: its copies are host copies
+    if device.type != "cuda":  # the slot pool is in host memory: its copies are host copies
         return Calibration(key, machine_info(), cpu, link, quick=True, cpu_tokens=cpu_tokens)
     host_dst = torch.empty((k, row), dtype=torch.uint8)
     host_copy = measure(rows_copy_rep([store.flat[layer] for layer in layers], host_dst, k), k, row,

@@ -18,8 +18,8 @@ from ferryman.engine.outputs import SamplerOutput
 from ferryman.engine.sampler import Sampler
 from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
-from ferryman.envs import envs
-from ferryman.experts.placement import make_backend
+from ferryman.experts.offload import OffloadExperts
+from ferryman.experts.placement import make_backend, offload_backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.planner import MemoryPlan, kv_bytes_per_token  # noqa: F401 (re-exported)
 from ferryman.weights.build import LoadedModel
@@ -51,7 +51,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
         # resident experts, or a slot cache of a host store (experts/placement.py); expert_options:
-        # offload_backend's (cpu_experts, calibration)
+        # offload_backend's (cpu_experts, calibration, decode_prefetch)
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
                                     **(expert_options or {}))
         for block in self.model.moe_blocks():
@@ -73,12 +73,10 @@ class ModelRunner:
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks: int, max_len: int) -> DecodeGraphs | SegmentedDecode | None:
         """Whole-step graphs when the experts never sync with the host (resident: batches the Triton
-        decode kernel takes); per-layer graphs around the eager MoE of offloaded experts."""
-        if getattr(self.experts, "graph_safe", True):
+        decode kernel takes); per-layer graphs around the MoE of offloaded experts."""
+        if not isinstance(self.experts, OffloadExperts):
             graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
             return DecodeGraphs(self.model, graph_bs, max_blocks, max_len, self.device)
-        if not envs.SEGMENT_GRAPHS:
-            return None
         try:
             return SegmentedDecode(self.model, min(max_num_seqs, SEGMENT_MAX_BS), max_blocks, max_len, self.device,
                                    capture=True)
@@ -91,10 +89,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run the step; returns the tokens (and logprobs) of the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
+        self.experts.begin_step()
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
-        after_step = getattr(self.experts, "after_step", None)
-        if after_step is not None and out.is_decode_only:
-            after_step(inputs.input_ids.shape[0])  # zero-copy decode's statistics (experts/offload.py)
+        self.experts.end_step()
         if not inputs.sample_seq_ids:
             return SamplerOutput()
         return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])
@@ -107,3 +104,24 @@ class ModelRunner:
         if inputs.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.cfg.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def rebind_experts(self, **options: Any) -> OffloadExperts:
+        """Replace the offloaded experts by a fresh backend (same store and slot count) built with
+        `options` (offload_backend's: policy, layout, prefetch on/off, ...); returns it."""
+        old = self.experts
+        if not isinstance(old, OffloadExperts):
+            raise ValueError("rebind_experts needs an engine whose experts are offloaded")
+        store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
+        if device.type == "cuda":  # copies into the old pool may still be in flight
+            torch.cuda.synchronize(device)
+        if isinstance(self.graphs, SegmentedDecode):  # its MoE graphs hold the old backend
+            self.graphs.release_moe()
+        self.experts = old = None  # free the old slot pool before allocating the new one
+        for block in self.model.moe_blocks():
+            block.experts = None
+        self.experts = offload_backend(store, self.model, device, slots, act, **options)
+        for block in self.model.moe_blocks():
+            block.experts = self.experts
+        if isinstance(self.graphs, DecodeGraphs):  # whole-step graphs captured the old slot pool and table
+            self.graphs = None
+        return self.experts

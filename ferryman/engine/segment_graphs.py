@@ -6,24 +6,18 @@ static: segment i = (residual add +) norm, attention, norm, router of layer i (a
 layers without experts); the last segment is the final norm + lm_head. Each segment is captured
 once per batch bucket. A step replays segment 0, runs MoE layer 0 eagerly on its B real rows,
 replays segment 1, ... : one launch per segment instead of ~12 eager ones. The MoE kernel itself
-is a graph too when the batch fits the Triton decode kernel: the backend does the layer's sync,
-lookup and fetches (`OffloadExperts.prepare_decode`), its slot ids go into a static buffer, and the
-layer's MoE graph replays (the Python and launch cost of fused_moe, ~0.3 ms per layer on the H200
-host, is the part of decode where the link idled). A hybrid split (--cpu-experts) zeroes the
-weights of the CPU's pairs in `w` before the replay and adds the CPU's part to x after it. Steps
-that need the eager MoE (rounds, a backend rebound after capture) run it between the segments.
-With late decode prefetch (FERRYMAN_DECODE_PREFETCH=late, late2) the MoE graph also computes the
-guess of the next MoE layer (late2: and the one after) from the residual stream it leaves, into
-`guess`; the backend reads it back after the replay (`OffloadExperts.guesses_made`): one copy
-instead of ~15 eager launches per layer (`guess_after`, the eager MoE's way).
+is a graph too when the batch fits the Triton decode kernel: the backend carries the layer's plan
+out up to the kernel (`OffloadExperts.prepare_decode`: the sync, lookup, fetches), its slot ids go
+into a static buffer, the layer's MoE graph replays, and `finish_step` starts the guesses' copies.
+A hybrid split (--cpu-experts) zeroes the weights of the CPU's pairs in `w` before the replay and
+adds the CPU's part to x after it. Steps that need the eager MoE (rounds, a backend rebound after
+capture) run it between the segments.
 
 Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 - `x`: the previous block's output, not yet added; `res`: the residual stream before it. Segment i
   reads x and res and writes res, `h` (its MLP input) and, for a MoE layer, `ids` / `w` (the
   routing); the eager MoE then writes x[:B], or the MoE graph x[:bs] from `slots` (the slot of
   each pair; padding rows repeat row 0's). A dense layer's segment writes x itself.
-- `guess[m, d - 1, :bs]`: written by MoE layer m's graph (m: its index among MoE layers), the ids
-  guessed for the MoE layer d after it; read for rows :B after that replay, before the next one.
 - Rows B..bs are padding: they hold stale finite values, write their KV to slot -1, and never
   reach the experts (no expert is fetched for them).
 - Segments replay in order on one stream, so one memory pool serves every graph: no two graphs'
@@ -63,11 +57,6 @@ class SegmentedDecode:
         self.slots = torch.zeros(max_bs, model.cfg.top_k, dtype=torch.int32, device=self.device)  # [max_bs, K]
         # the backend each MoE graph was captured against: its slot banks are baked into the graph
         self.captured = {i: self._graph_backend(i) for i in self.moe}
-        self.moe_pos = {i: m for m, i in enumerate(sorted(self.moe))}
-        depth = max((b.guesser.late_depth for b in self.captured.values()
-                     if b is not None and b.late_guess and b.guesser is not None), default=0)
-        self.guess = (torch.zeros(len(self.moe), depth, max_bs, model.cfg.top_k, dtype=torch.int64,
-                                  device=self.device) if depth else None)  # [moe layers, depth, max_bs, K]
         self.sizes = buckets(max_bs)
         self.graphs: dict[int, dict[Key, torch.cuda.CUDAGraph]] = {}  # bs -> a graph per segment / MoE
         self.logits: dict[int, torch.Tensor] = {}  # bs -> the final segment's output [bs, V]
@@ -105,21 +94,10 @@ class SegmentedDecode:
         assert isinstance(experts, OffloadExperts) and self.w is not None  # _moe_keys / the segment
         self.x[:bs].copy_(fused_moe(experts.fmt, experts.cache.banks, self.h[:bs], self.slots[:bs], self.w[:bs],
                                     experts.act))
-        guesser = experts.guesser
-        if self.guess is None or not experts.late_guess or guesser is None:
-            return
-        residual = self.res[:bs] + self.x[:bs]  # [bs, H]: what the next layer starts from
-        for d in range(1, guesser.late_depth + 1):
-            guess = guesser.guess_residual(i, residual, d)
-            if guess is not None:
-                self.guess[self.moe_pos[i], d - 1, :bs].copy_(guess[1])
 
     def _graph_backend(self, i: int) -> OffloadExperts | None:
-        from ferryman.envs import envs
-
         experts = self.moe[i].experts
-        usable = isinstance(experts, OffloadExperts) and not experts.zero_copy and envs.MOE_GRAPHS
-        return experts if usable else None
+        return experts if isinstance(experts, OffloadExperts) else None
 
     def _final(self, bs: int) -> torch.Tensor:
         hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]
@@ -137,8 +115,8 @@ class SegmentedDecode:
         return fns
 
     def _moe_graph(self, i: int, bs: int) -> bool:
-        """Layer i's MoE runs as a graph at batch bs: an offloaded (not zero-copy) backend whose
-        decode kernel needs no host sync (bs x K pairs within the Triton decode kernel's range)."""
+        """Layer i's MoE runs as a graph at batch bs: an offloaded backend whose decode kernel needs
+        no host sync (bs x K pairs within the Triton decode kernel's range)."""
         return self.captured.get(i) is not None and bs * self.model.cfg.top_k <= DECODE_MAX_PAIRS
 
     @torch.inference_mode()
@@ -161,7 +139,7 @@ class SegmentedDecode:
         self.graphs[bs] = graphs
 
     def release_moe(self) -> None:
-        """Forget the MoE graphs and the backends they were captured against (rebind_offload): the
+        """Forget the MoE graphs and the backends they were captured against (rebind_experts): the
         old slot pool can then be freed before a new one is allocated; those layers run eagerly."""
         self.captured = {i: None for i in self.moe}
         for graphs in self.graphs.values():
@@ -183,8 +161,6 @@ class SegmentedDecode:
             if block is not None and not self._moe_step(i, B, bs, fns):
                 assert self.ids is not None and self.w is not None  # set by the segment above
                 self.x[:B].copy_(block.compute(self.h[:B], self.ids[:B], self.w[:B]))
-                if getattr(block.experts, "late_guess", False):  # the residual the next layer starts from
-                    block.experts.guess_after(i, self.res[:B] + self.x[:B])
         logits = self._run(("final", n), bs, fns)
         return logits[:B]
 
@@ -212,8 +188,6 @@ class SegmentedDecode:
         experts.finish_step(step)
         if step.cpu is not None:
             self.x[:B].add_(experts.cpu_part(step))
-        if experts.late_guess and self.guess is not None:  # the graph computed the guesses
-            experts.guesses_made(i, self.guess[self.moe_pos[i], :, :B])
         return True
 
     def _run(self, key: Key, bs: int, fns: dict[Key, Callable[[], torch.Tensor | None]] | None) -> torch.Tensor:

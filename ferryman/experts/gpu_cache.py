@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferryman.envs import envs
 from ferryman.experts.host_store import ExpertLayout, HostExpertStore
 from ferryman.experts.policies import ReplacementPolicy
-from ferryman.experts.row_addresses import RowAddressTable
 from ferryman.experts.slot_table import Lookup, SlotTable
 from ferryman.experts.transfer import Copy, Transfer, make_transfer
 
@@ -81,7 +79,6 @@ class CacheCounters:
     prefetch_fetched: dict[int, int] = field(default_factory=dict)
     prefetch_hits: dict[int, int] = field(default_factory=dict)
     evictions: int = 0
-    host_reads: int = 0  # experts zero-copy decode read from host memory (over the link)
 
     @staticmethod
     def add(table: dict[int, int], layer: int, n: int) -> None:
@@ -108,9 +105,6 @@ class ExpertCache:
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
-        self.rows: RowAddressTable | None = None  # zero-copy decode (enable_row_addresses)
-        # prefetch(hold=True): target layer -> keys pinned for it until its acquire (or the step's end)
-        self.held: dict[int, list[int]] = {}
 
     @property
     def banks(self) -> dict[str, torch.Tensor]:
@@ -121,28 +115,15 @@ class ExpertCache:
 
     def begin_step(self) -> None:
         self.table.policy.advance()
-        self.release_all_held()  # guesses for layers the last step did not reach
-
-    def release_all_held(self) -> None:
-        for layer in list(self.held):
-            self.release_held(layer)
-
-    def release_held(self, layer: int) -> None:
-        """Unpin what `prefetch(hold=True)` held for `layer` (a wrong guess becomes a first victim)."""
-        self.table.release(self.held.pop(layer, []))
 
     def available(self) -> int:
-        """Slots a layer step may pin: those not pinned, and those only held for a guess (an
-        acquire that needs them takes the holds back first)."""
-        return self.table.available() + sum(len(keys) for keys in self.held.values())
+        """Slots a layer step may pin: those not pinned."""
+        return self.table.available()
 
     def acquire(self, layer: int, experts: list[int]) -> list[int]:
         """Make `experts` of `layer` resident and pinned; kernels issued next may read their slots."""
         keys = [self.key(layer, e) for e in experts]
-        if len(keys) > self.table.available():  # a small cache: guesses give their holds back first
-            self.release_all_held()
         look = self.table.acquire(keys)
-        self.release_held(layer)  # after the acquire: the held keys it uses are pinned again
         c = self.counters
         c.add(c.hits, layer, len(look.hits))
         c.add(c.misses, layer, len(look.filled))
@@ -151,34 +132,12 @@ class ExpertCache:
         self.prefetched.difference_update(look.hits)
         self._fetch(layer, look, demand=True)
         self.transfer.wait(look.slots)
-        if self.rows is not None:  # the copies are waited for: kernels may read these slots
-            self.rows.point([self.key(layer, e) for e in experts], look.slots)
         return look.slots
 
     def release(self, layer: int, experts: list[int], slots: list[int]) -> None:
         """The kernels reading `slots` are issued: unpin (copies into them will wait for those)."""
         self.transfer.mark_used(slots)
         self.table.release([self.key(layer, e) for e in experts])
-
-    def count_reads(self, layer: int, experts: list[int]) -> None:
-        """Zero-copy decode read `experts` of `layer` where they were: cached ones are hits (and
-        referenced for the policy), the others misses read from host memory."""
-        keys = [self.key(layer, e) for e in experts]
-        cached = [k for k in keys if k in self.table.slot_of]
-        self.counters.add(self.counters.hits, layer, len(cached))
-        self.counters.add(self.counters.misses, layer, len(keys) - len(cached))
-        self.counters.host_reads += len(keys) - len(cached)
-        self.table.policy.reference(cached)
-
-    def enable_row_addresses(self) -> RowAddressTable:
-        """Keep every expert's row address on the device for zero-copy decode kernels: its slot
-        once acquired, else its pinned host row (experts/row_addresses.py). Call before any fetch."""
-        if self.pool.flat is None:
-            raise ValueError("zero-copy decode needs the expert-major slot pool")
-        if self.table.slot_of:
-            raise ValueError("enable_row_addresses must come before the cache holds experts")
-        self.rows = RowAddressTable(self.store, self.pool.flat, self.moe_index)
-        return self.rows
 
     def stream_quota(self) -> int:
         """Experts per MoE layer a prefill stream keeps cached from one chunk to the next: the slots
@@ -193,18 +152,12 @@ class ExpertCache:
         instead of flushing the experts that stay cached from one chunk to the next.
 
         Invariant: every layer keeps about the same number cached, so every layer streams the same
-        share and each layer's kernels overlap a copy. Without it the first chunks' layers stayed
-        cached whole (the same bytes per chunk, unevenly); on the H200 the gpt-oss-120b 8k prefill
-        measured the same either way (docs/benchmarks.md, session 15), the link being held back
-        elsewhere then. Call after `release`, with the layer of the last acquire. Returns how many
-        were demoted."""
-        even = envs.STREAM_EVEN
-        if not even and self.table.free:
-            return 0  # FERRYMAN_STREAM_EVEN=0: what the first chunks fill the cache with stays
+        share and each layer's kernels overlap a copy. Call after `release`, with the layer of the
+        last acquire. Returns how many were demoted."""
         fetched = set(self.last_fetched)
         base = self.moe_index[layer] * self.num_experts
         kept = sum(1 for k in range(base, base + self.num_experts) if k in self.table.slot_of and k not in fetched)
-        room = max(0, self.stream_quota() - kept) if even else 0  # fetched experts that may stay
+        room = max(0, self.stream_quota() - kept)  # fetched experts that may stay
         movable = [k for k in self.last_fetched if k in self.table.slot_of and not self.table.is_pinned(k)]
         demoted = movable[room:]
         for k in demoted:
@@ -212,60 +165,32 @@ class ExpertCache:
         self.last_fetched = []
         return len(demoted)
 
-    def prefetch(self, layer: int, experts: list[int], depth: int = 1, hold: bool = False,
-                 side: bool = False, streaming: bool = False) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], streaming: bool = False) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there
-        are such slots); returns the experts whose copies started. depth > 1 (a prefill stream's
-        lookahead past the next layer) takes only free slots and demoted experts' slots: it never
-        evicts what the layers before it still need. hold (late2 decode guesses): the experts,
-        copied or already cached, stay pinned until `layer`'s acquire, so the guesses for the layer
-        in between cannot evict them, and victims may be any unpinned expert. side: the copies go
-        on the transfer's second stream, so the next layer's demand copies do not queue behind them.
-        streaming: a prefill chunk's guess (victims are never chosen around pending kernels)."""
+        are such slots); returns the experts whose copies started. streaming: a prefill chunk's
+        guess, whose victims are chosen by the policy alone."""
         keys = [self.key(layer, e) for e in experts]
-        if hold:  # each key is held once (a second guess for the layer may name it again)
-            held = set(self.held.get(layer, ()))
-            keys = [k for k in keys if k not in held]
         # decode: victims whose reading kernel may still be pending are taken last: one such slot
-        # would make the whole batch of copies wait for that kernel (the link would idle while it
-        # runs). Not for a prefill stream (`streaming`): its victims would then be experts the next
-        # chunk needs again, and on the H200 gpt-oss-120b's 8k prefill fell from 0.69 to 0.56 of
-        # the streaming limit with them (docs/benchmarks.md, session 14)
-        avoid = self.transfer.busy if envs.PREFETCH_AVOID_BUSY and not streaming else None
-        look = self.table.admit(keys, demoted_only=depth > 1 and not hold, hold=hold, avoid=avoid)
-        if look.held:
-            self.held.setdefault(layer, []).extend(look.held)
+        # would make the whole batch of copies wait for that kernel. Not for a prefill stream: its
+        # victims would then be experts the next chunk needs again (docs/benchmarks.md)
+        look = self.table.admit(keys, avoid=None if streaming else self.transfer.busy)
         self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
         self.prefetched.update(k for k, _ in look.filled)
-        self._fetch(layer, look, demand=False, side=side)
+        self._fetch(layer, look, demand=False)
         base = self.moe_index[layer] * self.num_experts
         return [k - base for k, _ in look.filled]
 
     def contains(self, layer: int, expert: int) -> bool:
         return self.key(layer, expert) in self.table.slot_of
 
-    def _fetch(self, layer: int, look: Lookup, demand: bool, side: bool = False) -> None:
+    def _fetch(self, layer: int, look: Lookup, demand: bool) -> None:
         self.counters.evictions += len(look.evicted)
         self.prefetched.difference_update(look.evicted)
         if not look.filled:
             return
         base = self.moe_index[layer] * self.num_experts
         pairs = [(k - base, s) for k, s in look.filled]
-        # zero-copy readers of the evicted experts go to host rows before their slots are refilled
-        after = self.rows.unpoint(look.evicted) if self.rows is not None else None
-        for group in self._split_busy(pairs, demand):
-            self.transfer.fetch(self.pool.copies(self.store, layer, group), [s for _, s in group], demand, after, side)
-
-    def _split_busy(self, pairs: list[tuple[int, int]], demand: bool) -> list[list[tuple[int, int]]]:
-        """A guess's copies in two batches, those into slots no pending kernel reads first
-        (FERRYMAN_PREFETCH_SPLIT_BUSY): one batch waits for every slot's last reader, so a few slots
-        of the layer whose kernel has just been issued would hold all the others back. Same victims,
-        same bytes; only the order changes. Demand copies stay one batch (the kernel needs all)."""
-        if demand or not envs.PREFETCH_SPLIT_BUSY:
-            return [pairs]
-        busy = [self.transfer.busy(s) for _, s in pairs]
-        groups = [[p for p, b in zip(pairs, busy) if not b], [p for p, b in zip(pairs, busy) if b]]
-        return [g for g in groups if g]
+        self.transfer.fetch(self.pool.copies(self.store, layer, pairs), [s for _, s in pairs], demand)
 
     def stats(self, block: bool = True) -> dict:
         """Counters; block=False leaves copies still in flight out of the link times instead of
@@ -286,8 +211,6 @@ class ExpertCache:
             "prefetch_hits": sum(c.prefetch_hits.values()),
             "evictions": c.evictions,
             "bytes_h2d": self.transfer.bytes,
-            # zero-copy decode: expert bytes kernels read from host memory (also over the link)
-            "bytes_host_reads": c.host_reads * self.pool.layout.row_bytes,
             "copies_h2d": self.transfer.copies,
             "h2d_seconds": h2d_s,
             "stall_seconds": stall_s,

@@ -5,11 +5,9 @@ back to back (`ExpertLayout.offsets`, each bank aligned to ALIGN bytes), and the
 `banks[layer][name]: [E, ...]` are strided views into it, so the loader and the reference
 kernels see an ordinary `ExpertStore`. Fetching expert e is one copy of row e.
 
-Pinned memory is what lets host -> GPU copies run asynchronously at link speed (device.md:
-~55 GB/s pinned vs 7-13 GB/s pageable). If pinning fails (a locked-memory quota: WSL, Windows,
-containers), the layers that did not fit stay pageable, a warning says how many, and
-`pinned_layers` in the expert statistics shows it. That documented slower path copies from
-pageable memory: correct, but each copy is synchronous with the host and several times slower.
+Pinned memory is what lets host -> GPU copies run asynchronously at link speed. If pinning fails
+(a locked-memory quota: WSL, Windows, containers), the layers that did not fit stay pageable and a
+warning says how many: correct, but each copy is synchronous with the host and several times slower.
 """
 
 from __future__ import annotations

@@ -7,20 +7,14 @@ fetch F of them and compute the M - F others on the CPU at the same time, F mini
 
     max(F / r_link, sum of the CPU's costs)        (both sides finish together)
 
-An expert with n tokens costs the CPU (1 + slope * (n - 1)) / r_cpu: the kernel reads its weights
-once, and each further token adds `slope` (measured: the rate at CPU_SLOPE_TOKENS tokens against
-1). With equal costs F is floor or ceil of M * r_link / (r_link + r_cpu) (`split_fetch`); a split that would give
-the CPU fewer than FERRYMAN_HYBRID_MIN_CPU misses (default 2) fetches them all instead, since each
-CPU job costs a copy of x to the host and a hand-off. The fetched ones are the
-misses used most recently and most often (`ReuseHistory`): they will likely be used again, and
-fetching is what puts them in the cache; the others are computed on the CPU and not cached.
+An expert with n tokens costs the CPU (1 + slope * (n - 1)) / r_cpu (`units`). A split that would
+give the CPU fewer than MIN_CPU misses fetches them all (each CPU job costs a copy of x to the host
+and a hand-off). The fetched ones are the misses used most recently and most often
+(`ReuseHistory`): fetching is what puts them in the cache; the others are computed, not cached.
 
-When it applies: decode-sized steps only, at most MAX_SPLIT_TOKENS tokens and not touching about
-every expert (a prefill chunk is never split: whole experts are fetched, its streaming pays more).
-Whether it applies at all (`decide`): "off" never; "on" always; "auto" on a CUDA device (on a
-CPU-only machine the slots and the store share one memory: never) when the CPU reaches at
-least MIN_CPU_SHARE of the link's rate (below that a split saves almost nothing and adds a
-device -> host copy of x per layer). The decision is logged once with its numbers.
+It applies to decode-sized steps only (at most MAX_SPLIT_TOKENS tokens, not a streaming prefill
+chunk). `decide`: "off" never; "on" always; "auto" on a CUDA device when the CPU reaches at least
+MIN_CPU_SHARE of the link's rate (on a CPU-only machine the slots and the store share one memory).
 """
 
 from __future__ import annotations
@@ -31,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration, sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
 from ferryman.layers.fused_moe import MoEActivation
 
@@ -44,6 +39,7 @@ MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
 MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
 OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
 RELAX_PER_STEP = 0.02  # per engine step, the share of the way back to the calibrated CPU rate
+MIN_CPU = 2  # a layer step computes misses on the CPU only if the split gives it at least this many
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -155,15 +151,12 @@ class HybridSplit:
     """Per layer step: which misses to fetch, which to compute on the CPU."""
 
     def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS, min_cpu: int | None = None) -> None:
-        from ferryman.envs import envs
-
         self.decision, self.max_tokens = decision, max_tokens
         # the CPU's rate as the engine sees it (1-token experts/s): the calibrated one, moved by each
         # finished CPU job (`observe`), and drawn back to the calibration a little each step (`advance`)
         self.cpu_rate = decision.cpu
         self.observed = 0  # CPU jobs observed
-        # a layer step computes misses on the CPU only if the split gives it at least this many
-        self.min_cpu = max(1, envs.HYBRID_MIN_CPU if min_cpu is None else min_cpu)
+        self.min_cpu = max(1, MIN_CPU if min_cpu is None else min_cpu)
         self.history = ReuseHistory()
         self.counters = SplitCounters()
 
@@ -214,9 +207,8 @@ class HybridSplit:
     def observe(self, units: float, seconds: float) -> None:
         """A CPU job of `units` (1-token experts) finished `seconds` after the split sent it (its
         copy of x, preparation and hand-off included): move the rate the split uses, an exponential
-        average over about 1 / OBSERVE_WEIGHT jobs. Beside a 16-user server on the H200 the CPU
-        computed ~18% below the rate `ferryman bench bw` had measured beside the link, and the
-        split's balance went with it (docs/benchmarks.md, session 12)."""
+        average over about 1 / OBSERVE_WEIGHT jobs: beside a busy server the CPU computes below
+        the rate `ferryman bench bw` measured, and the split's balance must follow."""
         if units <= 0 or seconds <= 0:
             return
         self.cpu_rate += OBSERVE_WEIGHT * (units / seconds - self.cpu_rate)
@@ -247,14 +239,30 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
     if mode == "auto" and cache.device.type != "cuda":
         log.info("cpu_experts=auto: hybrid off (the device is the CPU: its slots and the host store share one memory)")
         return None
-    from ferryman.calibrate.bandwidth import quick_calibration
-
     key = expert_key(cache.store.cfg, cache.store.dtype)
     cal, why = load_matching(key, Path(calibration) if calibration is not None else None)
     if cal is None:
-        cal = quick_calibration(cache, act, overlap_share=MIN_CPU_SHARE)
+        if cache.table.slot_of:
+            raise RuntimeError("the quick calibration copies into the cache's slots: run it before any expert is cached")
+        k = min(cache.store.cfg.top_k, cache.table.num_slots)
+        cal = quick_calibration(cache.store, slot_copy_rep(cache, k), k, cache.device, act, overlap_share=MIN_CPU_SHARE)
         why += "; measured quickly at start (`ferryman bench bw` measures carefully)"
     r_link, r_cpu, which = rates(cal, cache.device.type == "cuda")
     decision = decide(mode, r_link, r_cpu, f"{which}, {why}", slope_of(cal))
     log.info("%s", decision.describe())
     return HybridSplit(decision)
+
+
+def slot_copy_rep(cache: "ExpertCache", k: int) -> Rep:
+    """k experts copied into the first k slots through the cache's own copy path (bank-major:
+    one copy per bank); slots in reverse order, so no copies coalesce, as with scattered misses."""
+    store, layers = cache.store, cache.store.cfg.moe_layers
+    cycle = ExpertCycle(len(layers), cache.num_experts, k)
+
+    def rep() -> None:
+        pool, ids = cycle.next()
+        for c in cache.pool.copies(store, layers[pool], list(zip(ids, reversed(range(k))))):
+            c.dst.copy_(c.src, non_blocking=True)
+        sync(cache.device)
+
+    return rep

@@ -52,7 +52,7 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
 
 def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
     """Cap what this process may allocate on a CUDA device at gpu_memory (no-op elsewhere), with
-    expandable segments on so the cap is not spent on fragmentation (FERRYMAN_EXPANDABLE_SEGMENTS)."""
+    expandable segments on so the cap is not spent on fragmentation."""
     if device.type != "cuda":
         return
     expandable_segments()
@@ -68,15 +68,13 @@ def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
 
 def expandable_segments() -> bool:
     """Turn on the CUDA caching allocator's expandable segments for segments made from now on,
-    unless FERRYMAN_EXPANDABLE_SEGMENTS=0 or the user's allocator settings already name them.
-    Returns whether this call turned them on."""
+    unless the user's own allocator settings name them (or another allocator). Returns whether
+    this call turned them on."""
     import os
     import warnings
 
-    from ferryman.envs import envs
-
     user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    if not envs.EXPANDABLE_SEGMENTS or "expandable_segments" in user or "cudaMallocAsync" in user:
+    if "expandable_segments" in user or "cudaMallocAsync" in user:
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
     try:
@@ -85,7 +83,7 @@ def expandable_segments() -> bool:
             (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     except (RuntimeError, AttributeError) as e:  # an allocator without them: fragmentation costs slots
         log.warning("could not turn on the CUDA allocator's expandable segments (%s); the GPU budget may "
-                    "lose some memory to fragmentation (FERRYMAN_EXPANDABLE_SEGMENTS=0 silences this)", e)
+                    "lose some memory to fragmentation", e)
         return False
     return True
 
@@ -115,64 +113,21 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
-                    cpu_thread: bool | None = None, zero_copy: bool | None = None,
-                    decode_prefetch: str | None = None) -> Any:
+                    cpu_thread: bool | None = None, decode_prefetch: bool = True) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
     expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
-    decode_prefetch: off | early | late | late2, guesses acted on in decode steps (default: FERRYMAN_DECODE_PREFETCH);
+    decode_prefetch: guesses acted on in decode steps too (OffloadConfig.decode_prefetch);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
-    cpu_thread: the CPU part in a worker thread (default: on CUDA); zero_copy: decode kernels read
-    uncached experts from pinned host memory (default: FERRYMAN_ZERO_COPY)."""
+    cpu_thread: the CPU part in a worker thread (default: on CUDA)."""
     from ferryman.experts.gpu_cache import ExpertCache
+    from ferryman.experts.guesses import NextLayerGuesser
     from ferryman.experts.hybrid import make_hybrid
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
-    from ferryman.experts.prefetch import NextLayerGuesser
 
-    from ferryman.envs import envs
-
-    zero_copy = envs.ZERO_COPY if zero_copy is None else zero_copy
-    # staged zero-copy: its staging rows come out of the plan's expert slots
-    stage = envs.ZERO_COPY_STAGE if zero_copy else 0
-    if stage < 0 or (stage and stage >= slots):
-        raise ConfigError(f"FERRYMAN_ZERO_COPY_STAGE must be 0..{slots - 1} staging rows (the plan has {slots} "
-                          f"expert slots), got {stage}")
-    cache = ExpertCache(store, slots - stage, device, make_policy(policy) if policy else make_policy(), expert_major)
+    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
     gates = {block.layer: block.gate for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
-
-    decode = envs.DECODE_PREFETCH if decode_prefetch is None else decode_prefetch
-    norms = {block.layer: model.layers[block.layer].post_attention_layernorm for block in model.moe_blocks()}
-    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode, norms=norms, decode_k=envs.DECODE_PREFETCH_TOPK,
-                               solo_k=envs.DECODE_PREFETCH_SOLO_TOPK, gap_k=envs.DECODE_GAP_GUESS,
-                               decode_max_seqs=envs.DECODE_PREFETCH_MAX_SEQS, wrap=envs.DECODE_WRAP_GUESS) if prefetch else None
-    return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, zero_copy, stage_rows=stage)
-
-
-def rebind_offload(runner: Any, **options: Any) -> Any:
-    """Replace a runner's OffloadExperts by a fresh one (same store and slot count) built with
-    `options` (benchmarks: policy, layout, prefetch on/off); returns it."""
-    from ferryman.experts.offload import OffloadExperts
-
-    old = runner.experts
-    if not isinstance(old, OffloadExperts):
-        raise ValueError("rebind_offload needs an engine whose experts are offloaded")
-    store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
-    if device.type == "cuda":  # copies into the old pool may still be in flight
-        torch.cuda.synchronize(device)
-    from ferryman.engine.segment_graphs import SegmentedDecode
-
-    if isinstance(runner.graphs, SegmentedDecode):  # its MoE graphs hold the old backend
-        runner.graphs.release_moe()
-    runner.experts = old = None  # free the old slot pool before allocating the new one
-    for block in runner.model.moe_blocks():
-        block.experts = None
-    runner.experts = offload_backend(store, runner.model, device, slots, act, **options)
-    for block in runner.model.moe_blocks():
-        block.experts = runner.experts
-    from ferryman.engine.cuda_graph import DecodeGraphs
-
-    if isinstance(runner.graphs, DecodeGraphs):  # whole-step graphs captured the old slot pool and table
-        runner.graphs = None
-    return runner.experts
+    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode_prefetch) if prefetch else None
+    return OffloadExperts(cache, act, guesser, hybrid, cpu_thread)

@@ -15,20 +15,14 @@ victims, passing the keys it must skip (pinned: in use by the current layer step
 
 Admission (lrfu, `admit_margin`): a key that takes a slot from a victim whose decayed CRF is
 higher (by the margin) than its own goes on *probation*: after its first use it sits just above
-demoted keys at the eviction end, so the next miss takes its slot instead of a wanted expert. In a
-batched decode step most of every layer is used, each step cycles through more experts than the
-slots hold and plain LRFU (like LRU) keeps replacing experts about to be used again with ones about
-to be evicted; with admission a stable core stays cached and the misses rotate through a few slots.
-Replayed on synthetic routing (benchmarks/bench_cache_policies.py --synthetic; docs/benchmarks.md):
-uniform routing, 16 sequences, 24 layers x 32 experts, 277 slots: hit rate 0.20 -> 0.32 (0.36 is
-the slot share); skewed routing and one sequence: equal or better; the demo model's real routing
-(one sequence): within 0.006 of plain LRFU at 10/25/50% of experts cached.
+demoted keys at the eviction end, so the next miss takes its slot instead of a wanted expert. When
+a batched decode step cycles through more experts than the slots hold, plain LRFU (like LRU) keeps
+replacing experts about to be used again; with admission a stable core stays cached and the misses
+rotate through a few slots (benchmarks/bench_cache_policies.py --synthetic).
 
 Prefetched keys (brought in on a guess, not yet referenced) enter at the eviction end: a wrong
 guess is the first thing to go, a right one is referenced when its layer runs. Under lrfu they
-queue behind keys demoted by a prefill stream (`insert_unreferenced`), so a prefetch made two
-layers ahead (FERRYMAN_PREFILL_LOOKAHEAD=2) evicts the experts a chunk has finished with, not the
-ones prefetched for the next layer.
+queue behind keys demoted by a prefill stream (`insert_unreferenced`).
 """
 
 from __future__ import annotations
@@ -75,12 +69,6 @@ class ReplacementPolicy(ABC):
     def filled(self, key: int, victim: int | None) -> None:
         """`key` took a slot, evicting `victim` (None: a free slot), before its first reference;
         policies with admission control decide here whether it stays on probation."""
-
-    def demoted_victim(self, pinned: Pinned) -> int | None:
-        """A victim among demoted keys only (a prefill stream's finished experts), or None: what a
-        prefetch several layers ahead may take without evicting anything still wanted. Policies
-        that do not tell demoted keys apart (lru) have none."""
-        return None
 
     @abstractmethod
     def remove(self, key: int) -> None:
@@ -178,10 +166,6 @@ class LRFUPolicy(ReplacementPolicy):
     def insert_prefetched(self, key: int) -> None:
         self._push(key, _PREFETCHED)  # after every demoted key (-inf), before every referenced one
 
-    def demoted_victim(self, pinned: Pinned) -> int | None:
-        found = self.victim(pinned)
-        return found if found is not None and self.prio.get(found) == -math.inf else None
-
     def remove(self, key: int) -> None:
         # Only the heap membership goes: the history stays, so an expert evicted by a burst of
         # one-time keys comes back with its frequency (without it, a pool smaller than a step's
@@ -208,10 +192,7 @@ class LRFUPolicy(ReplacementPolicy):
         return len(self.prio)
 
 
-
 POLICIES: dict[str, Callable[[], ReplacementPolicy]] = {"lru": LRUPolicy, "lrfu": LRFUPolicy}
-# benchmarks/bench_cache_policies.py, demo model held-out routing replayed as decode, one pool:
-# hits at 10/25/50% of experts: lru 0.000/0.586/0.904, lrfu(h=16) 0.351/0.674/0.922
 DEFAULT_POLICY = "lrfu"
 
 

@@ -13,6 +13,12 @@ class ResidentExperts:
         self.store, self.act = store, act
         self.fmt = store.format.name
 
+    def begin_step(self) -> None:
+        """Nothing to do per step: every expert is in place."""
+
+    def end_step(self) -> None:
+        """Nothing to do per step."""
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:

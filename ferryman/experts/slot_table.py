@@ -22,7 +22,6 @@ class Lookup:
     hits: list[int] = field(default_factory=list)  # keys already cached
     filled: list[tuple[int, int]] = field(default_factory=list)  # (key, slot) to copy in
     evicted: list[int] = field(default_factory=list)  # keys that lost their slot, in order
-    held: list[int] = field(default_factory=list)  # admit(hold=True): keys left pinned by this call
 
 
 class SlotTable:
@@ -67,12 +66,9 @@ class SlotTable:
         self.policy.reference(keys)
         return look
 
-    def admit(self, keys: list[int], demoted_only: bool = False, hold: bool = False,
-              avoid: Callable[[int], bool] | None = None) -> Lookup:
+    def admit(self, keys: list[int], avoid: Callable[[int], bool] | None = None) -> Lookup:
         """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
-        free or evictable (demoted_only: free, or holding a demoted key); a key admitted here is not
-        evicted by a later key of the same call. hold: every key of the call that is cached at the
-        end (admitted or already there) stays pinned, listed in `held`, until the caller releases it.
+        free or evictable; a key admitted here is not evicted by a later key of the same call.
         avoid(slot): victims in such slots are taken only when no other is left (a copy into a slot
         whose reading kernel is still pending would hold the whole batch of copies back)."""
         unavailable = self.is_pinned if avoid is None else \
@@ -81,29 +77,15 @@ class SlotTable:
         taken: list[int] = []
         for k in keys:
             if k in self.slot_of:
-                if hold:
-                    self._pin(self.slot_of[k])
-                    look.held.append(k)
                 continue
             if self.available() == 0:
                 break
-            if demoted_only and not self.free:
-                victim = self.policy.demoted_victim(unavailable)
-                if victim is None:
-                    victim = self.policy.demoted_victim(self.is_pinned)
-                if victim is None:
-                    break
-                self._fill(k, look, victim)
-            else:
-                self._fill(k, look, None if self.free else self.policy.victim(unavailable))
+            self._fill(k, look, None if self.free else self.policy.victim(unavailable))
             self.policy.insert_prefetched(k)
             self._pin(self.slot_of[k])
             taken.append(k)
         look.slots = [self.slot_of[k] for k in taken]
-        if hold:
-            look.held.extend(taken)
-        else:
-            self.release(taken)
+        self.release(taken)
         return look
 
     def release(self, keys: list[int]) -> None:

@@ -8,12 +8,29 @@ pinned host memory, each expert's banks contiguous, cached in GPU slots by exper
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
-from ferryman.models.base import Target
 from ferryman.quant.base import BankSpec, get_format
+
+
+class BankTarget(Protocol):
+    """Where a checkpoint tensor goes in the banks (models/base.py `Target` is one): bank `name` of
+    `layer`, one `expert`'s slice (None: all experts), a destination `rows` range, `transpose`d."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def layer(self) -> int: ...
+    @property
+    def expert(self) -> int | None: ...
+    @property
+    def rows(self) -> tuple[int, int] | None: ...
+    @property
+    def transpose(self) -> bool: ...
 
 
 class ExpertStore:
@@ -34,7 +51,7 @@ class ExpertStore:
         """The banks of one layer (experts/host_store.py lays them out expert-major instead)."""
         return {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
 
-    def write(self, target: Target, tensor: torch.Tensor, source_name: str, file: str) -> None:
+    def write(self, target: BankTarget, tensor: torch.Tensor, source_name: str, file: str) -> None:
         """Copy one checkpoint tensor into the bank slice named by `target`."""
         bank = self.banks[target.layer][target.name]
         dst = bank if target.expert is None else bank[target.expert]

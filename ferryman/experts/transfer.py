@@ -11,9 +11,7 @@ Invariants kept here, for every slot s:
   on the ready events of the slots a kernel is about to read;
 - a copy never overwrites s while a kernel may still read it: `fetch` makes the copy stream wait
   on s's free event, recorded by `mark_used` after the kernels reading s were enqueued;
-- two copies into s never overlap: `fetch` also waits on s's ready event while one is pending
-  (copies may run on a second stream, `side`, next to the first).
-With copies on both streams at once, `h2d_seconds` sums overlapping intervals.
+- two copies into s never overlap: `fetch` also waits on s's ready event while one is pending.
 """
 
 from __future__ import annotations
@@ -48,11 +46,8 @@ class Transfer(ABC):
         self._stall_s = 0.0
 
     @abstractmethod
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None, side: bool = False) -> None:
-        """Start `copies`, which fill `slots`. demand: the current layer waits for them (a miss).
-        after: a compute-stream event the copies must also wait for (experts/row_addresses.py).
-        side: on the second copy stream (guesses two layers ahead), beside the first's copies."""
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
+        """Start `copies`, which fill `slots`. demand: the current layer waits for them (a miss)."""
 
     @abstractmethod
     def wait(self, slots: list[int]) -> None:
@@ -84,8 +79,7 @@ class Transfer(ABC):
 class SyncTransfer(Transfer):
     """Copies at once on the calling thread; nothing is ever in flight."""
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None, side: bool = False) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
         start = time.perf_counter()
         for c in copies:
             c.dst.copy_(c.src)
@@ -108,22 +102,17 @@ class StreamTransfer(Transfer):
     def __init__(self, device: torch.device, num_slots: int) -> None:
         super().__init__(device)
         self.stream = torch.cuda.Stream(device)
-        self.side: torch.cuda.Stream | None = None  # made at the first side fetch
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
         self.free: list[torch.cuda.Event | None] = [None] * num_slots
         self.timed: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()  # (start, end, is_stall)
 
-    def fetch(self, copies: list[Copy], slots: list[int], demand: bool,
-              after: torch.cuda.Event | None = None, side: bool = False) -> None:
+    def fetch(self, copies: list[Copy], slots: list[int], demand: bool) -> None:
         if not copies:
             return
-        if side and self.side is None:
-            self.side = torch.cuda.Stream(self.device)
-        stream = self.side if side else self.stream
-        assert stream is not None  # made just above
+        stream = self.stream
         with torch.cuda.stream(stream):
             # readers of the old contents are done, and so is a copy into the slot not yet read
-            for ev in _distinct([*(self.free[s] for s in slots), *(self.ready[s] for s in slots), after]):
+            for ev in _distinct([*(self.free[s] for s in slots), *(self.ready[s] for s in slots)]):
                 stream.wait_event(ev)
             start = self._event(stream)
             for c in copies:
@@ -160,11 +149,9 @@ class StreamTransfer(Transfer):
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """On the copy stream, behind the copies issued so far, and the compute stream waits for it.
 
-        Invariant: a layer's inputs never queue behind a later layer's expert copies. On the compute
-        stream they were ordered after the wait for the layer's own experts; once those landed, they
-        and the next layer's copies (issued meanwhile on this stream) were ready together, and on
-        the H200 the copy engine took the 26 ms copy first: every other gpt-oss-120b prefill layer
-        waited for the next one's experts (docs/benchmarks.md, session 15)."""
+        Invariant: a layer's inputs never queue behind a later layer's expert copies (on the compute
+        stream, once the layer's own experts landed, its inputs and the next layer's copies were
+        ready together, and the copy engine could take the large copy first)."""
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):  # allocated in this stream's pool: no pending compute reader
             out = host.to(self.device, non_blocking=True)
