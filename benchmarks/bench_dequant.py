@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import cuda_seconds  # noqa: E402
-from ferryman.experts.host_store import ExpertLayout  # noqa: E402
+from ferryman.quant.layout import ExpertLayout  # noqa: E402
 from ferryman.quant import get_format  # noqa: E402
 
 

@@ -67,38 +67,6 @@ VARS: dict[str, EnvVar[Any]] = {
     "CPU_KERNEL": EnvVar("FERRYMAN_CPU_KERNEL", bool, True),  # 0: MXFP4 on the CPU without the C kernel
 }
 
-# ---- LEGACY: read at each use by code not yet moved to EngineConfig or constants; deleted once
-# every branch stops reading them. Not part of the interface: nothing new may use them.
-_B = ("auto", "torch", "triton")
-LEGACY: dict[str, EnvVar[Any]] = {
-    "MOE_BACKEND": EnvVar("FERRYMAN_MOE_BACKEND", str, "auto", _B),
-    "ATTN_BACKEND": EnvVar("FERRYMAN_ATTN_BACKEND", str, "auto", _B),
-    "MOE_PREFILL": EnvVar("FERRYMAN_MOE_PREFILL", str, "auto", ("auto", "reference", "grouped", "batched")),
-    "MOE_PREFILL_GROUP": EnvVar("FERRYMAN_MOE_PREFILL_GROUP", int, 8),
-    "MOE_DECODE_TILES": EnvVar("FERRYMAN_MOE_DECODE_TILES", str, ""),
-    "DISABLE_CUDA_GRAPHS": EnvVar("FERRYMAN_DISABLE_CUDA_GRAPHS", bool, False),
-    "SEGMENT_GRAPHS": EnvVar("FERRYMAN_SEGMENT_GRAPHS", bool, True),
-    "PREFILL_LOOKAHEAD": EnvVar("FERRYMAN_PREFILL_LOOKAHEAD", int, 1),
-    "EXPANDABLE_SEGMENTS": EnvVar("FERRYMAN_EXPANDABLE_SEGMENTS", bool, True),
-    "PREFETCH_AFTER_KERNELS": EnvVar("FERRYMAN_PREFETCH_AFTER_KERNELS", bool, True),
-    "PREFETCH_BEFORE_GROUPS": EnvVar("FERRYMAN_PREFETCH_BEFORE_GROUPS", bool, True),
-    "INPUTS_ON_COPY_STREAM": EnvVar("FERRYMAN_INPUTS_ON_COPY_STREAM", str, "prefill", ("prefill", "all", "off")),
-    "STREAM_EVEN": EnvVar("FERRYMAN_STREAM_EVEN", bool, True),
-    "MOE_GRAPHS": EnvVar("FERRYMAN_MOE_GRAPHS", bool, True),
-    "DECODE_PREFETCH": EnvVar("FERRYMAN_DECODE_PREFETCH", str, "early", ("off", "early", "late", "late2")),
-    "DECODE_PREFETCH_MAX_SEQS": EnvVar("FERRYMAN_DECODE_PREFETCH_MAX_SEQS", int, 0),
-    "DECODE_GAP_GUESS": EnvVar("FERRYMAN_DECODE_GAP_GUESS", int, 1),
-    "PREFETCH_AVOID_BUSY": EnvVar("FERRYMAN_PREFETCH_AVOID_BUSY", bool, True),
-    "PREFETCH_SPLIT_BUSY": EnvVar("FERRYMAN_PREFETCH_SPLIT_BUSY", bool, False),
-    "DECODE_WRAP_GUESS": EnvVar("FERRYMAN_DECODE_WRAP_GUESS", bool, True),
-    "DECODE_PREFETCH_TOPK": EnvVar("FERRYMAN_DECODE_PREFETCH_TOPK", int, 0),
-    "DECODE_PREFETCH_SOLO_TOPK": EnvVar("FERRYMAN_DECODE_PREFETCH_SOLO_TOPK", int, 0),
-    "ZERO_COPY": EnvVar("FERRYMAN_ZERO_COPY", bool, False),
-    "ZERO_COPY_STAGE": EnvVar("FERRYMAN_ZERO_COPY_STAGE", int, 0),
-    "CPU_THREADS": EnvVar("FERRYMAN_CPU_THREADS", int, 0),
-    "HYBRID_MIN_CPU": EnvVar("FERRYMAN_HYBRID_MIN_CPU", int, 2),
-}
-# ---- end of LEGACY
 
 
 class Envs:
@@ -119,8 +87,6 @@ class Envs:
         if attr in VARS:
             self.reload()
             return self.__dict__[attr]
-        if attr in LEGACY:
-            return LEGACY[attr].get()
         raise AttributeError(f"ferryman reads no environment variable FERRYMAN_{attr}")
 
 

@@ -29,7 +29,7 @@ import torch
 
 from ferryman.config import GiB, MiB, STRATEGIES, ModelConfig
 from ferryman.errors import ConfigError
-from ferryman.experts.host_store import ExpertLayout
+from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
 from ferryman.quant.base import get_format

@@ -12,7 +12,8 @@ import torch
 from ferryman.config import ModelConfig, QuantConfig
 from ferryman.experts.gpu_cache import ExpertCache, coalesce
 from ferryman.experts.slot_table import SlotTable
-from ferryman.experts.host_store import ALIGN, HostExpertStore
+from ferryman.experts.host_store import HostExpertStore
+from ferryman.quant.layout import ALIGN
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.policies import LRUPolicy, make_policy
 from ferryman.experts.guesses import NextLayerGuesser

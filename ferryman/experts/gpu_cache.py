@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferryman.experts.host_store import ExpertLayout, HostExpertStore
+from ferryman.experts.host_store import HostExpertStore
+from ferryman.quant.layout import ExpertLayout
 from ferryman.experts.policies import ReplacementPolicy
 from ferryman.experts.slot_table import Lookup, SlotTable
 from ferryman.experts.transfer import Copy, Transfer, make_transfer

@@ -1,7 +1,7 @@
 """Host expert store: every routed expert in (pinned) host memory, each expert's banks contiguous.
 
 Layout of one MoE layer: a flat uint8 buffer `[E, row_bytes]`; row e holds all banks of expert e
-back to back (`ExpertLayout.offsets`, each bank aligned to ALIGN bytes), and the usual
+back to back (`ExpertLayout.offsets`, each bank aligned to quant.layout.ALIGN bytes), and the usual
 `banks[layer][name]: [E, ...]` are strided views into it, so the loader and the reference
 kernels see an ordinary `ExpertStore`. Fetching expert e is one copy of row e.
 
@@ -15,54 +15,15 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from ferryman.config import ModelConfig
 from ferryman.experts.store import ExpertStore
 from ferryman.quant.base import BankSpec
+from ferryman.quant.layout import ExpertLayout
 
 log = logging.getLogger("ferryman.experts")
-
-ALIGN = 64  # bytes; bank offsets and rows keep 16-byte vector loads and dtype views aligned
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Where each bank of one expert sits inside its row of bytes."""
-
-    offsets: dict[str, int]  # bank name -> byte offset in the row
-    sizes: dict[str, int]  # bank name -> bytes of one expert's slice
-    shapes: dict[str, tuple[int, ...]]  # bank name -> per-expert shape (no leading E)
-    dtypes: dict[str, torch.dtype]
-    row_bytes: int  # bytes of one expert, padding included
-
-    @staticmethod
-    def of(specs: dict[str, BankSpec]) -> "ExpertLayout":
-        offsets, sizes, shapes, dtypes, pos = {}, {}, {}, {}, 0
-        for name, spec in specs.items():
-            one = BankSpec(spec.shape[1:], spec.dtype)
-            offsets[name], sizes[name] = pos, one.nbytes
-            shapes[name], dtypes[name] = one.shape, spec.dtype
-            pos += _align(one.nbytes)
-        return ExpertLayout(offsets, sizes, shapes, dtypes, max(pos, ALIGN))
-
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Bank views `[N, ...]` of a flat `[N, row_bytes]` uint8 buffer (rows = experts or slots)."""
-        if flat.dtype != torch.uint8 or flat.dim() != 2 or flat.shape[1] != self.row_bytes:
-            raise ValueError(f"expert rows must be uint8 [N, {self.row_bytes}], got {tuple(flat.shape)} {flat.dtype}")
-        n = flat.shape[0]
-        out = {}
-        for name, off in self.offsets.items():
-            part = flat[:, off : off + self.sizes[name]]  # [N, bytes], row stride row_bytes
-            out[name] = part.view(self.dtypes[name]).view(n, *self.shapes[name])
-        return out
-
-
-def _align(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
 
 def allocate_rows(rows: int, row_bytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     """A `[rows, row_bytes]` uint8 host buffer, pinned if asked and possible -> (buffer, pinned).

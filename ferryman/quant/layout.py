@@ -1,0 +1,49 @@
+"""Where each bank of one expert sits in its row of bytes: the unit the host store keeps, the
+GPU cache's slots hold and the link carries (experts/host_store.py, experts/gpu_cache.py). The
+planner sizes slots with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferryman.quant.base import BankSpec
+
+ALIGN = 64  # bytes; bank offsets and rows keep 16-byte vector loads and dtype views aligned
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each bank of one expert sits inside its row of bytes."""
+
+    offsets: dict[str, int]  # bank name -> byte offset in the row
+    sizes: dict[str, int]  # bank name -> bytes of one expert's slice
+    shapes: dict[str, tuple[int, ...]]  # bank name -> per-expert shape (no leading E)
+    dtypes: dict[str, torch.dtype]
+    row_bytes: int  # bytes of one expert, padding included
+
+    @staticmethod
+    def of(specs: dict[str, BankSpec]) -> "ExpertLayout":
+        offsets, sizes, shapes, dtypes, pos = {}, {}, {}, {}, 0
+        for name, spec in specs.items():
+            one = BankSpec(spec.shape[1:], spec.dtype)
+            offsets[name], sizes[name] = pos, one.nbytes
+            shapes[name], dtypes[name] = one.shape, spec.dtype
+            pos += _align(one.nbytes)
+        return ExpertLayout(offsets, sizes, shapes, dtypes, max(pos, ALIGN))
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Bank views `[N, ...]` of a flat `[N, row_bytes]` uint8 buffer (rows = experts or slots)."""
+        if flat.dtype != torch.uint8 or flat.dim() != 2 or flat.shape[1] != self.row_bytes:
+            raise ValueError(f"expert rows must be uint8 [N, {self.row_bytes}], got {tuple(flat.shape)} {flat.dtype}")
+        n = flat.shape[0]
+        out = {}
+        for name, off in self.offsets.items():
+            part = flat[:, off : off + self.sizes[name]]  # [N, bytes], row stride row_bytes
+            out[name] = part.view(self.dtypes[name]).view(n, *self.shapes[name])
+        return out
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
