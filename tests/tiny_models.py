@@ -109,7 +109,7 @@ def greedy_with_top2(llm, prompts: list[list[int]], n: int) -> list[list[tuple[i
     out: dict[int, list] = {r: [] for r in rids}
     while any(r in eng.requests for r in rids):
         for delta in eng.step():
-            lp = eng.runner.last_logprobs.get(delta.request_id)
+            lp = delta.logprobs[0] if delta.logprobs else None
             out[delta.request_id].append((delta.token_ids[0], lp[1] if lp else []))
     for r in rids:
         eng.pop_output(r)
