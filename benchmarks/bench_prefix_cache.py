@@ -10,7 +10,7 @@ speed-up, all measured in this run.
 Both engines first run `ferryman serve`'s warm-up and one unmeasured conversation of the same
 shapes with other tokens, so neither side's figure includes Triton compiling a shape (on the
 H200 a 64-token warm-up alone left a 128-token tail over a 4096-token cache to compile inside
-the measured turn: 230 ms against 397 ms cold, session 17).
+the measured turn: 230 ms against 397 ms cold; docs/benchmarks.md, prefix cache).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def test_a_gate_that_turned_off_opens_again_for_a_new_trial() -> None:
 
 
 def test_small_batches_do_not_turn_wide_batches_off() -> None:
-    """Session 16: a 4-user load turned 7 of 23 layers' batch gates off for the 16 users after it.
+    """A 4-user load had turned 7 of 23 layers' batch gates off for the 16 users after it.
     Steps of 2-7 sequences and of 8 or more are graded apart."""
     gates = {0: FixedGate([0, 1]), 1: FixedGate([5, 6])}
     g = NextLayerGuesser(gates, top_k=2, min_samples=4)
