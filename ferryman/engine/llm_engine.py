@@ -22,7 +22,6 @@ from ferryman.engine.scheduler import (
 )
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
-from ferryman.envs import envs
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
 from ferryman.kvcache.window_pool import num_window_layers, window_split
@@ -82,7 +81,7 @@ class LLMEngine:
             ),
             eos_token_ids=eos,
         )
-        graphs = not (ecfg.enforce_eager or envs.DISABLE_CUDA_GRAPHS)
+        graphs = not ecfg.enforce_eager
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
                                   expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration),
