@@ -81,9 +81,6 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)
-    # Sequences finished or aborted since the previous schedule(): per-sequence state elsewhere
-    # (runner buffers, detokenisers) can be dropped.
-    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -108,7 +105,6 @@ class Scheduler:
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._finished_ids: list[int] = []
 
     # ---- queue management --------------------------------------------------------------------
 
@@ -147,13 +143,11 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.free_blocks(seq)
         seq.mark_finished(reason)
-        self._finished_ids.append(seq.seq_id)
 
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
