@@ -123,16 +123,11 @@ class Scheduler:
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """Finish a waiting or running sequence now (stop string seen, client gone, ...).
         Returns it, or None when no unfinished sequence has this id."""
-        seq = self._remove(seq_id)
-        if seq is not None:
-            self._finish(seq, reason)
-        return seq
-
-    def _remove(self, seq_id: int) -> Sequence | None:
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
+                    self._finish(seq, reason)
                     return seq
         return None
 
