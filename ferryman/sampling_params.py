@@ -46,7 +46,6 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # finish with "stop" on these ids
     max_tokens: int = 16  # finish with "length" after this many output tokens
     ignore_eos: bool = False  # keep going past the model's eos ids
-    n: int = 1  # completions per request; reserved, only 1 is supported
     logprobs: int | None = None  # top logprobs returned with each token (StepDelta.logprobs); None: none
     logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order
 
@@ -80,11 +79,10 @@ class SamplingParams:
             _require(-2 <= value <= 2, name, value, "in [-2, 2]")
 
     def _check_ints(self) -> None:
-        for name in ("top_k", "max_tokens", "n"):
+        for name in ("top_k", "max_tokens"):
             _require_int(getattr(self, name), name)
         _require(self.top_k in (-1, 0) or self.top_k >= 1, "top_k", self.top_k, "-1, 0 (off) or >= 1")
         _require(self.max_tokens >= 1, "max_tokens", self.max_tokens, ">= 1")
-        _require(self.n == 1, "n", self.n, "1 (n > 1 is not supported yet)")
         if self.seed is not None:
             _require_int(self.seed, "seed")
             _require(_SEED_MIN <= self.seed <= _SEED_MAX, "seed", self.seed, "a 64-bit integer")

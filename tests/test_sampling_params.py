@@ -10,7 +10,7 @@ def test_defaults_match_the_interface_contract():
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1.0, 1.0, -1, 0.0, None)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.stop, p.stop_token_ids, p.max_tokens, p.ignore_eos) == ([], [], 16, False)
-    assert (p.n, p.logprobs, p.logits_processors) == (1, None, [])
+    assert (p.logprobs, p.logits_processors) == (None, [])
     assert not p.greedy
     assert SamplingParams(temperature=0).greedy
 
@@ -27,7 +27,7 @@ def test_lists_are_not_shared_and_a_single_stop_string_is_a_list():
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
     ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0), ("max_tokens", True),
     ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
-    ("n", 2), ("logprobs", -1), ("seed", 2**64), ("seed", "7"), ("ignore_eos", 1),
+    ("logprobs", -1), ("seed", 2**64), ("seed", "7"), ("ignore_eos", 1),
     ("stop", [""]), ("stop_token_ids", [-1]), ("logits_processors", ["mask"]),
 ])
 def test_bad_values_raise_naming_field_and_value(field, value):

@@ -105,7 +105,7 @@ def test_preemption_recomputes_and_finishes_with_the_same_tokens():
     assert b.num_preemptions == len(preempted) and sched.num_preemptions == len(preempted)
     assert a.output_token_ids == ref[100] and b.output_token_ids == ref[300]
     assert a.finish_reason == b.finish_reason == "length"
-    assert sched.pool.num_free_blocks == cfg.num_blocks
+    assert len(sched.pool.free_queue) == cfg.num_blocks
 
 
 def test_preempted_sequence_goes_to_the_front_of_waiting():
@@ -182,9 +182,9 @@ def test_finished_sequences_free_their_blocks():
         sched.add(seq)
     out = sched.schedule()
     sched.update(out, runner.step(out))
-    assert sched.pool.num_free_blocks == cfg.num_blocks - 3 * 3
+    assert len(sched.pool.free_queue) == cfg.num_blocks - 3 * 3
     run_to_end(sched, runner)
-    assert sched.pool.num_free_blocks == cfg.num_blocks and sched.pool.usage == 0.0
+    assert len(sched.pool.free_queue) == cfg.num_blocks and sched.pool.usage == 0.0
     assert all(s.block_table == [] and s.status is SequenceStatus.FINISHED for s in seqs)
 
 
@@ -223,7 +223,7 @@ def test_add_rejects_prompt_longer_than_max_model_len():
         sched.add(make_seq(9))
 
 
-def test_abort_and_finish_free_blocks_and_are_reported_once():
+def test_abort_and_finish_free_blocks():
     cfg = make_config()
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     a, b, c = make_seq(5), make_seq(5, start=300), make_seq(5, start=500)
@@ -231,15 +231,13 @@ def test_abort_and_finish_free_blocks_and_are_reported_once():
         sched.add(seq)
     out = sched.schedule()
     sampled = runner.step(out)
-    assert sched.abort(b.seq_id) is b  # aborted before its step is recorded: update skips it
+    assert sched.finish(b.seq_id, "abort") is b  # aborted before its step is recorded: update skips it
     assert sched.update(out, sampled) == []
     assert b.finish_reason == "abort" and b.output_token_ids == []
     assert sched.finish(c.seq_id, "stop") is c and c.finish_reason == "stop"
-    assert sched.abort(12345) is None
-    assert sched.pool.num_free_blocks == cfg.num_blocks - 2
-    out = sched.schedule()
-    assert out.finished_seq_ids == [b.seq_id, c.seq_id] and plan(out) == [(a.seq_id, 5, 1, True)]
-    assert sched.schedule().finished_seq_ids == []
+    assert sched.finish(12345, "abort") is None
+    assert len(sched.pool.free_queue) == cfg.num_blocks - 2
+    assert plan(sched.schedule()) == [(a.seq_id, 5, 1, True)]
 
 
 def test_missing_sampled_token_is_an_error():
@@ -254,6 +252,8 @@ def test_missing_sampled_token_is_an_error():
 @pytest.mark.parametrize("kw, match", [
     (dict(num_blocks=3, block_size=4, max_model_len=13), "13"),
     (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(block_size=0), "block_size"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -289,4 +289,4 @@ def test_random_workload_matches_solo_runs(prefix_caching):
     assert got == expected
     assert sched.num_preemptions > 0
     assert (sched.pool.hit_tokens > 0) == prefix_caching
-    assert sched.pool.num_free_blocks == cfg.num_blocks
+    assert len(sched.pool.free_queue) == cfg.num_blocks

@@ -26,7 +26,7 @@ def _seq(n: int, base: int = 0) -> Sequence:
 def test_release_hands_back_what_no_query_can_see() -> None:
     pool = WindowBlockPool(num_blocks=16, block_size=4, window=6)
     seq = _seq(30)
-    assert pool.grow(seq, 20) and len(seq.window_table) == 5 and len(pool.free_queue) == 10
+    assert pool.allocate_for(seq, 20) and len(seq.window_table) == 5 and len(pool.free_queue) == 10
     seq.num_computed_tokens = 20  # next query at 20 sees 15..20: blocks 3 and 4 (first_needed = 15 // 4)
     pool.release_stale(seq)
     assert seq.window_table[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in seq.window_table[3:]
@@ -87,7 +87,7 @@ def test_a_prefix_hit_adopts_the_window_or_shrinks() -> None:
 def test_a_hit_whose_window_was_evicted_is_recomputed() -> None:
     pool = WindowBlockPool(num_blocks=8, block_size=4, window=8)  # 7 blocks to hand out
     first = _seq(20)
-    pool.grow(first, 20)
+    pool.allocate_for(first, 20)
     first.num_computed_tokens = 20
     pool.cache_full_blocks(first)
     pool.release_stale(first)  # blocks 0..2 (positions < 13) go back, hashed
@@ -95,9 +95,9 @@ def test_a_hit_whose_window_was_evicted_is_recomputed() -> None:
     pool.free(first)
     again = _seq(21)  # the same 20 tokens and one more: 5 full blocks
     again.block_hashes = list(first.block_hashes)
-    assert pool.usable_prefix(again, 5) == (5, kept)  # the window before position 20: blocks 3, 4
-    pool.grow(_seq(24, base=300), 24)  # 6 blocks from the front: 2 unused, blocks 0..2, then block 4
-    assert pool.usable_prefix(again, 5) == (0, [])  # no whole window left before any block boundary
+    assert pool.usable_prefix(again, 5) == [NULL_BLOCK] * 3 + kept  # the window before position 20: blocks 3, 4
+    pool.allocate_for(_seq(24, base=300), 24)  # 6 blocks from the front: 2 unused, blocks 0..2, then block 4
+    assert pool.usable_prefix(again, 5) == []  # no whole window left before any block boundary
 
 
 def _window_build(tmp_path: Path) -> tuple[Path, torch.nn.Module]:

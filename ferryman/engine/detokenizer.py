@@ -26,9 +26,7 @@ class IncrementalDetokenizer:
         """Feed all output ids so far; returns the new stable text (may be empty)."""
         if self.stopped:
             return ""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
-            full = full.rstrip("\ufffd")
+        full = self.tokenizer.decode(token_ids, skip_special_tokens=True).rstrip("\ufffd")
         for s in self.stop:
             # search only where a new match can start
             idx = full.find(s, max(0, len(self.text) - len(s) + 1))

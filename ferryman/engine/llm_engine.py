@@ -139,7 +139,7 @@ class LLMEngine:
         return seq.seq_id
 
     def abort(self, request_id: int) -> None:
-        if self.scheduler.abort(request_id) is not None:
+        if self.scheduler.finish(request_id, "abort") is not None:
             self._finalize(self.requests[request_id], "abort")
 
     def has_unfinished(self) -> bool:

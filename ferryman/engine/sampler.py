@@ -33,7 +33,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         logits = logits / _column([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                   logits)
-        logits = apply_top_k_top_p_min_p(logits, *filter_params(params, logits))
+        logits = apply_filters(logits, params)
         tokens = sample_exponential_race(logits.softmax(dim=-1), seqs)  # [B]
         if any(greedy):
             greedy_rows = torch.tensor(greedy, device=logits.device)
@@ -104,45 +104,32 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def filter_params(params: list[SamplingParams], logits: torch.Tensor
-                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row top_k [B] int64, top_p [B], min_p [B]; None where no row uses the filter."""
-    V = logits.shape[1]
-    device = logits.device
-    top_k = top_p = min_p = None
-    if any(p.top_k > 0 for p in params):
-        ks = [min(p.top_k, V) if p.top_k > 0 else V for p in params]
-        top_k = torch.tensor(ks, dtype=torch.int64, device=device)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
-    return top_k, top_p, min_p
-
-
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                            top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """logits: [B, V] (temperature applied) -> [B, V] with filtered tokens set to -inf.
-
-    top_k / top_p / min_p: [B] per-row values (k = V, p = 1, min_p = 0 leave a row alone), or
-    None when no row filters. The most likely token always survives."""
-    if top_k is None and top_p is None and min_p is None:
+def apply_filters(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits: [B, V] (temperature applied) -> [B, V] with the tokens each row's top_k / top_p /
+    min_p drop set to -inf (k <= 0, p = 1, min_p = 0 leave a row alone). The most likely token
+    always survives."""
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    use_min_p = any(p.min_p > 0.0 for p in params)
+    if not (use_top_k or use_top_p or use_min_p):
         return logits
+    V = logits.shape[1]
     # Work in descending order: sorted_logits[:, 0] is each row's most likely token.
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
+    if use_top_k:
+        top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params], device=logits.device)  # [B]
         # Like HF: tokens tied with the k-th largest logit are kept.
         kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))  # [B, 1]
         remove |= sorted_logits < kth
-    if top_p is not None:
+    if use_top_p:
         probs = sorted_logits.masked_fill(remove, _NEG_INF).softmax(dim=-1)
         # HF drops a token when the mass of it and every less likely token is <= 1 - top_p.
         mass_from_tail = probs.flip(-1).cumsum(dim=-1).flip(-1)  # [B, V]
-        remove |= mass_from_tail <= (1.0 - top_p).unsqueeze(1)
-    if min_p is not None:
+        remove |= mass_from_tail <= 1.0 - _column([p.top_p for p in params], logits)
+    if use_min_p:
         probs = sorted_logits.masked_fill(remove, _NEG_INF).softmax(dim=-1)
-        remove |= probs < min_p.unsqueeze(1) * probs[:, :1]
+        remove |= probs < _column([p.min_p for p in params], logits) * probs[:, :1]
     remove[:, 0] = False
     return logits.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
 

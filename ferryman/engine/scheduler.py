@@ -81,9 +81,6 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)
-    # Sequences finished or aborted since the previous schedule(): per-sequence state elsewhere
-    # (runner buffers, detokenisers) can be dropped.
-    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -102,11 +99,12 @@ class Scheduler:
         self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.window_pool = None if config.window is None else \
             WindowBlockPool(config.num_window_blocks, config.block_size, config.window, config.enable_prefix_caching)
+        # Invariant: a sequence holds blocks in every pool or in none.
+        self.pools: list[BlockPool] = [self.pool] if self.window_pool is None else [self.pool, self.window_pool]
         self.waiting: deque[Sequence] = deque()
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._finished_ids: list[int] = []
 
     # ---- queue management --------------------------------------------------------------------
 
@@ -125,37 +123,26 @@ class Scheduler:
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """Finish a waiting or running sequence now (stop string seen, client gone, ...).
         Returns it, or None when no unfinished sequence has this id."""
-        seq = self._remove(seq_id)
-        if seq is not None:
-            self._finish(seq, reason)
-        return seq
-
-    def abort(self, seq_id: int) -> Sequence | None:
-        return self.finish(seq_id, "abort")
-
-    def _remove(self, seq_id: int) -> Sequence | None:
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.seq_id == seq_id:
                     queue.remove(seq)
+                    self._finish(seq, reason)
                     return seq
         return None
 
     def free_blocks(self, seq: Sequence) -> None:
-        self.pool.free(seq)
-        if self.window_pool is not None:
-            self.window_pool.free(seq)
+        for pool in self.pools:
+            pool.free(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.free_blocks(seq)
         seq.mark_finished(reason)
-        self._finished_ids.append(seq.seq_id)
 
     # ---- scheduling --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
-        self._finished_ids = []
+        out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
@@ -184,31 +171,27 @@ class Scheduler:
                 return False
         return True
 
-    def allocate_blocks(self, seq: Sequence, num_tokens: int, prefix: list[int] | None = None,
-                        window_prefix: list[int] | None = None) -> bool:
+    def allocate_blocks(self, seq: Sequence, num_tokens: int, prefixes: list[list[int]] | None = None) -> bool:
         """Blocks for `num_tokens` more tokens of `seq` in every pool, or (False) in none.
-        prefix / window_prefix: at admission, the cached blocks it adopts (`_match`)."""
-        w = self.window_pool
-        if w is None:
-            return self.pool.allocate_for(seq, num_tokens, prefix)
-        w.release_stale(seq)
-        num_prefix = len(prefix or ())
-        if w.need(seq, num_tokens, num_prefix, window_prefix) > len(w.free_queue) \
-                or not self.pool.can_allocate(seq, num_tokens, prefix):
+        prefixes: at admission, the cached blocks it adopts in each pool (`_match`)."""
+        if self.window_pool is not None:
+            self.window_pool.release_stale(seq)
+        grants = list(zip(self.pools, prefixes or [None] * len(self.pools)))
+        if not all(pool.can_allocate(seq, num_tokens, prefix) for pool, prefix in grants):
             return False
-        done = self.pool.allocate_for(seq, num_tokens, prefix) and w.grow(seq, num_tokens, num_prefix, window_prefix)
-        if not done:  # unreachable: both were checked; an inconsistent pool must not go unnoticed
-            raise RuntimeError(f"seq {seq.seq_id}: KV blocks checked free but not allocated")
+        for pool, prefix in grants:  # the main pool first: it sets seq.num_computed_tokens
+            if not pool.allocate_for(seq, num_tokens, prefix):  # checked above: a pool is inconsistent
+                raise RuntimeError(f"seq {seq.seq_id}: KV blocks checked free but not allocated")
         return True
 
-    def _match(self, seq: Sequence) -> tuple[list[int], list[int] | None]:
-        """The cached prefix `seq` adopts: main-pool blocks, and the window pool's blocks for the
-        window before its end (the hit shrinks to what that pool still holds)."""
+    def _match(self, seq: Sequence) -> list[list[int]]:
+        """The cached prefix `seq` adopts in each pool: main-pool blocks, and the window pool's
+        table for the window before its end (the hit shrinks to what that pool still holds)."""
         prefix = self.pool.match_sequence(seq)
         if self.window_pool is None:
-            return prefix, None
-        k, window_prefix = self.window_pool.usable_prefix(seq, len(prefix))
-        return prefix[:k], window_prefix
+            return [prefix]
+        window_prefix = self.window_pool.usable_prefix(seq, len(prefix))
+        return [prefix[:len(window_prefix)], window_prefix]
 
     def _preempt(self, seq: Sequence) -> None:
         self.free_blocks(seq)
@@ -220,9 +203,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prefix, window_prefix = self._match(seq)
-            num_tokens = min(seq.num_tokens - len(prefix) * self.config.block_size, budget)
-            if not self.allocate_blocks(seq, num_tokens, prefix, window_prefix):
+            prefixes = self._match(seq)
+            num_tokens = min(seq.num_tokens - len(prefixes[0]) * self.config.block_size, budget)
+            if not self.allocate_blocks(seq, num_tokens, prefixes):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
@@ -253,9 +236,9 @@ class Scheduler:
             if seq.is_finished:
                 continue  # aborted while the step ran; its blocks are already free
             seq.num_computed_tokens += s.num_tokens
-            self.pool.cache_full_blocks(seq)
-            if self.window_pool is not None:  # registered first: released blocks stay adoptable
-                self.window_pool.cache_full_blocks(seq)
+            for pool in self.pools:  # registered before the release: released blocks stay adoptable
+                pool.cache_full_blocks(seq)
+            if self.window_pool is not None:
                 self.window_pool.release_stale(seq)
             if not s.sample:
                 continue
@@ -282,9 +265,8 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block that no sequence holds, in every pool."""
-        self.pool.reset_prefix_cache()
-        if self.window_pool is not None:
-            self.window_pool.reset_prefix_cache()
+        for pool in self.pools:
+            pool.reset_prefix_cache()
 
     def stats(self) -> dict[str, float]:
         return {

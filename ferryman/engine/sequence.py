@@ -43,8 +43,7 @@ class Sequence:
         "num_preemptions", "arrival_time", "first_scheduled_time", "first_token_time", "finished_time", "_generator",
     )
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                 arrival_time: float | None = None) -> None:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token")
         self.seq_id: int = next(_seq_ids)
@@ -59,7 +58,7 @@ class Sequence:
         self.block_hashes: list[int] = []
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions: int = 0
-        self.arrival_time: float = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time: float = time.monotonic()
         self.first_scheduled_time: float | None = None  # first admitted to a step (queueing ends)
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
@@ -104,10 +103,10 @@ class Sequence:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
 
-    def mark_finished(self, reason: FinishReason, now: float | None = None) -> None:
+    def mark_finished(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
-        self.finished_time = time.monotonic() if now is None else now
+        self.finished_time = time.monotonic()
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
         """The sequence's own RNG when params.seed is set (created on first use on `device`)."""

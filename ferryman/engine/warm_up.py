@@ -1,13 +1,10 @@
 """Warm-up before serving: run the step shapes the first users would otherwise compile.
 
 Triton compiles a kernel at its first launch for each specialisation of its integer arguments
-(1, a multiple of 16, anything else: sequences and tokens of a step), and autotunes some; a server
-that skipped this made its first requests pay for it (docs/benchmarks.md). So `ferryman serve`
-first runs a prefill chunk of min(max_num_seqs, 16) sequences that fills a step, their decodes as
-they finish one by one (every batch size down to 1), a wave where long prompts join sequences
-that decode (steps that mix prompts with decodes compile too), smaller waves whose sequence and
-token counts fall in the other specialisations, and one sequence alone. Then the engine forgets
-them (`LLMEngine.reset_after_warm_up`): prefix cache, step counters, the expert guesses' grades.
+(1, a multiple of 16, anything else: sequences and tokens of a step), and autotunes some. So
+`ferryman serve` first runs waves of requests (`waves_for`) whose steps cover every batch size
+up to min(max_num_seqs, 16), prompts beside decodes, and each specialisation; then the engine
+forgets them (`LLMEngine.reset_after_warm_up`).
 """
 
 from __future__ import annotations

@@ -76,10 +76,6 @@ class KVBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -96,11 +92,6 @@ class BlockPool:
     # ---- stats -------------------------------------------------------------------------------
 
     @property
-    def num_free_blocks(self) -> int:
-        """Blocks no sequence holds (cached ones included: they can be evicted)."""
-        return len(self.free_queue)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks held by sequences."""
         return 1.0 - len(self.free_queue) / self.num_blocks
@@ -111,17 +102,9 @@ class BlockPool:
 
     # ---- prefix lookup -----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Ids of cached blocks holding the longest cached prefix of `token_ids`.
-
-        Never covers the last token: it must be computed so the step yields logits."""
-        if not self.enable_prefix_caching:
-            return []
-        num_full = (len(token_ids) - 1) // self.block_size
-        return self._lookup(chain_hashes(token_ids, self.block_size, num_full))
-
     def match_sequence(self, seq: Sequence) -> list[int]:
-        """`match_prefix(seq.all_token_ids)`, reusing the hashes cached on the sequence."""
+        """Ids of cached blocks holding the longest cached prefix of `seq`'s tokens (hashes are kept
+        on the sequence). Never covers the last token: it must be computed so the step yields logits."""
         if not self.enable_prefix_caching:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
@@ -151,11 +134,11 @@ class BlockPool:
     def num_new_blocks(self, seq: Sequence, num_new_tokens: int,
                        prefix_blocks: list[int] | None = None) -> int:
         """Blocks to take from the free queue so `seq` can hold `num_new_tokens` more tokens
-        (after adopting `prefix_blocks`, if given)."""
-        num_prefix = len(prefix_blocks) if prefix_blocks else 0
-        num_computed = seq.num_computed_tokens + num_prefix * self.block_size
-        total = cdiv(num_computed + num_new_tokens, self.block_size)
-        return max(0, total - len(self.table(seq)) - num_prefix)
+        (at admission, an empty table, after adopting `prefix_blocks`, if given)."""
+        table = self.table(seq)
+        have = len(table) if table else len(prefix_blocks or ())
+        computed = seq.num_computed_tokens if table else have * self.block_size
+        return max(0, cdiv(computed + num_new_tokens, self.block_size) - have)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int,
                      prefix_blocks: list[int] | None = None) -> bool:

@@ -3,9 +3,8 @@
 A query at position q of a layer with window W reads kv positions q - W + 1 .. q only, so once a
 sequence has computed c tokens, its blocks wholly before position c - W + 1 are never read again:
 `release_stale` hands them back. Those layers then need a small pool of fixed size
-(`window_pool_blocks`) instead of the context-sized main pool (block_pool.py), which keeps the
-full-attention layers. On gpt-oss this halves the KV cache, and the planner gives what it frees to
-expert slots (planner.py).
+(`window_pool_blocks`) instead of the context-sized main pool (block_pool.py); the planner gives
+what that frees to expert slots.
 
 Tables: `seq.window_table` has one entry per logical block, like `seq.block_table`; entries before
 the window are NULL_BLOCK, which is never handed out and never written (its K/V stay zero), so the
@@ -66,8 +65,6 @@ class WindowBlockPool(BlockPool):
     """The window layers' blocks: a BlockPool whose tables drop what fell out of the window."""
 
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"a window pool needs >= 2 blocks (one is the null block), got {num_blocks}")
         if window < 1:
             raise ValueError(f"sliding window must be >= 1 token, got {window}")
         super().__init__(num_blocks, block_size, enable_prefix_caching)
@@ -94,44 +91,27 @@ class WindowBlockPool(BlockPool):
         if end > start:
             self._released[seq.seq_id] = end
 
-    def usable_prefix(self, seq: Sequence, num_hit: int) -> tuple[int, list[int]]:
+    def usable_prefix(self, seq: Sequence, num_hit: int) -> list[int]:
         """Of a main-pool hit of `num_hit` blocks (from `match_sequence`, so seq.block_hashes covers
-        them): the longest k <= num_hit whose window this pool still holds, and those blocks' ids
-        (logical blocks first_needed(k * S) .. k - 1)."""
+        them): the window table of the longest k <= num_hit blocks whose window this pool still holds,
+        NULL_BLOCK up to first_needed(k * S) then the cached blocks; len() of it is k."""
         if not self.enable_prefix_caching:
-            return 0, []
+            return []
         for k in range(num_hit, 0, -1):
             lo = self.first_needed(k * self.block_size)
             ids = self._lookup(seq.block_hashes[lo:k])
             if len(ids) == k - lo:
-                return k, ids
-        return 0, []
+                return [NULL_BLOCK] * lo + ids
+        return []
 
-    def need(self, seq: Sequence, num_new_tokens: int, num_prefix: int = 0, adopted: list[int] | None = None) -> int:
-        """Free blocks `grow` would take: new ones, and adopted cached blocks nobody holds."""
-        revived = sum(1 for b in adopted or () if self.blocks[b].ref_count == 0)
-        computed = seq.num_computed_tokens if seq.window_table else num_prefix * self.block_size
-        have = len(seq.window_table) if seq.window_table else num_prefix
-        return max(0, cdiv(computed + num_new_tokens, self.block_size) - have) + revived
-
-    def grow(self, seq: Sequence, num_new_tokens: int, num_prefix: int = 0, adopted: list[int] | None = None) -> bool:
-        """Cover `num_new_tokens` more tokens of `seq`; at admission (an empty table) first adopt
-        the window `adopted` of a `num_prefix`-block prefix hit (`usable_prefix`). Call after the
-        main pool's allocate_for, which set seq.num_computed_tokens; False (nothing changed) when
-        the pool is short."""
-        if self.need(seq, num_new_tokens, num_prefix, adopted) > len(self.free_queue):
-            return False
-        table = seq.window_table
-        if not table and num_prefix:
-            lo = num_prefix - len(adopted or ())
-            for block_id in adopted or ():
-                self._take(block_id)
-            table.extend([NULL_BLOCK] * lo + list(adopted or ()))
-            self._num_registered[seq.seq_id] = num_prefix
-            self._released[seq.seq_id] = lo
-        for _ in range(cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(table)):
-            table.append(self._pop_free())
-        return True
+    def _admit(self, seq: Sequence, prefix_blocks: list[int]) -> None:
+        """Adopt a `usable_prefix` hit; the main pool admitted `seq` first and set its computed tokens."""
+        lo = prefix_blocks.count(NULL_BLOCK)
+        for block_id in prefix_blocks[lo:]:
+            self._take(block_id)
+        seq.window_table.extend(prefix_blocks)
+        self._num_registered[seq.seq_id] = len(prefix_blocks)
+        self._released[seq.seq_id] = lo
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
