@@ -234,8 +234,7 @@ class LLMEngine:
                     raise ConfigError(self._score_too_big(sum(map(len, prompts))))
             step = SchedulerOutput([ScheduledSeq(s, s.num_tokens, 0, False) for s in seqs])
             inputs = prepare_inputs(step, self.ecfg.block_size, self.device, self.runner.window_kv)
-            hidden = self.runner.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
-            logits = self.runner.model.compute_logits(hidden)
+            logits = self.runner.score(inputs)  # [T, V]
             return list(logits.split([len(p) for p in prompts]))
         finally:
             for seq in seqs:

@@ -96,6 +96,14 @@ class ModelRunner:
             return SamplerOutput()
         return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])
 
+    @torch.inference_mode()
+    def score(self, inputs: StepInputs) -> torch.Tensor:
+        """logits [T, V] at every position of a packed prefill (LLMEngine.score), one expert step."""
+        self.experts.begin_step()
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, inputs.host_ids)  # [T, H]
+        self.experts.end_step()
+        return self.model.compute_logits(hidden)
+
     def compute_logits(self, inputs: StepInputs, decode_only: bool) -> torch.Tensor:
         """logits [B_s, V] fp32 for the sampling rows."""
         if decode_only and self.graphs is not None and self.graphs.fits(inputs):
