@@ -37,7 +37,6 @@ class RopeConfig:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # e.g. "mxfp4"
-    modules_to_not_convert: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,10 @@ class ModelConfig:
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool
-    router_kind: RouterKind
-    router_bias: bool
-    expert_act: ExpertAct
-    expert_bias: bool
+    router_kind: RouterKind = "softmax_topk"
+    router_bias: bool = False
+    expert_act: ExpertAct = "silu"
+    expert_bias: bool = False
     # dense FFN, for layers listed in dense_layers
     intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -78,9 +77,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     torch_dtype: str = "bfloat16"
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = None
     quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:

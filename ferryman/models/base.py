@@ -42,7 +42,6 @@ def split_layer(name: str) -> tuple[int, str] | None:
 
 class Architecture(ABC):
     model_type: str
-    hf_class: str
     quant_methods: tuple[str, ...] = ()
 
     @abstractmethod
@@ -115,25 +114,6 @@ class Architecture(ABC):
         return Target("param", f"layers.{layer}.{rel}")
 
 
-def dense_mlp_tensors(cfg: ModelConfig, dt: torch.dtype) -> dict[str, TensorSpec]:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "mlp.gate_proj.weight": ((I, H), dt),
-        "mlp.up_proj.weight": ((I, H), dt),
-        "mlp.down_proj.weight": ((H, I), dt),
-    }
-
-
-def map_dense_mlp(cfg: ModelConfig, layer: int, rel: str) -> Target | None:
-    I = cfg.intermediate_size
-    p = f"layers.{layer}.mlp."
-    return {
-        "mlp.gate_proj.weight": Target("param", p + "gate_up_proj.weight", rows=(0, I)),
-        "mlp.up_proj.weight": Target("param", p + "gate_up_proj.weight", rows=(I, 2 * I)),
-        "mlp.down_proj.weight": Target("param", p + "down_proj.weight"),
-    }.get(rel)
-
-
 def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[str, Any]:
     """ModelConfig fields that every HF decoder config spells the same way."""
     heads = hf["num_attention_heads"]
@@ -153,19 +133,15 @@ def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[s
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
-        bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),
-        pad_token_id=hf.get("pad_token_id"),
         quant=quant_from_hf(hf, quant_methods),
     )
 
 
-def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
+    merged = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind not in ("default", "yarn", "linear"):
         raise ConfigError(f"unsupported rope type {kind!r} (supported: default, yarn, linear)")
@@ -199,7 +175,7 @@ def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig
             f"unsupported quantization_config.quant_method {method!r} for "
             f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
         )
-    return QuantConfig(method=method, modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()))
+    return QuantConfig(method)
 
 
 def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -2,40 +2,13 @@
 
 Each preset is the content of the model's published `config.json` (the fields that shape
 tensors or change the math, plus the bookkeeping fields the file carries), so a dummy run
-allocates exactly the tensors the real checkpoint has. `write_preset_folder` writes one to
-disk as `config.json` (no tokenizer) so the dummy loader can treat it like a model folder.
+allocates exactly the tensors the real checkpoint has.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 from typing import Any
-
-_GPT_OSS_ROPE_SCALING: dict[str, Any] = {
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "factor": 32.0,
-    "original_max_position_embeddings": 4096,
-    "rope_type": "yarn",
-    "truncate": False,
-}
-
-_GPT_OSS_QUANT: dict[str, Any] = {
-    "modules_to_not_convert": [
-        "model.layers.*.self_attn",
-        "model.layers.*.mlp.router",
-        "model.embed_tokens",
-        "lm_head",
-    ],
-    "quant_method": "mxfp4",
-}
-
-
-def _alternating_layer_types(num_layers: int) -> list[str]:
-    """gpt-oss: even layers use the 128-token sliding window, odd layers full attention."""
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
 def _gpt_oss(num_layers: int, num_experts: int) -> dict[str, Any]:
@@ -53,7 +26,8 @@ def _gpt_oss(num_layers: int, num_experts: int) -> dict[str, Any]:
         "initial_context_length": 4096,
         "initializer_range": 0.02,
         "intermediate_size": 2880,
-        "layer_types": _alternating_layer_types(num_layers),
+        # even layers use the 128-token sliding window, odd layers full attention
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
         "max_position_embeddings": 131072,
         "model_type": "gpt_oss",
         "num_attention_heads": 64,
@@ -63,9 +37,24 @@ def _gpt_oss(num_layers: int, num_experts: int) -> dict[str, Any]:
         "num_local_experts": num_experts,
         "output_router_logits": False,
         "pad_token_id": 199999,
-        "quantization_config": copy.deepcopy(_GPT_OSS_QUANT),
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
         "rms_norm_eps": 1e-05,
-        "rope_scaling": dict(_GPT_OSS_ROPE_SCALING),
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
         "rope_theta": 150000,
         "router_aux_loss_coef": 0.9,
         "sliding_window": 128,
@@ -211,27 +200,3 @@ def get_preset(name: str) -> dict[str, Any]:
     if key is None:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
     return copy.deepcopy(PRESETS[key])
-
-
-def write_preset_folder(name: str, path: str | Path) -> Path:
-    """Write the preset as `<path>/config.json` and return the folder.
-
-    An existing config.json is only accepted when it already holds this preset, so a real
-    model folder is never overwritten.
-    """
-    config = get_preset(name)
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / "config.json"
-    if target.exists() and _read_json(target) != config:
-        raise ValueError(f"{target} exists and is not the {name!r} preset; refusing to overwrite it")
-    target.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return folder
-
-
-def _read_json(path: Path) -> Any:
-    """Parsed JSON of `path`, or None when it is not valid JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
