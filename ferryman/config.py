@@ -197,7 +197,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 STRATEGIES = ("auto", "resident", "offload")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this
+DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 CPU_EXPERTS = ("off", "auto", "on")
 
 
