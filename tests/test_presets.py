@@ -23,13 +23,9 @@ PUBLISHED = {  # name: (total, active, active counts the embedding)
 }
 
 # Fields of the published config.json that the transformers 5.x config class does not keep
-# under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype), read only by
-# other loaders (gpt-oss experts_per_token / initial_context_length, Qwen max_window_layers),
-# or handled by the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
-FILE_ONLY = {
-    "rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "quantization_config",
-    "experts_per_token", "initial_context_length", "max_window_layers", "head_dim",
-}
+# under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype) or handled by
+# the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
+FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config", "head_dim"}
 
 
 def _meta_model(cfg: dict) -> torch.nn.Module:
