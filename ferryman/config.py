@@ -162,19 +162,19 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "m
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_bytes(value: str | int | float, what: str = "gpu_memory") -> int:
+def parse_bytes(value: str | int | float) -> int:
     """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
     if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a size like '16GiB', got {value!r}")
+        raise ConfigError(f"gpu_memory must be a size like '16GiB', got {value!r}")
     if isinstance(value, (int, float)):
         n = float(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if m is None or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what} must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
+            raise ConfigError(f"gpu_memory must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if n <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
+        raise ConfigError(f"gpu_memory must be positive, got {value!r}")
     return int(n)
 
 

@@ -35,11 +35,6 @@ class Target:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def split_layer(name: str) -> tuple[int, str] | None:
-    m = _LAYER.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
-
-
 class Architecture(ABC):
     model_type: str
     quant_methods: tuple[str, ...] = ()
@@ -80,12 +75,10 @@ class Architecture(ABC):
         out["self_attn.o_proj.weight"] = ((H, q), dt)
         if cfg.attention_out_bias:
             out["self_attn.o_proj.bias"] = ((H,), dt)
-        if cfg.qk_norm == "head":
-            out["self_attn.q_norm.weight"] = ((cfg.head_dim,), dt)
-            out["self_attn.k_norm.weight"] = ((cfg.head_dim,), dt)
-        elif cfg.qk_norm == "full":
-            out["self_attn.q_norm.weight"] = ((q,), dt)
-            out["self_attn.k_norm.weight"] = ((kv,), dt)
+        if cfg.qk_norm != "none":  # per head ("head") or over all heads' width ("full")
+            full = cfg.qk_norm == "full"
+            out["self_attn.q_norm.weight"] = ((q if full else cfg.head_dim,), dt)
+            out["self_attn.k_norm.weight"] = ((kv if full else cfg.head_dim,), dt)
         if cfg.attn_sinks:
             out["self_attn.sinks"] = ((cfg.num_heads,), dt)
         return out
@@ -95,10 +88,10 @@ class Architecture(ABC):
             return Target("param", name.removeprefix("model."))
         if name == "lm_head.weight":
             return None if cfg.tie_word_embeddings else Target("param", name)
-        parts = split_layer(name)
-        if parts is None or parts[0] >= cfg.num_layers:
+        m = _LAYER.match(name)
+        if m is None or int(m.group(1)) >= cfg.num_layers:
             return None
-        layer, rel = parts
+        layer, rel = int(m.group(1)), m.group(2)
         if rel.startswith("self_attn."):
             return self._map_attention(cfg, layer, rel)
         if rel in ("input_layernorm.weight", "post_attention_layernorm.weight"):
