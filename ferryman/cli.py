@@ -257,10 +257,8 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    try:
-        from ferryman.server import ServerConfig, serve
-    except ImportError as e:
-        raise FerrymanError(f"ferryman serve needs fastapi, uvicorn and pydantic (reinstall ferryman: pip install -e .): {e}") from None
+    from ferryman.server import ServerConfig, serve
+
     cfg = ServerConfig(served_model_names=a.served_model_name or [], api_key=a.api_key,
                        max_body_bytes=int(a.max_body_mb * 2**20), max_pending=a.max_queue,
                        output_parser=a.output_parser, warm_up=a.warm_up)
@@ -273,18 +271,13 @@ def setup_logging(debug: bool = False) -> None:
     library user configures logging themselves)."""
     import logging
 
-    class StderrHandler(logging.StreamHandler):
+    class StderrHandler(logging.Handler):
         """Writes to whatever sys.stderr is when a record comes (redirections and captures apply)."""
 
         ferryman_cli = True
 
-        @property  # type: ignore[override]
-        def stream(self) -> Any:
-            return sys.stderr
-
-        @stream.setter
-        def stream(self, _value: Any) -> None:
-            pass
+        def emit(self, record: logging.LogRecord) -> None:
+            print(self.format(record), file=sys.stderr)
 
     logger = logging.getLogger("ferryman")
     if not any(getattr(h, "ferryman_cli", False) for h in logger.handlers):

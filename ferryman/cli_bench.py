@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ferryman.errors import FerrymanError
+from ferryman.errors import ConfigError, FerrymanError
 
 
 Formatter = type[argparse.HelpFormatter]
@@ -33,15 +33,12 @@ def add_bench(sub: argparse._SubParsersAction, formatter: Formatter, raw: Format
 
 BW_DESCRIPTION = """\
 Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts splits by:
-  (a) host memory read bandwidth: torch.sum over a large buffer, all torch threads
-  (b) pinned host -> device copies of one expert (one row of the host store; skipped without CUDA),
-      and host -> host copies of one expert (the "link" when the CPU is the device)
-  (c) CPU expert compute, the hybrid's own path, 1 token x top-k experts of random weights of
-      MODEL's shape and format; then 4 tokens per expert (what each token past the first costs)
-  (d) with CUDA, the link and the CPU compute running at the same time (they share host memory)
-Each figure is the median of --reps repetitions over experts not in the CPU caches. Writes a JSON
-file keyed by the expert geometry (never by format alone), with the machine recorded; the engine
-reads it when the expert geometry, machine and thread count match."""
+  (a) host memory read bandwidth
+  (b) copies of one expert: pinned host -> device (with CUDA), and host -> host
+  (c) CPU expert compute on the hybrid's own path: 1 token x top-k experts, then 4 tokens per expert
+  (d) with CUDA, the link and the CPU compute at the same time (they share host memory)
+Each figure is the median of --reps repetitions. Writes a JSON file keyed by the expert geometry and
+the machine; the engine reads it when the expert geometry, machine and thread count match."""
 
 
 def _add_bench_bw(kinds: argparse._SubParsersAction, formatter: Formatter) -> None:
@@ -63,7 +60,6 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
     from ferryman.calibrate.bandwidth import MiB, run_bench
     from ferryman.calibrate.calibration import default_path, expert_key
     from ferryman.engine.model_runner import expert_activation
-    from ferryman.errors import ConfigError
     from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
     from ferryman.llm import default_model
     from ferryman.models.registry import model_config
@@ -92,7 +88,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from ferryman.errors import ConfigError
     from ferryman.server.bench import BenchConfig, plot, run_bench
 
     try:

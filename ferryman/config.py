@@ -37,7 +37,6 @@ class RopeConfig:
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # e.g. "mxfp4"
-    modules_to_not_convert: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,10 +53,10 @@ class ModelConfig:
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool
-    router_kind: RouterKind
-    router_bias: bool
-    expert_act: ExpertAct
-    expert_bias: bool
+    router_kind: RouterKind = "softmax_topk"
+    router_bias: bool = False
+    expert_act: ExpertAct = "silu"
+    expert_bias: bool = False
     # dense FFN, for layers listed in dense_layers
     intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
@@ -78,9 +77,7 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     torch_dtype: str = "bfloat16"
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    pad_token_id: int | None = None
     quant: QuantConfig | None = None
 
     def __post_init__(self) -> None:
@@ -165,19 +162,19 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "m
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_bytes(value: str | int | float, what: str = "gpu_memory") -> int:
+def parse_bytes(value: str | int | float) -> int:
     """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
     if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a size like '16GiB', got {value!r}")
+        raise ConfigError(f"gpu_memory must be a size like '16GiB', got {value!r}")
     if isinstance(value, (int, float)):
         n = float(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if m is None or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what} must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
+            raise ConfigError(f"gpu_memory must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if n <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}")
+        raise ConfigError(f"gpu_memory must be positive, got {value!r}")
     return int(n)
 
 
@@ -200,7 +197,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 STRATEGIES = ("auto", "resident", "offload")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this
+DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 CPU_EXPERTS = ("off", "auto", "on")
 
 

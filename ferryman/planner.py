@@ -2,23 +2,14 @@
 
     budget = non-expert weights + KV cache + activation headroom + expert cache (the rest)
 
-- non-expert weights: every parameter of the module tree, in the compute dtype;
-- KV cache: a floor first, by default min(max_model_len, 32768) tokens for each of the
-  `max_num_seqs` concurrent sequences (or exactly `kv_cache_tokens` when given), for every layer
-  but the sliding-window ones of a model that mixes both (gpt-oss): those keep only their window,
-  in a pool of fixed size (kvcache/window_pool.py), counted in the KV cache's bytes;
-- activation headroom: an estimate for the largest prefill chunk (`activation_bytes`);
-- expert cache: what is left, in slots of one expert (all its banks). If every routed expert
-  fits, the plan is resident (strategy "auto"/"resident") and what is still left grows the KV
-  cache up to `max_num_seqs x max_model_len` tokens.
-  An offloaded plan keeps the token-embedding table in host RAM; its bytes become slots.
-A budget that cannot hold the floor (weights + KV floor + activations + top-k expert slots, or
-every expert for "resident") is refused with the amount missing.
-
-The plan is a function of its request alone: it reads no environment. The budget is `gpu_memory`
-when given (enforced on CUDA with `torch.cuda.set_per_process_memory_fraction`), else on CUDA the
-free memory less `1 - gpu_memory_utilization` of the total; with neither (CPU), nothing is limited
-and offload needs an explicit `expert_cache`.
+The KV cache gets its floor first: min(max_model_len, 32768) tokens for each of `max_num_seqs`
+sequences (or exactly `kv_cache_tokens`), in every layer but the sliding-window ones of a model that
+mixes both, which keep only their window in a pool of fixed size (kvcache/window_pool.py). The expert
+cache gets the rest, in slots of one expert; if every routed expert fits the plan is resident and
+what is left grows the KV cache. An offloaded plan keeps the token-embedding table in host RAM, its
+bytes becoming slots. A budget that cannot hold the floor is refused with the amount missing.
+The plan reads no environment; without a budget (CPU) nothing is limited and offload needs an
+explicit `expert_cache`.
 """
 
 from __future__ import annotations
@@ -27,14 +18,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferryman.config import GiB, MiB, STRATEGIES, ModelConfig
+from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
 from ferryman.quant.base import get_format
 
-CONTEXT_CAP = 32768  # the KV floor's per-sequence context cap
 # allocator slack, cuBLAS workspace, CUDA graph pools: the activation estimate's only margin
 _FIXED_HEADROOM = 192 * MiB
 
@@ -51,13 +41,11 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layers: int | None 
 
 
 def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int) -> int:
-    """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ 192 MiB).
+    """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ _FIXED_HEADROOM).
 
-    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per
-    routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the pair-sorted
-    copy of its input row (H); once: the experts dequantised at a time by the prefill path
-    (w13 = 2 I H each, freed before w2's I H are made: _dequantised_experts) and fp32 logits of
-    the sampled rows."""
+    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per routed
+    pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the sorted input row (H);
+    once: the prefill path's dequantised w13 banks (2 I H each) and fp32 logits of the sampled rows."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
@@ -67,10 +55,8 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def _dequantised_experts(fmt: str) -> int:
-    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once, for its largest
-    batches: a group on the batched path, none on the grouped GEMM. The kernels' escape hatch
-    (FERRYMAN_KERNELS=torch, read once at start) or a machine without Triton takes the batched
-    path, and the plan counts it."""
+    """Experts the CUDA prefill MoE path of format `fmt` dequantises at once: a group on the batched
+    path (FERRYMAN_KERNELS=torch, or no Triton), none on the grouped GEMM."""
     return batched_moe.PREFILL_GROUP if fused_moe.prefill_path(fmt) == "batched" else 0
 
 
@@ -146,7 +132,7 @@ class PlanRequest:
     def kv_floor_tokens(self) -> int:
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
-        return _round_up(min(self.max_model_len, CONTEXT_CAP), self.block_size) * self.max_num_seqs
+        return _round_up(min(self.max_model_len, DEFAULT_CONTEXT_CAP), self.block_size) * self.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -214,7 +200,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes
-    strategy = _strategy(req, rest, per_slot)
+    strategy = _strategy(req, all_fit=rest >= total * per_slot)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
     if strategy == "resident":
@@ -260,17 +246,15 @@ def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
     raise last_error
 
 
-def _strategy(req: PlanRequest, rest: int, per_slot: int) -> str:
+def _strategy(req: PlanRequest, all_fit: bool) -> str:
+    """The asked strategy; for auto, offload when an expert cache is asked for or not every expert fits."""
     if req.strategy != "auto":
         return req.strategy
-    if req.expert_cache is not None:
-        return "offload"
-    return "resident" if rest >= req.total_experts * per_slot else "offload"
+    return "offload" if req.expert_cache is not None or not all_fit else "resident"
 
 
 def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> MemoryPlan:
-    strategy = "offload" if req.strategy == "offload" or (req.strategy == "auto" and req.expert_cache is not None) \
-        else "resident"
+    strategy = _strategy(req, all_fit=True)
     if strategy == "offload" and req.expert_cache is None:
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
@@ -12,13 +10,7 @@ from ferryman.errors import UnsupportedModelError
 from ferryman.models.registry import model_config
 from ferryman.models.summary import summarize
 from ferryman.planner import non_expert_params
-from ferryman.weights.presets import (
-    HF_REPO_IDS,
-    PRESETS,
-    get_preset,
-    is_preset,
-    write_preset_folder,
-)
+from ferryman.weights.presets import HF_REPO_IDS, PRESETS, get_preset, is_preset
 
 # Sizes the publishers state (model cards / papers). gpt-oss "active" excludes the embedding
 # table (OpenAI's convention); the others include it.
@@ -31,13 +23,9 @@ PUBLISHED = {  # name: (total, active, active counts the embedding)
 }
 
 # Fields of the published config.json that the transformers 5.x config class does not keep
-# under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype), read only by
-# other loaders (gpt-oss experts_per_token / initial_context_length, Qwen max_window_layers),
-# or handled by the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
-FILE_ONLY = {
-    "rope_theta", "rope_scaling", "torch_dtype", "transformers_version", "quantization_config",
-    "experts_per_token", "initial_context_length", "max_window_layers", "head_dim",
-}
+# under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype) or handled by
+# the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
+FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config", "head_dim"}
 
 
 def _meta_model(cfg: dict) -> torch.nn.Module:
@@ -123,17 +111,6 @@ def test_lookup_and_copies() -> None:
     assert PRESETS["mixtral-8x7b"]["num_hidden_layers"] == 32
     with pytest.raises(ValueError, match="gpt-oss-20b.*olmoe-1b-7b"):
         get_preset("gpt-oss-21b")
-
-
-def test_write_preset_folder(tmp_path) -> None:
-    folder = write_preset_folder("olmoe-1b-7b", tmp_path / "olmoe")
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
-    assert json.loads((folder / "config.json").read_text()) == PRESETS["olmoe-1b-7b"]
-    loaded = AutoConfig.from_pretrained(folder)  # a local folder: no download
-    assert (loaded.num_experts, loaded.norm_topk_prob) == (64, False)
-    write_preset_folder("olmoe-1b-7b", folder)  # same preset again: fine
-    with pytest.raises(ValueError, match="refusing to overwrite"):
-        write_preset_folder("mixtral-8x7b", folder)
 
 
 def test_sizes_of_an_unknown_architecture_are_refused() -> None:

@@ -35,14 +35,8 @@ class Target:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def split_layer(name: str) -> tuple[int, str] | None:
-    m = _LAYER.match(name)
-    return (int(m.group(1)), m.group(2)) if m else None
-
-
 class Architecture(ABC):
     model_type: str
-    hf_class: str
     quant_methods: tuple[str, ...] = ()
 
     @abstractmethod
@@ -81,12 +75,10 @@ class Architecture(ABC):
         out["self_attn.o_proj.weight"] = ((H, q), dt)
         if cfg.attention_out_bias:
             out["self_attn.o_proj.bias"] = ((H,), dt)
-        if cfg.qk_norm == "head":
-            out["self_attn.q_norm.weight"] = ((cfg.head_dim,), dt)
-            out["self_attn.k_norm.weight"] = ((cfg.head_dim,), dt)
-        elif cfg.qk_norm == "full":
-            out["self_attn.q_norm.weight"] = ((q,), dt)
-            out["self_attn.k_norm.weight"] = ((kv,), dt)
+        if cfg.qk_norm != "none":  # per head ("head") or over all heads' width ("full")
+            full = cfg.qk_norm == "full"
+            out["self_attn.q_norm.weight"] = ((q if full else cfg.head_dim,), dt)
+            out["self_attn.k_norm.weight"] = ((kv if full else cfg.head_dim,), dt)
         if cfg.attn_sinks:
             out["self_attn.sinks"] = ((cfg.num_heads,), dt)
         return out
@@ -96,10 +88,10 @@ class Architecture(ABC):
             return Target("param", name.removeprefix("model."))
         if name == "lm_head.weight":
             return None if cfg.tie_word_embeddings else Target("param", name)
-        parts = split_layer(name)
-        if parts is None or parts[0] >= cfg.num_layers:
+        m = _LAYER.match(name)
+        if m is None or int(m.group(1)) >= cfg.num_layers:
             return None
-        layer, rel = parts
+        layer, rel = int(m.group(1)), m.group(2)
         if rel.startswith("self_attn."):
             return self._map_attention(cfg, layer, rel)
         if rel in ("input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -113,25 +105,6 @@ class Architecture(ABC):
         if m:
             return Target("param", f"layers.{layer}.self_attn.qkv_proj.{m.group(2)}", rows=rows[m.group(1)])
         return Target("param", f"layers.{layer}.{rel}")
-
-
-def dense_mlp_tensors(cfg: ModelConfig, dt: torch.dtype) -> dict[str, TensorSpec]:
-    H, I = cfg.hidden_size, cfg.intermediate_size
-    return {
-        "mlp.gate_proj.weight": ((I, H), dt),
-        "mlp.up_proj.weight": ((I, H), dt),
-        "mlp.down_proj.weight": ((H, I), dt),
-    }
-
-
-def map_dense_mlp(cfg: ModelConfig, layer: int, rel: str) -> Target | None:
-    I = cfg.intermediate_size
-    p = f"layers.{layer}.mlp."
-    return {
-        "mlp.gate_proj.weight": Target("param", p + "gate_up_proj.weight", rows=(0, I)),
-        "mlp.up_proj.weight": Target("param", p + "gate_up_proj.weight", rows=(I, 2 * I)),
-        "mlp.down_proj.weight": Target("param", p + "down_proj.weight"),
-    }.get(rel)
 
 
 def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -153,19 +126,15 @@ def hf_common(hf: dict[str, Any], quant_methods: tuple[str, ...] = ()) -> dict[s
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
-        bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf),
-        pad_token_id=hf.get("pad_token_id"),
         quant=quant_from_hf(hf, quant_methods),
     )
 
 
-def rope_from_hf(hf: dict[str, Any], default_theta: float = 10000.0) -> RopeConfig:
+def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     """Read RoPE settings from either `rope_parameters` (transformers 5) or `rope_scaling` (4.x)."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", default_theta)))
+    merged = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = merged.get("rope_type", merged.get("type", "default"))
     if kind not in ("default", "yarn", "linear"):
         raise ConfigError(f"unsupported rope type {kind!r} (supported: default, yarn, linear)")
@@ -199,7 +168,7 @@ def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig
             f"unsupported quantization_config.quant_method {method!r} for "
             f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
         )
-    return QuantConfig(method=method, modules_to_not_convert=tuple(qc.get("modules_to_not_convert") or ()))
+    return QuantConfig(method)
 
 
 def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:

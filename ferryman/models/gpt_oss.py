@@ -16,7 +16,6 @@ _P = "mlp.experts."
 
 class GptOss(Architecture):
     model_type = "gpt_oss"
-    hf_class = "GptOssForCausalLM"
     quant_methods = ("mxfp4",)
 
     def parse_config(self, hf: dict[str, Any]) -> ModelConfig:

@@ -1,28 +1,17 @@
-"""Qwen3-MoE (`qwen3_moe`): softmax router with optional renormalisation, per-head q/k RMSNorm."""
+"""Qwen3-MoE (`qwen3_moe`): softmax router with optional renormalisation, per-head q/k RMSNorm,
+dense MLP layers (`mlp_only_layers`, `decoder_sparse_step`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ferryman.config import ModelConfig
-from ferryman.models.base import (
-    Architecture,
-    Target,
-    TensorSpec,
-    dense_mlp_tensors,
-    hf_common,
-    map_dense_mlp,
-)
-from ferryman.models.per_expert import map_per_expert, per_expert_tensors
-
-_NAMES = ("gate_proj", "up_proj", "down_proj")
+from ferryman.models.base import hf_common
+from ferryman.models.per_expert import PerExpertArchitecture
 
 
-class Qwen3Moe(Architecture):
+class Qwen3Moe(PerExpertArchitecture):
     model_type = "qwen3_moe"
-    hf_class = "Qwen3MoeForCausalLM"
 
     def parse_config(self, hf: dict[str, Any]) -> ModelConfig:
         L = hf["num_hidden_layers"]
@@ -35,23 +24,8 @@ class Qwen3Moe(Architecture):
             num_experts=E,
             moe_intermediate_size=hf["moe_intermediate_size"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            router_kind="softmax_topk",
-            router_bias=False,
-            expert_act="silu",
-            expert_bias=False,
             intermediate_size=hf.get("intermediate_size", 0),
             dense_layers=dense,
             qk_norm="head",
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window") else None,
         )
-
-    def mlp_tensors(self, cfg: ModelConfig, layer: int, dt: torch.dtype) -> dict[str, TensorSpec]:
-        if not cfg.is_moe_layer(layer):
-            return dense_mlp_tensors(cfg, dt)
-        return per_expert_tensors(cfg, dt, "mlp", _NAMES, "gate")
-
-    def map_mlp(self, cfg: ModelConfig, layer: int, rel: str) -> Target | None:
-        if not cfg.is_moe_layer(layer):
-            return map_dense_mlp(cfg, layer, rel)
-        return map_per_expert(cfg, layer, rel, "mlp", _NAMES, "gate")
-

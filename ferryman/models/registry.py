@@ -17,14 +17,10 @@ from ferryman.models.qwen3_moe import Qwen3Moe
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GptOss(), Mixtral(), Olmoe(), Qwen3Moe())}
 
 
-def supported_model_types() -> list[str]:
-    return sorted(ARCHITECTURES)
-
-
 def get_architecture(model_type: str) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     return ARCHITECTURES[model_type]
 

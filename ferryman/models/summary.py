@@ -7,6 +7,7 @@ are bytes but not parameters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,6 @@ class ModelSummary:
     cfg: ModelConfig
     total_params: int
     active_params: int  # non-expert + top-k experts per MoE layer (embedding table included)
-    expert_params: int
     expert_bytes: int  # all routed experts as stored
     other_bytes: int  # everything else as stored
     bytes_per_expert: int  # one expert of one layer, all its banks
@@ -28,29 +28,19 @@ class ModelSummary:
 def summarize(hf: dict[str, Any]) -> ModelSummary:
     cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
-    expert_params = other_params = expert_bytes = other_bytes = 0
+    params, nbytes = {True: 0, False: 0}, {True: 0, False: 0}  # keyed by "is a routed expert"
     for name, (shape, dtype) in arch.checkpoint_tensors(cfg).items():
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * dtype.itemsize
-        params = 0 if name.endswith("_scales") else numel * (2 if name.endswith("_blocks") else 1)
+        numel = math.prod(shape)
         target = arch.map_name(cfg, name)
-        if target is not None and target.kind == "expert":
-            expert_params += params
-            expert_bytes += nbytes
-        else:
-            other_params += params
-            other_bytes += nbytes
-    num_moe = len(cfg.moe_layers)
-    per_expert = expert_bytes // max(1, num_moe * cfg.num_experts)
-    active_experts = expert_params * cfg.top_k // cfg.num_experts if cfg.num_experts else 0
+        expert = target is not None and target.kind == "expert"
+        params[expert] += 0 if name.endswith("_scales") else numel * (2 if name.endswith("_blocks") else 1)
+        nbytes[expert] += numel * dtype.itemsize
+    active_experts = params[True] * cfg.top_k // cfg.num_experts if cfg.num_experts else 0
     return ModelSummary(
         cfg=cfg,
-        total_params=expert_params + other_params,
-        active_params=other_params + active_experts,
-        expert_params=expert_params,
-        expert_bytes=expert_bytes,
-        other_bytes=other_bytes,
-        bytes_per_expert=per_expert,
+        total_params=params[True] + params[False],
+        active_params=params[False] + active_experts,
+        expert_bytes=nbytes[True],
+        other_bytes=nbytes[False],
+        bytes_per_expert=nbytes[True] // max(1, len(cfg.moe_layers) * cfg.num_experts),
     )

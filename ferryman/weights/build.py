@@ -37,7 +37,7 @@ def resolve_hf_config(model: str, load_format: str) -> tuple[dict, Path | None]:
                 f"{model!r} is a built-in preset without weights; add --load-format dummy "
                 f"to run it with random weights, or pass a model folder"
             )
-        return dict(get_preset(model)), None
+        return get_preset(model), None
     raise ModelLoadError(f"model folder {path} does not exist (and {model!r} is not a built-in preset)")
 
 

@@ -61,13 +61,11 @@ def load_weights(
                 _write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
                 written.add(target.name)
             bar.advance(task)
-    unfilled = [n for n in params if n not in written and not _tied(cfg, n)]
+    if cfg.tie_word_embeddings:
+        written.add("lm_head.weight")  # shares embed_tokens' tensor
+    unfilled = [n for n in params if n not in written]
     if unfilled:
         raise WeightError(unfilled[0], source.file_of(unfilled[0]), reason="parameter got no checkpoint tensor")
-
-
-def _tied(cfg: ModelConfig, name: str) -> bool:
-    return cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
 def _write_param(

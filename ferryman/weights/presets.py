@@ -1,59 +1,28 @@
 """Built-in model presets for `load_format="dummy"`: real Hugging Face configs, no weights.
 
-Each preset is the content of the model's published `config.json` (the fields that shape
-tensors or change the math, plus the bookkeeping fields the file carries), so a dummy run
-allocates exactly the tensors the real checkpoint has. `write_preset_folder` writes one to
-disk as `config.json` (no tokenizer) so the dummy loader can treat it like a model folder.
+Each preset holds the fields of the model's published `config.json` that shape tensors or change
+the math, as the file spells them, so a dummy run allocates exactly the tensors the real checkpoint
+has.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 from typing import Any
-
-_GPT_OSS_ROPE_SCALING: dict[str, Any] = {
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "factor": 32.0,
-    "original_max_position_embeddings": 4096,
-    "rope_type": "yarn",
-    "truncate": False,
-}
-
-_GPT_OSS_QUANT: dict[str, Any] = {
-    "modules_to_not_convert": [
-        "model.layers.*.self_attn",
-        "model.layers.*.mlp.router",
-        "model.embed_tokens",
-        "lm_head",
-    ],
-    "quant_method": "mxfp4",
-}
-
-
-def _alternating_layer_types(num_layers: int) -> list[str]:
-    """gpt-oss: even layers use the 128-token sliding window, odd layers full attention."""
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
 
 
 def _gpt_oss(num_layers: int, num_experts: int) -> dict[str, Any]:
     # openai/gpt-oss-20b and -120b differ only in depth and expert count.
     # The published file has no torch_dtype: non-expert tensors are bf16, experts MXFP4.
     return {
-        "architectures": ["GptOssForCausalLM"],
         "attention_bias": True,
-        "attention_dropout": 0.0,
         "eos_token_id": 200002,
-        "experts_per_token": 4,
         "head_dim": 64,
         "hidden_act": "silu",
         "hidden_size": 2880,
-        "initial_context_length": 4096,
-        "initializer_range": 0.02,
         "intermediate_size": 2880,
-        "layer_types": _alternating_layer_types(num_layers),
+        # even layers use the 128-token sliding window, odd layers full attention
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
         "max_position_embeddings": 131072,
         "model_type": "gpt_oss",
         "num_attention_heads": 64,
@@ -61,36 +30,43 @@ def _gpt_oss(num_layers: int, num_experts: int) -> dict[str, Any]:
         "num_hidden_layers": num_layers,
         "num_key_value_heads": 8,
         "num_local_experts": num_experts,
-        "output_router_logits": False,
         "pad_token_id": 199999,
-        "quantization_config": copy.deepcopy(_GPT_OSS_QUANT),
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
         "rms_norm_eps": 1e-05,
-        "rope_scaling": dict(_GPT_OSS_ROPE_SCALING),
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
         "rope_theta": 150000,
-        "router_aux_loss_coef": 0.9,
         "sliding_window": 128,
         "swiglu_limit": 7.0,
         "tie_word_embeddings": False,
-        "transformers_version": "4.55.0.dev0",
-        "use_cache": True,
         "vocab_size": 201088,
     }
 
 
 _QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B
-    "architectures": ["Qwen3MoeForCausalLM"],
     "attention_bias": False,
-    "attention_dropout": 0.0,
     "bos_token_id": 151643,
     "decoder_sparse_step": 1,
     "eos_token_id": 151645,
     "head_dim": 128,
     "hidden_act": "silu",
     "hidden_size": 2048,
-    "initializer_range": 0.02,
     "intermediate_size": 6144,
     "max_position_embeddings": 40960,
-    "max_window_layers": 48,
     "mlp_only_layers": [],
     "model_type": "qwen3_moe",
     "moe_intermediate_size": 768,
@@ -100,28 +76,21 @@ _QWEN3_30B_A3B: dict[str, Any] = {  # Qwen/Qwen3-30B-A3B
     "num_experts_per_tok": 8,
     "num_hidden_layers": 48,
     "num_key_value_heads": 4,
-    "output_router_logits": False,
     "rms_norm_eps": 1e-06,
     "rope_scaling": None,
     "rope_theta": 1000000.0,
-    "router_aux_loss_coef": 0.001,
     "sliding_window": None,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0",
-    "use_cache": True,
     "use_sliding_window": False,
     "vocab_size": 151936,
 }
 
 _MIXTRAL_8X7B: dict[str, Any] = {  # mistralai/Mixtral-8x7B-v0.1 (head_dim = 4096 / 32)
-    "architectures": ["MixtralForCausalLM"],
-    "attention_dropout": 0.0,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "hidden_act": "silu",
     "hidden_size": 4096,
-    "initializer_range": 0.02,
     "intermediate_size": 14336,
     "max_position_embeddings": 32768,
     "model_type": "mixtral",
@@ -130,27 +99,20 @@ _MIXTRAL_8X7B: dict[str, Any] = {  # mistralai/Mixtral-8x7B-v0.1 (head_dim = 409
     "num_hidden_layers": 32,
     "num_key_value_heads": 8,
     "num_local_experts": 8,
-    "output_router_logits": False,
     "rms_norm_eps": 1e-05,
     "rope_theta": 1000000.0,
-    "router_aux_loss_coef": 0.02,
     "sliding_window": None,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
-    "transformers_version": "4.36.0.dev0",
-    "use_cache": True,
     "vocab_size": 32000,
 }
 
 _OLMOE_1B_7B: dict[str, Any] = {  # allenai/OLMoE-1B-7B-0924 (head_dim = 2048 / 16)
-    "architectures": ["OlmoeForCausalLM"],
     "attention_bias": False,
-    "attention_dropout": 0.0,
     "clip_qkv": None,
     "eos_token_id": 50279,
     "hidden_act": "silu",
     "hidden_size": 2048,
-    "initializer_range": 0.02,
     "intermediate_size": 1024,
     "max_position_embeddings": 4096,
     "model_type": "olmoe",
@@ -160,16 +122,12 @@ _OLMOE_1B_7B: dict[str, Any] = {  # allenai/OLMoE-1B-7B-0924 (head_dim = 2048 / 
     "num_experts_per_tok": 8,
     "num_hidden_layers": 16,
     "num_key_value_heads": 16,
-    "output_router_logits": False,
     "pad_token_id": 1,
     "rms_norm_eps": 1e-05,
     "rope_scaling": None,
     "rope_theta": 10000.0,
-    "router_aux_loss_coef": 0.01,
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0",
-    "use_cache": True,
     "vocab_size": 50304,
 }
 
@@ -211,27 +169,3 @@ def get_preset(name: str) -> dict[str, Any]:
     if key is None:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
     return copy.deepcopy(PRESETS[key])
-
-
-def write_preset_folder(name: str, path: str | Path) -> Path:
-    """Write the preset as `<path>/config.json` and return the folder.
-
-    An existing config.json is only accepted when it already holds this preset, so a real
-    model folder is never overwritten.
-    """
-    config = get_preset(name)
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / "config.json"
-    if target.exists() and _read_json(target) != config:
-        raise ValueError(f"{target} exists and is not the {name!r} preset; refusing to overwrite it")
-    target.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return folder
-
-
-def _read_json(path: Path) -> Any:
-    """Parsed JSON of `path`, or None when it is not valid JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None

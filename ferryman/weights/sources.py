@@ -62,9 +62,9 @@ class SafetensorsSource:
 
     def file_of(self, name: str) -> str:
         f = self._where.get(name) or self._expected_file.get(name)
-        if f is None:
-            f = next(iter(self._handles)) if len(self._handles) == 1 else "any *.safetensors file"
-        return str(self.folder / f) if not f.startswith("any") else f"{f} of {self.folder}"
+        if f is None and len(self._handles) > 1:
+            return f"any *.safetensors file of {self.folder}"
+        return str(self.folder / (f or next(iter(self._handles))))
 
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self._where[name]].get_tensor(name)
