@@ -56,24 +56,23 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
     return h
 
 
-def first_model(cfg: BenchConfig) -> str:
-    req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/models", headers=_headers(cfg))
+def _get_json(cfg: BenchConfig, path: str) -> Any:
+    req = urllib.request.Request(cfg.url.rstrip("/") + path, headers=_headers(cfg))
     with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.load(resp)["data"][0]["id"]
+        return json.load(resp)
+
+
+def first_model(cfg: BenchConfig) -> str:
+    return _get_json(cfg, "/v1/models")["data"][0]["id"]
 
 
 def link_bytes(cfg: BenchConfig) -> int | None:
     """Expert bytes the server moved host -> device so far (ferryman's /v1/stats); None elsewhere."""
-    req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/stats", headers=_headers(cfg))
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            stats = json.load(resp)
-    except (OSError, ValueError):  # a peer without /v1/stats, or an unreadable answer
+        moved = _get_json(cfg, "/v1/stats")["experts"]["bytes_h2d"]
+    except (OSError, ValueError, LookupError, TypeError):  # a peer without /v1/stats or expert counters
         return None
-    experts = stats.get("experts") if isinstance(stats, dict) else None
-    if not isinstance(experts, dict) or not isinstance(experts.get("bytes_h2d"), (int, float)):
-        return None
-    return int(experts["bytes_h2d"])
+    return int(moved) if isinstance(moved, (int, float)) else None
 
 
 def _sse_data(resp: Any) -> Any:
@@ -124,10 +123,9 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
 def _error_message(e: urllib.error.HTTPError) -> str:
     try:
         body = json.loads(e.read() or b"{}")
-    except (OSError, ValueError):
+        return str(body.get("error", body).get("message", e.reason))
+    except (OSError, ValueError, AttributeError):  # not a JSON object, or an error that is none
         return str(e.reason)
-    err = body.get("error", body) if isinstance(body, dict) else {}
-    return str(err.get("message", e.reason)) if isinstance(err, dict) else str(e.reason)
 
 
 def percentile(values: list[float], q: float) -> float | None:

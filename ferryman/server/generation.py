@@ -184,7 +184,8 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
                     yield ev
         except Exception as e:  # the engine died or a request failed
             err = engine_error(e)
-            yield sse(error_body(path, err.status, err.message, err.param), "error" if is_anthropic_path(path) else None)
+            event = "error" if is_anthropic_path(path) else None
+            yield sse(error_body(path, err.status, err.message, err.param), event)
             return
         finally:
             await deltas.aclose()  # a client gone closes this generator: abort its requests

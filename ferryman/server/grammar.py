@@ -67,8 +67,7 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             if self.tokenizer is None:
                 raise GrammarError("structured output needs a model with a tokenizer", "response_format")
-            _require_llguidance()
-            import llguidance.hf
+            import llguidance.hf  # present: json_schema() checked
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
@@ -82,13 +81,6 @@ class GrammarCompiler:
             grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(f"{param} is not a usable JSON schema: {e}", param) from None
-        return self._matcher(grammar, param)
-
-    def json_object(self, param: str) -> GrammarMatcher:
-        return self.json_schema({"type": "object"}, param)
-
-    def _matcher(self, grammar: str, param: str) -> GrammarMatcher:
-        llg = _require_llguidance()
         tok = self._llt()
         err = llg.LLMatcher.validate_grammar(grammar, tok)
         if err and not err.startswith("WARNING"):

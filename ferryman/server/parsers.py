@@ -22,15 +22,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def new_call_id(prefix: str = "call_") -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
-    id: str = field(default_factory=new_call_id)
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def arguments_dict(self) -> dict[str, Any]:
         try:
@@ -137,18 +133,22 @@ class Qwen3Parser(OutputParser):
             tags += (THINK_OPEN,)
         return tags
 
+    def _take(self, tags: tuple[str, ...]) -> str:
+        """The buffer but a tail that could still start one of `tags` (held back)."""
+        cut = len(self.buf) - partial_suffix_len(self.buf, tags)
+        emit, self.buf = self.buf[:cut], self.buf[cut:]
+        return emit
+
     def _advance(self, out: Parsed) -> bool:
         """Consume the buffer up to the next tag; True when a tag was found (call again)."""
         if self.mode == "reasoning":
-            return self._until(THINK_CLOSE, out, "reasoning", next_mode="content")
+            return self._reasoning(out)
         if self.mode == "tool":
             return self._tool_body(out)
         tags = self._open_tags()
         hits = [(self.buf.find(t), t) for t in tags if t in self.buf]
         if not hits:
-            hold = partial_suffix_len(self.buf, tags)
-            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
-            out.content += self._content(emit)
+            out.content += self._content(self._take(tags))
             return False
         idx, tag = min(hits)
         before = self.buf[:idx]
@@ -160,18 +160,13 @@ class Qwen3Parser(OutputParser):
         self.buf = self.buf[idx + len(tag):]
         return True
 
-    def _until(self, close: str, out: Parsed, field_name: str, next_mode: str) -> bool:
-        idx = self.buf.find(close)
+    def _reasoning(self, out: Parsed) -> bool:
+        idx = self.buf.find(THINK_CLOSE)
         if idx == -1:
-            hold = partial_suffix_len(self.buf, (close,))
-            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
-            setattr(out, field_name, getattr(out, field_name) + emit)
+            out.reasoning += self._take((THINK_CLOSE,))
             return False
-        setattr(out, field_name, getattr(out, field_name) + self.buf[:idx])
-        self.buf = self.buf[idx + len(close):]
-        self.mode = next_mode
-        self.strip_newlines = True
-        return True
+        out.reasoning += self.buf[:idx]
+        return self._close(idx + len(THINK_CLOSE))
 
     def _tool_body(self, out: Parsed) -> bool:
         idx = self.buf.find(TOOL_CLOSE)
@@ -183,7 +178,11 @@ class Qwen3Parser(OutputParser):
             out.tool_calls.append(call)
         else:
             out.content += self._content(TOOL_OPEN + body + TOOL_CLOSE)
-        self.buf = self.buf[idx + len(TOOL_CLOSE):]
+        return self._close(idx + len(TOOL_CLOSE))
+
+    def _close(self, end: int) -> bool:
+        """A block closed at buf[:end]: back to content, without the blank lines that follow."""
+        self.buf = self.buf[end:]
         self.mode = "content"
         self.strip_newlines = True
         return True
