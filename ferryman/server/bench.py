@@ -128,15 +128,11 @@ def _error_message(e: urllib.error.HTTPError) -> str:
         return str(e.reason)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile q in [0, 100] (numpy's default method); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+def percentile(values: list[float], q: int) -> float | None:
+    """Percentile q in 1..99, interpolated as numpy's default does; None when empty."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The engine in its own thread: requests in through a command queue, token events out to asyncio.
+"""The engine in its own thread: requests in through a command queue, their deltas out to asyncio.
 
 The HTTP event loop never touches `LLMEngine`; it submits and aborts through `EngineLoop`, which
 hands commands to the engine thread. Between two steps the engine thread adds and aborts requests,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ferryman.engine.llm_engine import LLMEngine
-from ferryman.engine.outputs import RequestOutput, StepDelta, TokenLogprobs
+from ferryman.engine.outputs import RequestOutput, StepDelta
 from ferryman.errors import EngineDeadError, FerrymanError
 from ferryman.sampling_params import SamplingParams
 
@@ -44,20 +44,9 @@ class OverloadedError(FerrymanError):
     """The request queue is full (HTTP 429)."""
 
 
-@dataclass
-class TokenEvent:
-    """New output of one request after one engine step."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs | None]  # one entry per token id (None when not asked for)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
-    output: RequestOutput | None = None  # the final output (metrics) on the last event
-
-
 @dataclass(eq=False)
 class RequestHandle:
-    """One submitted request: iterate it (in the event loop) for its TokenEvents."""
+    """One submitted request: iterate it (in the event loop) for its StepDeltas."""
 
     key: int
     prompt_token_ids: list[int]
@@ -67,17 +56,18 @@ class RequestHandle:
     arrival: float = field(default_factory=time.monotonic)
     rid: int | None = None  # engine request id, set by the engine thread
     last_token_time: float | None = None
+    output: RequestOutput | None = None  # the final output (metrics), set before the last delta is posted
     finished: bool = False
 
-    def post(self, item: TokenEvent | BaseException) -> None:
+    def post(self, item: StepDelta | BaseException) -> None:
         """Thread-safe: hand an event (or the error that ends the request) to the event loop."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """TokenEvents until the one with finish_reason; raises the error that ends the request."""
+    async def events(self) -> AsyncIterator[StepDelta]:
+        """StepDeltas until the one with finish_reason; raises the error that ends the request."""
         while True:
             item = await self.queue.get()
             if isinstance(item, BaseException):
@@ -207,7 +197,7 @@ class EngineLoop:
             self._add(handle)
         elif kind == "abort" and handle.rid is not None and handle.rid in self._by_rid:
             self.engine.abort(handle.rid)
-            self._close(handle, TokenEvent([], "", [], "abort"))
+            self._close(handle, StepDelta(handle.rid, [], "", "abort"))
 
     def _add(self, handle: RequestHandle) -> None:
         try:
@@ -242,22 +232,21 @@ class EngineLoop:
         if self.observer is not None:
             self.observer.on_token(handle, now, first=handle.last_token_time is None)
         handle.last_token_time = now
-        event = TokenEvent(d.token_ids, d.text, d.logprobs, d.finish_reason)
         if d.finish_reason is None:
-            handle.post(event)
+            handle.post(d)
         else:
-            self._close(handle, event)
+            self._close(handle, d)
 
-    def _close(self, handle: RequestHandle, event: TokenEvent) -> None:
-        """Last event of a request: attach its final output, forget it everywhere."""
+    def _close(self, handle: RequestHandle, last: StepDelta) -> None:
+        """Last delta of a request: keep its final output, forget it everywhere."""
         assert handle.rid is not None
-        event.output = self.engine.pop_output(handle.rid)
+        handle.output = self.engine.pop_output(handle.rid)
         self._by_rid.pop(handle.rid, None)
-        if self.observer is not None and event.output is not None:
-            self.observer.on_finish(handle, event.output)
-        self._finish_handle(handle, event)
+        if self.observer is not None and handle.output is not None:
+            self.observer.on_finish(handle, handle.output)
+        self._finish_handle(handle, last)
 
-    def _finish_handle(self, handle: RequestHandle, item: TokenEvent | BaseException) -> None:
+    def _finish_handle(self, handle: RequestHandle, item: StepDelta | BaseException) -> None:
         with self._lock:
             self._pending.pop(handle.key, None)
         handle.post(item)

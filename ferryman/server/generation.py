@@ -111,9 +111,10 @@ async def _choice_deltas(index: int, handle: RequestHandle, parser: OutputParser
     try:
         async for ev in handle.events():
             parsed = parser.feed(ev.token_ids, ev.text)
+            metrics = RequestMetrics()
             if ev.finish_reason is not None:
                 parsed.extend(parser.finish())
-            metrics = ev.output.metrics if ev.output is not None else RequestMetrics()
+                metrics = handle.output.metrics if handle.output is not None else metrics
             await out.put(Choice(index, parsed, ev.token_ids, ev.text, ev.logprobs, ev.finish_reason, metrics))
         await out.put(None)
     except Exception as e:  # noqa: BLE001 - handed to the consumer

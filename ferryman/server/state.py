@@ -38,11 +38,6 @@ class ServerConfig:
             raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
 
 
-def default_model_name(model: str) -> str:
-    """`/path/to/Qwen3-30B-A3B` -> `Qwen3-30B-A3B`; a preset name stays as it is."""
-    return Path(model.rstrip("/")).name or model
-
-
 class ServerState:
     def __init__(self, loop: EngineLoop, cfg: ServerConfig) -> None:
         self.loop, self.cfg = loop, cfg
@@ -53,26 +48,21 @@ class ServerState:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
-        names = cfg.served_model_names or [default_model_name(engine.ecfg.model)]
+        model = engine.ecfg.model  # /path/to/Qwen3-30B-A3B is served as Qwen3-30B-A3B
+        names = cfg.served_model_names or [Path(model.rstrip("/")).name or model]
         self.model_names = list(dict.fromkeys(names))
-        self._accepted = set(self.model_names) | {engine.ecfg.model}
+        self._accepted = set(self.model_names) | {model}
         self.renderer = ChatRenderer(self.tokenizer)
         vocab = engine.cfg.vocab_size
         eos = sorted(t for t in engine.eos_token_ids if 0 <= t < vocab)
         self.grammars = GrammarCompiler(self.tokenizer, vocab, eos or None)
-        self.parser_kind = self._parser_kind(cfg.output_parser, engine.cfg.model_type)
-        self._harmony = harmony_marker_ids(self.tokenizer) if self.parser_kind == "harmony" else None
+        self._harmony = harmony_marker_ids(self.tokenizer) if self.tokenizer is not None else None
+        self.parser_kind = cfg.output_parser
+        if self.parser_kind == "auto":
+            gpt_oss = engine.cfg.model_type == "gpt_oss" and self._harmony is not None
+            self.parser_kind = "none" if self.tokenizer is None else "harmony" if gpt_oss else "qwen3"
         if self.parser_kind == "harmony" and self._harmony is None:
             raise ConfigError("the harmony parser needs a tokenizer with the harmony special tokens")
-
-    def _parser_kind(self, asked: str, model_type: str) -> str:
-        if asked != "auto":
-            return asked
-        if self.tokenizer is None:
-            return "none"
-        if model_type == "gpt_oss" and harmony_marker_ids(self.tokenizer) is not None:
-            return "harmony"
-        return "qwen3"
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
