@@ -66,7 +66,7 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
     setup = tool_setup(st, tools or None, choice, fmt.schema_ if fmt is not None else None,
                        format_param="output_config.format")
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
-    return st.render(messages, setup.tools, kwargs), setup
+    return st.renderer.render(messages, setup.tools, kwargs), setup
 
 
 @router.post("/v1/messages/count_tokens")

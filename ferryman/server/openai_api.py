@@ -99,7 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
     tools = _chat_tools(st, body)
-    prompt = st.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
+    prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
     st.check_prompt(prompt.token_ids, "messages")
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None

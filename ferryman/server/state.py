@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ferryman.errors import ConfigError, PromptTooLongError
-from ferryman.server.chat import ChatPrompt, ChatRenderer, TemplateError
+from ferryman.server.chat import ChatPrompt, ChatRenderer
 from ferryman.server.engine_loop import EngineLoop
 from ferryman.server.errors import APIError
 from ferryman.server.grammar import GrammarCompiler
@@ -90,13 +90,6 @@ class ServerState:
         if self.tokenizer is None:
             raise APIError(400, "this model ships no tokenizer: send the prompt as token ids", "prompt")
         return list(self.tokenizer.encode(text, add_special_tokens=True))
-
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               template_kwargs: dict[str, Any] | None) -> ChatPrompt:
-        try:
-            return self.renderer.render(messages, tools, template_kwargs)
-        except TemplateError as e:
-            raise APIError(400, str(e), "messages") from None
 
     # ---- output -------------------------------------------------------------------------------
     def make_parser(self, tools: bool, reasoning: bool, prompt: ChatPrompt | None) -> OutputParser:

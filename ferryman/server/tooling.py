@@ -16,7 +16,7 @@ from typing import Any
 
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
-from ferryman.server.grammar import GrammarError, GrammarMatcher
+from ferryman.server.grammar import GrammarMatcher
 from ferryman.server.parsers import ForcedToolParser, OutputParser, RequiredToolParser
 from ferryman.server.state import ServerState
 
@@ -36,10 +36,7 @@ class ToolSetup:
 
 
 def _compile(st: ServerState, schema: dict[str, Any], param: str) -> Callable[[], GrammarMatcher]:
-    try:
-        st.grammars.json_schema(schema, param)  # fail now (400), not in the engine thread
-    except GrammarError as e:
-        raise APIError(400, str(e), e.param) from None
+    st.grammars.json_schema(schema, param)  # fail now (400), not in the engine thread
     return lambda: st.grammars.json_schema(schema, param)
 
 
