@@ -127,7 +127,6 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
     state = ServerState(loop, cfg)
     app = FastAPI(title="ferryman", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferryman = state
-    app.state.metrics = metrics
     app.add_middleware(GateMiddleware, cfg=cfg, metrics=metrics)
     _install_handlers(app)
     app.include_router(openai_router)
@@ -146,7 +145,8 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
-        return {**state.stats(), **metrics.totals(), "memory_bytes": metrics.memory}
+        return {"alive": loop.alive, "dead_reason": loop.dead_reason, "requests_in_flight": loop.num_pending,
+                **loop.stats_snapshot, **metrics.totals(), "memory_bytes": metrics.memory}
 
     return app
 

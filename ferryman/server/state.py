@@ -6,7 +6,6 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.server.chat import ChatPrompt, ChatRenderer
@@ -40,9 +39,8 @@ class ServerConfig:
 
 class ServerState:
     def __init__(self, loop: EngineLoop, cfg: ServerConfig) -> None:
-        self.loop, self.cfg = loop, cfg
+        self.loop = loop
         engine = loop.engine
-        self.engine = engine
         # A private copy: the engine thread decodes with its own, and a Rust tokenizer shared by
         # two threads can fail ("Already borrowed") when one of them changes its settings.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -53,9 +51,9 @@ class ServerState:
         self.model_names = list(dict.fromkeys(names))
         self._accepted = set(self.model_names) | {model}
         self.renderer = ChatRenderer(self.tokenizer)
-        vocab = engine.cfg.vocab_size
-        eos = sorted(t for t in engine.eos_token_ids if 0 <= t < vocab)
-        self.grammars = GrammarCompiler(self.tokenizer, vocab, eos or None)
+        self.vocab_size = engine.cfg.vocab_size
+        eos = sorted(t for t in engine.eos_token_ids if 0 <= t < self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos or None)
         self._harmony = harmony_marker_ids(self.tokenizer) if self.tokenizer is not None else None
         self.parser_kind = cfg.output_parser
         if self.parser_kind == "auto":
@@ -76,7 +74,7 @@ class ServerState:
         if len(ids) >= self.max_model_len:
             raise APIError(400, str(PromptTooLongError(len(ids), self.max_model_len))
                            + " (and at least 1 token must be left for the output)", param)
-        vocab = self.engine.cfg.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param)
@@ -105,7 +103,3 @@ class ServerState:
 
     def decode(self, ids: list[int]) -> str:
         return (self.tokenizer or TokenIdText()).decode(ids, skip_special_tokens=True)
-
-    def stats(self) -> dict[str, Any]:
-        return {"alive": self.loop.alive, "dead_reason": self.loop.dead_reason,
-                "requests_in_flight": self.loop.num_pending, **self.loop.stats_snapshot}
