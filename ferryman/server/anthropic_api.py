@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
-from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stop_string_hit, stream
+from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
 from ferryman.server.parsers import Parsed, ToolCall
 from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
 from ferryman.server.state import ServerState
@@ -119,12 +119,20 @@ def _blocks(parsed: Parsed) -> list[dict[str, Any]]:
     return blocks
 
 
+def _stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> str | None:
+    """The stop string that ended a choice (None when it ended otherwise)."""
+    if choice.finish_reason != "stop" or not stops:
+        return None
+    full = state.decode(choice.token_ids)
+    return next((s for s in stops if full.startswith(s, len(choice.text))), None)
+
+
 def _stop_reason(st: ServerState, c: Choice, body: AMessagesRequest) -> tuple[str, str | None]:
     if c.parsed.tool_calls:
         return "tool_use", None
     if c.finish_reason == "length":
         return "max_tokens", None
-    hit = stop_string_hit(st, c, list(body.stop_sequences or []))
+    hit = _stop_string_hit(st, c, list(body.stop_sequences or []))
     return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
 
 

@@ -89,12 +89,11 @@ class LoopObserver(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, max_pending: int = 256, step_timeout_s: float = 600.0,
-                 observer: LoopObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_pending: int = 256, step_timeout_s: float = 600.0) -> None:
         self.engine = engine
         self.max_pending = max_pending
         self.step_timeout_s = step_timeout_s
-        self.observer = observer
+        self.observer: LoopObserver | None = None  # ServerMetrics.attach sets it
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._keys = itertools.count()
         self._lock = threading.Lock()

@@ -196,21 +196,6 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> str | None:
-    """The stop string that ended a choice (None when it ended otherwise)."""
-    if choice.finish_reason != "stop" or not stops:
-        return None
-    full = state.decode(choice.token_ids)
-    return next((s for s in stops if full.startswith(s, len(choice.text))), None)
-
-
-def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
-    completion = sum(len(c.token_ids) for c in choices)
-    cached = max((c.metrics.num_cached_tokens for c in choices), default=0)
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
-            "total_tokens": prompt_len + completion, "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.errors import APIError
-from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream, usage
+from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
 from ferryman.server.parsers import Parsed
 from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferryman.server.state import ServerState
@@ -37,6 +37,13 @@ def _finish(choice_reason: str | None, parsed_calls: bool) -> str | None:
     if parsed_calls:
         return "tool_calls"
     return "length" if choice_reason == "length" else "stop"
+
+
+def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.metrics.num_cached_tokens for c in choices), default=0)
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+            "total_tokens": prompt_len + completion, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _head(prefix: str, obj: str, model: str) -> dict[str, Any]:

@@ -189,9 +189,10 @@ class Qwen3Parser(OutputParser):
 
 
 class ForcedToolParser(OutputParser):
-    """tool_choice naming one function: the whole output (grammar-constrained) is its arguments."""
+    """A grammar-forced tool call, whole output: the arguments of the function `name` (tool_choice
+    naming it) or, without a name (tool_choice "required"), `{"name": ..., "arguments": {...}}`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str | None = None) -> None:
         self.name = name
         self.text = ""
 
@@ -200,15 +201,7 @@ class ForcedToolParser(OutputParser):
         return Parsed()
 
     def finish(self) -> Parsed:
-        return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
-
-
-class RequiredToolParser(ForcedToolParser):
-    """tool_choice "required": the output is `{"name": ..., "arguments": {...}}` (grammar-constrained)."""
-
-    def __init__(self) -> None:
-        super().__init__("")
-
-    def finish(self) -> Parsed:
+        if self.name is not None:
+            return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
         call = parse_tool_json(self.text.strip())
         return Parsed(tool_calls=[call]) if call is not None else Parsed(content=self.text)

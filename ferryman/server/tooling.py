@@ -17,7 +17,7 @@ from typing import Any
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
 from ferryman.server.grammar import GrammarMatcher
-from ferryman.server.parsers import ForcedToolParser, OutputParser, RequiredToolParser
+from ferryman.server.parsers import ForcedToolParser, OutputParser
 from ferryman.server.state import ServerState
 
 
@@ -62,7 +62,7 @@ def tool_setup(st: ServerState, tools: list[dict[str, Any]] | None, choice: str 
     if not tools or choice == "none":
         return ToolSetup(None, None, None, False, st)
     if choice == "required":
-        return ToolSetup(tools, _compile(st, _call_schema(tools), choice_param), RequiredToolParser, True, st)
+        return ToolSetup(tools, _compile(st, _call_schema(tools), choice_param), ForcedToolParser, True, st)
     if choice is not None and choice.startswith("function:"):
         name = choice.removeprefix("function:")
         fn = next((t["function"] for t in tools if t["function"]["name"] == name), None)
