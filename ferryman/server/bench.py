@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
     except urllib.error.HTTPError as e:  # the server's error object says why
         res.error = f"HTTP {e.code}: {_error_message(e)}"
         return res
-    except (OSError, RuntimeError, ValueError, urllib.error.URLError) as e:
+    except (OSError, RuntimeError, ValueError) as e:  # URLError is an OSError
         res.error = f"{type(e).__name__}: {e}"
         return res
     if not arrivals:
@@ -139,26 +139,10 @@ def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random
     n = max(8, 2 * concurrency) if cfg.requests_per_level is None else (cfg.requests_per_level or concurrency)
     lo, hi = cfg.token_id_range
     prompts = [[rng.randrange(lo, hi) for _ in range(cfg.prompt_tokens)] for _ in range(n)]
-    results: list[RequestResult] = []
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not prompts:
-                    return
-                prompt = prompts.pop()
-            r = run_request(cfg, model, prompt)
-            with lock:
-                results.append(r)
-
     before = link_bytes(cfg)
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(concurrency) as users:  # each user sends its next request when one ends
+        results = list(users.map(lambda prompt: run_request(cfg, model, prompt), prompts))
     wall = time.perf_counter() - start
     row = summarize(concurrency, results, wall)
     after = link_bytes(cfg)
