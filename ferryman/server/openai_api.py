@@ -54,8 +54,12 @@ def _stream_end(body: ChatCompletionRequest | CompletionRequest, head: dict[str,
                 prompt_len: int) -> Callable[[list[Choice]], list[str]]:
     """The usage chunk (when asked for) and [DONE]."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return lambda choices: ([sse({**head, "choices": [], "usage": usage(prompt_len, choices)})]
-                            if include_usage else []) + ["data: [DONE]\n\n"]
+
+    def end(choices: list[Choice]) -> list[str]:
+        tail = [sse({**head, "choices": [], "usage": usage(prompt_len, choices)})] if include_usage else []
+        return tail + ["data: [DONE]\n\n"]
+
+    return end
 
 
 @router.get("/v1/models")
