@@ -41,8 +41,7 @@ def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
         elif b.type == "tool_result":
             tool_results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
         elif b.type == "tool_use":
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
     msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
     if calls:
         msg["tool_calls"] = calls

@@ -1,10 +1,11 @@
 """Chat messages -> prompt token ids through the model's chat template.
 
 Messages use the OpenAI shape (the Anthropic API converts to it): role, content (text), and for
-assistants `tool_calls`, for tool results `tool_call_id`. A template that knows tools (Qwen3,
-gpt-oss) gets them natively; one that does not (the demo model's plain ChatML) gets them in the
-Hermes / Qwen3 text convention: a `# Tools` system block, `<tool_call>` in assistant turns and
-`<tool_response>` user turns, which is also what the Qwen3 parser reads back.
+assistants `tool_calls` (arguments as JSON text or an object), for tool results `tool_call_id`.
+A template that knows tools (Qwen3, gpt-oss) gets them natively; one that does not (the demo
+model's plain ChatML) gets them in the Hermes / Qwen3 text convention: a `# Tools` system block,
+`<tool_call>` in assistant turns and `<tool_response>` user turns, which is also what the Qwen3
+parser reads back.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -78,9 +77,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments if isinstance(c.function.arguments, str)
-                else json.dumps(c.function.arguments)}} for c in m.tool_calls]
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": c.function.model_dump()}
+                               for c in m.tool_calls]
         for key in ("tool_call_id", "name"):
             if getattr(m, key):
                 d[key] = getattr(m, key)

@@ -38,7 +38,7 @@ class ToolCall:
 
 @dataclass
 class Parsed:
-    """What a feed made certain (deltas) or, from `parse_all`, the whole output."""
+    """What a feed made certain, or (extended feed after feed) the whole output."""
 
     reasoning: str = ""
     content: str = ""
@@ -57,11 +57,6 @@ class OutputParser(ABC):
     @abstractmethod
     def finish(self) -> Parsed:
         """End of output: flush what was held back."""
-
-    def parse_all(self, token_ids: list[int], text: str) -> Parsed:
-        out = self.feed(token_ids, text)
-        out.extend(self.finish())
-        return out
 
 
 class PlainParser(OutputParser):
@@ -89,10 +84,9 @@ def parse_tool_json(body: str) -> ToolCall | None:
 class Qwen3Parser(OutputParser):
     """State machine over text: content <-> reasoning (`<think>`) and content <-> tool call."""
 
-    def __init__(self, reasoning: bool = True, tools: bool = True, starts_in_reasoning: bool = False) -> None:
-        self.reasoning_enabled = reasoning
+    def __init__(self, tools: bool = True, starts_in_reasoning: bool = False) -> None:
         self.tools_enabled = tools
-        self.mode = "reasoning" if (reasoning and starts_in_reasoning) else "content"
+        self.mode = "reasoning" if starts_in_reasoning else "content"
         self.buf = ""
         self.seen_output = False  # any content emitted: a later <think> is plain text
         self.strip_newlines = False  # drop the blank lines that follow </think>
@@ -129,7 +123,7 @@ class Qwen3Parser(OutputParser):
 
     def _open_tags(self) -> tuple[str, ...]:
         tags = (TOOL_OPEN,) if self.tools_enabled else ()
-        if self.reasoning_enabled and not self.seen_output:
+        if not self.seen_output:
             tags += (THINK_OPEN,)
         return tags
 

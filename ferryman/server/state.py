@@ -90,12 +90,11 @@ class ServerState:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     # ---- output -------------------------------------------------------------------------------
-    def make_parser(self, tools: bool, reasoning: bool, prompt: ChatPrompt | None) -> OutputParser:
+    def make_parser(self, tools: bool, prompt: ChatPrompt) -> OutputParser:
         if self.parser_kind == "harmony":
             return HarmonyParser(self.tokenizer, self._harmony or {})
-        if self.parser_kind == "qwen3" and (tools or reasoning):
-            starts = prompt is not None and prompt.ends_in_reasoning
-            return Qwen3Parser(reasoning=reasoning, tools=tools, starts_in_reasoning=starts)
+        if self.parser_kind == "qwen3":
+            return Qwen3Parser(tools=tools, starts_in_reasoning=prompt.ends_in_reasoning)
         return PlainParser()
 
     def token_text(self, token_id: int) -> str:

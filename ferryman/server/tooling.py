@@ -32,7 +32,7 @@ class ToolSetup:
     def parser_factory(self, prompt: ChatPrompt) -> Callable[[], OutputParser]:
         if self.forced is not None:
             return self.forced
-        return lambda: self.state.make_parser(tools=self.parse_tools, reasoning=True, prompt=prompt)
+        return lambda: self.state.make_parser(self.parse_tools, prompt)
 
 
 def _compile(st: ServerState, schema: dict[str, Any], param: str) -> Callable[[], GrammarMatcher]:
