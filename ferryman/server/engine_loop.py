@@ -129,9 +129,9 @@ class EngineLoop:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def inject_fault(self, exc: BaseException | None = None) -> None:
+    def inject_fault(self, exc: BaseException) -> None:
         """Testing hook (not reachable over HTTP): the next engine step raises `exc`."""
-        self._fault = exc or RuntimeError("fault injected into the engine loop")
+        self._fault = exc
         self._commands.put(("wake", None))
 
     # ---- intake (event-loop thread) ------------------------------------------------------------

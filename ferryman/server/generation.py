@@ -38,7 +38,7 @@ class GenSpec:
     params: SamplingParams
     n: int = 1
     grammar: Callable[[], GrammarMatcher] | None = None  # a fresh matcher per choice
-    parser: Callable[[], OutputParser] | None = None  # a fresh parser per choice
+    parser: Callable[[], OutputParser] = PlainParser  # a fresh parser per choice
 
 
 @dataclass
@@ -94,7 +94,7 @@ def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandl
         for spec in specs:
             for i in range(spec.n):
                 handle = state.loop.submit(spec.prompt_ids, choice_params(spec, i))
-                subs.append((handle, spec.parser() if spec.parser is not None else PlainParser()))
+                subs.append((handle, spec.parser()))
     except (OverloadedError, EngineDeadError) as e:
         _abort(state, subs)
         raise engine_error(e) from None
