@@ -68,16 +68,12 @@ class RequestHandle:
 
     async def events(self) -> AsyncIterator[StepDelta]:
         """StepDeltas until the one with finish_reason; raises the error that ends the request."""
-        while True:
+        while not self.finished:
             item = await self.queue.get()
+            self.finished = isinstance(item, BaseException) or item.finish_reason is not None
             if isinstance(item, BaseException):
-                self.finished = True
                 raise item
-            if item.finish_reason is not None:
-                self.finished = True
             yield item
-            if self.finished:
-                return
 
 
 class LoopObserver(Protocol):
