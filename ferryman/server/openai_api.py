@@ -131,32 +131,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "usage": usage(len(prompt.token_ids), choices)}
 
 
-def _tool_calls_json(parsed: Parsed, start: int = 0) -> list[dict[str, Any]]:
-    return [{"index": start + i, "id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(parsed.tool_calls)]
+def _message_fields(parsed: Parsed, first_call: int | None) -> dict[str, Any]:
+    """The content, reasoning and tool calls `parsed` has; streamed calls carry their index (from
+    `first_call`) among the choice's calls."""
+    out: dict[str, Any] = {}
+    if parsed.content:
+        out["content"] = parsed.content
+    if parsed.reasoning:
+        out["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in parsed.tool_calls]
+        if first_call is not None:
+            calls = [{"index": first_call + i, **call} for i, call in enumerate(calls)]
+        out["tool_calls"] = calls
+    return out
 
 
 def _chat_choice(st: ServerState, c: Choice, logprobs: bool) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": c.parsed.content or None}
-    if c.parsed.reasoning:
-        msg["reasoning_content"] = c.parsed.reasoning
-    if c.parsed.tool_calls:
-        msg["tool_calls"] = [{k: v for k, v in t.items() if k != "index"} for t in _tool_calls_json(c.parsed)]
-    elif msg["content"] is None:
-        msg["content"] = ""
-    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, bool(c.parsed.tool_calls)),
+    calls = bool(c.parsed.tool_calls)
+    msg = {"role": "assistant", "content": None if calls else "", **_message_fields(c.parsed, None)}
+    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, calls),
             "logprobs": {"content": chat_logprobs(st, c.token_ids, c.logprobs)} if logprobs else None}
 
 
 def _chat_chunk(st: ServerState, d: Choice, choice: Choice, logprobs: bool) -> dict[str, Any] | None:
     """The chunk of delta `d` of `choice` (which already includes it); None when it has nothing."""
-    delta: dict[str, Any] = {}
-    if d.parsed.content:
-        delta["content"] = d.parsed.content
-    if d.parsed.reasoning:
-        delta["reasoning_content"] = d.parsed.reasoning
-    if d.parsed.tool_calls:
-        delta["tool_calls"] = _tool_calls_json(d.parsed, len(choice.parsed.tool_calls) - len(d.parsed.tool_calls))
+    delta = _message_fields(d.parsed, len(choice.parsed.tool_calls) - len(d.parsed.tool_calls))
     if not delta and d.finish_reason is None:
         return None
     return {"index": d.index, "delta": delta,
