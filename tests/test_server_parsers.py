@@ -14,7 +14,7 @@ from ferryman.llm import DEMO_MODEL  # noqa: E402
 from ferryman.server.chat import ChatRenderer  # noqa: E402
 from ferryman.server.grammar import apply_bitmask  # noqa: E402
 from ferryman.server.harmony import MARKERS, HarmonyParser, harmony_marker_ids  # noqa: E402
-from ferryman.server.parsers import Parsed, Qwen3Parser  # noqa: E402
+from ferryman.server.parsers import OutputParser, Parsed, Qwen3Parser  # noqa: E402
 
 QWEN_OUT = ('<think>\nThe user asks for weather.\n</think>\n\nChecking now.\n<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>\n<tool_call>\n'
@@ -28,6 +28,13 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(DEMO_MODEL))
 
 
+def _parse_all(parser: OutputParser, token_ids: list[int], text: str) -> Parsed:
+    """The whole output in one feed."""
+    out = parser.feed(token_ids, text)
+    out.extend(parser.finish())
+    return out
+
+
 def _feed_in_pieces(parser, text: str, size: int) -> Parsed:
     out = Parsed()
     for i in range(0, len(text), size):
@@ -37,7 +44,7 @@ def _feed_in_pieces(parser, text: str, size: int) -> Parsed:
 
 
 def test_qwen3_whole_output() -> None:
-    p = Qwen3Parser().parse_all([], QWEN_OUT)
+    p = _parse_all(Qwen3Parser(), [], QWEN_OUT)
     assert p.reasoning == "\nThe user asks for weather.\n"
     assert p.content == "Checking now.\n"
     assert [(c.name, json.loads(c.arguments)) for c in p.tool_calls] == [
@@ -46,7 +53,7 @@ def test_qwen3_whole_output() -> None:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 16])
 def test_qwen3_streaming_equals_whole(size: int) -> None:
-    whole = Qwen3Parser().parse_all([], QWEN_OUT)
+    whole = _parse_all(Qwen3Parser(), [], QWEN_OUT)
     pieces = _feed_in_pieces(Qwen3Parser(), QWEN_OUT, size)
     assert (pieces.reasoning, pieces.content) == (whole.reasoning, whole.content)
     assert [(c.name, c.arguments) for c in pieces.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]
@@ -54,16 +61,16 @@ def test_qwen3_streaming_equals_whole(size: int) -> None:
 
 def test_qwen3_edge_cases() -> None:
     # prompt ended inside <think>: the output starts with reasoning
-    p = Qwen3Parser(starts_in_reasoning=True).parse_all([], "plan it</think>\n\nDone.")
+    p = _parse_all(Qwen3Parser(starts_in_reasoning=True), [], "plan it</think>\n\nDone.")
     assert (p.reasoning, p.content) == ("plan it", "Done.")
     # a <think> after real content is text; a broken tool call stays content; '<' alone is not held forever
-    p = Qwen3Parser().parse_all([], "a <think> b <tool_call>{oops}</tool_call> c <")
+    p = _parse_all(Qwen3Parser(), [], "a <think> b <tool_call>{oops}</tool_call> c <")
     assert p.content == "a <think> b <tool_call>{oops}</tool_call> c <" and not p.tool_calls
     # tools off: <tool_call> is plain content
-    p = Qwen3Parser(tools=False).parse_all([], '<tool_call>{"name": "x", "arguments": {}}</tool_call>')
+    p = _parse_all(Qwen3Parser(tools=False), [], '<tool_call>{"name": "x", "arguments": {}}</tool_call>')
     assert p.tool_calls == [] and p.content.startswith("<tool_call>")
     # unterminated reasoning at the end
-    assert Qwen3Parser().parse_all([], "<think>still thinking").reasoning == "still thinking"
+    assert _parse_all(Qwen3Parser(), [], "<think>still thinking").reasoning == "still thinking"
 
 
 def _harmony_tokenizer(tokenizer):
@@ -81,7 +88,7 @@ def test_harmony_parser(tokenizer) -> None:
            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
            '{"location":"Tokyo"}<|call|>')
     ids = tok.encode(out, add_special_tokens=False)
-    whole = HarmonyParser(tok, markers).parse_all(ids, "")
+    whole = _parse_all(HarmonyParser(tok, markers), ids, "")
     assert whole.reasoning == "User asks weather in Tokyo. Use the tool." and whole.content == ""
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [("get_weather", {"location": "Tokyo"})]
     streamed, p = Parsed(), HarmonyParser(tok, markers)
@@ -90,11 +97,11 @@ def test_harmony_parser(tokenizer) -> None:
     streamed.extend(p.finish())
     assert streamed.reasoning == whole.reasoning and streamed.tool_calls[0].arguments == whole.tool_calls[0].arguments
     final = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4<|return|>"
-    p2 = HarmonyParser(tok, markers).parse_all(tok.encode(final, add_special_tokens=False), "")
+    p2 = _parse_all(HarmonyParser(tok, markers), tok.encode(final, add_special_tokens=False), "")
     assert (p2.reasoning, p2.content, p2.tool_calls) == ("Easy.", "2 + 2 = 4", [])
     # recipient before the channel (also allowed by the format)
     alt = '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": 1}<|call|>'
-    p3 = HarmonyParser(tok, markers).parse_all(tok.encode(alt, add_special_tokens=False), "")
+    p3 = _parse_all(HarmonyParser(tok, markers), tok.encode(alt, add_special_tokens=False), "")
     assert p3.tool_calls[0].name == "lookup"
 
 
@@ -127,7 +134,7 @@ def test_hermes_tool_rendering_round_trips(tokenizer) -> None:
     assert prompt.text.endswith("<|im_start|>assistant\n")
     assert prompt.token_ids == tokenizer.encode(prompt.text, add_special_tokens=False)
     turn = prompt.text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
-    parsed = Qwen3Parser().parse_all([], turn)
+    parsed = _parse_all(Qwen3Parser(), [], turn)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("ls", {"path": "."})]
 
 

@@ -10,23 +10,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
-from ferryman.server.chat import ChatPrompt, TemplateError
-from ferryman.server.errors import APIError, error_body
-from ferryman.server.generation import (Choice, ChoiceDelta, GenSpec, engine_error, generate, make_params, sse,
-                                        stop_string_hit, stream_choices)
-from ferryman.server.parsers import ToolCall
+from ferryman.server.chat import ChatPrompt
+from ferryman.server.errors import APIError
+from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
+from ferryman.server.parsers import Parsed, ToolCall
 from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
 from ferryman.server.state import ServerState
 from ferryman.server.tooling import ToolSetup, tool_setup
 
 router = APIRouter()
-_PATH = "/v1/messages"
 
 
 def _text(content: str | list[Any]) -> str:
@@ -45,8 +41,7 @@ def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
         elif b.type == "tool_result":
             tool_results.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
         elif b.type == "tool_use":
-            calls.append({"id": b.id, "type": "function",
-                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
     msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
     if calls:
         msg["tool_calls"] = calls
@@ -70,11 +65,7 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
     setup = tool_setup(st, tools or None, choice, fmt.schema_ if fmt is not None else None,
                        format_param="output_config.format")
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
-    try:
-        prompt = st.renderer.render(messages, setup.tools, kwargs)
-    except TemplateError as e:
-        raise APIError(400, str(e), "messages") from None
-    return prompt, setup
+    return st.renderer.render(messages, setup.tools, kwargs), setup
 
 
 @router.post("/v1/messages/count_tokens")
@@ -92,18 +83,24 @@ async def messages(body: AMessagesRequest, request: Request) -> Any:
                          stop=list(body.stop_sequences or []),
                          max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
     spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
-    mid = "msg_" + uuid.uuid4().hex[:24]
+    message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": body.model}
     if body.stream:
-        deltas = stream_choices(st, [spec])
-        return StreamingResponse(_stream(st, body, spec, deltas, mid), media_type="text/event-stream")
-    try:
-        choice = (await generate(st, [spec], request))[0]
-    except Exception as e:
-        raise engine_error(e) from None
-    content = _blocks(choice)
+        start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": len(spec.prompt_ids), "output_tokens": 0}}
+        writer = _BlockWriter()
+
+        def last(choices: list[Choice]) -> list[str]:
+            reason, seq = _stop_reason(st, choices[0], body)
+            end = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                   "usage": _usage(len(spec.prompt_ids), choices[0])}
+            return writer.close() + [sse(end, "message_delta"), sse({"type": "message_stop"}, "message_stop")]
+
+        first = [sse({"type": "message_start", "message": start}, "message_start"), sse({"type": "ping"}, "ping")]
+        return stream(st, [spec], "/v1/messages", first, lambda d, _: writer.feed(d.parsed), last)
+    choice = (await generate(st, [spec], request))[0]
     reason, seq = _stop_reason(st, choice, body)
-    return {"id": mid, "type": "message", "role": "assistant", "model": body.model, "content": content,
-            "stop_reason": reason, "stop_sequence": seq, "usage": _usage(len(prompt.token_ids), choice)}
+    return {**message, "content": _blocks(choice.parsed), "stop_reason": reason, "stop_sequence": seq,
+            "usage": _usage(len(prompt.token_ids), choice)}
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
@@ -111,14 +108,22 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
             "input": call.arguments_dict()}
 
 
-def _blocks(c: Choice) -> list[dict[str, Any]]:
+def _blocks(parsed: Parsed) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
-    if c.parsed.reasoning:
-        blocks.append({"type": "thinking", "thinking": c.parsed.reasoning, "signature": ""})
-    if c.parsed.content or not (blocks or c.parsed.tool_calls):
-        blocks.append({"type": "text", "text": c.parsed.content})
-    blocks.extend(_tool_use(t) for t in c.parsed.tool_calls)
+    if parsed.reasoning:
+        blocks.append({"type": "thinking", "thinking": parsed.reasoning, "signature": ""})
+    if parsed.content or not (blocks or parsed.tool_calls):
+        blocks.append({"type": "text", "text": parsed.content})
+    blocks.extend(_tool_use(t) for t in parsed.tool_calls)
     return blocks
+
+
+def _stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> str | None:
+    """The stop string that ended a choice (None when it ended otherwise)."""
+    if choice.finish_reason != "stop" or not stops:
+        return None
+    full = state.decode(choice.token_ids)
+    return next((s for s in stops if full.startswith(s, len(choice.text))), None)
 
 
 def _stop_reason(st: ServerState, c: Choice, body: AMessagesRequest) -> tuple[str, str | None]:
@@ -126,7 +131,7 @@ def _stop_reason(st: ServerState, c: Choice, body: AMessagesRequest) -> tuple[st
         return "tool_use", None
     if c.finish_reason == "length":
         return "max_tokens", None
-    hit = stop_string_hit(st, c, list(body.stop_sequences or []))
+    hit = _stop_string_hit(st, c, list(body.stop_sequences or []))
     return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
 
 
@@ -136,6 +141,11 @@ def _usage(prompt_len: int, c: Choice) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "output_tokens": len(c.token_ids)}
 
 
+# block kind -> (its content_block_start, its delta type and text field)
+_TEXT_BLOCKS = {"thinking": ({"type": "thinking", "thinking": "", "signature": ""}, "thinking_delta", "thinking"),
+                "text": ({"type": "text", "text": ""}, "text_delta", "text")}
+
+
 class _BlockWriter:
     """Opens, feeds and closes content blocks as the kind of output changes."""
 
@@ -143,7 +153,21 @@ class _BlockWriter:
         self.index = -1
         self.kind: str | None = None
 
-    def _switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+    def feed(self, parsed: Parsed) -> list[str]:
+        events: list[str] = []
+        for kind, text in (("thinking", parsed.reasoning), ("text", parsed.content)):
+            if text:
+                start, delta_type, key = _TEXT_BLOCKS[kind]
+                if self.kind != kind:
+                    events += self._open(kind, start)
+                events.append(self._delta({"type": delta_type, key: text}))
+        for call in parsed.tool_calls:
+            block = _tool_use(call)
+            events += self._open("tool_use", {**block, "input": {}})
+            events.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
+        return events
+
+    def _open(self, kind: str, start: dict[str, Any]) -> list[str]:
         events = self.close()
         self.index += 1
         self.kind = kind
@@ -154,20 +178,6 @@ class _BlockWriter:
     def _delta(self, delta: dict[str, Any]) -> str:
         return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
 
-    def thinking(self, text: str) -> list[str]:
-        events = [] if self.kind == "thinking" else self._switch(
-            "thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
-
-    def text(self, text: str) -> list[str]:
-        events = [] if self.kind == "text" else self._switch("text", {"type": "text", "text": ""})
-        return events + [self._delta({"type": "text_delta", "text": text})]
-
-    def tool(self, call: ToolCall) -> list[str]:
-        block = _tool_use(call)
-        events = self._switch("tool_use", {**block, "input": {}})
-        return events + [self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])})]
-
     def close(self) -> list[str]:
         if self.kind is None:
             return []
@@ -177,41 +187,3 @@ class _BlockWriter:
         events.append(sse({"type": "content_block_stop", "index": self.index}, "content_block_stop"))
         self.kind = None
         return events
-
-
-async def _stream(st: ServerState, body: AMessagesRequest, spec: GenSpec,
-                  deltas: AsyncIterator[ChoiceDelta], mid: str) -> AsyncIterator[str]:
-    start = {"id": mid, "type": "message", "role": "assistant", "model": body.model, "content": [],
-             "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": len(spec.prompt_ids), "output_tokens": 0}}
-    yield sse({"type": "message_start", "message": start}, "message_start")
-    yield sse({"type": "ping"}, "ping")
-    writer, choice = _BlockWriter(), Choice(0)
-    try:
-        async for d in deltas:
-            choice.add(d)
-            for ev in _delta_events(writer, d):
-                yield ev
-    except Exception as e:
-        err = engine_error(e)
-        yield sse(error_body(_PATH, err.status, err.message), "error")
-        return
-    finally:
-        await deltas.aclose()
-    for ev in writer.close():
-        yield ev
-    reason, seq = _stop_reason(st, choice, body)
-    yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-               "usage": _usage(len(spec.prompt_ids), choice)}, "message_delta")
-    yield sse({"type": "message_stop"}, "message_stop")
-
-
-def _delta_events(writer: _BlockWriter, d: ChoiceDelta) -> list[str]:
-    events: list[str] = []
-    if d.parsed.reasoning:
-        events += writer.thinking(d.parsed.reasoning)
-    if d.parsed.content:
-        events += writer.text(d.parsed.content)
-    for call in d.parsed.tool_calls:
-        events += writer.tool(call)
-    return events

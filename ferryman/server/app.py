@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ferryman.server.anthropic_api import router as anthropic_router
 from ferryman.server.engine_loop import EngineLoop
-from ferryman.server.errors import APIError, error_body, error_response, validation_error
+from ferryman.server.errors import APIError, error_response, validation_error
 from ferryman.server.metrics import ServerMetrics
 from ferryman.server.openai_api import router as openai_router
 from ferryman.server.state import ServerConfig, ServerState
@@ -109,15 +109,14 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        message = str(exc.detail) if exc.status_code != 404 else f"no route {request.method} {request.url.path}"
-        return JSONResponse(error_body(request.url.path, exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        path = request.url.path
+        message = str(exc.detail) if exc.status_code != 404 else f"no route {request.method} {path}"
+        return error_response(path, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}"),
-                            status_code=500)
+        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
 def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
@@ -128,7 +127,6 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
     state = ServerState(loop, cfg)
     app = FastAPI(title="ferryman", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ferryman = state
-    app.state.metrics = metrics
     app.add_middleware(GateMiddleware, cfg=cfg, metrics=metrics)
     _install_handlers(app)
     app.include_router(openai_router)
@@ -147,7 +145,8 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
-        return {**state.stats(), **metrics.totals(), "memory_bytes": metrics.memory}
+        return {"alive": loop.alive, "dead_reason": loop.dead_reason, "requests_in_flight": loop.num_pending,
+                **loop.stats_snapshot, **metrics.totals(), "memory_bytes": metrics.memory}
 
     return app
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,24 +56,23 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
     return h
 
 
-def first_model(cfg: BenchConfig) -> str:
-    req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/models", headers=_headers(cfg))
+def _get_json(cfg: BenchConfig, path: str) -> Any:
+    req = urllib.request.Request(cfg.url.rstrip("/") + path, headers=_headers(cfg))
     with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.load(resp)["data"][0]["id"]
+        return json.load(resp)
+
+
+def first_model(cfg: BenchConfig) -> str:
+    return _get_json(cfg, "/v1/models")["data"][0]["id"]
 
 
 def link_bytes(cfg: BenchConfig) -> int | None:
     """Expert bytes the server moved host -> device so far (ferryman's /v1/stats); None elsewhere."""
-    req = urllib.request.Request(cfg.url.rstrip("/") + "/v1/stats", headers=_headers(cfg))
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            stats = json.load(resp)
-    except (OSError, ValueError):  # a peer without /v1/stats, or an unreadable answer
+        moved = _get_json(cfg, "/v1/stats")["experts"]["bytes_h2d"]
+    except (OSError, ValueError, LookupError, TypeError):  # a peer without /v1/stats or expert counters
         return None
-    experts = stats.get("experts") if isinstance(stats, dict) else None
-    if not isinstance(experts, dict) or not isinstance(experts.get("bytes_h2d"), (int, float)):
-        return None
-    return int(experts["bytes_h2d"])
+    return int(moved) if isinstance(moved, (int, float)) else None
 
 
 def _sse_data(resp: Any) -> Any:
@@ -107,7 +106,7 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
     except urllib.error.HTTPError as e:  # the server's error object says why
         res.error = f"HTTP {e.code}: {_error_message(e)}"
         return res
-    except (OSError, RuntimeError, ValueError, urllib.error.URLError) as e:
+    except (OSError, RuntimeError, ValueError) as e:  # URLError is an OSError
         res.error = f"{type(e).__name__}: {e}"
         return res
     if not arrivals:
@@ -124,47 +123,26 @@ def run_request(cfg: BenchConfig, model: str, prompt: list[int]) -> RequestResul
 def _error_message(e: urllib.error.HTTPError) -> str:
     try:
         body = json.loads(e.read() or b"{}")
-    except (OSError, ValueError):
+        return str(body.get("error", body).get("message", e.reason))
+    except (OSError, ValueError, AttributeError):  # not a JSON object, or an error that is none
         return str(e.reason)
-    err = body.get("error", body) if isinstance(body, dict) else {}
-    return str(err.get("message", e.reason)) if isinstance(err, dict) else str(e.reason)
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear-interpolated percentile q in [0, 100] (numpy's default method); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+def percentile(values: list[float], q: int) -> float | None:
+    """Percentile q in 1..99, interpolated as numpy's default does; None when empty."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random) -> dict[str, Any]:
     n = max(8, 2 * concurrency) if cfg.requests_per_level is None else (cfg.requests_per_level or concurrency)
     lo, hi = cfg.token_id_range
     prompts = [[rng.randrange(lo, hi) for _ in range(cfg.prompt_tokens)] for _ in range(n)]
-    results: list[RequestResult] = []
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not prompts:
-                    return
-                prompt = prompts.pop()
-            r = run_request(cfg, model, prompt)
-            with lock:
-                results.append(r)
-
     before = link_bytes(cfg)
     start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(concurrency) as users:  # each user sends its next request when one ends
+        results = list(users.map(lambda prompt: run_request(cfg, model, prompt), prompts))
     wall = time.perf_counter() - start
     row = summarize(concurrency, results, wall)
     after = link_bytes(cfg)

@@ -1,10 +1,11 @@
 """Chat messages -> prompt token ids through the model's chat template.
 
 Messages use the OpenAI shape (the Anthropic API converts to it): role, content (text), and for
-assistants `tool_calls`, for tool results `tool_call_id`. A template that knows tools (Qwen3,
-gpt-oss) gets them natively; one that does not (the demo model's plain ChatML) gets them in the
-Hermes / Qwen3 text convention: a `# Tools` system block, `<tool_call>` in assistant turns and
-`<tool_response>` user turns, which is also what the Qwen3 parser reads back.
+assistants `tool_calls` (arguments as JSON text or an object), for tool results `tool_call_id`.
+A template that knows tools (Qwen3, gpt-oss) gets them natively; one that does not (the demo
+model's plain ChatML) gets them in the Hermes / Qwen3 text convention: a `# Tools` system block,
+`<tool_call>` in assistant turns and `<tool_response>` user turns, which is also what the Qwen3
+parser reads back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ferryman.server.errors import APIError
 from ferryman.server.parsers import THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 
 _TOOLS_PREAMBLE = (
@@ -22,10 +24,6 @@ _TOOLS_PREAMBLE = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-
-
-class TemplateError(ValueError):
-    """The chat template rejected the conversation (HTTP 400)."""
 
 
 @dataclass
@@ -59,10 +57,11 @@ class ChatRenderer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+        """The prompt of a conversation; a 400 on `messages` when the template rejects it."""
         if self.tokenizer is None:
-            raise TemplateError("this model ships no tokenizer, so it cannot take chat messages")
+            raise APIError(400, "this model ships no tokenizer, so it cannot take chat messages", "messages")
         if not self.template:
-            raise TemplateError("this model's tokenizer has no chat template; use /v1/completions")
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages")
         msgs = [_native_message(m) for m in messages] if self.native_tools else _hermes_messages(messages, tools)
         kwargs = dict(template_kwargs or {})
         if tools and self.native_tools:
@@ -70,7 +69,7 @@ class ChatRenderer:
         try:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception as e:  # jinja raises anything: undefined names, raise_exception(...)
-            raise TemplateError(f"the chat template rejected the messages: {e}") from None
+            raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from None
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return ChatPrompt(list(ids), text)
 

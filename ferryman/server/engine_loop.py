@@ -1,4 +1,4 @@
-"""The engine in its own thread: requests in through a command queue, token events out to asyncio.
+"""The engine in its own thread: requests in through a command queue, their deltas out to asyncio.
 
 The HTTP event loop never touches `LLMEngine`; it submits and aborts through `EngineLoop`, which
 hands commands to the engine thread. Between two steps the engine thread adds and aborts requests,
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ferryman.engine.llm_engine import LLMEngine
-from ferryman.engine.outputs import RequestOutput, StepDelta, TokenLogprobs
+from ferryman.engine.outputs import RequestOutput, StepDelta
 from ferryman.errors import EngineDeadError, FerrymanError
 from ferryman.sampling_params import SamplingParams
 
@@ -44,20 +44,9 @@ class OverloadedError(FerrymanError):
     """The request queue is full (HTTP 429)."""
 
 
-@dataclass
-class TokenEvent:
-    """New output of one request after one engine step."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs | None]  # one entry per token id (None when not asked for)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
-    output: RequestOutput | None = None  # the final output (metrics) on the last event
-
-
 @dataclass(eq=False)
 class RequestHandle:
-    """One submitted request: iterate it (in the event loop) for its TokenEvents."""
+    """One submitted request: iterate it (in the event loop) for its StepDeltas."""
 
     key: int
     prompt_token_ids: list[int]
@@ -67,27 +56,24 @@ class RequestHandle:
     arrival: float = field(default_factory=time.monotonic)
     rid: int | None = None  # engine request id, set by the engine thread
     last_token_time: float | None = None
+    output: RequestOutput | None = None  # the final output (metrics), set before the last delta is posted
     finished: bool = False
 
-    def post(self, item: TokenEvent | BaseException) -> None:
+    def post(self, item: StepDelta | BaseException) -> None:
         """Thread-safe: hand an event (or the error that ends the request) to the event loop."""
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """TokenEvents until the one with finish_reason; raises the error that ends the request."""
-        while True:
+    async def events(self) -> AsyncIterator[StepDelta]:
+        """StepDeltas until the one with finish_reason; raises the error that ends the request."""
+        while not self.finished:
             item = await self.queue.get()
+            self.finished = isinstance(item, BaseException) or item.finish_reason is not None
             if isinstance(item, BaseException):
-                self.finished = True
                 raise item
-            if item.finish_reason is not None:
-                self.finished = True
             yield item
-            if self.finished:
-                return
 
 
 class LoopObserver(Protocol):
@@ -99,12 +85,11 @@ class LoopObserver(Protocol):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, max_pending: int = 256, step_timeout_s: float = 600.0,
-                 observer: LoopObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_pending: int = 256, step_timeout_s: float = 600.0) -> None:
         self.engine = engine
         self.max_pending = max_pending
         self.step_timeout_s = step_timeout_s
-        self.observer = observer
+        self.observer: LoopObserver | None = None  # ServerMetrics.attach sets it
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._keys = itertools.count()
         self._lock = threading.Lock()
@@ -140,9 +125,9 @@ class EngineLoop:
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def inject_fault(self, exc: BaseException | None = None) -> None:
+    def inject_fault(self, exc: BaseException) -> None:
         """Testing hook (not reachable over HTTP): the next engine step raises `exc`."""
-        self._fault = exc or RuntimeError("fault injected into the engine loop")
+        self._fault = exc
         self._commands.put(("wake", None))
 
     # ---- intake (event-loop thread) ------------------------------------------------------------
@@ -207,7 +192,7 @@ class EngineLoop:
             self._add(handle)
         elif kind == "abort" and handle.rid is not None and handle.rid in self._by_rid:
             self.engine.abort(handle.rid)
-            self._close(handle, TokenEvent([], "", [], "abort"))
+            self._close(handle, StepDelta(handle.rid, [], "", "abort"))
 
     def _add(self, handle: RequestHandle) -> None:
         try:
@@ -242,22 +227,21 @@ class EngineLoop:
         if self.observer is not None:
             self.observer.on_token(handle, now, first=handle.last_token_time is None)
         handle.last_token_time = now
-        event = TokenEvent(d.token_ids, d.text, d.logprobs, d.finish_reason)
         if d.finish_reason is None:
-            handle.post(event)
+            handle.post(d)
         else:
-            self._close(handle, event)
+            self._close(handle, d)
 
-    def _close(self, handle: RequestHandle, event: TokenEvent) -> None:
-        """Last event of a request: attach its final output, forget it everywhere."""
+    def _close(self, handle: RequestHandle, last: StepDelta) -> None:
+        """Last delta of a request: keep its final output, forget it everywhere."""
         assert handle.rid is not None
-        event.output = self.engine.pop_output(handle.rid)
+        handle.output = self.engine.pop_output(handle.rid)
         self._by_rid.pop(handle.rid, None)
-        if self.observer is not None and event.output is not None:
-            self.observer.on_finish(handle, event.output)
-        self._finish_handle(handle, event)
+        if self.observer is not None and handle.output is not None:
+            self.observer.on_finish(handle, handle.output)
+        self._finish_handle(handle, last)
 
-    def _finish_handle(self, handle: RequestHandle, item: TokenEvent | BaseException) -> None:
+    def _finish_handle(self, handle: RequestHandle, item: StepDelta | BaseException) -> None:
         with self._lock:
             self._pending.pop(handle.key, None)
         handle.post(item)

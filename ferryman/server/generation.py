@@ -1,9 +1,9 @@
 """One API request -> n engine requests -> parsed choices, whole or streamed.
 
 Both APIs describe a generation as a `GenSpec` (prompt, sampling, grammar, parser) and read back
-`ChoiceDelta`s (streaming) or `Choice`s (whole). Aborts: a client that disconnects (streaming: the
-response generator is closed; whole: a watcher polls the connection) aborts every engine request
-of the API request, which frees their KV blocks before the next engine step.
+`Choice`s, whole or as one delta per engine step. Aborts: a client that disconnects (streaming:
+the response generator is closed; whole: a watcher polls the connection) aborts every engine
+request of the API request, which frees their KV blocks before the next engine step.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from ferryman.engine.outputs import RequestMetrics, TokenLogprobs
 from ferryman.errors import EngineDeadError
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.engine_loop import OverloadedError, RequestHandle
-from ferryman.server.errors import APIError
+from ferryman.server.errors import APIError, error_body, is_anthropic_path
 from ferryman.server.grammar import GrammarMatcher
 from ferryman.server.parsers import OutputParser, Parsed, PlainParser
 from ferryman.server.state import ServerState
@@ -37,39 +38,28 @@ class GenSpec:
     params: SamplingParams
     n: int = 1
     grammar: Callable[[], GrammarMatcher] | None = None  # a fresh matcher per choice
-    parser: Callable[[], OutputParser] | None = None  # a fresh parser per choice
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    parsed: Parsed
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs | None]
-    finish_reason: str | None = None  # engine reason on the last delta: stop | length | abort
-    metrics: RequestMetrics | None = None  # on the last delta
+    parser: Callable[[], OutputParser] = PlainParser  # a fresh parser per choice
 
 
 @dataclass
 class Choice:
+    """A choice so far, or what one engine step added to it (a delta)."""
+
     index: int
     parsed: Parsed = field(default_factory=Parsed)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    finish_reason: str | None = None
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    finish_reason: str | None = None  # engine reason at the end: stop | length | abort
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # final once finish_reason is set
 
-    def add(self, d: ChoiceDelta) -> None:
+    def add(self, d: Choice) -> None:
         self.parsed.extend(d.parsed)
         self.token_ids += d.token_ids
         self.text += d.text
         self.logprobs += d.logprobs
         if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-        if d.metrics is not None:
-            self.metrics = d.metrics
+            self.finish_reason, self.metrics = d.finish_reason, d.metrics
 
 
 def make_params(**kwargs: Any) -> SamplingParams:
@@ -104,13 +94,10 @@ def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandl
         for spec in specs:
             for i in range(spec.n):
                 handle = state.loop.submit(spec.prompt_ids, choice_params(spec, i))
-                subs.append((handle, spec.parser() if spec.parser is not None else PlainParser()))
-    except OverloadedError as e:
+                subs.append((handle, spec.parser()))
+    except (OverloadedError, EngineDeadError) as e:
         _abort(state, subs)
-        raise APIError(429, str(e), headers={"Retry-After": "1"}) from None
-    except EngineDeadError as e:
-        _abort(state, subs)
-        raise APIError(503, str(e)) from None
+        raise engine_error(e) from None
     return subs
 
 
@@ -119,28 +106,23 @@ def _abort(state: ServerState, subs: list[tuple[RequestHandle, OutputParser]]) -
         state.loop.abort(handle)
 
 
-async def _choice_deltas(index: int, handle: RequestHandle, parser: OutputParser,
-                         out: asyncio.Queue) -> None:
+async def _choice_deltas(index: int, handle: RequestHandle, parser: OutputParser, out: asyncio.Queue) -> None:
     """Pump one engine request's events, parsed, into `out`; the last item is None or an error."""
     try:
         async for ev in handle.events():
             parsed = parser.feed(ev.token_ids, ev.text)
+            metrics = RequestMetrics()
             if ev.finish_reason is not None:
                 parsed.extend(parser.finish())
-            metrics = ev.output.metrics if ev.output is not None else None
-            await out.put(ChoiceDelta(index, parsed, ev.token_ids, ev.text, ev.logprobs, ev.finish_reason, metrics))
+                metrics = handle.output.metrics if handle.output is not None else metrics
+            await out.put(Choice(index, parsed, ev.token_ids, ev.text, ev.logprobs, ev.finish_reason, metrics))
         await out.put(None)
     except Exception as e:  # noqa: BLE001 - handed to the consumer
         await out.put(e)
 
 
-def stream_choices(state: ServerState, specs: list[GenSpec]) -> AsyncIterator[ChoiceDelta]:
-    """Deltas of all choices, interleaved as they come. Submits at once, so a 429 / 503 is
-    raised to the caller before any response is sent."""
-    return _drain(state, _submit(state, specs))
-
-
-async def _drain(state: ServerState, subs: list[tuple[RequestHandle, OutputParser]]) -> AsyncIterator[ChoiceDelta]:
+async def _drain(state: ServerState, subs: list[tuple[RequestHandle, OutputParser]]) -> AsyncIterator[Choice]:
+    """Deltas of all choices, interleaved as they come; closing it aborts them all."""
     out: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_choice_deltas(i, h, p, out)) for i, (h, p) in enumerate(subs)]
     done = 0
@@ -176,30 +158,49 @@ async def generate(state: ServerState, specs: list[GenSpec], request: Request) -
     try:
         async for d in deltas:
             choices[d.index].add(d)
+    except Exception as e:
+        raise engine_error(e) from None
     finally:
         watcher.cancel()
         await deltas.aclose()
     return choices
 
 
-def stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> str | None:
-    """The stop string that ended a choice (None when it ended otherwise)."""
-    if choice.finish_reason != "stop" or not stops:
-        return None
-    full = state.decode(choice.token_ids)
-    return next((s for s in stops if full.startswith(s, len(choice.text))), None)
+def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str],
+           on_delta: Callable[[Choice, Choice], list[str]],
+           last: Callable[[list[Choice]], list[str]]) -> StreamingResponse:
+    """Server-sent events: `first`, each delta's `on_delta(delta, its choice so far)`, then
+    `last(choices)`. Submits at once, so a 429 / 503 is an HTTP error before the stream starts;
+    a failure mid-stream ends it with an error event in the style of the API at `path`."""
+    deltas = _drain(state, _submit(state, specs))
+    choices = [Choice(i) for i in range(sum(s.n for s in specs))]
 
+    async def events() -> AsyncIterator[str]:
+        for ev in first:
+            yield ev
+        try:
+            async for d in deltas:
+                choices[d.index].add(d)
+                for ev in on_delta(d, choices[d.index]):
+                    yield ev
+        except Exception as e:  # the engine died or a request failed
+            err = engine_error(e)
+            event = "error" if is_anthropic_path(path) else None
+            yield sse(error_body(path, err.status, err.message, err.param), event)
+            return
+        finally:
+            await deltas.aclose()  # a client gone closes this generator: abort its requests
+        for ev in last(choices):
+            yield ev
 
-def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
-    completion = sum(len(c.token_ids) for c in choices)
-    cached = max((c.metrics.num_cached_tokens for c in choices), default=0)
-    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
-            "total_tokens": prompt_len + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, OverloadedError):
+        return APIError(429, str(e), headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e))
     if isinstance(e, ValueError):

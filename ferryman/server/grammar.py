@@ -15,25 +15,10 @@ from typing import Any
 
 import torch
 
+from ferryman.server.errors import APIError
+
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _NEG_INF = float("-inf")
-
-
-class GrammarError(ValueError):
-    """A schema or grammar llguidance cannot compile (a 400 naming the request field)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _require_llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError:
-        raise GrammarError("structured output needs the llguidance package: pip install llguidance",
-                           "response_format") from None
-    return llguidance
 
 
 class GrammarMatcher:
@@ -66,9 +51,8 @@ class GrammarCompiler:
     def _llt(self) -> Any:
         if self._ll_tokenizer is None:
             if self.tokenizer is None:
-                raise GrammarError("structured output needs a model with a tokenizer", "response_format")
-            _require_llguidance()
-            import llguidance.hf
+                raise APIError(400, "structured output needs a model with a tokenizer", "response_format")
+            import llguidance.hf  # present: json_schema() checked
 
             self._ll_tokenizer = llguidance.hf.from_tokenizer(
                 self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
@@ -76,26 +60,23 @@ class GrammarCompiler:
 
     def json_schema(self, schema: dict[str, Any], param: str) -> GrammarMatcher:
         if not isinstance(schema, dict):
-            raise GrammarError(f"{param} must be a JSON object (a JSON schema)", param)
-        llg = _require_llguidance()
+            raise APIError(400, f"{param} must be a JSON object (a JSON schema)", param)
+        try:
+            import llguidance as llg
+        except ImportError:
+            raise APIError(400, "structured output needs the llguidance package: pip install llguidance",
+                           "response_format") from None
         try:
             grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
         except ValueError as e:
-            raise GrammarError(f"{param} is not a usable JSON schema: {e}", param) from None
-        return self._matcher(grammar, param)
-
-    def json_object(self, param: str) -> GrammarMatcher:
-        return self.json_schema({"type": "object"}, param)
-
-    def _matcher(self, grammar: str, param: str) -> GrammarMatcher:
-        llg = _require_llguidance()
+            raise APIError(400, f"{param} is not a usable JSON schema: {e}", param) from None
         tok = self._llt()
         err = llg.LLMatcher.validate_grammar(grammar, tok)
         if err and not err.startswith("WARNING"):
-            raise GrammarError(f"{param} cannot be compiled to a grammar: {err}", param)
+            raise APIError(400, f"{param} cannot be compiled to a grammar: {err}", param)
         m = llg.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"{param} cannot be compiled to a grammar: {m.get_error()}", param)
+            raise APIError(400, f"{param} cannot be compiled to a grammar: {m.get_error()}", param)
         return GrammarMatcher(m)
 
 

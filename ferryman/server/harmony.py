@@ -79,7 +79,7 @@ class HarmonyParser(OutputParser):
 
     def _marker(self, marker: str, out: Parsed) -> None:
         if marker == "<|start|>":
-            self._reset_header()
+            self.mode, self.header = "header", ""
         elif marker == "<|message|>" and self.mode == "header":
             self._open_message()
         elif marker in ("<|end|>", "<|return|>", "<|call|>") and self.mode == "body":
@@ -87,9 +87,6 @@ class HarmonyParser(OutputParser):
             self._close_message(out)
         elif self.mode == "header":
             self.header += marker
-
-    def _reset_header(self) -> None:
-        self.mode, self.header = "header", ""
 
     def _open_message(self) -> None:
         m = _CHANNEL.search(self.header)

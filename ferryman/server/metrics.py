@@ -23,6 +23,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 _EXPERT_COUNTERS = {"expert_hits": ("hits", "expert cache hits (expert uses served from device slots)"),
                     "expert_misses": ("misses", "expert cache misses (experts fetched from host RAM)"),
                     "expert_bytes_fetched": ("bytes_h2d", "expert bytes copied host -> device")}
+# finished requests' counts: ferryman_<name> in /metrics, <name>_total in /v1/stats -> (RequestMetrics field, help)
+_TOKEN_COUNTERS = {"prompt_tokens": ("num_prompt_tokens", "prompt tokens of finished requests"),
+                   "cached_prompt_tokens": ("num_cached_tokens", "prompt tokens served by the prefix cache"),
+                   "generation_tokens": ("num_output_tokens", "output tokens generated")}
 
 
 class EngineCollector(Collector):
@@ -62,27 +66,21 @@ class ServerMetrics:
     """Counters and histograms; also the `EngineLoop` observer."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = r = CollectorRegistry()
         self.memory: dict[str, int] = {}
-        r = self.registry
         self.requests = Counter("ferryman_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("ferryman_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("ferryman_cached_prompt_tokens", "prompt tokens served by the prefix cache",
-                                     registry=r)
-        self.generation_tokens = Counter("ferryman_generation_tokens", "output tokens generated", registry=r)
+        self.tokens = {name: Counter(f"ferryman_{name}", doc, registry=r) for name, (_, doc) in _TOKEN_COUNTERS.items()}
         self.finished = Counter("ferryman_request_finished", "engine requests finished, by reason",
                                 ["reason"], registry=r)
-        self.ttft = Histogram("ferryman_time_to_first_token_seconds", "arrival -> first output token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("ferryman_request_queue_seconds", "arrival -> first scheduled in a step",
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ferryman_inter_token_latency_seconds", "time between two output tokens of a request",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self._totals = {"prompt_tokens_total": 0, "cached_prompt_tokens_total": 0, "generation_tokens_total": 0,
-                        "requests_finished_total": 0}
-        self.e2e = Histogram("ferryman_e2e_request_latency_seconds", "arrival -> last output token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = self._latency("time_to_first_token_seconds", "arrival -> first output token")
+        self.queue = self._latency("request_queue_seconds", "arrival -> first scheduled in a step")
+        self.itl = self._latency("inter_token_latency_seconds", "time between two output tokens of a request")
+        self.e2e = self._latency("e2e_request_latency_seconds", "arrival -> last output token")
+        self._totals = dict.fromkeys([*(f"{name}_total" for name in _TOKEN_COUNTERS), "requests_finished_total"], 0)
+
+    def _latency(self, name: str, doc: str) -> Histogram:
+        return Histogram(f"ferryman_{name}", doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def attach(self, loop: EngineLoop) -> None:
         loop.observer = self
@@ -98,14 +96,11 @@ class ServerMetrics:
 
     def on_finish(self, handle: RequestHandle, output: RequestOutput) -> None:
         m = output.metrics
-        self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.cached_tokens.inc(m.num_cached_tokens)
-        self.generation_tokens.inc(m.num_output_tokens)
+        for name, (attr, _) in _TOKEN_COUNTERS.items():
+            self.tokens[name].inc(getattr(m, attr))
+            self._totals[f"{name}_total"] += getattr(m, attr)
         self.finished.labels(output.finish_reason or "unknown").inc()
-        for key, value in (("prompt_tokens_total", m.num_prompt_tokens), ("cached_prompt_tokens_total",
-                           m.num_cached_tokens), ("generation_tokens_total", m.num_output_tokens),
-                           ("requests_finished_total", 1)):
-            self._totals[key] += value
+        self._totals["requests_finished_total"] += 1
         if handle.last_token_time is not None:
             self.e2e.observe(handle.last_token_time - handle.arrival)
         if m.queue_s is not None:

@@ -2,31 +2,24 @@
 
 from __future__ import annotations
 
-import json
+import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
-from ferryman.server.chat import TemplateError
-from ferryman.server.errors import APIError, error_body
-from ferryman.server.generation import (Choice, ChoiceDelta, GenSpec, engine_error, generate, make_params, sse,
-                                        stream_choices, usage)
+from ferryman.server.errors import APIError
+from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
 from ferryman.server.parsers import Parsed
 from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferryman.server.state import ServerState
 from ferryman.server.tooling import ToolSetup, tool_setup
 
 router = APIRouter()
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.ferryman
 
 
 def sampling_params(req: Any, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
@@ -45,9 +38,32 @@ def _finish(choice_reason: str | None, parsed_calls: bool) -> str | None:
     return "length" if choice_reason == "length" else "stop"
 
 
+def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = max((c.metrics.num_cached_tokens for c in choices), default=0)
+    return {"prompt_tokens": prompt_len, "completion_tokens": completion,
+            "total_tokens": prompt_len + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _head(prefix: str, obj: str, model: str) -> dict[str, Any]:
+    return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time()), "model": model}
+
+
+def _stream_end(body: ChatCompletionRequest | CompletionRequest, head: dict[str, Any],
+                prompt_len: int) -> Callable[[list[Choice]], list[str]]:
+    """The usage chunk (when asked for) and [DONE]."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def end(choices: list[Choice]) -> list[str]:
+        tail = [sse({**head, "choices": [], "usage": usage(prompt_len, choices)})] if include_usage else []
+        return tail + ["data: [DONE]\n\n"]
+
+    return end
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    st = _state(request)
+    st: ServerState = request.app.state.ferryman
     data = [{"id": n, "object": "model", "created": st.created, "owned_by": "ferryman",
              "max_model_len": st.max_model_len} for n in st.model_names]
     return {"object": "list", "data": data}
@@ -61,9 +77,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": c.function.arguments if isinstance(c.function.arguments, str)
-                else json.dumps(c.function.arguments)}} for c in m.tool_calls]
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": c.function.model_dump()}
+                               for c in m.tool_calls]
         for key in ("tool_call_id", "name"):
             if getattr(m, key):
                 d[key] = getattr(m, key)
@@ -90,48 +105,64 @@ def _chat_tools(st: ServerState, body: ChatCompletionRequest) -> ToolSetup:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    st = _state(request)
+    st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
     tools = _chat_tools(st, body)
-    try:
-        prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
-    except TemplateError as e:
-        raise APIError(400, str(e), "messages") from None
+    prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
     st.check_prompt(prompt.token_ids, "messages")
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, st.max_tokens(wanted, len(prompt.token_ids)), top)
     spec = GenSpec(prompt.token_ids, params, body.n, tools.grammar, tools.parser_factory(prompt))
-    cid = "chatcmpl-" + uuid.uuid4().hex
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        deltas = stream_choices(st, [spec])  # 429 / 503 before the response starts
-        return StreamingResponse(_chat_stream(st, body, spec, deltas, cid, include_usage, top is not None),
-                                 media_type="text/event-stream")
-    try:
-        choices = await generate(st, [spec], request)
-    except Exception as e:
-        raise engine_error(e) from None
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+        head = _head("chatcmpl-", "chat.completion.chunk", body.model)
+        first = [sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]}) for i in range(spec.n)]
+
+        def on_delta(d: Choice, choice: Choice) -> list[str]:
+            chunk = _chat_chunk(st, d, choice, top is not None)
+            return [] if chunk is None else [sse({**head, "choices": [chunk]})]
+
+        return stream(st, [spec], "/v1/chat/completions", first, on_delta,
+                      _stream_end(body, head, len(prompt.token_ids)))
+    choices = await generate(st, [spec], request)
+    return {**_head("chatcmpl-", "chat.completion", body.model),
             "choices": [_chat_choice(st, c, top is not None) for c in choices],
             "usage": usage(len(prompt.token_ids), choices)}
 
 
-def _tool_calls_json(parsed: Parsed, start: int = 0) -> list[dict[str, Any]]:
-    return [{"index": start + i, "id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(parsed.tool_calls)]
+def _message_fields(parsed: Parsed, first_call: int | None) -> dict[str, Any]:
+    """The content, reasoning and tool calls `parsed` has; streamed calls carry their index (from
+    `first_call`) among the choice's calls."""
+    out: dict[str, Any] = {}
+    if parsed.content:
+        out["content"] = parsed.content
+    if parsed.reasoning:
+        out["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in parsed.tool_calls]
+        if first_call is not None:
+            calls = [{"index": first_call + i, **call} for i, call in enumerate(calls)]
+        out["tool_calls"] = calls
+    return out
 
 
 def _chat_choice(st: ServerState, c: Choice, logprobs: bool) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": c.parsed.content or None}
-    if c.parsed.reasoning:
-        msg["reasoning_content"] = c.parsed.reasoning
-    if c.parsed.tool_calls:
-        msg["tool_calls"] = [{k: v for k, v in t.items() if k != "index"} for t in _tool_calls_json(c.parsed)]
-    elif msg["content"] is None:
-        msg["content"] = ""
-    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, bool(c.parsed.tool_calls)),
+    calls = bool(c.parsed.tool_calls)
+    msg = {"role": "assistant", "content": None if calls else "", **_message_fields(c.parsed, None)}
+    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, calls),
             "logprobs": {"content": chat_logprobs(st, c.token_ids, c.logprobs)} if logprobs else None}
+
+
+def _chat_chunk(st: ServerState, d: Choice, choice: Choice, logprobs: bool) -> dict[str, Any] | None:
+    """The chunk of delta `d` of `choice` (which already includes it); None when it has nothing."""
+    delta = _message_fields(d.parsed, len(choice.parsed.tool_calls) - len(d.parsed.tool_calls))
+    if not delta and d.finish_reason is None:
+        return None
+    return {"index": d.index, "delta": delta,
+            "logprobs": {"content": chat_logprobs(st, d.token_ids, d.logprobs)} if logprobs else None,
+            "finish_reason": _finish(d.finish_reason, bool(choice.parsed.tool_calls))}
 
 
 def _logprob_entry(st: ServerState, token_id: int, lp: float) -> dict[str, Any]:
@@ -140,60 +171,8 @@ def _logprob_entry(st: ServerState, token_id: int, lp: float) -> dict[str, Any]:
 
 
 def chat_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None]) -> list[dict[str, Any]]:
-    out = []
-    for t, lp in zip(ids, lps):
-        if lp is None:
-            continue
-        entry = _logprob_entry(st, t, lp[0])
-        entry["top_logprobs"] = [_logprob_entry(st, i, v) for i, v in lp[1]]
-        out.append(entry)
-    return out
-
-
-async def _chat_stream(st: ServerState, body: ChatCompletionRequest, spec: GenSpec,
-                       deltas: AsyncIterator[ChoiceDelta], cid: str, include_usage: bool,
-                       logprobs: bool) -> AsyncIterator[str]:
-    created = int(time.time())
-    head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": body.model}
-    calls_sent = [0] * spec.n
-    choices = [Choice(i) for i in range(spec.n)]
-    for i in range(spec.n):
-        yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
-    try:
-        async for d in deltas:
-            choices[d.index].add(d)
-            chunk = _chat_chunk(st, d, calls_sent, logprobs, bool(choices[d.index].parsed.tool_calls))
-            if chunk is not None:
-                yield sse({**head, "choices": [chunk]})
-    except Exception as e:  # the engine died or a request failed mid-stream
-        err = engine_error(e)
-        yield sse(error_body("/v1/chat/completions", err.status, err.message, err.param))
-        return
-    finally:
-        await deltas.aclose()
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(len(spec.prompt_ids), choices)})
-    yield "data: [DONE]\n\n"
-
-
-def _chat_chunk(st: ServerState, d: ChoiceDelta, calls_sent: list[int], logprobs: bool,
-                any_calls: bool) -> dict[str, Any] | None:
-    delta: dict[str, Any] = {}
-    if d.parsed.content:
-        delta["content"] = d.parsed.content
-    if d.parsed.reasoning:
-        delta["reasoning_content"] = d.parsed.reasoning
-    if d.parsed.tool_calls:
-        delta["tool_calls"] = _tool_calls_json(d.parsed, calls_sent[d.index])
-        calls_sent[d.index] += len(d.parsed.tool_calls)
-    if not delta and d.finish_reason is None:
-        return None
-    chunk: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None,
-                             "finish_reason": _finish(d.finish_reason, any_calls)}
-    if logprobs:
-        chunk["logprobs"] = {"content": chat_logprobs(st, d.token_ids, d.logprobs)}
-    return chunk
+    return [{**_logprob_entry(st, t, lp[0]), "top_logprobs": [_logprob_entry(st, i, v) for i, v in lp[1]]}
+            for t, lp in zip(ids, lps) if lp is not None]
 
 
 # ---- completions ------------------------------------------------------------------------------
@@ -209,7 +188,7 @@ def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[in
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    st = _state(request)
+    st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
@@ -220,63 +199,32 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     for ids in prompts:
         st.check_prompt(ids, "prompt")
         specs.append(GenSpec(ids, sampling_params(body, st.max_tokens(body.max_tokens, len(ids)), body.logprobs), body.n))
-    cid = "cmpl-" + uuid.uuid4().hex
     echo = [st.decode(ids) if body.echo else "" for ids in prompts for _ in range(body.n)]
+    prompt_len = sum(len(p) for p in prompts)
+    logprobs = body.logprobs is not None
+    head = _head("cmpl-", "text_completion", body.model)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        deltas = stream_choices(st, specs)  # 429 / 503 before the response starts
-        return StreamingResponse(_completion_stream(st, body, specs, deltas, cid, echo, include_usage),
-                                 media_type="text/event-stream")
-    try:
-        choices = await generate(st, specs, request)
-    except Exception as e:
-        raise engine_error(e) from None
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model,
-            "choices": [_completion_choice(st, c.index, echo[c.index] + c.text, c.token_ids, c.logprobs,
-                                           c.finish_reason, body.logprobs is not None) for c in choices],
-            "usage": usage(sum(len(p) for p in prompts), choices)}
+        def on_delta(d: Choice, _: Choice) -> list[str]:
+            prefix, echo[d.index] = echo[d.index], ""  # the echo goes with the first chunk
+            if not (d.text or d.finish_reason is not None or prefix):
+                return []
+            return [sse({**head, "choices": [_completion_choice(st, d, prefix + d.text, logprobs)]})]
+
+        return stream(st, specs, "/v1/completions", [], on_delta, _stream_end(body, head, prompt_len))
+    choices = await generate(st, specs, request)
+    return {**head, "choices": [_completion_choice(st, c, echo[c.index] + c.text, logprobs) for c in choices],
+            "usage": usage(prompt_len, choices)}
 
 
-def completion_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None],
-                        offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | None]) -> dict[str, Any]:
     tokens = [st.token_text(t) for t in ids]
-    offsets = []
-    for t in tokens:
-        offsets.append(offset)
-        offset += len(t)
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=0))[:-1]
     return {"tokens": tokens, "token_logprobs": [lp[0] if lp else None for lp in lps],
             "top_logprobs": [{st.token_text(i): v for i, v in lp[1]} if lp else None for lp in lps],
             "text_offset": offsets}
 
 
-def _completion_choice(st: ServerState, index: int, text: str, ids: list[int],
-                       lps: list[TokenLogprobs | None], reason: str | None, logprobs: bool) -> dict[str, Any]:
-    return {"index": index, "text": text,
-            "logprobs": completion_logprobs(st, ids, lps) if logprobs else None,
-            "finish_reason": _finish(reason, False)}
-
-
-async def _completion_stream(st: ServerState, body: CompletionRequest, specs: list[GenSpec],
-                             deltas: AsyncIterator[ChoiceDelta], cid: str, echo: list[str],
-                             include_usage: bool) -> AsyncIterator[str]:
-    head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model}
-    choices = [Choice(i) for i in range(len(echo))]
-    try:
-        async for d in deltas:
-            choices[d.index].add(d)
-            prefix, echo[d.index] = echo[d.index], ""
-            if d.text or d.finish_reason is not None or prefix:
-                chunk = _completion_choice(st, d.index, prefix + d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                           body.logprobs is not None)
-                yield sse({**head, "choices": [chunk]})
-    except Exception as e:
-        err = engine_error(e)
-        yield sse(error_body("/v1/completions", err.status, err.message, err.param))
-        return
-    finally:
-        await deltas.aclose()
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(sum(len(s.prompt_ids) for s in specs), choices)})
-    yield "data: [DONE]\n\n"
-
-
+def _completion_choice(st: ServerState, c: Choice, text: str, logprobs: bool) -> dict[str, Any]:
+    return {"index": c.index, "text": text,
+            "logprobs": completion_logprobs(st, c.token_ids, c.logprobs) if logprobs else None,
+            "finish_reason": _finish(c.finish_reason, False)}

@@ -22,15 +22,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def new_call_id(prefix: str = "call_") -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text
-    id: str = field(default_factory=new_call_id)
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     def arguments_dict(self) -> dict[str, Any]:
         try:
@@ -42,7 +38,7 @@ class ToolCall:
 
 @dataclass
 class Parsed:
-    """What a feed made certain (deltas) or, from `parse_all`, the whole output."""
+    """What a feed made certain, or (extended feed after feed) the whole output."""
 
     reasoning: str = ""
     content: str = ""
@@ -61,11 +57,6 @@ class OutputParser(ABC):
     @abstractmethod
     def finish(self) -> Parsed:
         """End of output: flush what was held back."""
-
-    def parse_all(self, token_ids: list[int], text: str) -> Parsed:
-        out = self.feed(token_ids, text)
-        out.extend(self.finish())
-        return out
 
 
 class PlainParser(OutputParser):
@@ -93,10 +84,9 @@ def parse_tool_json(body: str) -> ToolCall | None:
 class Qwen3Parser(OutputParser):
     """State machine over text: content <-> reasoning (`<think>`) and content <-> tool call."""
 
-    def __init__(self, reasoning: bool = True, tools: bool = True, starts_in_reasoning: bool = False) -> None:
-        self.reasoning_enabled = reasoning
+    def __init__(self, tools: bool = True, starts_in_reasoning: bool = False) -> None:
         self.tools_enabled = tools
-        self.mode = "reasoning" if (reasoning and starts_in_reasoning) else "content"
+        self.mode = "reasoning" if starts_in_reasoning else "content"
         self.buf = ""
         self.seen_output = False  # any content emitted: a later <think> is plain text
         self.strip_newlines = False  # drop the blank lines that follow </think>
@@ -133,22 +123,26 @@ class Qwen3Parser(OutputParser):
 
     def _open_tags(self) -> tuple[str, ...]:
         tags = (TOOL_OPEN,) if self.tools_enabled else ()
-        if self.reasoning_enabled and not self.seen_output:
+        if not self.seen_output:
             tags += (THINK_OPEN,)
         return tags
+
+    def _take(self, tags: tuple[str, ...]) -> str:
+        """The buffer but a tail that could still start one of `tags` (held back)."""
+        cut = len(self.buf) - partial_suffix_len(self.buf, tags)
+        emit, self.buf = self.buf[:cut], self.buf[cut:]
+        return emit
 
     def _advance(self, out: Parsed) -> bool:
         """Consume the buffer up to the next tag; True when a tag was found (call again)."""
         if self.mode == "reasoning":
-            return self._until(THINK_CLOSE, out, "reasoning", next_mode="content")
+            return self._reasoning(out)
         if self.mode == "tool":
             return self._tool_body(out)
         tags = self._open_tags()
         hits = [(self.buf.find(t), t) for t in tags if t in self.buf]
         if not hits:
-            hold = partial_suffix_len(self.buf, tags)
-            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
-            out.content += self._content(emit)
+            out.content += self._content(self._take(tags))
             return False
         idx, tag = min(hits)
         before = self.buf[:idx]
@@ -160,18 +154,13 @@ class Qwen3Parser(OutputParser):
         self.buf = self.buf[idx + len(tag):]
         return True
 
-    def _until(self, close: str, out: Parsed, field_name: str, next_mode: str) -> bool:
-        idx = self.buf.find(close)
+    def _reasoning(self, out: Parsed) -> bool:
+        idx = self.buf.find(THINK_CLOSE)
         if idx == -1:
-            hold = partial_suffix_len(self.buf, (close,))
-            emit, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
-            setattr(out, field_name, getattr(out, field_name) + emit)
+            out.reasoning += self._take((THINK_CLOSE,))
             return False
-        setattr(out, field_name, getattr(out, field_name) + self.buf[:idx])
-        self.buf = self.buf[idx + len(close):]
-        self.mode = next_mode
-        self.strip_newlines = True
-        return True
+        out.reasoning += self.buf[:idx]
+        return self._close(idx + len(THINK_CLOSE))
 
     def _tool_body(self, out: Parsed) -> bool:
         idx = self.buf.find(TOOL_CLOSE)
@@ -183,16 +172,21 @@ class Qwen3Parser(OutputParser):
             out.tool_calls.append(call)
         else:
             out.content += self._content(TOOL_OPEN + body + TOOL_CLOSE)
-        self.buf = self.buf[idx + len(TOOL_CLOSE):]
+        return self._close(idx + len(TOOL_CLOSE))
+
+    def _close(self, end: int) -> bool:
+        """A block closed at buf[:end]: back to content, without the blank lines that follow."""
+        self.buf = self.buf[end:]
         self.mode = "content"
         self.strip_newlines = True
         return True
 
 
 class ForcedToolParser(OutputParser):
-    """tool_choice naming one function: the whole output (grammar-constrained) is its arguments."""
+    """A grammar-forced tool call, whole output: the arguments of the function `name` (tool_choice
+    naming it) or, without a name (tool_choice "required"), `{"name": ..., "arguments": {...}}`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str | None = None) -> None:
         self.name = name
         self.text = ""
 
@@ -201,15 +195,7 @@ class ForcedToolParser(OutputParser):
         return Parsed()
 
     def finish(self) -> Parsed:
-        return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
-
-
-class RequiredToolParser(ForcedToolParser):
-    """tool_choice "required": the output is `{"name": ..., "arguments": {...}}` (grammar-constrained)."""
-
-    def __init__(self) -> None:
-        super().__init__("")
-
-    def finish(self) -> Parsed:
+        if self.name is not None:
+            return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
         call = parse_tool_json(self.text.strip())
         return Parsed(tool_calls=[call]) if call is not None else Parsed(content=self.text)

@@ -109,12 +109,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-# ---- Anthropic -------------------------------------------------------------------------------
-class ATextBlock(_Body):
-    type: Literal["text"]
-    text: str
-
-
+# ---- Anthropic (text blocks are TextParts) -----------------------------------------------------
 class AImageBlock(_Body):
     type: Literal["image", "document"]
 
@@ -129,7 +124,7 @@ class AToolUseBlock(_Body):
 class AToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[ATextBlock] = ""
+    content: str | list[TextPart] = ""
     is_error: bool = False
 
 
@@ -139,7 +134,7 @@ class AThinkingBlock(_Body):
     signature: str | None = None
 
 
-ABlock = Annotated[ATextBlock | AImageBlock | AToolUseBlock | AToolResultBlock | AThinkingBlock,
+ABlock = Annotated[TextPart | AImageBlock | AToolUseBlock | AToolResultBlock | AThinkingBlock,
                    Field(discriminator="type")]
 
 
@@ -176,7 +171,7 @@ class AOutputConfig(_Body):
 class ACountTokensRequest(_Body):
     model: str
     messages: list[AMessage] = Field(min_length=1)
-    system: str | list[ATextBlock] | None = None
+    system: str | list[TextPart] | None = None
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
     thinking: AThinking | None = None

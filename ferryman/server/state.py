@@ -6,7 +6,6 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.server.chat import ChatPrompt, ChatRenderer
@@ -38,41 +37,30 @@ class ServerConfig:
             raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
 
 
-def default_model_name(model: str) -> str:
-    """`/path/to/Qwen3-30B-A3B` -> `Qwen3-30B-A3B`; a preset name stays as it is."""
-    return Path(model.rstrip("/")).name or model
-
-
 class ServerState:
     def __init__(self, loop: EngineLoop, cfg: ServerConfig) -> None:
-        self.loop, self.cfg = loop, cfg
+        self.loop = loop
         engine = loop.engine
-        self.engine = engine
         # A private copy: the engine thread decodes with its own, and a Rust tokenizer shared by
         # two threads can fail ("Already borrowed") when one of them changes its settings.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.created = int(time.time())
-        names = cfg.served_model_names or [default_model_name(engine.ecfg.model)]
+        model = engine.ecfg.model  # /path/to/Qwen3-30B-A3B is served as Qwen3-30B-A3B
+        names = cfg.served_model_names or [Path(model.rstrip("/")).name or model]
         self.model_names = list(dict.fromkeys(names))
-        self._accepted = set(self.model_names) | {engine.ecfg.model}
+        self._accepted = set(self.model_names) | {model}
         self.renderer = ChatRenderer(self.tokenizer)
-        vocab = engine.cfg.vocab_size
-        eos = sorted(t for t in engine.eos_token_ids if 0 <= t < vocab)
-        self.grammars = GrammarCompiler(self.tokenizer, vocab, eos or None)
-        self.parser_kind = self._parser_kind(cfg.output_parser, engine.cfg.model_type)
-        self._harmony = harmony_marker_ids(self.tokenizer) if self.parser_kind == "harmony" else None
+        self.vocab_size = engine.cfg.vocab_size
+        eos = sorted(t for t in engine.eos_token_ids if 0 <= t < self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, eos or None)
+        self._harmony = harmony_marker_ids(self.tokenizer) if self.tokenizer is not None else None
+        self.parser_kind = cfg.output_parser
+        if self.parser_kind == "auto":
+            gpt_oss = engine.cfg.model_type == "gpt_oss" and self._harmony is not None
+            self.parser_kind = "none" if self.tokenizer is None else "harmony" if gpt_oss else "qwen3"
         if self.parser_kind == "harmony" and self._harmony is None:
             raise ConfigError("the harmony parser needs a tokenizer with the harmony special tokens")
-
-    def _parser_kind(self, asked: str, model_type: str) -> str:
-        if asked != "auto":
-            return asked
-        if self.tokenizer is None:
-            return "none"
-        if model_type == "gpt_oss" and harmony_marker_ids(self.tokenizer) is not None:
-            return "harmony"
-        return "qwen3"
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -86,7 +74,7 @@ class ServerState:
         if len(ids) >= self.max_model_len:
             raise APIError(400, str(PromptTooLongError(len(ids), self.max_model_len))
                            + " (and at least 1 token must be left for the output)", param)
-        vocab = self.engine.cfg.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param)
@@ -102,12 +90,11 @@ class ServerState:
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     # ---- output -------------------------------------------------------------------------------
-    def make_parser(self, tools: bool, reasoning: bool, prompt: ChatPrompt | None) -> OutputParser:
+    def make_parser(self, tools: bool, prompt: ChatPrompt) -> OutputParser:
         if self.parser_kind == "harmony":
             return HarmonyParser(self.tokenizer, self._harmony or {})
-        if self.parser_kind == "qwen3" and (tools or reasoning):
-            starts = prompt is not None and prompt.ends_in_reasoning
-            return Qwen3Parser(reasoning=reasoning, tools=tools, starts_in_reasoning=starts)
+        if self.parser_kind == "qwen3":
+            return Qwen3Parser(tools=tools, starts_in_reasoning=prompt.ends_in_reasoning)
         return PlainParser()
 
     def token_text(self, token_id: int) -> str:
@@ -115,7 +102,3 @@ class ServerState:
 
     def decode(self, ids: list[int]) -> str:
         return (self.tokenizer or TokenIdText()).decode(ids, skip_special_tokens=True)
-
-    def stats(self) -> dict[str, Any]:
-        return {"alive": self.loop.alive, "dead_reason": self.loop.dead_reason,
-                "requests_in_flight": self.loop.num_pending, **self.loop.stats_snapshot}

@@ -16,8 +16,8 @@ from typing import Any
 
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
-from ferryman.server.grammar import GrammarError, GrammarMatcher
-from ferryman.server.parsers import ForcedToolParser, OutputParser, RequiredToolParser
+from ferryman.server.grammar import GrammarMatcher
+from ferryman.server.parsers import ForcedToolParser, OutputParser
 from ferryman.server.state import ServerState
 
 
@@ -32,14 +32,11 @@ class ToolSetup:
     def parser_factory(self, prompt: ChatPrompt) -> Callable[[], OutputParser]:
         if self.forced is not None:
             return self.forced
-        return lambda: self.state.make_parser(tools=self.parse_tools, reasoning=True, prompt=prompt)
+        return lambda: self.state.make_parser(self.parse_tools, prompt)
 
 
 def _compile(st: ServerState, schema: dict[str, Any], param: str) -> Callable[[], GrammarMatcher]:
-    try:
-        st.grammars.json_schema(schema, param)  # fail now (400), not in the engine thread
-    except GrammarError as e:
-        raise APIError(400, str(e), e.param) from None
+    st.grammars.json_schema(schema, param)  # fail now (400), not in the engine thread
     return lambda: st.grammars.json_schema(schema, param)
 
 
@@ -52,25 +49,24 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def tool_setup(st: ServerState, tools: list[dict[str, Any]] | None, choice: str | None,
-               json_schema: dict[str, Any] | None = None, choice_param: str = "tool_choice",
-               format_param: str = "response_format") -> ToolSetup:
+               json_schema: dict[str, Any] | None = None, format_param: str = "response_format") -> ToolSetup:
     """choice: None / "auto" / "none" / "required" or "function:NAME"."""
     if choice not in (None, "auto", "none") and not tools:
-        raise APIError(400, f"{choice_param} needs tools", choice_param)
+        raise APIError(400, "tool_choice needs tools", "tool_choice")
     if json_schema is not None and choice not in (None, "auto", "none"):
-        raise APIError(400, f"{format_param} cannot be combined with a forced {choice_param}", format_param)
+        raise APIError(400, f"{format_param} cannot be combined with a forced tool_choice", format_param)
     if json_schema is not None:
         return ToolSetup(tools if choice != "none" else None, _compile(st, json_schema, format_param),
                          None, False, st)
     if not tools or choice == "none":
         return ToolSetup(None, None, None, False, st)
     if choice == "required":
-        return ToolSetup(tools, _compile(st, _call_schema(tools), choice_param), RequiredToolParser, True, st)
+        return ToolSetup(tools, _compile(st, _call_schema(tools), "tool_choice"), ForcedToolParser, True, st)
     if choice is not None and choice.startswith("function:"):
         name = choice.removeprefix("function:")
         fn = next((t["function"] for t in tools if t["function"]["name"] == name), None)
         if fn is None:
-            raise APIError(400, f"{choice_param} names '{name}', which is not among the tools", choice_param)
+            raise APIError(400, f"tool_choice names '{name}', which is not among the tools", "tool_choice")
         schema = fn.get("parameters") or {"type": "object"}
-        return ToolSetup(tools, _compile(st, schema, choice_param), lambda: ForcedToolParser(name), True, st)
+        return ToolSetup(tools, _compile(st, schema, "tool_choice"), lambda: ForcedToolParser(name), True, st)
     return ToolSetup(tools, None, None, True, st)
