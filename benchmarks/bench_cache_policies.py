@@ -16,7 +16,7 @@ lookup per MoE layer (acquire the token's experts, release). Cache sizes are 10/
 experts, as one pool over every layer (what the engine does) and as equal per-layer pools.
 "guess" rows add the engine's prefetch: after layer L's lookup, layer L+1's router applied to
 layer L's MoE input guesses its experts, and those not cached are admitted unreferenced.
-The per-layer LRU replay is checked against ferryman.experts.trace.lru_hit_rate.
+The per-layer LRU replay is checked against tools.demo_model.trace.lru_hit_rate.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tools.demo_model.routing import heldout_windows  # noqa: E402
 from ferryman import LLM  # noqa: E402
 from ferryman.experts.slot_table import SlotTable  # noqa: E402
 from ferryman.experts.policies import LRFUPolicy, LRUPolicy  # noqa: E402
-from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate  # noqa: E402
+from tools.demo_model.trace import RoutingTrace, attach_trace, lru_hit_rate  # noqa: E402
 
 FRACTIONS = (0.10, 0.25, 0.50)
 HALF_LIVES = (2.0, 4.0, 8.0, 16.0, 64.0)

@@ -17,7 +17,7 @@ from ferryman.quant.layout import ALIGN
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.policies import LRUPolicy, make_policy
 from ferryman.experts.guesses import NextLayerGuesser
-from ferryman.experts.trace import lru_hit_rate
+from tools.demo_model.trace import lru_hit_rate
 from ferryman.experts.transfer import Copy, SyncTransfer
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
@@ -133,7 +133,7 @@ def test_admit_fills_free_slots_without_touching_pinned_or_its_own() -> None:
 
 
 def test_lru_replay_matches_trace_lru_hit_rate() -> None:
-    """The table + LRU policy against ferryman.experts.trace.lru_hit_rate, one layer, zipf-like ids."""
+    """The table + LRU policy against tools.demo_model.trace.lru_hit_rate, one layer, zipf-like ids."""
     gen = torch.Generator().manual_seed(0)
     probs = 1.0 / torch.arange(1, 33).float()
     ids = torch.stack([torch.multinomial(probs, 4, generator=gen) for _ in range(600)])  # [T, 4]

@@ -22,7 +22,7 @@ ROUTE_TRITON_MAX_TOKENS = 256
 
 class RoutingRecorder(Protocol):
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """topk_ids: [T, K] expert ids a layer routed to (experts/trace.py's RoutingTrace)."""
+        """topk_ids: [T, K] expert ids a layer routed to (tools/demo_model/trace.py's RoutingTrace)."""
         ...
 
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ferryman import LLM
-from ferryman.experts.trace import RoutingTrace, attach_trace, lru_hit_rate, reuse_within, top_share
+from tools.demo_model.trace import RoutingTrace, attach_trace, lru_hit_rate, reuse_within, top_share
 from tools.demo_model.config import CorpusSpec
 from tools.demo_model.corpus import load_corpus, stdlib_root
 

@@ -1,4 +1,5 @@
-"""Routing traces: which experts each token chose, per MoE layer, and what caches would make of it.
+"""Routing traces (measurement, not engine code): which experts each token chose, per MoE layer, and
+what caches would make of it.
 
 A trace is the workload of every expert-cache measurement: `RoutingTrace` records the top-k ids
 that `SparseMoE` computes (attach it with `attach_trace(model, trace)`), and the functions below
