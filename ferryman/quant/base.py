@@ -1,17 +1,14 @@
 """Expert weight formats: how the routed experts of one MoE layer are laid out in *banks*.
 
-A bank is one tensor whose leading dim is E (experts, or cache slots). Bank names are fixed
-across formats (see docs/interfaces.md, "Expert formats"):
-
-    w13[...]  gate and up projections, logical shape [E, 2I, H] (out rows, in columns)
-    w2[...]   down projection, logical shape [E, H, I]
-    w13_bias  [E, 2I] and w2_bias [E, H], optional, in the model dtype
-
-Formats are stateless singletons kept in a registry keyed by name.
+A bank is one tensor whose leading dim is E (experts, or cache slots). Bank names are fixed across
+formats (docs/interfaces.md, "Expert formats"): w13 (gate and up, logical [E, 2I, H]), w2 (down,
+[E, H, I]), optional w13_bias [E, 2I] and w2_bias [E, H] in the model dtype. Formats are stateless
+singletons in a registry keyed by name.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,10 +27,7 @@ class BankSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -78,11 +72,8 @@ class ExpertFormat(ABC):
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """Weights of experts `idx` ([n] ids, or a slice: views where the format stores weights as they
-        are) for `proj` ("w13" | "w2") -> [n, out, in].
-
-        `dtype` is the compute dtype (default: `model_dtype(banks)`). Only the n selected
-        experts are materialised.
-        """
+        are) for `proj` ("w13" | "w2") -> [n, out, in] in `dtype` (default: `model_dtype(banks)`).
+        Only the n selected experts are materialised."""
 
     @abstractmethod
     def dims(self, banks: Banks) -> tuple[int, int, int]:

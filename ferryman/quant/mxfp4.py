@@ -34,21 +34,10 @@ def _triton_importable() -> bool:
 
 
 @lru_cache(maxsize=8)
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """fp32 value of each code [16] on `device`."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-
-
-@lru_cache(maxsize=8)
 def _byte_pairs(device: torch.device) -> torch.Tensor:
     """fp32 (low nibble, high nibble) values of each byte [256, 2] on `device`."""
-    lut = _e2m1_table(device)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)  # [16] value of each code
     return torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)
-
-
-def _exponents(scales: torch.Tensor) -> torch.Tensor:
-    """e8m0 bytes -> int32 powers of two (s - 127)."""
-    return scales.to(torch.int32) - 127
 
 
 def _check_k(k: int, what: str) -> None:
@@ -97,7 +86,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w32.abs().amax(dim=-1)  # [..., G]
     exp = torch.floor(torch.log2(amax)) - _EMAX_ELEM + 127
     scales = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(0, 254).to(torch.uint8)
-    codes = _e2m1_codes(torch.ldexp(w32, -_exponents(scales).unsqueeze(-1)))  # [..., G, 32]
+    codes = _e2m1_codes(torch.ldexp(w32, (127 - scales.to(torch.int32)).unsqueeze(-1)))  # [..., G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., G, 16]
     return blocks.contiguous(), scales
 

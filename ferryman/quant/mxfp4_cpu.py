@@ -1,17 +1,15 @@
 """MXFP4 experts multiplied on the CPU without dequantising them first.
 
 - `LayerJob`: several experts of one layer, each on its tokens, weighted and summed, in one call
-  (fused_moe's CPU path and the hybrid split's CPU part both use it);
-- `mxfp4_matmul`: one product x @ W^T (tests and benchmarks/bench_cpu_mxfp4.py).
+  (fused_moe's CPU path and the hybrid split's CPU part);
+- `mxfp4_matmul`: one product x @ W^T (tests and benchmarks).
 
-torch has no MXFP4 kernel for the CPU, and dequantising an expert before a GEMV moves ~4x its
-bytes through memory. The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a
-portable loop elsewhere, rows split over OpenMP threads) reads each weight once and dequantises it
-in registers. It is built at first use with the system C compiler (`$CC`, else `cc`) into the
-cache directory (FERRYMAN_CACHE_DIR, else $XDG_CACHE_HOME/ferryman or ~/.cache/ferryman), keyed by
-the source, the flags and the machine, and loaded with ctypes (one build serves every Python).
-No compiler, or a failed build: a warning saying why, once, and callers keep the torch path.
-FERRYMAN_CPU_KERNEL=0 turns it off.
+torch has no MXFP4 kernel for the CPU. The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler
+targets it, a portable loop elsewhere, rows split over OpenMP threads) reads each weight once and
+dequantises it in registers. It is built at first use with `$CC` (else `cc`) into the cache
+directory, keyed by the source, the flags and the machine, and loaded with ctypes. No compiler or a
+failed build: one warning saying why, and callers keep the torch path. FERRYMAN_CPU_KERNEL=0 turns
+it off.
 """
 
 from __future__ import annotations
@@ -30,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from ferryman.envs import envs
+
 log = logging.getLogger("ferryman.quant")
 
 SOURCE = Path(__file__).parent / "csrc" / "mxfp4_cpu.c"
@@ -42,8 +42,6 @@ FLAG_SETS = (
 
 
 def cache_dir() -> Path:
-    from ferryman.envs import envs
-
     if envs.CACHE_DIR:
         return Path(envs.CACHE_DIR)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -119,16 +117,9 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def enabled() -> bool:
-    """FERRYMAN_CPU_KERNEL (envs reads it once)."""
-    from ferryman.envs import envs
-
-    return envs.CPU_KERNEL
-
-
 def available() -> bool:
     """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
-    return enabled() and _library() is not None
+    return envs.CPU_KERNEL and _library() is not None
 
 
 def _threads() -> int:
