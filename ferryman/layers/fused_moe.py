@@ -52,35 +52,29 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
     sync. inputs_issued: called exactly once, as soon as every host -> device copy the kernels need
     is issued (the batched path: before its many launches). upload: how the prefill paths' small
     host-built inputs reach the device (default: an async copy on the current stream)."""
-    called = [False]
-
-    def once() -> None:
-        if inputs_issued is not None and not called[0]:
-            called[0] = True
-            inputs_issued()
-
-    out = _dispatch(fmt, banks, x, topk_ids, topk_w, act, host_ids, once, upload)
-    once()  # the paths that do not call it early
-    return out
-
-
-def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-              act: MoEActivation, host_ids: torch.Tensor | None,
-              inputs_issued: Callable[[], None], upload: Upload | None) -> torch.Tensor:
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     check_inputs(x, topk_ids, topk_w, hidden)
     if fmt in TRITON_FORMATS and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
-        return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
-    if x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
+        out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+    elif x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
-        return grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
-    if x.is_cuda:
+        out = grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
+    elif x.is_cuda:  # calls inputs_issued itself, before its launches
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
                                  inputs_issued=inputs_issued, upload=upload)
+    else:
+        out = _cpu_paths(form, banks, x, topk_ids, topk_w, act, host_ids, num_slots)
+    if inputs_issued is not None:
+        inputs_issued()
+    return out
+
+
+def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+               act: MoEActivation, host_ids: torch.Tensor | None, num_slots: int) -> torch.Tensor:
     if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
         from ferryman.quant.mxfp4_cpu import LayerJob, pairs_of
 

@@ -168,11 +168,10 @@ Pairs = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, ro
 def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = None) -> Pairs:
     """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids).
     ids, w: [T, K] on the host."""
-    keep = None if experts is None else set(experts)
     out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
     for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
         for e, wt in zip(row, weights):
-            if keep is None or e in keep:
+            if experts is None or e in out:
                 tokens, ws = out.setdefault(e, ([], []))
                 tokens.append(t)
                 ws.append(wt)
@@ -180,13 +179,11 @@ def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = Non
 
 
 class LayerJob:
-    """Several MXFP4 experts of one layer, each on its own tokens, weighted and summed, as one
-    kernel call (`run`, which holds no Python lock while it computes): every argument is prepared
-    here, on the caller's thread, from host tensors. The math is fused_moe's (layers/fused_moe.py),
-    in fp32: sum over pairs of w * (act(x @ W13^T + b13) @ W2^T + b2).
-
-    x: [T, H]; pairs: `pairs_of`; bias: fp32 copies of the bias rows by (layer, expert, bank), kept
-    by a caller that runs the same layers again (None: converted for this job only)."""
+    """Several MXFP4 experts of one layer, each on its own tokens, weighted and summed in fp32 (the
+    math of fused_moe) in one kernel call, `run`, which holds no Python lock while it computes; the
+    arguments are prepared here, on the caller's thread. x: [T, H]; pairs: `pairs_of`; bias: fp32
+    copies of the bias rows by (layer, expert, bank), kept by a caller that runs the same layers
+    again (None: converted for this job only)."""
 
     def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int, pairs: Pairs, kind: str,
                  alpha: float, limit: float, bias: dict[tuple[int, int, str], torch.Tensor] | None = None) -> None:
