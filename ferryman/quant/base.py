@@ -33,26 +33,6 @@ class BankSpec:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
-def bias_specs(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
-    """The optional bias banks, shared by every format (always in the model dtype)."""
-    return {"w13_bias": BankSpec((num_experts, 2 * inter), dtype), "w2_bias": BankSpec((num_experts, hidden), dtype)}
-
-
-def random_bias(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, generator: torch.Generator | None,
-                device: torch.device | str) -> Banks:
-    """Random w13_bias / w2_bias banks with std 0.1."""
-    gen_device = generator.device if generator is not None else torch.device(device)
-    return {
-        name: (torch.randn(spec.shape, generator=generator, device=gen_device) * 0.1).to(device, dtype)
-        for name, spec in bias_specs(num_experts, hidden, inter, dtype).items()
-    }
-
-
-def check_dims(hidden: int, inter: int) -> None:
-    if hidden <= 0 or inter <= 0:
-        raise ValueError(f"expert dims must be positive, got hidden={hidden}, inter={inter}")
-
-
 def check_proj(proj: str) -> None:
     if proj not in PROJECTIONS:
         raise ValueError(f"proj must be one of {PROJECTIONS}, got {proj!r}")
@@ -64,9 +44,13 @@ class ExpertFormat(ABC):
     name: str
 
     @abstractmethod
-    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
-                   dtype: torch.dtype) -> dict[str, BankSpec]:
-        """Every bank this format needs; `dtype` is the model (compute) dtype."""
+    def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
+        """The weight banks of this format (dims > 0); `dtype` is the model (compute) dtype."""
+
+    @abstractmethod
+    def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                       generator: torch.Generator | None, device: torch.device | str) -> Banks:
+        """Valid random weight banks: values with std ~ 1/sqrt(fan_in)."""
 
     @abstractmethod
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
@@ -79,10 +63,26 @@ class ExpertFormat(ABC):
     def dims(self, banks: Banks) -> tuple[int, int, int]:
         """(num_experts_or_slots, hidden, inter) read from the bank shapes."""
 
-    @abstractmethod
+    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
+                   dtype: torch.dtype) -> dict[str, BankSpec]:
+        """Every bank this format needs: its weights, and the optional biases in the model dtype."""
+        if hidden <= 0 or inter <= 0:
+            raise ValueError(f"expert dims must be positive, got hidden={hidden}, inter={inter}")
+        specs = self.weight_specs(num_experts, hidden, inter, dtype)
+        if bias:
+            specs["w13_bias"] = BankSpec((num_experts, 2 * inter), dtype)
+            specs["w2_bias"] = BankSpec((num_experts, hidden), dtype)
+        return specs
+
     def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
                      generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
-        """Valid random banks (dummy weights, tests): weights with std ~ 1/sqrt(fan_in)."""
+        """Valid random banks (dummy weights, tests); biases with std 0.1."""
+        specs = self.bank_specs(num_experts, hidden, inter, bias, dtype)  # checks the dims
+        banks = self.random_weights(num_experts, hidden, inter, dtype, generator, device)
+        gen_device = generator.device if generator is not None else torch.device(device)
+        for name in ("w13_bias", "w2_bias") if bias else ():
+            banks[name] = (torch.randn(specs[name].shape, generator=generator, device=gen_device) * 0.1).to(device, dtype)
+        return banks
 
     def expert_bytes(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> int:
         """Bytes of one expert across all its banks."""

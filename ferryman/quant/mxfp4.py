@@ -12,8 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, bias_specs, check_dims, check_proj, random_bias,
-                                 register_format)
+from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_format
 
 BLOCK = 32  # values per scale
 BLOCK_BYTES = BLOCK // 2
@@ -114,35 +113,26 @@ def random_mxfp4(shape: tuple[int, ...] | torch.Size, generator: torch.Generator
 class Mxfp4Format(ExpertFormat):
     name = "mxfp4"
 
-    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
-                   dtype: torch.dtype) -> dict[str, BankSpec]:
-        check_dims(hidden, inter)
+    def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
         _check_k(hidden, "mxfp4 hidden size")
         _check_k(inter, "mxfp4 expert FFN size")
         e, u8 = num_experts, torch.uint8
-        specs = {
+        return {
             "w13_blocks": BankSpec((e, 2 * inter, hidden // BLOCK, BLOCK_BYTES), u8),
             "w13_scales": BankSpec((e, 2 * inter, hidden // BLOCK), u8),
             "w2_blocks": BankSpec((e, hidden, inter // BLOCK, BLOCK_BYTES), u8),
             "w2_scales": BankSpec((e, hidden, inter // BLOCK), u8),
         }
-        if bias:
-            specs.update(bias_specs(num_experts, hidden, inter, dtype))
-        return specs
 
     def dims(self, banks: Banks) -> tuple[int, int, int]:
         e, two_i, g, _ = self.bank(banks, "w13_blocks").shape
         return e, g * BLOCK, two_i // 2
 
-    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
-                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
-        self.bank_specs(num_experts, hidden, inter, bias, dtype)  # validates the dims
+    def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                       generator: torch.Generator | None, device: torch.device | str) -> Banks:
         banks: Banks = {}
         for proj, out, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-            blocks, scales = random_mxfp4((num_experts, out, k), generator, device)
-            banks[f"{proj}_blocks"], banks[f"{proj}_scales"] = blocks, scales
-        if bias:
-            banks.update(random_bias(num_experts, hidden, inter, dtype, generator, device))
+            banks[f"{proj}_blocks"], banks[f"{proj}_scales"] = random_mxfp4((num_experts, out, k), generator, device)
         return banks
 
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
