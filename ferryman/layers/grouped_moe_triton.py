@@ -25,7 +25,6 @@ from ferryman.layers.moe_common import TRITON_FORMATS, MoEActivation, check_inpu
 from ferryman.quant.base import Banks, get_format
 
 
-
 @dataclass(frozen=True)
 class GroupedConfig:
     block_m: int = 16  # pairs per block; tl.dot needs >= 16
@@ -147,10 +146,8 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
 
 
 def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, ...]:
-    """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, all on the device.
-
-    Returns (order [P], block slot [NB] (-1 = unused), block first row [NB], block end row [NB])
-    with NB = cdiv(P, bm) + min(P, S), a bound that needs no host sync."""
+    """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, on the device: (order [P],
+    block slot [NB] (-1 = unused), first row [NB], end row [NB]), NB = cdiv(P, bm) + min(P, S)."""
     flat = slot_ids.reshape(-1).long()  # [P]
     p = flat.numel()
     order = torch.argsort(flat, stable=True)
@@ -168,11 +165,10 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 
 
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
-                act: MoEActivation, cfg: GroupedConfig | None = None) -> torch.Tensor:
+                act: MoEActivation, cfg: GroupedConfig = GroupedConfig()) -> torch.Tensor:
     """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
     if fmt not in TRITON_FORMATS:
         raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {TRITON_FORMATS}")
-    cfg = cfg or GroupedConfig()
     num_slots, hidden, inter = get_format(fmt).dims(banks)
     check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape

@@ -82,10 +82,8 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
                     window: int | None = None, sinks: Tensor | None = None) -> Tensor:
-    """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D].
-
-    Rows of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified.
-    """
+    """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D]. Rows
+    of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified."""
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
     if backend.attention_triton(q.device):
         from ferryman.layers.paged_attention_triton import paged_attention_triton

@@ -45,11 +45,8 @@ def _check_k(k: int, what: str) -> None:
 
 
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype`.
-
-    Computed in fp32 with ldexp, as transformers does, where code x 2^(s-127) is exact (or
-    overflows to inf), then rounded once to `dtype`.
-    """
+    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype`: code x 2^(s-127)
+    in fp32, exact (or inf) as transformers' ldexp, then rounded once to `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
@@ -75,11 +72,9 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., K] (K % 32 == 0) -> (blocks [..., K/32, 16], scales [..., K/32]) uint8.
-
-    OCP MX rule (same as ggml): per block s = floor(log2(amax)) - 2 + 127, so amax / 2^(s-127)
-    lies in [4, 8); values round to the nearest e2m1 and saturate at +-6.
-    """
+    """w [..., K] (K % 32 == 0) -> (blocks [..., K/32, 16], scales [..., K/32]) uint8. OCP MX rule
+    (as ggml): per block s = floor(log2(amax)) - 2 + 127, so amax / 2^(s-127) lies in [4, 8); values
+    round to the nearest e2m1 and saturate at +-6."""
     _check_k(w.shape[-1], "quantize_mxfp4")
     w32 = w.detach().float().unflatten(-1, (-1, BLOCK))  # [..., G, 32]
     amax = w32.abs().amax(dim=-1)  # [..., G]
@@ -92,11 +87,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def random_mxfp4(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None = None,
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random valid mxfp4 weights of logical `shape` [..., K] -> (blocks, scales).
-
-    Codes are uniform; scales are 127 - log2(rms(code) * sqrt(K) * jitter) with a jitter of
-    2^{-1,0,1}, so dequantised values have a std of about 1/sqrt(K) and activations stay finite.
-    """
+    """Random valid mxfp4 weights of logical `shape` [..., K] -> (blocks, scales): uniform codes,
+    scales 127 - log2(rms(code) * sqrt(K) * jitter) with a jitter of 2^{-1,0,1}, so the values have
+    a std of about 1/sqrt(K) and activations stay finite."""
     *lead, k = shape
     _check_k(k, "random_mxfp4")
     g = k // BLOCK

@@ -1,15 +1,12 @@
-"""MXFP4 experts multiplied on the CPU without dequantising them first.
+"""MXFP4 experts multiplied on the CPU without dequantising them first: `LayerJob` (several experts
+of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part) and `mxfp4_matmul` (one
+product x @ W^T: tests and benchmarks).
 
-- `LayerJob`: several experts of one layer, each on its tokens, weighted and summed, in one call
-  (fused_moe's CPU path and the hybrid split's CPU part);
-- `mxfp4_matmul`: one product x @ W^T (tests and benchmarks).
-
-torch has no MXFP4 kernel for the CPU. The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler
-targets it, a portable loop elsewhere, rows split over OpenMP threads) reads each weight once and
-dequantises it in registers. It is built at first use with `$CC` (else `cc`) into the cache
-directory, keyed by the source, the flags and the machine, and loaded with ctypes. No compiler or a
-failed build: one warning saying why, and callers keep the torch path. FERRYMAN_CPU_KERNEL=0 turns
-it off.
+The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a portable loop elsewhere,
+rows split over OpenMP threads) reads each weight once and dequantises it in registers. It is built
+at first use with `$CC` (else `cc`) into the cache directory, keyed by the source, the flags and the
+machine, and loaded with ctypes. No compiler or a failed build: one warning saying why, and callers
+keep the torch path. FERRYMAN_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
