@@ -168,11 +168,10 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     ids = topk_ids.reshape(-1).contiguous()  # [P] slot of each pair
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
-    has_bias = "w13_bias" in banks and "w2_bias" in banks
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides)) for p in (w13, w2))
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    common = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    common = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
         x, ids, w13.w, w13.s, w13.b, h, float(alpha), float(limit), **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)

@@ -176,11 +176,10 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     x = x.contiguous()
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
-    has_bias = "w13_bias" in banks and "w2_bias" in banks
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
+    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
                  BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
     _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
         x, order, bslot, first, end, w13.w, w13.s, w13.b, h, float(act.alpha), float(act.limit), *w13.strides,

@@ -57,6 +57,7 @@ class KernelBank:
     s: torch.Tensor
     b: torch.Tensor
     strides: tuple[int, int, int]
+    has_bias: bool
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
@@ -67,7 +68,7 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
         if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
             raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
                              f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
-    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0))
+    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias)
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:

@@ -119,8 +119,6 @@ _FORMATS: dict[str, ExpertFormat] = {}
 
 def register_format(fmt: ExpertFormat) -> ExpertFormat:
     """Add a format instance to the registry (its `name` is the key); returns it."""
-    if not getattr(fmt, "name", None):
-        raise ValueError(f"expert format {type(fmt).__name__} has no name")
     if fmt.name in _FORMATS and type(_FORMATS[fmt.name]) is not type(fmt):
         raise ValueError(f"expert format {fmt.name!r} is already registered")
     _FORMATS[fmt.name] = fmt
