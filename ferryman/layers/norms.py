@@ -31,8 +31,7 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from ferryman.layers.fused_ops_triton import rms_norm_triton
 
-            out, res = rms_norm_triton(x, self.weight, self.eps, residual, self.weight_fp32)
-            return out, res  # type: ignore[return-value]
+            return rms_norm_triton(x, self.weight, self.eps, residual, self.weight_fp32)  # type: ignore[return-value]
         h = x + residual
         return self._torch(h), h
 
