@@ -35,8 +35,8 @@ def set_read_once(monkeypatch: pytest.MonkeyPatch, attr: str, value: str) -> Non
     both back."""
     from ferryman.envs import envs
 
+    monkeypatch.setattr(envs, attr, getattr(envs, attr))  # read before the change, so undo restores it
     monkeypatch.setenv(f"FERRYMAN_{attr}", value)
-    monkeypatch.setattr(envs, attr, getattr(envs, attr))  # read now, so undo restores it
     envs.reload()
 
 

@@ -21,13 +21,11 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        elif cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm  # q/k RMSNorm per head, over all heads ("full"), or none
+        norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (self.q_size, self.kv_size)}
+        if cfg.qk_norm in norm_sizes:
+            q_size, k_size = norm_sizes[cfg.qk_norm]
+            self.q_norm, self.k_norm = RMSNorm(q_size, cfg.rms_norm_eps), RMSNorm(k_size, cfg.rms_norm_eps)
         self.clip_qkv = cfg.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
         self.window = cfg.window_of(layer)

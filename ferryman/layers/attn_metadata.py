@@ -24,10 +24,6 @@ class AttnMetadata:
     window_block_tables: Tensor | None = None
     window_slot_mapping: Tensor | None = None
 
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
     def windowed(self) -> AttnMetadata:
         """The metadata a sliding-window layer reads: its own pool's tables and slots, if it has a pool."""
         if self.window_block_tables is None or self.window_slot_mapping is None:

@@ -1,5 +1,5 @@
-"""Which kernels run: FERRYMAN_KERNELS (auto|torch|triton), the escape hatch for the MoE and
-attention kernels, read once per process.
+"""Which kernels run: FERRYMAN_KERNELS (auto|torch|triton, read once by envs; a bad value raises
+ConfigError naming it), the escape hatch for the MoE and attention kernels.
 
 auto: Triton for CUDA tensors when Triton imports, torch otherwise; torch: the torch paths;
 triton: Triton wherever a kernel exists (attention on CPU tensors then needs TRITON_INTERPRET=1).
@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from ferryman.envs import envs
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -22,13 +24,6 @@ def triton_available() -> bool:
     return True
 
 
-def kernels() -> str:
-    """FERRYMAN_KERNELS (envs reads it once; a bad value raises ConfigError naming it)."""
-    from ferryman.envs import envs
-
-    return envs.KERNELS
-
-
 def use_triton(x: torch.Tensor) -> bool:
     """The small fused kernels: CUDA tensors and Triton importable."""
     return x.is_cuda and triton_available()
@@ -36,14 +31,13 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def attention_triton(device: torch.device) -> bool:
     """Paged attention through Triton: auto on CUDA, or forced by FERRYMAN_KERNELS=triton."""
-    choice = kernels()
-    return choice == "triton" or (choice == "auto" and device.type == "cuda")
+    return envs.KERNELS == "triton" or (envs.KERNELS == "auto" and device.type == "cuda")
 
 
 def moe_triton(x: torch.Tensor, small: bool) -> bool:
     """The MoE decode kernel for x on CUDA: auto for `small` batches (few (token, k) pairs), any
     batch with FERRYMAN_KERNELS=triton, never with torch."""
-    choice = kernels()
+    choice = envs.KERNELS
     if choice == "torch" or not x.is_cuda:
         return False
     if not triton_available():
@@ -51,4 +45,3 @@ def moe_triton(x: torch.Tensor, small: bool) -> bool:
             raise ValueError("FERRYMAN_KERNELS=triton but triton is not importable")
         return False
     return choice == "triton" or small
-

@@ -1,20 +1,17 @@
 """Prefill-sized MoE in groups of experts: padded batched GEMMs instead of a loop of small ones.
 
-`fused_moe_batched` computes what `fused_moe_reference` computes with `group` experts per launch;
-it is the CUDA prefill path of quantised experts (fused_moe.prefill_path). The reference launches ~20
-kernels per expert. Here every padded row of every group is gathered once, each group of experts
-is dequantised together (`[G, 2I, H]`, read in place from the slot banks) and multiplied by two
-`torch.bmm`, ~15 launches per group, and the outputs go back to pair order in one scatter. With
-the pair grouping done on the host from the caller's host ids, a layer needs no device sync.
+`fused_moe_batched` computes what `fused_moe_reference` computes, `group` experts per launch: the
+rows of every group are gathered once, each group's experts dequantised together (`[G, 2I, H]`,
+read in place from the slot banks) and multiplied by two `torch.bmm`, and the outputs go back to
+pair order in one scatter. With the pairs grouped on the host (host ids), a layer needs no sync.
 
 Invariants:
 - padding rows read a real row of their own expert (finite values), get weight 0, and are written
   to a spare row P of the output that nothing reads;
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
-Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2's I H are
-made), counted by the planner (planner.activation_bytes); the gathered inputs and the padded
-outputs ([R, H] each) are freed before the outputs are put back in pair order.
+Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2 is made), as
+the planner counts it (planner.activation_bytes).
 """
 
 from __future__ import annotations
@@ -33,16 +30,13 @@ PREFILL_GROUP = 8  # experts dequantised and multiplied per launch (the planner 
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
+                      topk_w: torch.Tensor, act: MoEActivation, group: int = PREFILL_GROUP,
                       host_ids: torch.Tensor | None = None,
                       inputs_issued: Callable[[], None] | None = None,
                       upload: Upload | None = None) -> torch.Tensor:
-    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
-    ids on the host, if the caller has them (then no device -> host read). inputs_issued: called
-    once the pair layout's host -> device copy is issued, before the groups' launches (the caller's
-    large copies may start then: they no longer delay an input of these kernels). upload: how the
-    host-built pair order and layout reach the device (fused_moe.Upload; default: on this stream)."""
-    group = PREFILL_GROUP if group is None else group
+    """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids, upload:
+    as `fused_moe`'s. inputs_issued: called once the pair layout's host -> device copy is issued,
+    before the groups' launches (the caller's large copies then delay no input of these kernels)."""
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
@@ -56,7 +50,9 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     xs = x[pair // K]  # [R, H], all groups' inputs in one gather
     w = torch.where(layout.valid, topk_w.reshape(-1)[pair], 0.0)  # [R]: padding rows weigh 0
     y = torch.empty((layout.rows.numel(), hidden), dtype=x.dtype, device=x.device)  # [R, H]
-    bias = _gathered_bias(form, banks, layout.slots, x.dtype)
+    bias = None  # the used slots' biases [U, 2I] and [U, H] in the compute dtype
+    if form.has_bias(banks):
+        bias = banks["w13_bias"][layout.slots].to(x.dtype), banks["w2_bias"][layout.slots].to(x.dtype)
     for g0, g, m, r0 in layout.groups:
         rows = slice(r0, r0 + g * m)
         y_g = y[rows].view(g, m, hidden)
@@ -64,9 +60,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
                        None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
         y_g.copy_(y_g * w[rows].view(g, m, 1))
-    # the peak stays at the groups' loop: xs [R, H] is not read again, nor y once copied (with both
-    # alive to the end, qwen3-30b-a3b's 4k-token chunk overran its 8 GiB plan)
-    del xs
+    del xs  # [R, H], and y below once copied: the peak stays at the groups' loop
     sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
     y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
     del y
@@ -74,8 +68,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
 
 
 # Padding rows a layout may add, as a share of the real rows, before experts are regrouped by run
-# length: gpt-oss dummy weights route evenly (groups in slot order pad little), qwen3-30b-a3b's
-# skewed routing padded a 4k chunk's 32k pairs to 96k rows in slot order and overran its plan
+# length (skewed routing pads groups in slot order far past the planned memory)
 PAD_SLACK = 0.25
 
 
@@ -141,14 +134,6 @@ def padded_layout(slots: list[int], counts: list[int], group: int, upload: Uploa
     flat = upload(torch.cat([torch.tensor(order, dtype=torch.long), *rows, *valid]))
     u = len(slots)
     return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
-
-
-def _gathered_bias(form: ExpertFormat, banks: Banks, slots: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(w13 bias [U, 2I], w2 bias [U, H]) of the used slots in the compute dtype, or None."""
-    if not form.has_bias(banks):
-        return None
-    return banks["w13_bias"][slots].to(dtype), banks["w2_bias"][slots].to(dtype)
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,

@@ -4,15 +4,10 @@
     expert(x) = act(x @ W13^T + b13) @ W2^T + b2
 
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
-the path; each lives in its own module:
-- CUDA, T*K <= DECODE_MAX_PAIRS: the Triton decode GEMVs (fused_moe_triton.py);
-- CUDA, larger batches (prefill_path): the Triton grouped GEMM (grouped_moe_triton.py) for
-  unquantised experts and for MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS tokens, else groups of
-  experts through padded torch.bmm (batched_moe.py);
-- CPU: MXFP4 through the C kernel (quant/mxfp4_cpu.py), few pairs of small experts gathered into
-  one batch, else the torch reference (moe_reference.py).
-FERRYMAN_KERNELS=torch sends every CUDA batch to the batched path (its MXFP4 dequantisation stays
-in Triton); =triton takes the decode kernel for every CUDA batch (layers/backend.py).
+the path: on CUDA the Triton decode GEMVs (T*K <= DECODE_MAX_PAIRS, fused_moe_triton.py), else
+`prefill_path`'s grouped GEMM (grouped_moe_triton.py) or padded batched GEMMs (batched_moe.py); on
+the CPU the C kernel for MXFP4 (quant/mxfp4_cpu.py), a gathered batch for few pairs of small
+experts, else the torch reference (moe_reference.py). FERRYMAN_KERNELS: layers/backend.py.
 """
 
 from __future__ import annotations
@@ -21,29 +16,28 @@ from collections.abc import Callable
 
 import torch
 
+from ferryman.envs import envs
 from ferryman.layers import backend
 from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.moe_common import MoEActivation, Upload, check_inputs, check_slot_range, to_device
+from ferryman.layers.moe_common import (TRITON_FORMATS, MoEActivation, Upload, check_inputs, check_slot_range,
+                                        to_device)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
 __all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "prefill_path", "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
-TRITON_FORMATS = ("dense", "mxfp4")
 # MXFP4: the grouped GEMM up to this many tokens, batched above (crossover 512-1024: docs/benchmarks.md)
 GROUPED_MXFP4_MAX_TOKENS = 512
 
 
 def prefill_path(fmt: str, tokens: int | None = None, kernels: str | None = None) -> str:
-    """The CUDA path of a batch of `tokens` tokens too large for the decode kernel: "grouped" (the
-    grouped GEMM) for unquantised experts, and for MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS
-    tokens; "batched" for larger MXFP4 batches, other formats, and wherever the grouped kernel
-    cannot run (Triton not importable, FERRYMAN_KERNELS=torch). tokens None: the path of the
-    largest batches, whose dequantised experts the planner counts (planner._dequantised_experts).
-    kernels: a FERRYMAN_KERNELS value to decide for (default: the process's)."""
-    choice = backend.kernels() if kernels is None else kernels
-    if choice == "torch" or not backend.triton_available():
+    """The CUDA path of a batch too large for the decode kernel: "grouped" for unquantised experts
+    and MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS tokens, else "batched", as also wherever the
+    grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch). tokens None: the path of the
+    largest batches, whose dequantised experts the planner counts. kernels: a FERRYMAN_KERNELS
+    value to decide for (default: the process's)."""
+    if (envs.KERNELS if kernels is None else kernels) == "torch" or not backend.triton_available():
         return "batched"
     if fmt == "dense" or (fmt == "mxfp4" and tokens is not None and tokens <= GROUPED_MXFP4_MAX_TOKENS):
         return "grouped"
@@ -54,41 +48,33 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
               act: MoEActivation, host_ids: torch.Tensor | None = None,
               inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
-    slot ids on the host when the caller has them (offloaded experts): the prefill paths then
-    group the pairs without reading the ids back from the device (no sync). inputs_issued: called
-    exactly once, as soon as every host -> device copy the kernels need is issued; the batched
-    prefill path calls it before its many launches, the others once their kernels are issued.
-    upload: moves the prefill paths' small host-built inputs to the device (default: an async copy
-    on the current stream; offloaded prefill puts them on the expert copy stream, experts/transfer.py)."""
-    called = [False]
-
-    def once() -> None:
-        if inputs_issued is not None and not called[0]:
-            called[0] = True
-            inputs_issued()
-
-    out = _dispatch(fmt, banks, x, topk_ids, topk_w, act, host_ids, once, upload)
-    once()  # the paths that do not call it early
-    return out
-
-
-def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-              act: MoEActivation, host_ids: torch.Tensor | None,
-              inputs_issued: Callable[[], None], upload: Upload | None) -> torch.Tensor:
+    ids on the host, if the caller has them: the prefill paths then group the pairs with no device
+    sync. inputs_issued: called exactly once, as soon as every host -> device copy the kernels need
+    is issued (the batched path: before its many launches). upload: how the prefill paths' small
+    host-built inputs reach the device (default: an async copy on the current stream)."""
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     check_inputs(x, topk_ids, topk_w, hidden)
     if fmt in TRITON_FORMATS and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
-        return fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
-    if x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
+        out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+    elif x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
-        return grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
-    if x.is_cuda:
+        out = grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
+    elif x.is_cuda:  # calls inputs_issued itself, before its launches
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
                                  inputs_issued=inputs_issued, upload=upload)
+    else:
+        out = _cpu_paths(form, banks, x, topk_ids, topk_w, act, host_ids, num_slots)
+    if inputs_issued is not None:
+        inputs_issued()
+    return out
+
+
+def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+               act: MoEActivation, host_ids: torch.Tensor | None, num_slots: int) -> torch.Tensor:
     if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
         from ferryman.quant.mxfp4_cpu import LayerJob, pairs_of
 
@@ -99,13 +85,11 @@ def _dispatch(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
 
 
-# CPU decode: dequantise the few experts a step uses into one batch and run two bmm calls,
-# instead of a Python loop of small matmuls. Bounded so big experts (gpt-oss) keep the loop.
+# CPU decode: the few experts a step uses dequantised into one batch (two bmm calls) instead of a
+# loop of small matmuls, while the batch stays small (big experts, gpt-oss, keep the loop) and each
+# expert is copied at most this many times on average (once per pair, where the loop reads it
+# once); bf16's small matmuls cost more than fp32's, so it gathers longer (benchmarks/bench_cpu_moe.py)
 GATHER_MAX_BYTES = 64 << 20
-# ... and only while each expert it touches is gathered at most this many times on average (by
-# the compute dtype): the gathered path copies an expert's weights once per (token, expert) pair,
-# the loop once; bf16's small matmuls in the loop cost more than fp32's, so it gathers longer
-# (crossovers: benchmarks/bench_cpu_moe.py)
 GATHER_MAX_COPIES = {torch.float32: 2}
 GATHER_MAX_COPIES_DEFAULT = 4  # bf16, fp16
 

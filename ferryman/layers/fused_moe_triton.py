@@ -6,8 +6,7 @@
 
 Made for decode (P = T*K small): every program streams BLOCK_N weight rows of one expert.
 Grids come from static sizes and slot ids are read on the device, so nothing syncs with the
-host and a CUDA graph can capture it. The mxfp4 path is bound by the integer work of decoding
-nibbles, not by DRAM, so tile sizes barely matter (benchmarks/bench_fused_moe.py).
+host and a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import kernel_bank
+from ferryman.layers.moe_common import TRITON_FORMATS, kernel_bank
 from ferryman.quant.base import Banks, get_format
 
-FORMATS = {"dense": 0, "mxfp4": 1}
 BLOCK_N = 16  # output rows per program (kernel 1 loads 2x: gate and up)
 BLOCK_K = 512  # inputs per loop step; a multiple of 32 for mxfp4
 NUM_WARPS = 2
@@ -162,19 +160,18 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                      kind: str, alpha: float, limit: float) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
-    if fmt not in FORMATS:
-        raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(FORMATS)}")
+    if fmt not in TRITON_FORMATS:
+        raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)}")
     _, hidden, inter = get_format(fmt).dims(banks)
     t, k = topk_ids.shape
     x = x.contiguous()
     ids = topk_ids.reshape(-1).contiguous()  # [P] slot of each pair
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
-    has_bias = "w13_bias" in banks and "w2_bias" in banks
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides)) for p in (w13, w2))
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
-    common = dict(MXFP4=FORMATS[fmt], HAS_BIAS=has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    common = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
         x, ids, w13.w, w13.s, w13.b, h, float(alpha), float(limit), **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)

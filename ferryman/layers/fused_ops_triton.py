@@ -1,8 +1,5 @@
-"""Small fused Triton kernels for the decode hot path: (residual add +) RMSNorm, and RoPE.
-
-Each replaces a chain of 5-15 tiny torch kernels by one launch; on a batch-1 decode step the
-launches, not the bytes, are what these layers cost. Math in fp32, one rounding at the store.
-"""
+"""Small fused Triton kernels for the decode hot path, where launches cost more than bytes:
+(residual add +) RMSNorm, and RoPE, one launch each. Math in fp32, one rounding at the store."""
 
 from __future__ import annotations
 

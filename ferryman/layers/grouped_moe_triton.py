@@ -1,18 +1,15 @@
-"""Triton grouped GEMM over slot-indexed expert banks with any slot stride: a CUDA prefill path
-(fused_moe.prefill_path), bf16/fp16/fp32 weights read as they are or MXFP4 weights decoded inside
-the kernels' tiles (bit fields, no exp2).
+"""Triton grouped GEMM over slot-indexed expert banks: a CUDA prefill path (fused_moe.prefill_path),
+dense weights read as they are or MXFP4 ones decoded inside the tiles (bit fields, no exp2).
 
     `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
     kernel 1  h[p] = act(x[t] @ W13[slot]^T + b13[slot])               p = t*K + k, h: [P, I]
     kernel 2  y[p] = (h[p] @ W2[slot]^T + b2[slot]) * topk_w[p]         y: [P, H] fp32
     out[t]   = sum_k y[t*K + k] (torch, k order: independent of which slot holds which expert)
 
-Banks may be strided along the slot dim (the expert-major slot pool of experts/gpu_cache.py:
-every bank a view into one row of bytes per slot); the dims inside one expert are contiguous.
-Pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs of one slot (a slot's
-last block is partial); program (block, n-tile) loads one weight tile of that slot and multiplies
-all the block's token rows with `tl.dot`. Grid size is a static bound (cdiv(P, BM) + min(P, S)
-blocks; the unused ones return), so nothing syncs with the host.
+Banks may be strided along the slot dim (the expert-major slot pool); each expert is contiguous.
+Pairs are sorted by slot on the device and cut into blocks of BLOCK_M pairs of one slot; program
+(block, n-tile) multiplies one weight tile by all the block's rows with `tl.dot`. The grid is a
+static bound (cdiv(P, BM) + min(P, S) blocks; unused ones return), so nothing syncs with the host.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import MoEActivation, check_inputs, kernel_bank
+from ferryman.layers.moe_common import TRITON_FORMATS, MoEActivation, check_inputs, kernel_bank
 from ferryman.quant.base import Banks, get_format
 
-FORMATS = ("dense", "mxfp4")
+
 @dataclass(frozen=True)
 class GroupedConfig:
     block_m: int = 16  # pairs per block; tl.dot needs >= 16
@@ -149,10 +146,8 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
 
 
 def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, ...]:
-    """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, all on the device.
-
-    Returns (order [P], block slot [NB] (-1 = unused), block first row [NB], block end row [NB])
-    with NB = cdiv(P, bm) + min(P, S), a bound that needs no host sync."""
+    """Pairs sorted by slot, cut into blocks of <= bm pairs of one slot, on the device: (order [P],
+    block slot [NB] (-1 = unused), first row [NB], end row [NB]), NB = cdiv(P, bm) + min(P, S)."""
     flat = slot_ids.reshape(-1).long()  # [P]
     p = flat.numel()
     order = torch.argsort(flat, stable=True)
@@ -170,11 +165,10 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 
 
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
-                act: MoEActivation, cfg: GroupedConfig | None = None) -> torch.Tensor:
+                act: MoEActivation, cfg: GroupedConfig = GroupedConfig()) -> torch.Tensor:
     """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
-    if fmt not in FORMATS:
-        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {FORMATS}")
-    cfg = cfg or GroupedConfig()
+    if fmt not in TRITON_FORMATS:
+        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {TRITON_FORMATS}")
     num_slots, hidden, inter = get_format(fmt).dims(banks)
     check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape
@@ -182,11 +176,10 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     x = x.contiguous()
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
-    has_bias = "w13_bias" in banks and "w2_bias" in banks
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
+    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
                  BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
     _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
         x, order, bslot, first, end, w13.w, w13.s, w13.b, h, float(act.alpha), float(act.limit), *w13.strides,

@@ -1,8 +1,5 @@
-"""MoE block: the router lives here, the expert weights do not.
-
-The block computes top-k routing and hands (x, expert ids, weights) to an `ExpertBackend`, which owns
-the banks and maps expert ids to the slots that hold them. Resident, cached and streamed experts
-all go through the same call.
+"""MoE block: the router lives here, the expert weights do not. The block routes top-k and hands
+(x, expert ids, weights) to an `ExpertBackend`, which owns the banks and maps expert ids to slots.
 """
 
 from __future__ import annotations

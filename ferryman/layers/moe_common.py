@@ -1,6 +1,5 @@
 """What every routed-expert path shares: the activation, input checks, the grouping of (token, k)
-pairs by slot and the per-token sum in slot order. The MoE kernels import this, never the
-dispatcher (layers/fused_moe.py)."""
+pairs by slot and the per-token sum in slot order."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 from ferryman.quant import Banks
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
+TRITON_FORMATS = ("dense", "mxfp4")  # the expert formats the MoE Triton kernels read
 
 
 def to_device(device: torch.device) -> Upload:
@@ -49,15 +49,15 @@ def apply_activation(gate_up: torch.Tensor, act: MoEActivation) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KernelBank:
-    """One projection's tensors as the Triton kernels take them, with their slot strides in
-    elements: weights, scales (dense: the weights again, unread) and bias (or a stand-in, unread,
-    stride 0). Each expert's slice is contiguous; the experts may be any stride apart (the
-    expert-major slot pool)."""
+    """One projection's weights, scales (dense: the weights again, unread) and bias (or an unread
+    stand-in, stride 0) as the Triton kernels take them, with their slot strides in elements. Each
+    expert's slice is contiguous; experts may be any stride apart (the expert-major slot pool)."""
 
     w: torch.Tensor
     s: torch.Tensor
     b: torch.Tensor
     strides: tuple[int, int, int]
+    has_bias: bool
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
@@ -68,7 +68,7 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
         if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
             raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
                              f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
-    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0))
+    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias)
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
@@ -98,19 +98,16 @@ def check_slot_range(ids: torch.Tensor, num_slots: int) -> None:
 def group_by_slot(topk_ids: torch.Tensor, num_slots: int, host_ids: torch.Tensor | None = None,
                   upload: Upload | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
     """(slots used, ascending, on the host; pair ids [P] sorted by slot, on topk_ids' device; pairs
-    per used slot). From host_ids (the same ids on the host) with no device sync; else with one
-    device -> host read for the slots and their counts together."""
+    per used slot). From host_ids (the same ids on the host) with no device sync."""
+    if host_ids is not None and host_ids.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+    flat = (topk_ids if host_ids is None else host_ids).reshape(-1).long()  # [P], pair p = t*K + k
+    sorted_ids, order = torch.sort(flat, stable=True)
+    slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
     if host_ids is not None:
-        if host_ids.shape != topk_ids.shape:
-            raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
-        sorted_ids, order = torch.sort(host_ids.reshape(-1).long(), stable=True)
-        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
         host_slots, host_counts = slots.tolist(), counts.tolist()
         order = (upload or to_device(topk_ids.device))(order)
-    else:
-        flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
-        sorted_ids, order = torch.sort(flat, stable=True)
-        slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    else:  # one device -> host read for both
         host_slots, host_counts = torch.stack((slots, counts)).tolist()
     if host_slots and (host_slots[0] < 0 or host_slots[-1] >= num_slots):
         raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {host_slots[0]}, "

@@ -1,9 +1,7 @@
-"""Torch paths of `fused_moe` on any device: the reference (experts one at a time) and, for a CPU
-step of few pairs, the gathered batch of experts.
-
-The reference takes experts in ascending slot order, each dequantised alone and dropped after
-use; the order of casts follows transformers' GptOssExperts / Qwen3MoeExperts (compute in x.dtype,
-product with the weight, then index_add)."""
+"""Torch paths of `fused_moe`: the reference, experts one at a time in ascending slot order, each
+dequantised alone, the casts in transformers' order (GptOssExperts / Qwen3MoeExperts: compute in
+x.dtype, product with the weight, then index_add); and, for a CPU step of few pairs, the gathered
+batch of experts."""
 
 from __future__ import annotations
 

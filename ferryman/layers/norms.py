@@ -9,12 +9,8 @@ from ferryman.layers.backend import use_triton
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x).
-
-    `weight_fp32` selects where the weight is applied: gpt-oss multiplies in fp32 and casts the
-    product, Llama-family models cast first and multiply in the input dtype. Both orders are kept so
-    bf16 outputs match each model's reference bit for bit (on the torch path).
-    """
+    """y = w * x / rms(x). weight_fp32: multiply in fp32 and cast the product (gpt-oss), else cast
+    first and multiply in the input dtype (Llama family): each model's reference, bit for bit."""
 
     def __init__(self, size: int, eps: float, weight_fp32: bool = False) -> None:
         super().__init__()
@@ -35,8 +31,7 @@ class RMSNorm(nn.Module):
         if use_triton(x):
             from ferryman.layers.fused_ops_triton import rms_norm_triton
 
-            out, res = rms_norm_triton(x, self.weight, self.eps, residual, self.weight_fp32)
-            return out, res  # type: ignore[return-value]
+            return rms_norm_triton(x, self.weight, self.eps, residual, self.weight_fp32)  # type: ignore[return-value]
         h = x + residual
         return self._torch(h), h
 

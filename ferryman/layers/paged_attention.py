@@ -1,17 +1,10 @@
-"""Paged attention over a block KV cache: public API and the torch reference.
+"""Paged attention over a block KV cache (layout: attn_metadata.py): public API and the torch reference.
 
-Shapes: T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads (G = Hq // Hkv query
-heads share one kv head), D = head_dim, N = KV blocks, S = block_size, L = kv length of a sequence.
-
-The cache of one layer is `k_cache, v_cache: [N, S, Hkv, D]`; kv position p of sequence b lives
-at block `block_tables[b, p // S]`, offset `p % S`. Query token i of sequence b sits at position
-`seq_lens[b] - qlen_b + i`; it sees kv positions p <= pos, and with a sliding window w only
-p > pos - w (transformers' `sliding_window_overlay`). Sinks (gpt-oss): one logit per q head joins
-the softmax denominator; its column is dropped. Softmax runs in fp32; the output has q's dtype.
-
-`paged_attention` runs the Triton kernel on CUDA (no host syncs, CUDA-graph safe) and the torch
-reference otherwise. FERRYMAN_KERNELS=torch forces the reference, =triton forces Triton
-(on CPU tensors this needs TRITON_INTERPRET=1).
+Shapes: T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads (G = Hq // Hkv query heads
+share one kv head), D = head_dim, L = kv length of a sequence. Query token i of sequence b sits at
+position `seq_lens[b] - qlen_b + i`; it sees kv positions p <= pos, and with a sliding window w only
+p > pos - w. Sinks (gpt-oss): one logit per q head joins the softmax denominator. Softmax runs in
+fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says.
 """
 
 from __future__ import annotations
@@ -30,9 +23,6 @@ FP8_KV = torch.float8_e4m3fn
 
 # the reference materialises [Hq, chunk, L] fp32 scores; this bounds chunk * L * Hq
 _REF_MAX_SCORE_ELEMS = 1 << 25
-
-
-# ----------------------------------------------------------------------------- checks
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
@@ -79,9 +69,6 @@ def _check_attn_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMe
         raise ValueError(f"sinks must be [Hq={num_q_heads}], got shape {tuple(sinks.shape)}")
 
 
-# ----------------------------------------------------------------------------- public API
-
-
 def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store the step's k/v ([T, Hkv, D]) at `slot_mapping` (block * S + offset; -1 = skip)."""
     _check_write_inputs(k, v, k_cache, v_cache, slot_mapping)
@@ -95,19 +82,14 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
                     window: int | None = None, sinks: Tensor | None = None) -> Tensor:
-    """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D].
-
-    Rows of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified.
-    """
+    """Causal attention of the step's queries q: [T, Hq, D] over the paged cache -> [T, Hq, D]. Rows
+    of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified."""
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
     if backend.attention_triton(q.device):
         from ferryman.layers.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
     return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
-
-
-# ----------------------------------------------------------------------------- torch reference
 
 
 def write_kv_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -158,8 +140,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float, window
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
                               window: int | None = None, sinks: Tensor | None = None) -> Tensor:
-    """Torch reference: per sequence gather kv from the block table and attend (vectorised)."""
-    _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
+    """Torch reference (inputs checked by `paged_attention`): per sequence, gather kv from the block
+    table and attend."""
     out = torch.zeros_like(q)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()

@@ -1,17 +1,15 @@
 """Triton paged attention (decode and chunked prefill in one kernel) and the KV write.
 
-Work split: a program takes one q tile x one kv head x one kv split. A q tile is BLOCK_Q
-consecutive query tokens of one sequence times the G query heads of the kv head, laid out as
-BLOCK_M = BLOCK_Q * G_PAD rows (row r = token r // G_PAD, head r % G_PAD), so the scores are one
-tl.dot per kv block even at decode. Online softmax (flash attention) runs in the log2 domain.
+A program takes one q tile x one kv head x one kv split. A q tile is BLOCK_Q consecutive query
+tokens of one sequence times the G query heads of the kv head, as BLOCK_M = BLOCK_Q * G_PAD rows
+(row r = token r // G_PAD, head r % G_PAD), so the scores are one tl.dot per kv block even at
+decode. Online softmax (flash attention) in the log2 domain.
 
-No host syncs: the grid comes from static sizes only. Tile t of sequence b starts at
-`query_start_loc[b] // BLOCK_Q + b`, so `T // BLOCK_Q + B` tiles cover any batch and a program
-finds its sequence by binary search; loop bounds come from `seq_lens`. With num_splits > 1
-(small grids, e.g. decode at batch 1) each split covers a slice of the kv range and writes
-(acc, max, sum) partials that a second kernel merges (flash decoding). The split count is a
-run-time argument: one compiled kernel serves every count (SPLIT says only whether there are
-partials), so a context length never seen before compiles nothing.
+No host syncs: tile t of sequence b starts at `query_start_loc[b] // BLOCK_Q + b`, so a static
+`T // BLOCK_Q + B` tiles cover any batch and a program finds its sequence by binary search. With
+num_splits > 1 each split covers a slice of the kv range and writes (acc, max, sum) partials that
+a second kernel merges (flash decoding); the count is a run-time argument, so a new context length
+compiles nothing.
 """
 
 from __future__ import annotations
@@ -236,9 +234,6 @@ def _write_kv_kernel(
     tl.store(vc, v_row.to(v_cache.dtype.element_ty), mask=mask)
 
 
-# ----------------------------------------------------------------------------- launchers
-
-
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -258,10 +253,6 @@ def write_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot
         NUM_KV_HEADS=num_kv_heads, H_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
     )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -341,7 +332,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
         SPLIT=num_splits > 1, USE_WINDOW=window is not None, USE_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERPRET=_interpreting(),
+        INTERPRET=os.environ.get("TRITON_INTERPRET", "0") == "1",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -63,9 +63,7 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: torch.device) -> None:
         """(Re)compute the cos/sin tables on `device`, always in fp32."""
-        if device.type == "meta":
-            self.cos = torch.empty(0, device=device)
-            self.sin = torch.empty(0, device=device)
+        if device.type == "meta":  # a shape-only model: the tables stay empty
             return
         with torch.device("cpu"):
             inv_freq, scaling = inv_freq_of(self.rope, self.head_dim)

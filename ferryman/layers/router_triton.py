@@ -1,9 +1,7 @@
-"""Top-k routing in one Triton kernel per step (CUDA decode path): replaces softmax + topk +
-renormalise (3-4 small launches per MoE layer) with one.
-
-Same math as `layers.moe.route`: "softmax_topk" = fp32 softmax over all experts, top-k, optional
-renormalisation, fp32 weights; "topk_softmax" (gpt-oss) = top-k on the raw logits, softmax over the
-k in fp32 rounded to the logits' dtype. Ties go to the lower expert id.
+"""Top-k routing in one Triton launch (CUDA decode path), the same math as `layers.moe.route`:
+"softmax_topk" = fp32 softmax over all experts, top-k, optional renormalisation, fp32 weights;
+"topk_softmax" (gpt-oss) = top-k on the raw logits, softmax over the k in fp32 rounded to the
+logits' dtype. Ties go to the lower expert id.
 """
 
 from __future__ import annotations

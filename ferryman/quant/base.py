@@ -1,17 +1,14 @@
 """Expert weight formats: how the routed experts of one MoE layer are laid out in *banks*.
 
-A bank is one tensor whose leading dim is E (experts, or cache slots). Bank names are fixed
-across formats (see docs/interfaces.md, "Expert formats"):
-
-    w13[...]  gate and up projections, logical shape [E, 2I, H] (out rows, in columns)
-    w2[...]   down projection, logical shape [E, H, I]
-    w13_bias  [E, 2I] and w2_bias [E, H], optional, in the model dtype
-
-Formats are stateless singletons kept in a registry keyed by name.
+A bank is one tensor whose leading dim is E (experts, or cache slots). Bank names are fixed across
+formats (docs/interfaces.md, "Expert formats"): w13 (gate and up, logical [E, 2I, H]), w2 (down,
+[E, H, I]), optional w13_bias [E, 2I] and w2_bias [E, H] in the model dtype. Formats are stateless
+singletons in a registry keyed by name.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,33 +27,10 @@ class BankSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=device)
-
-
-def bias_specs(num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
-    """The optional bias banks, shared by every format (always in the model dtype)."""
-    return {"w13_bias": BankSpec((num_experts, 2 * inter), dtype), "w2_bias": BankSpec((num_experts, hidden), dtype)}
-
-
-def random_bias(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, generator: torch.Generator | None,
-                device: torch.device | str) -> Banks:
-    """Random w13_bias / w2_bias banks with std 0.1."""
-    gen_device = generator.device if generator is not None else torch.device(device)
-    return {
-        name: (torch.randn(spec.shape, generator=generator, device=gen_device) * 0.1).to(device, dtype)
-        for name, spec in bias_specs(num_experts, hidden, inter, dtype).items()
-    }
-
-
-def check_dims(hidden: int, inter: int) -> None:
-    if hidden <= 0 or inter <= 0:
-        raise ValueError(f"expert dims must be positive, got hidden={hidden}, inter={inter}")
 
 
 def check_proj(proj: str) -> None:
@@ -70,28 +44,45 @@ class ExpertFormat(ABC):
     name: str
 
     @abstractmethod
-    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
-                   dtype: torch.dtype) -> dict[str, BankSpec]:
-        """Every bank this format needs; `dtype` is the model (compute) dtype."""
+    def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
+        """The weight banks of this format (dims > 0); `dtype` is the model (compute) dtype."""
+
+    @abstractmethod
+    def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                       generator: torch.Generator | None, device: torch.device | str) -> Banks:
+        """Valid random weight banks: values with std ~ 1/sqrt(fan_in)."""
 
     @abstractmethod
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
         """Weights of experts `idx` ([n] ids, or a slice: views where the format stores weights as they
-        are) for `proj` ("w13" | "w2") -> [n, out, in].
-
-        `dtype` is the compute dtype (default: `model_dtype(banks)`). Only the n selected
-        experts are materialised.
-        """
+        are) for `proj` ("w13" | "w2") -> [n, out, in] in `dtype` (default: `model_dtype(banks)`).
+        Only the n selected experts are materialised."""
 
     @abstractmethod
     def dims(self, banks: Banks) -> tuple[int, int, int]:
         """(num_experts_or_slots, hidden, inter) read from the bank shapes."""
 
-    @abstractmethod
+    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
+                   dtype: torch.dtype) -> dict[str, BankSpec]:
+        """Every bank this format needs: its weights, and the optional biases in the model dtype."""
+        if hidden <= 0 or inter <= 0:
+            raise ValueError(f"expert dims must be positive, got hidden={hidden}, inter={inter}")
+        specs = self.weight_specs(num_experts, hidden, inter, dtype)
+        if bias:
+            specs["w13_bias"] = BankSpec((num_experts, 2 * inter), dtype)
+            specs["w2_bias"] = BankSpec((num_experts, hidden), dtype)
+        return specs
+
     def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
                      generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
-        """Valid random banks (dummy weights, tests): weights with std ~ 1/sqrt(fan_in)."""
+        """Valid random banks (dummy weights, tests); biases with std 0.1."""
+        specs = self.bank_specs(num_experts, hidden, inter, bias, dtype)  # checks the dims
+        banks = self.random_weights(num_experts, hidden, inter, dtype, generator, device)
+        gen_device = generator.device if generator is not None else torch.device(device)
+        for name in ("w13_bias", "w2_bias") if bias else ():
+            banks[name] = (torch.randn(specs[name].shape, generator=generator, device=gen_device) * 0.1).to(device, dtype)
+        return banks
 
     def expert_bytes(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype) -> int:
         """Bytes of one expert across all its banks."""
@@ -128,8 +119,6 @@ _FORMATS: dict[str, ExpertFormat] = {}
 
 def register_format(fmt: ExpertFormat) -> ExpertFormat:
     """Add a format instance to the registry (its `name` is the key); returns it."""
-    if not getattr(fmt, "name", None):
-        raise ValueError(f"expert format {type(fmt).__name__} has no name")
     if fmt.name in _FORMATS and type(_FORMATS[fmt.name]) is not type(fmt):
         raise ValueError(f"expert format {fmt.name!r} is already registered")
     _FORMATS[fmt.name] = fmt

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, bias_specs, check_dims, check_proj, random_bias,
-                                 register_format)
+from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_format
 
 
 class DenseFormat(ExpertFormat):
     name = "dense"
 
-    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
-                   dtype: torch.dtype) -> dict[str, BankSpec]:
-        check_dims(hidden, inter)
+    def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
         if not dtype.is_floating_point:
             raise ValueError(f"dense experts need a float dtype, got {dtype}")
-        specs = {
+        return {
             "w13": BankSpec((num_experts, 2 * inter, hidden), dtype),  # [E, 2I, H]
             "w2": BankSpec((num_experts, hidden, inter), dtype),  # [E, H, I]
         }
-        if bias:
-            specs.update(bias_specs(num_experts, hidden, inter, dtype))
-        return specs
 
     def dims(self, banks: Banks) -> tuple[int, int, int]:
         e, two_i, h = self.bank(banks, "w13").shape
@@ -31,15 +25,13 @@ class DenseFormat(ExpertFormat):
     def model_dtype(self, banks: Banks) -> torch.dtype:
         return self.bank(banks, "w13").dtype
 
-    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
-                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
+    def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                       generator: torch.Generator | None, device: torch.device | str) -> Banks:
         gen_device = generator.device if generator is not None else torch.device(device)
         banks: Banks = {}
-        for name, spec in self.bank_specs(num_experts, hidden, inter, False, dtype).items():
+        for name, spec in self.weight_specs(num_experts, hidden, inter, dtype).items():
             w = torch.randn(spec.shape, generator=generator, device=gen_device)  # [E, out, in]
             banks[name] = (w / spec.shape[-1] ** 0.5).to(device, dtype)
-        if bias:
-            banks.update(random_bias(num_experts, hidden, inter, dtype, generator, device))
         return banks
 
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,

@@ -12,8 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, bias_specs, check_dims, check_proj, random_bias,
-                                 register_format)
+from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_format
 
 BLOCK = 32  # values per scale
 BLOCK_BYTES = BLOCK // 2
@@ -34,21 +33,10 @@ def _triton_importable() -> bool:
 
 
 @lru_cache(maxsize=8)
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """fp32 value of each code [16] on `device`."""
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-
-
-@lru_cache(maxsize=8)
 def _byte_pairs(device: torch.device) -> torch.Tensor:
     """fp32 (low nibble, high nibble) values of each byte [256, 2] on `device`."""
-    lut = _e2m1_table(device)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)  # [16] value of each code
     return torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)
-
-
-def _exponents(scales: torch.Tensor) -> torch.Tensor:
-    """e8m0 bytes -> int32 powers of two (s - 127)."""
-    return scales.to(torch.int32) - 127
 
 
 def _check_k(k: int, what: str) -> None:
@@ -57,11 +45,8 @@ def _check_k(k: int, what: str) -> None:
 
 
 def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype`.
-
-    Computed in fp32 with ldexp, as transformers does, where code x 2^(s-127) is exact (or
-    overflows to inf), then rounded once to `dtype`.
-    """
+    """blocks [..., G, 16] uint8 + scales [..., G] uint8 -> [..., G*32] in `dtype`: code x 2^(s-127)
+    in fp32, exact (or inf) as transformers' ldexp, then rounded once to `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"mxfp4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
@@ -87,28 +72,24 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., K] (K % 32 == 0) -> (blocks [..., K/32, 16], scales [..., K/32]) uint8.
-
-    OCP MX rule (same as ggml): per block s = floor(log2(amax)) - 2 + 127, so amax / 2^(s-127)
-    lies in [4, 8); values round to the nearest e2m1 and saturate at +-6.
-    """
+    """w [..., K] (K % 32 == 0) -> (blocks [..., K/32, 16], scales [..., K/32]) uint8. OCP MX rule
+    (as ggml): per block s = floor(log2(amax)) - 2 + 127, so amax / 2^(s-127) lies in [4, 8); values
+    round to the nearest e2m1 and saturate at +-6."""
     _check_k(w.shape[-1], "quantize_mxfp4")
     w32 = w.detach().float().unflatten(-1, (-1, BLOCK))  # [..., G, 32]
     amax = w32.abs().amax(dim=-1)  # [..., G]
     exp = torch.floor(torch.log2(amax)) - _EMAX_ELEM + 127
     scales = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(0, 254).to(torch.uint8)
-    codes = _e2m1_codes(torch.ldexp(w32, -_exponents(scales).unsqueeze(-1)))  # [..., G, 32]
+    codes = _e2m1_codes(torch.ldexp(w32, (127 - scales.to(torch.int32)).unsqueeze(-1)))  # [..., G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., G, 16]
     return blocks.contiguous(), scales
 
 
 def random_mxfp4(shape: tuple[int, ...] | torch.Size, generator: torch.Generator | None = None,
                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random valid mxfp4 weights of logical `shape` [..., K] -> (blocks, scales).
-
-    Codes are uniform; scales are 127 - log2(rms(code) * sqrt(K) * jitter) with a jitter of
-    2^{-1,0,1}, so dequantised values have a std of about 1/sqrt(K) and activations stay finite.
-    """
+    """Random valid mxfp4 weights of logical `shape` [..., K] -> (blocks, scales): uniform codes,
+    scales 127 - log2(rms(code) * sqrt(K) * jitter) with a jitter of 2^{-1,0,1}, so the values have
+    a std of about 1/sqrt(K) and activations stay finite."""
     *lead, k = shape
     _check_k(k, "random_mxfp4")
     g = k // BLOCK
@@ -125,35 +106,26 @@ def random_mxfp4(shape: tuple[int, ...] | torch.Size, generator: torch.Generator
 class Mxfp4Format(ExpertFormat):
     name = "mxfp4"
 
-    def bank_specs(self, num_experts: int, hidden: int, inter: int, bias: bool,
-                   dtype: torch.dtype) -> dict[str, BankSpec]:
-        check_dims(hidden, inter)
+    def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:
         _check_k(hidden, "mxfp4 hidden size")
         _check_k(inter, "mxfp4 expert FFN size")
         e, u8 = num_experts, torch.uint8
-        specs = {
+        return {
             "w13_blocks": BankSpec((e, 2 * inter, hidden // BLOCK, BLOCK_BYTES), u8),
             "w13_scales": BankSpec((e, 2 * inter, hidden // BLOCK), u8),
             "w2_blocks": BankSpec((e, hidden, inter // BLOCK, BLOCK_BYTES), u8),
             "w2_scales": BankSpec((e, hidden, inter // BLOCK), u8),
         }
-        if bias:
-            specs.update(bias_specs(num_experts, hidden, inter, dtype))
-        return specs
 
     def dims(self, banks: Banks) -> tuple[int, int, int]:
         e, two_i, g, _ = self.bank(banks, "w13_blocks").shape
         return e, g * BLOCK, two_i // 2
 
-    def random_banks(self, num_experts: int, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
-                     generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> Banks:
-        self.bank_specs(num_experts, hidden, inter, bias, dtype)  # validates the dims
+    def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                       generator: torch.Generator | None, device: torch.device | str) -> Banks:
         banks: Banks = {}
         for proj, out, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-            blocks, scales = random_mxfp4((num_experts, out, k), generator, device)
-            banks[f"{proj}_blocks"], banks[f"{proj}_scales"] = blocks, scales
-        if bias:
-            banks.update(random_bias(num_experts, hidden, inter, dtype, generator, device))
+            banks[f"{proj}_blocks"], banks[f"{proj}_scales"] = random_mxfp4((num_experts, out, k), generator, device)
         return banks
 
     def dequant(self, banks: Banks, proj: str, idx: torch.Tensor | slice,

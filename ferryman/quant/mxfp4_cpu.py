@@ -1,17 +1,12 @@
-"""MXFP4 experts multiplied on the CPU without dequantising them first.
+"""MXFP4 experts multiplied on the CPU without dequantising them first: `LayerJob` (several experts
+of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part) and `mxfp4_matmul` (one
+product x @ W^T: tests and benchmarks).
 
-- `LayerJob`: several experts of one layer, each on its tokens, weighted and summed, in one call
-  (fused_moe's CPU path and the hybrid split's CPU part both use it);
-- `mxfp4_matmul`: one product x @ W^T (tests and benchmarks/bench_cpu_mxfp4.py).
-
-torch has no MXFP4 kernel for the CPU, and dequantising an expert before a GEMV moves ~4x its
-bytes through memory. The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a
-portable loop elsewhere, rows split over OpenMP threads) reads each weight once and dequantises it
-in registers. It is built at first use with the system C compiler (`$CC`, else `cc`) into the
-cache directory (FERRYMAN_CACHE_DIR, else $XDG_CACHE_HOME/ferryman or ~/.cache/ferryman), keyed by
-the source, the flags and the machine, and loaded with ctypes (one build serves every Python).
-No compiler, or a failed build: a warning saying why, once, and callers keep the torch path.
-FERRYMAN_CPU_KERNEL=0 turns it off.
+The C kernel (csrc/mxfp4_cpu.c: AVX-512 where the compiler targets it, a portable loop elsewhere,
+rows split over OpenMP threads) reads each weight once and dequantises it in registers. It is built
+at first use with `$CC` (else `cc`) into the cache directory, keyed by the source, the flags and the
+machine, and loaded with ctypes. No compiler or a failed build: one warning saying why, and callers
+keep the torch path. FERRYMAN_CPU_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ferryman.envs import envs
+
 log = logging.getLogger("ferryman.quant")
 
 SOURCE = Path(__file__).parent / "csrc" / "mxfp4_cpu.c"
@@ -42,8 +39,6 @@ FLAG_SETS = (
 
 
 def cache_dir() -> Path:
-    from ferryman.envs import envs
-
     if envs.CACHE_DIR:
         return Path(envs.CACHE_DIR)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -119,16 +114,9 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def enabled() -> bool:
-    """FERRYMAN_CPU_KERNEL (envs reads it once)."""
-    from ferryman.envs import envs
-
-    return envs.CPU_KERNEL
-
-
 def available() -> bool:
     """Whether MXFP4 products on the CPU go through the C kernel (FERRYMAN_CPU_KERNEL and a build)."""
-    return enabled() and _library() is not None
+    return envs.CPU_KERNEL and _library() is not None
 
 
 def _threads() -> int:
@@ -177,11 +165,10 @@ Pairs = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, ro
 def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = None) -> Pairs:
     """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids).
     ids, w: [T, K] on the host."""
-    keep = None if experts is None else set(experts)
     out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
     for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
         for e, wt in zip(row, weights):
-            if keep is None or e in keep:
+            if experts is None or e in out:
                 tokens, ws = out.setdefault(e, ([], []))
                 tokens.append(t)
                 ws.append(wt)
@@ -189,13 +176,11 @@ def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = Non
 
 
 class LayerJob:
-    """Several MXFP4 experts of one layer, each on its own tokens, weighted and summed, as one
-    kernel call (`run`, which holds no Python lock while it computes): every argument is prepared
-    here, on the caller's thread, from host tensors. The math is fused_moe's (layers/fused_moe.py),
-    in fp32: sum over pairs of w * (act(x @ W13^T + b13) @ W2^T + b2).
-
-    x: [T, H]; pairs: `pairs_of`; bias: fp32 copies of the bias rows by (layer, expert, bank), kept
-    by a caller that runs the same layers again (None: converted for this job only)."""
+    """Several MXFP4 experts of one layer, each on its own tokens, weighted and summed in fp32 (the
+    math of fused_moe) in one kernel call, `run`, which holds no Python lock while it computes; the
+    arguments are prepared here, on the caller's thread. x: [T, H]; pairs: `pairs_of`; bias: fp32
+    copies of the bias rows by (layer, expert, bank), kept by a caller that runs the same layers
+    again (None: converted for this job only)."""
 
     def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int, pairs: Pairs, kind: str,
                  alpha: float, limit: float, bias: dict[tuple[int, int, str], torch.Tensor] | None = None) -> None:

@@ -1,13 +1,7 @@
-"""Triton dequantisation of `mxfp4` weights, beside the torch reference (quant/mxfp4.py).
-
-`dequant_mxfp4_triton(blocks, scales, dtype)` returns exactly what `dequant_mxfp4` returns (the
-e2m1 value times 2^(s-127) in fp32, rounded once to `dtype`) in one launch and without a host
-sync (the reference syncs on its scale-255 check). Prefill-sized MoE on CUDA dequantises each
-expert it runs through it.
-
-The power of two is built from its bits, not `exp2`, so it is exact: s in 1..254 is the normal
-fp32 with exponent field s; s = 0 is the subnormal 2^-127 (bit 22); s = 255 is 2^127 then x 2,
-as the reference does it.
+"""Triton dequantisation of `mxfp4` weights: exactly what `dequant_mxfp4` (quant/mxfp4.py) returns,
+in one launch and without a host sync. The power of two is built from its bits, not `exp2`, so it
+is exact: s in 1..254 is the normal fp32 with exponent field s, s = 0 the subnormal 2^-127, s = 255
+is 2^127 then x 2, as the reference does it.
 """
 
 from __future__ import annotations
