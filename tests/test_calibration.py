@@ -67,7 +67,7 @@ def test_bench_bw_on_cpu_prints_measured_numbers(tmp_path: Path, capsys: pytest.
     assert f"costs {slope:.2f} of a 1-token expert" in text
     with pytest.raises(SystemExit):
         main(["bench", "bw", "--help"])
-    assert "never by format alone" in capsys.readouterr().out
+    assert "keyed by the expert geometry and" in capsys.readouterr().out
 
 
 def test_expert_cycle_walks_every_expert_of_every_pool() -> None:
