@@ -58,7 +58,7 @@ class LLMEngine:
         self.ecfg = ecfg = replace(ecfg, max_num_seqs=self.plan.request.max_num_seqs,
                                    max_num_batched_tokens=self.plan.request.max_num_batched_tokens)
         loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
-                             max_positions=None, progress=ecfg.progress,
+                             progress=ecfg.progress,
                              store_factory=store_factory(self.plan, self.device),
                              host_embedding=self.plan.host_embedding and self.device.type == "cuda")
         self.tokenizer = load_tokenizer(loaded.folder)

@@ -15,7 +15,8 @@ as fit, each round a `fused_moe` over its (token, k) pairs, summed into the outp
 
 from __future__ import annotations
 
-from dataclasses import replace
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,10 +24,38 @@ from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.guesses import NextLayerGuesser
-from ferryman.experts.layer_step import CPUPart, LayerStep
 from ferryman.experts.plan import Guess, LayerPlan, Prefetch, make_plan
 from ferryman.experts.routing import host_ids_of
 from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, to_device
+
+
+@dataclass(frozen=True)
+class CPUPart:
+    """A hybrid step's pairs computed on the CPU: the running `job` (a [T, H] host tensor when
+    done) and `off`, [T, K] bool on the cache's device: the pairs it covers, which the device
+    kernel gives weight 0."""
+
+    job: Future
+    off: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """A step whose experts are acquired (pinned) and mapped to slots, ready for its kernel (run by
+    `forward`, or by a per-layer CUDA graph after `prepare_decode`) until `finish_step`."""
+
+    plan: LayerPlan
+    slots: list[int]  # the slots of plan.device
+    # [T, K] int32 slot of each (token, k) pair, on the cache's device; None when the CPU computes
+    # every pair (a hybrid step with nothing on the device)
+    slot_ids: torch.Tensor | None
+    host_slot_ids: torch.Tensor | None  # the same on the host, when the ids were read there
+    cpu: CPUPart | None = None  # hybrid: what the CPU computes meanwhile
+    prefetched: bool = False  # the plan's prefetch copies have started
+
+    @property
+    def layer(self) -> int:
+        return self.plan.layer
 
 
 class OffloadExperts:

@@ -50,7 +50,6 @@ def build_model(
     device: torch.device,
     dtype: str = "auto",
     load_format: str = "auto",
-    max_positions: int | None = None,
     seed: int = 0,
     progress: bool = False,
     store_factory: Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore] | None = None,
@@ -62,8 +61,7 @@ def build_model(
     cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     torch_dtype = resolve_dtype(dtype, cfg)
-    positions = max_positions or cfg.max_position_embeddings
-    net = _instantiate(cfg, torch_dtype, device, positions, host_embedding and not cfg.tie_word_embeddings)
+    net = _instantiate(cfg, torch_dtype, device, cfg.max_position_embeddings, host_embedding and not cfg.tie_word_embeddings)
     store = (store_factory or ExpertStore)(cfg, torch_dtype, device)
     source: TensorSource
     if load_format == "dummy":
