@@ -132,7 +132,7 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
     cases = [(fmt, kind, dtype, layout)
              for fmt, kind in (("mxfp4", "swiglu_oai"), ("dense", "silu"))
              for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, None))
+    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, GroupedConfig()))
 
 
 @pytest.mark.gpu
