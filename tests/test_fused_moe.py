@@ -159,7 +159,7 @@ def test_fused_moe_rejects_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 # must not leak into this process (GPU tests here and elsewhere need compiled kernels).
 _INTERP_SCRIPT = """
 import json, torch
-from ferryman.experts.host_store import ExpertLayout
+from ferryman.quant.layout import ExpertLayout
 from ferryman.layers.fused_moe_triton import BLOCK_K, BLOCK_N, fused_moe_decode
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.layers.moe_common import MoEActivation

@@ -17,7 +17,7 @@ from triton_interp import run_interpreted, use_kernels
 # The case runner, shared by the interpreter script and the GPU test.
 _CASES = """
 import json, torch
-from ferryman.experts.host_store import ExpertLayout
+from ferryman.quant.layout import ExpertLayout
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
 from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
@@ -132,7 +132,7 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
     cases = [(fmt, kind, dtype, layout)
              for fmt, kind in (("mxfp4", "swiglu_oai"), ("dense", "silu"))
              for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, GroupedConfig()))
+    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"]()))
 
 
 @pytest.mark.gpu

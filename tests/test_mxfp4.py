@@ -188,7 +188,7 @@ def test_triton_dequant_equals_transformers_on_every_byte() -> None:
 
 _TRITON_ROWS = """
 import torch
-from ferryman.experts.host_store import ExpertLayout
+from ferryman.quant.layout import ExpertLayout
 from ferryman.quant import get_format
 from ferryman.quant.mxfp4 import dequant_mxfp4
 from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows
