@@ -104,9 +104,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     llm = LLM(None if demo else model, **kw)
     load_s = time.perf_counter() - t0
     eng = llm.engine
-    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch or a.bank_major):
-        eng.runner.rebind_experts(policy=a.policy, prefetch=not a.no_prefetch,
-                                  expert_major=False if a.bank_major else None, decode_prefetch=not a.no_decode_prefetch)
+    if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch):
+        eng.runner.rebind_experts(policy=a.policy, prefetch=not a.no_prefetch, decode_prefetch=not a.no_decode_prefetch)
     experts = eng.stats()["experts"]
     chunk = eng.plan.request.max_num_batched_tokens
     slot_bytes = eng.plan.slot_bytes
@@ -207,8 +206,6 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
     ap.add_argument("--no-decode-prefetch", action="store_true",
                     help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
-    ap.add_argument("--bank-major", action="store_true",
-                    help="bank-major slot pool (one copy per bank of each expert; default: expert-major)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
                     help="compute part of the decode misses on the CPU (experts/hybrid.py)")
     ap.add_argument("--json", type=Path, default=None)

@@ -9,7 +9,7 @@ Separate processes are a poor A/B on a fresh machine: the first pays Triton's co
 cache serves the next), and the 120b load pins ~60 GB each time. Here one engine loads once, runs a
 warm-up prompt, then goes through the variants in turn over fresh prompts (no prefix-cache hit).
 A variant is a list of OPTION=VALUE settings of the offloaded experts ("" for the defaults):
-prefetch=0|1 (the next layer's experts streamed ahead), policy=lru|lrfu, expert_major=0|1; each
+prefetch=0|1 (the next layer's experts streamed ahead), policy=lru|lrfu; each
 switch rebuilds the expert backend with them (ModelRunner.rebind_experts), so its cache starts
 empty: --settle runs unmeasured prompts first. The streaming limit is the
 prompt's chunks x the uncached experts' bytes / the measured link bandwidth: every chunk of a long
@@ -31,7 +31,7 @@ from bench_offload import link_bandwidth, uncached_bytes  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
 
-OPTIONS = ("prefetch", "policy", "expert_major")
+OPTIONS = ("prefetch", "policy")
 
 
 def prefill_s(llm: LLM, prompt: list[int]) -> float:

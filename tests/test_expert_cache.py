@@ -83,7 +83,7 @@ def test_exact_eviction_under_each_policy_on_the_fake_device(policy: str, victim
     """Expert 1 is used most, 2 and 3 most recently: LRU drops 1, LRFU (half-life 16 steps) drops
     2, whose CRF 2^(-5/16) + 2^(-2/16) is the smallest; the new expert lands in the victim's slot."""
     store = make_store()
-    cache = ExpertCache(store, 3, torch.device("cpu"), make_policy(policy), True, RecordingTransfer())
+    cache = ExpertCache(store, 3, torch.device("cpu"), make_policy(policy), RecordingTransfer())
     for step in ([1, 2, 3], [1], [1], [2], [3]):
         cache.begin_step()
         cache.release(0, step, cache.acquire(0, step))
@@ -183,28 +183,25 @@ def test_host_store_is_pinned_on_cuda() -> None:
 
 
 # ---- ExpertCache -----------------------------------------------------------------------------
-@pytest.mark.parametrize("expert_major", [True, False])
 @pytest.mark.parametrize("fmt,bias", [("dense", False), ("mxfp4", True)])
-def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool, expert_major: bool) -> None:
+def test_fetched_slots_hold_the_experts_byte_exact(fmt: str, bias: bool) -> None:
     store = make_store(fmt, bias)
     rec = RecordingTransfer()
-    cache = ExpertCache(store, 4, torch.device("cpu"), LRUPolicy(), expert_major, rec)
+    cache = ExpertCache(store, 4, torch.device("cpu"), LRUPolicy(), rec)
     slots = cache.acquire(1, [2, 3, 4])
     assert slots == [0, 1, 2]
-    banks = len(store.banks[1])
-    # consecutive experts into consecutive slots: one copy expert-major, one per bank otherwise
-    assert rec.log[0] == ("fetch", (0, 1, 2), True, 1 if expert_major else 3 * banks)
+    assert rec.log[0] == ("fetch", (0, 1, 2), True, 1)  # consecutive experts into consecutive slots: one copy
     assert rec.log[1] == ("wait", (0, 1, 2))
     for e, s in zip([2, 3, 4], slots):
         for name, bank in cache.banks.items():
             assert torch.equal(bank[s], store.banks[1][name][e]), (name, e)
-    assert rec.bytes == 3 * (store.layout.row_bytes if expert_major else sum(store.layout.sizes.values()))
+    assert rec.bytes == 3 * store.layout.row_bytes
 
 
-def offload_of(store: HostExpertStore, slots: int, guesser: NextLayerGuesser | None = None,
-             expert_major: bool = True) -> tuple[OffloadExperts, RecordingTransfer]:
+def offload_of(store: HostExpertStore, slots: int,
+               guesser: NextLayerGuesser | None = None) -> tuple[OffloadExperts, RecordingTransfer]:
     rec = RecordingTransfer()
-    cache = ExpertCache(store, slots, torch.device("cpu"), LRUPolicy(), expert_major, rec)
+    cache = ExpertCache(store, slots, torch.device("cpu"), LRUPolicy(), rec)
     return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
 
 
@@ -216,10 +213,9 @@ def make_routing(t: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch
     return x, ids, w
 
 
-@pytest.mark.parametrize("expert_major", [True, False])
-def test_batch_shares_one_lookup_and_matches_resident(expert_major: bool) -> None:
+def test_batch_shares_one_lookup_and_matches_resident() -> None:
     store = make_store()
-    backend, rec = offload_of(store, 6, expert_major=expert_major)
+    backend, rec = offload_of(store, 6)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([[1, 4], [4, 1], [2, 4], [1, 2], [4, 6]])  # 4 distinct experts, 10 pairs
     w = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(4)), dim=-1)

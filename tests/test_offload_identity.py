@@ -91,11 +91,8 @@ def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], devic
 
 
 def _payload_bytes(llm: LLM) -> int:
-    """Bytes copied per expert: its row (expert-major pool, the default) or its banks (bank-major)."""
-    cache = llm.engine.runner.experts.cache
-    if cache.pool.expert_major:
-        return cache.pool.layout.row_bytes
-    return sum(cache.pool.layout.sizes.values())
+    """Bytes copied per expert: its row of the expert-major pool."""
+    return llm.engine.runner.experts.cache.pool.layout.row_bytes
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,11 +125,9 @@ def test_demo_model_offload_10pct_equals_resident(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", expert_major=False, decode_prefetch=True)])
+@pytest.mark.parametrize("options", [dict(policy="lru", prefetch=False), dict(policy="lrfu", decode_prefetch=True)])
 def test_demo_model_every_policy_and_layout_equals_resident(device: str, options: dict) -> None:
-    """Policies, pool layouts and prefetch change what is copied when, never the answer. On CUDA the
-    bank-major pool runs fused_moe's kernels, the expert-major one the same decode kernel on strided
-    banks and grouped_moe for prefill chunks."""
+    """Policies and prefetch change what is copied when, never the answer."""
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=32, enforce_eager=True)
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
@@ -145,8 +140,7 @@ def test_demo_model_every_policy_and_layout_equals_resident(device: str, options
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("expert_major", [False, True])
-def test_cuda_copy_stream_never_races_the_kernels(expert_major: bool) -> None:
+def test_cuda_copy_stream_never_races_the_kernels() -> None:
     """Two slots for 320 experts: every layer evicts what the previous one read while its kernels
     may still run, and prefetches land behind misses. Any missing event wait shows up as a
     different token."""
@@ -154,7 +148,6 @@ def test_cuda_copy_stream_never_races_the_kernels(expert_major: bool) -> None:
     resident = LLM(**kw)
     ids = [resident.encode("import os\nimport sys\n\ndef main(")]
     offload = LLM(moe_strategy="offload", expert_cache=2, **kw)
-    offload.engine.runner.rebind_experts(expert_major=expert_major)
     assert greedy_ids(offload, ids * 3, 48) == greedy_ids(resident, ids * 3, 48)
     st = offload.stats()["experts"]
     assert st["host_pinned"] and st["h2d_seconds"] > 0 and st["stall_seconds"] >= 0

@@ -58,7 +58,7 @@ def test_plan_prefetches_in_order_with_their_widths() -> None:
 
 def _executor(slots: int, guesser: NextLayerGuesser | None = None) -> tuple[OffloadExperts, RecordingTransfer]:
     rec = RecordingTransfer()
-    cache = ExpertCache(make_store(), slots, torch.device("cpu"), LRUPolicy(), True, rec)
+    cache = ExpertCache(make_store(), slots, torch.device("cpu"), LRUPolicy(), rec)
     return OffloadExperts(cache, MoEActivation("silu"), guesser), rec
 
 

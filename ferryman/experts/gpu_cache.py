@@ -27,25 +27,15 @@ from ferryman.experts.transfer import Copy, Transfer, make_transfer
 
 
 class SlotPool:
-    """Slot banks on the device.
+    """Slot banks on the device: one `[S, row_bytes]` buffer laid out like the host store (expert
+    major), so a run of consecutive experts into consecutive slots is one copy; the bank views are
+    strided along the slot dim (every kernel reads them)."""
 
-    expert_major: one `[S, row_bytes]` buffer laid out like the host store, so a run of
-    consecutive experts into consecutive slots is one copy; bank views are strided (every kernel
-    reads them).
-    bank-major: one contiguous `[S, ...]` tensor per bank; one copy per bank per expert.
-    """
-
-    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device, expert_major: bool) -> None:
+    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device) -> None:
         self.layout, self.num_slots, self.device = layout, num_slots, device
-        self.expert_major = expert_major
-        self.flat: torch.Tensor | None = None
-        if expert_major:
-            # zeroed: a captured MoE graph may read a slot no copy has filled yet (padding rows)
-            self.flat = torch.zeros((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
-            self.banks = layout.views(self.flat)
-        else:
-            self.banks = {n: torch.zeros((num_slots, *shape), dtype=layout.dtypes[n], device=device)
-                          for n, shape in layout.shapes.items()}
+        # zeroed: a captured MoE graph may read a slot no copy has filled yet (padding rows)
+        self.flat = torch.zeros((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
+        self.banks = layout.views(self.flat)
 
     @property
     def nbytes(self) -> int:
@@ -53,9 +43,6 @@ class SlotPool:
 
     def copies(self, store: HostExpertStore, layer: int, pairs: list[tuple[int, int]]) -> list[Copy]:
         """Copies filling slot s with expert e of `layer` for each (e, s)."""
-        if self.flat is None:
-            src = store.banks[layer]
-            return [Copy(src[n][e], self.banks[n][s]) for e, s in pairs for n in self.banks]
         rows = store.flat[layer]
         return [Copy(rows[e0 : e0 + n], self.flat[s0 : s0 + n]) for e0, s0, n in coalesce(pairs)]
 
@@ -90,18 +77,14 @@ class ExpertCache:
     """Slots on `device` caching the experts of a `HostExpertStore`."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device,
-                 policy: ReplacementPolicy, expert_major: bool | None = None,
-                 transfer: Transfer | None = None) -> None:
+                 policy: ReplacementPolicy, transfer: Transfer | None = None) -> None:
         if store.layout is None:
             raise ValueError("the expert cache needs a model with routed experts")
         self.store, self.device = store, torch.device(device)
         self.num_experts = store.cfg.num_experts
         self.moe_index = {layer: i for i, layer in enumerate(store.cfg.moe_layers)}
         self.table = SlotTable(num_slots, policy)
-        # expert-major by default: one copy per expert (per run of experts) instead of one per bank,
-        # and every kernel reads strided banks (host cost of 6 copies per gpt-oss expert: benchmarks.md)
-        major = True if expert_major is None else expert_major
-        self.pool = SlotPool(store.layout, num_slots, self.device, major)
+        self.pool = SlotPool(store.layout, num_slots, self.device)
         self.transfer = transfer or make_transfer(self.device, num_slots)
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since

@@ -254,8 +254,8 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
 
 
 def slot_copy_rep(cache: "ExpertCache", k: int) -> Rep:
-    """k experts copied into the first k slots through the cache's own copy path (bank-major:
-    one copy per bank); slots in reverse order, so no copies coalesce, as with scattered misses."""
+    """k experts copied into the first k slots through the cache's own copy path, slots in reverse
+    order so that no copies coalesce, as with scattered misses."""
     store, layers = cache.store, cache.store.cfg.moe_layers
     cycle = ExpertCycle(len(layers), cache.num_experts, k)
 

@@ -111,11 +111,10 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
 
 
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
-                    act: MoEActivation, policy: str | None = None, expert_major: bool | None = None,
+                    act: MoEActivation, policy: str | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
                     cpu_thread: bool | None = None, decode_prefetch: bool = True) -> Any:
-    """policy: lru | lrfu (default policies.DEFAULT_POLICY); expert_major: slot pool layout (default
-    expert-major: one copy per expert); prefetch: next-layer guesses and prefill streaming;
+    """policy: lru | lrfu (default policies.DEFAULT_POLICY); prefetch: next-layer guesses and prefill streaming;
     decode_prefetch: guesses acted on in decode steps too (OffloadConfig.decode_prefetch);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
@@ -126,7 +125,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
 
-    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), expert_major)
+    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy())
     gates = {block.layer: block.gate for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode_prefetch) if prefetch else None
