@@ -40,24 +40,26 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layers: int | None 
     return (cfg.num_layers if layers is None else layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int) -> int:
+def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int,
+                     kernels: str = "auto") -> int:
     """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ _FIXED_HEADROOM).
 
     Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per routed
     pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the sorted input row (H);
-    once: the prefill path's dequantised w13 banks (2 I H each) and fp32 logits of the sampled rows."""
+    once: the prefill path's dequantised w13 banks (2 I H each) and fp32 logits of the sampled rows.
+    kernels: the MoE kernels the engine runs (PlanRequest.kernels)."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
     per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
-    once = _dequantised_experts(cfg.expert_format) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    once = _dequantised_experts(cfg.expert_format, kernels) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return chunk_tokens * per_token + once + _FIXED_HEADROOM
 
 
-def _dequantised_experts(fmt: str) -> int:
+def _dequantised_experts(fmt: str, kernels: str) -> int:
     """Experts the CUDA prefill MoE path of format `fmt` dequantises at once: a group on the batched
-    path (FERRYMAN_KERNELS=torch, or no Triton), none on the grouped GEMM."""
-    return batched_moe.PREFILL_GROUP if fused_moe.prefill_path(fmt) == "batched" else 0
+    path (kernels "torch", or no Triton), none on the grouped GEMM."""
+    return batched_moe.PREFILL_GROUP if fused_moe.prefill_path(fmt, kernels=kernels) == "batched" else 0
 
 
 def non_expert_params(cfg: ModelConfig) -> int:
@@ -104,6 +106,7 @@ class PlanRequest:
     strategy: str = "auto"
     expert_cache: float | int | None = None
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
+    kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
 
     @property
     def kv_per_token(self) -> int:
@@ -193,7 +196,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
         raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {req.strategy!r}")
     cfg, total = req.cfg, req.total_experts
     weights = non_expert_bytes(cfg, req.dtype)
-    act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs)
+    act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
     per_slot = slot_bytes(cfg, req.dtype) if total else 0
     if req.budget is None:
         return _unlimited_plan(req, weights, act, per_slot)

@@ -9,7 +9,6 @@ from ferryman.layers.batched_moe import PREFILL_GROUP, fused_moe_batched
 from ferryman.layers.moe_common import MoEActivation, to_device
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
-from triton_interp import use_kernels
 
 
 def _skewed_routing(t: int, k: int, e: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +130,7 @@ def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) 
 def test_planner_counts_what_the_default_path_dequantises(preset: str, dequantised: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
-    grouped GEMM (none); with FERRYMAN_KERNELS=torch the grouped kernel cannot run and fused_moe
+    grouped GEMM (none); with the torch kernels (PlanRequest.kernels) the grouped kernel cannot run and fused_moe
     falls back to the batched path, which the plan then counts."""
     from ferryman.models.registry import model_config
     from ferryman.layers.backend import triton_available
@@ -145,10 +144,8 @@ def test_planner_counts_what_the_default_path_dequantises(preset: str, dequantis
     with monkeypatch.context() as m:
         _force_prefill_path(m, "grouped")
         base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
-    use_kernels(monkeypatch, "auto")
     assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == dequantised * one_w13
-    use_kernels(monkeypatch, "torch")
-    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 8 * one_w13
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1, kernels="torch") - base == 8 * one_w13
 
 
 @pytest.mark.gpu

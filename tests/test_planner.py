@@ -150,7 +150,7 @@ HOSTILE_ENV = {
     "FERRYMAN_PREFETCH_AVOID_BUSY": "0", "FERRYMAN_PREFETCH_SPLIT_BUSY": "1", "FERRYMAN_DECODE_WRAP_GUESS": "0",
     "FERRYMAN_DECODE_PREFETCH_TOPK": "11", "FERRYMAN_DECODE_PREFETCH_SOLO_TOPK": "5", "FERRYMAN_ZERO_COPY": "1",
     "FERRYMAN_ZERO_COPY_STAGE": "64", "FERRYMAN_CPU_THREADS": "3", "FERRYMAN_HYBRID_MIN_CPU": "9",
-    "FERRYMAN_MOE_PREFILL": "reference", "FERRYMAN_MOE_PREFILL_GROUP": "3",
+    "FERRYMAN_MOE_PREFILL": "reference", "FERRYMAN_MOE_PREFILL_GROUP": "3", "FERRYMAN_KERNELS": "torch",
 }
 
 
@@ -158,8 +158,12 @@ def test_the_plan_is_a_function_of_its_inputs(monkeypatch: pytest.MonkeyPatch) -
     requests = [_req("gpt-oss-20b", "8GiB"), _req("gpt-oss-120b", "16GiB", max_num_seqs=4),
                 _req("gpt-oss-120b", "40GiB", expert_cache=0.1), _req("gpt-oss-20b", None)]
     clean = [plan_memory(r) for r in requests] + [plan_auto_seqs(requests[1])]
+    from ferryman.envs import envs
+
+    monkeypatch.setattr(envs, "KERNELS", envs.KERNELS)  # read now: the test's end restores it
     for name, value in HOSTILE_ENV.items():
         monkeypatch.setenv(name, value)
+    envs.reload()  # the read-once variables see the hostile environment too
     for _ in range(2):
         assert [plan_memory(r) for r in requests] + [plan_auto_seqs(requests[1])] == clean
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ferryman.config import EngineConfig, ModelConfig, kv_dtype, parse_bytes, parse_expert_cache
+from ferryman.envs import envs
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.experts.store import ExpertStore
@@ -46,7 +47,7 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     cache = parse_expert_cache(ecfg.expert_cache) if ecfg.expert_cache is not None else None
     req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
-                      ecfg.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device))
+                      ecfg.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), envs.KERNELS)
     return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
 
 
