@@ -21,7 +21,7 @@ from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
-from ferryman.planner import MemoryPlan, kv_bytes_per_token  # noqa: F401 (re-exported)
+from ferryman.planner import MemoryPlan
 from ferryman.weights.build import LoadedModel
 
 log = logging.getLogger("ferryman.engine")
@@ -115,7 +115,7 @@ class ModelRunner:
 
     def rebind_experts(self, **options: Any) -> OffloadExperts:
         """Replace the offloaded experts by a fresh backend (same store and slot count) built with
-        `options` (offload_backend's: policy, layout, prefetch on/off, ...); returns it."""
+        `options` (offload_backend's: policy, prefetch, decode_prefetch, cpu_experts, ...); returns it."""
         old = self.experts
         if not isinstance(old, OffloadExperts):
             raise ValueError("rebind_experts needs an engine whose experts are offloaded")

@@ -115,18 +115,19 @@ class OffloadExperts:
             wrap = g.wrap(layer, used, rows, streaming)
             if wrap:
                 guesses.append(Guess(g.first, "wrap", tuple(wrap)))
+        cached = {e for e in used if self.cache.contains(layer, e)}
         cpu, units = None, 0.0
         if self.hybrid is not None and self.hybrid.applies(rows, streaming):
-            cpu, units = self._split(layer, used, host_ids)
-        cached = {e for e in used if self.cache.contains(layer, e)}
+            cpu, units = self._split(layer, used, cached, host_ids)
         return make_plan(layer, rows, streaming, used, cached, self.cache.available(), cpu, guesses, units), host_ids
 
-    def _split(self, layer: int, used: list[int], host_ids: torch.Tensor) -> tuple[list[int], float]:
+    def _split(self, layer: int, used: list[int], cached: set[int],
+               host_ids: torch.Tensor) -> tuple[list[int], float]:
         """The hybrid split's misses for the CPU (ascending), and what they cost it (1-token experts)."""
         assert self.hybrid is not None
         self.hybrid.history.use([(layer, e) for e in used])
-        misses = [e for e in used if not self.cache.contains(layer, e)]
-        hits = len(used) - len(misses)
+        misses = [e for e in used if e not in cached]
+        hits = len(cached)
         room = self.cache.available() - hits  # hits are cached and not in use between layers: >= 0
         tokens = torch.bincount(host_ids.flatten(), minlength=self.num_experts).tolist()  # per expert
         on_cpu = self.hybrid.split(layer, misses, room, device_min=0 if hits else 1, tokens=tokens)[1]
