@@ -277,7 +277,10 @@ def setup_logging(debug: bool = False) -> None:
         ferryman_cli = True
 
         def emit(self, record: logging.LogRecord) -> None:
-            print(self.format(record), file=sys.stderr)
+            try:
+                print(self.format(record), file=sys.stderr)
+            except Exception:  # a bad format or a closed stderr must not break the engine
+                self.handleError(record)
 
     logger = logging.getLogger("ferryman")
     if not any(getattr(h, "ferryman_cli", False) for h in logger.handlers):

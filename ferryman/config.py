@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -254,8 +255,9 @@ class EngineConfig:
     calibration: str | None = None
     decode_prefetch: bool = True
 
-    @property
+    @cached_property
     def offload(self) -> OffloadConfig:
+        """The routed-expert fields as one OffloadConfig (built, so validated, once)."""
         return OffloadConfig(self.gpu_memory, self.moe_strategy, self.expert_cache, self.cpu_experts,
                              self.calibration, self.decode_prefetch)
 

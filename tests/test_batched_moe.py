@@ -107,7 +107,7 @@ def test_batched_rejects_a_bad_group() -> None:
 def _force_prefill_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     from ferryman.layers import fused_moe as fm
 
-    monkeypatch.setattr(fm, "prefill_path", lambda fmt, tokens=None, kernels=None: path)
+    monkeypatch.setattr(fm, "prefill_path", lambda fmt, pairs=None, kernels=None: path)
 
 
 def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +160,7 @@ def test_gpu_batched_equals_reference_at_gpt_oss_shapes() -> None:
     ids, w = _skewed_routing(1024, 4, 32, 6, "cuda")
     a = MoEActivation("swiglu_oai")
     want = fused_moe_reference(form, banks, x, ids, w, a)
-    got = fused_moe("mxfp4", banks, x, ids, w, a)  # > 512 MXFP4 tokens: the dispatcher takes the batched path
+    got = fused_moe("mxfp4", banks, x, ids, w, a)  # 4096 MXFP4 pairs, past 2048: the dispatcher takes the batched path
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 

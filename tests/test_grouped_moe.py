@@ -81,21 +81,21 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
     _check(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("fmt, tokens, kernels, path", [
-    ("dense", 17, None, "grouped"), ("dense", 8192, None, "grouped"), ("dense", None, None, "grouped"),
-    ("mxfp4", 17, None, "grouped"), ("mxfp4", 512, None, "grouped"), ("mxfp4", 513, None, "batched"),
-    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 17, None, "batched"),
-    ("dense", 17, "triton", "grouped"), ("dense", 17, "torch", "batched"), ("mxfp4", 17, "torch", "batched"),
+@pytest.mark.parametrize("fmt, pairs, kernels, path", [
+    ("dense", 68, None, "grouped"), ("dense", 32768, None, "grouped"), ("dense", None, None, "grouped"),
+    ("mxfp4", 68, None, "grouped"), ("mxfp4", 2048, None, "grouped"), ("mxfp4", 2049, None, "batched"),
+    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 68, None, "batched"),
+    ("dense", 68, "triton", "grouped"), ("dense", 68, "torch", "batched"), ("mxfp4", 68, "torch", "batched"),
 ])
-def test_prefill_path_by_format_tokens_and_kernels(fmt: str, tokens: int | None, kernels: str | None,
-                                                   path: str) -> None:
-    """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 512 tokens (the
-    batched path above, and for the planner's worst case, tokens None); other formats, and any
-    format with FERRYMAN_KERNELS=torch, the batched path."""
+def test_prefill_path_by_format_pairs_and_kernels(fmt: str, pairs: int | None, kernels: str | None,
+                                                  path: str) -> None:
+    """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 2048 (token, k)
+    pairs (the batched path above, and with no count); other formats, and any format with
+    FERRYMAN_KERNELS=torch, the batched path."""
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
-    assert prefill_path(fmt, tokens, kernels) == path
+    assert prefill_path(fmt, pairs, kernels) == path
 
 
 def test_prefill_path_reads_ferryman_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,7 +147,7 @@ def test_prefill_through_grouped_gemm_equals_batched(tiny: tuple, monkeypatch: p
     kw = dict(device="cuda", dtype="float32", enforce_eager=True)
     scores = {}
     for path in ("batched", "grouped"):
-        monkeypatch.setattr(fm, "prefill_path", lambda fmt, tokens=None, kernels=None, path=path: path)
+        monkeypatch.setattr(fm, "prefill_path", lambda fmt, pairs=None, kernels=None, path=path: path)
         scores[path] = LLM(str(folder), **kw).score(prompts)
     for a, b in zip(scores["grouped"], scores["batched"]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item()), arch
@@ -155,11 +155,11 @@ def test_prefill_through_grouped_gemm_equals_batched(tiny: tuple, monkeypatch: p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt, t, taken", [("dense", 40, "grouped"), ("dense", 1000, "grouped"),
-                                            ("mxfp4", 40, "grouped"), ("mxfp4", 512, "grouped"),
-                                            ("mxfp4", 513, "batched")])
+                                            ("mxfp4", 40, "grouped"), ("mxfp4", 1024, "grouped"),
+                                            ("mxfp4", 1025, "batched")])
 def test_cuda_default_prefill_dispatch(fmt: str, t: int, taken: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the defaults, a call of more than 64 pairs on CUDA reaches the kernel prefill_path names
-    for its format and token count, and equals the reference."""
+    for its format and pair count (top-2 here: 1024 tokens = 2048 pairs), and equals the reference."""
     import ferryman.layers.fused_moe as fm
     import ferryman.layers.grouped_moe_triton as grouped_mod
     from ferryman.quant import get_format

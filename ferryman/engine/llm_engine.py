@@ -84,8 +84,9 @@ class LLMEngine:
         graphs = not ecfg.enforce_eager
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
-                                  expert_options=dict(cpu_experts=ecfg.cpu_experts, calibration=ecfg.calibration,
-                                                      decode_prefetch=ecfg.decode_prefetch),
+                                  expert_options=dict(cpu_experts=ecfg.offload.cpu_experts,
+                                                      calibration=ecfg.offload.calibration,
+                                                      decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ferryman.experts.host_store import HostExpertStore
-from ferryman.quant.layout import ExpertLayout
 from ferryman.experts.policies import ReplacementPolicy
 from ferryman.experts.slot_table import Lookup, SlotTable
 from ferryman.experts.transfer import Copy, Transfer, make_transfer
+from ferryman.quant.layout import ExpertLayout
 
 
 class SlotPool:

@@ -18,6 +18,7 @@ from ferryman.envs import envs
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.experts.store import ExpertStore
+from ferryman.layers.backend import triton_available
 from ferryman.layers.fused_moe import MoEActivation
 from ferryman.planner import (
     AUTO_NUM_SEQS,
@@ -33,8 +34,8 @@ log = logging.getLogger("ferryman.experts")
 
 def device_budget(ecfg: EngineConfig, device: torch.device) -> int | None:
     """Bytes the plan may use on `device`: gpu_memory, else CUDA free memory x utilisation, else None."""
-    if ecfg.gpu_memory is not None:
-        return parse_bytes(ecfg.gpu_memory)
+    if ecfg.offload.gpu_memory is not None:
+        return parse_bytes(ecfg.offload.gpu_memory)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(free - total * (1 - ecfg.gpu_memory_utilization))
@@ -44,10 +45,12 @@ def device_budget(ecfg: EngineConfig, device: torch.device) -> int | None:
 def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_model_len: int) -> MemoryPlan:
     """The memory plan; max_num_seqs None lets the planner pick the concurrency (`plan_auto_seqs`)."""
-    cache = parse_expert_cache(ecfg.expert_cache) if ecfg.expert_cache is not None else None
+    off = ecfg.offload
+    cache = parse_expert_cache(off.expert_cache) if off.expert_cache is not None else None
+    kernels = envs.KERNELS if triton_available() else "torch"  # the machine's, resolved here: the plan is pure
     req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
-                      ecfg.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), envs.KERNELS)
+                      off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels)
     return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
 
 
@@ -57,9 +60,9 @@ def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
     if device.type != "cuda":
         return
     expandable_segments()
-    if ecfg.gpu_memory is None:
+    if ecfg.offload.gpu_memory is None:
         return
-    budget = parse_bytes(ecfg.gpu_memory)
+    budget = parse_bytes(ecfg.offload.gpu_memory)
     total = torch.cuda.get_device_properties(device).total_memory
     if budget > total:
         raise ConfigError(f"gpu_memory {budget / 2**30:.2f} GiB exceeds the device's {total / 2**30:.2f} GiB")

@@ -27,19 +27,19 @@ from ferryman.quant import Banks, ExpertFormat, get_format
 __all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "prefill_path", "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
-# MXFP4: the grouped GEMM up to this many tokens, batched above (crossover 512-1024: docs/benchmarks.md)
-GROUPED_MXFP4_MAX_TOKENS = 512
+# MXFP4: the grouped GEMM up to this many (token, k) pairs, batched above (gpt-oss-20b's crossover
+# lies between 512 and 1024 tokens of top-4: docs/benchmarks.md)
+GROUPED_MXFP4_MAX_PAIRS = 2048
 
 
-def prefill_path(fmt: str, tokens: int | None = None, kernels: str | None = None) -> str:
+def prefill_path(fmt: str, pairs: int | None = None, kernels: str | None = None) -> str:
     """The CUDA path of a batch too large for the decode kernel: "grouped" for unquantised experts
-    and MXFP4 ones up to GROUPED_MXFP4_MAX_TOKENS tokens, else "batched", as also wherever the
-    grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch). tokens None: the path of the
-    largest batches, whose dequantised experts the planner counts. kernels: a FERRYMAN_KERNELS
-    value to decide for (default: the process's)."""
+    and MXFP4 ones up to GROUPED_MXFP4_MAX_PAIRS (token, k) pairs, else "batched", as also wherever
+    the grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch). pairs None: the path of the
+    largest batches. kernels: a FERRYMAN_KERNELS value to decide for (default: the process's)."""
     if (envs.KERNELS if kernels is None else kernels) == "torch" or not backend.triton_available():
         return "batched"
-    if fmt == "dense" or (fmt == "mxfp4" and tokens is not None and tokens <= GROUPED_MXFP4_MAX_TOKENS):
+    if fmt == "dense" or (fmt == "mxfp4" and pairs is not None and pairs <= GROUPED_MXFP4_MAX_PAIRS):
         return "grouped"
     return "batched"
 
@@ -48,9 +48,9 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
               act: MoEActivation, host_ids: torch.Tensor | None = None,
               inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
-    ids on the host, if the caller has them: the prefill paths then group the pairs with no device
+    ids on the host, if the caller has them: the batched path then groups the pairs with no device
     sync. inputs_issued: called exactly once, as soon as every host -> device copy the kernels need
-    is issued (the batched path: before its many launches). upload: how the prefill paths' small
+    is issued (the batched path: before its many launches). upload: how the batched path's small
     host-built inputs reach the device (default: an async copy on the current stream)."""
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
@@ -59,7 +59,7 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
-    elif x.is_cuda and prefill_path(fmt, x.shape[0]) == "grouped":
+    elif x.is_cuda and prefill_path(fmt, topk_ids.numel()) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
         out = grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
