@@ -12,6 +12,7 @@ them; every user choice is a field of `EngineConfig` instead (config.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Generic, NoReturn, TypeVar
 
@@ -80,8 +81,15 @@ class Envs:
     CPU_KERNEL: bool
 
     def reload(self) -> None:
-        """Read all five from os.environ again (every one is parsed before any is kept)."""
+        """Read all five from os.environ again (every one is parsed before any is kept); warn
+        about other FERRYMAN_* variables set, which ferryman does not read."""
         self.__dict__.update({attr: var.get() for attr, var in VARS.items()})
+        known = {var.name for var in VARS.values()}
+        unread = sorted(k for k in os.environ if k.startswith("FERRYMAN_") and k not in known)
+        if unread:
+            logging.getLogger("ferryman").warning(
+                "ignoring %s: ferryman reads only %s; settings are flags and LLM(...) arguments "
+                "(docs/configuration.md)", ", ".join(unread), ", ".join(sorted(known)))
 
     def __getattr__(self, attr: str) -> Any:  # only for names not yet in the instance dict
         if attr in VARS:

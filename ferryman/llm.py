@@ -65,6 +65,9 @@ class LLM:
 
         progress: a bar over finished requests (default: the engine's `progress` setting)."""
         ids = self._prompt_ids(prompts, prompt_token_ids)
+        if isinstance(params, SamplingParams) and params.logits_processors and len(ids) > 1:
+            raise ConfigError("SamplingParams.logits_processors may keep state per sequence: pass one "
+                              f"SamplingParams per prompt (a list of {len(ids)}), each with its own processors")
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(ids)
         if len(plist) != len(ids):
             raise ConfigError(f"got {len(plist)} SamplingParams for {len(ids)} prompts")

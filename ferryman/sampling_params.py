@@ -21,7 +21,9 @@ class LogitsProcessor(Protocol):
     """Changes one sequence's next-token logits before sampling (a grammar's mask, a bias).
 
     Called in the engine thread each time the sequence samples, with its output tokens so far;
-    logits: [V] fp32, the model's or the previous processor's (logprobs are taken before any)."""
+    logits: [V] fp32, the model's or the previous processor's (logprobs are taken before any).
+    One instance serves one sequence (a grammar's matcher keeps its position); an exception from
+    it stops the engine."""
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor: ...
 

@@ -6,11 +6,13 @@ import json
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ferryman import LLM, SamplingParams
+from ferryman.errors import ConfigError
 from ferryman.llm import DEMO_MODEL
 
 WINDOW = 256
@@ -51,6 +53,11 @@ def test_demo_model_is_the_default_and_writes_python() -> None:
     out = llm.generate(["def quicksort(xs):"], SamplingParams(temperature=0.0, max_tokens=12))[0]
     assert len(out.token_ids) > 0 and out.finish_reason in ("stop", "length")
     assert out.text == AutoTokenizer.from_pretrained(DEMO_MODEL).decode(out.token_ids, skip_special_tokens=True)
+    # logits processors may keep per-sequence state: one SamplingParams is not shared by two prompts
+    shared = SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ConfigError, match="one SamplingParams per prompt"):
+        llm.generate(["a", "b"], shared)
+    assert len(llm.generate(["a"], shared)[0].token_ids) == 2
 
 
 def test_shipped_folder_is_at_most_40_mib() -> None:

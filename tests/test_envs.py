@@ -47,6 +47,19 @@ def test_monkeypatching_an_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
     assert envs.CPU_KERNEL is False
 
 
+def test_variables_ferryman_no_longer_reads_are_named_in_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("FERRYMAN_ZERO_COPY", "1")
+    with caplog.at_level("WARNING", logger="ferryman"):
+        Envs().reload()
+    assert "ignoring FERRYMAN_ZERO_COPY" in caplog.text and "FERRYMAN_KERNELS" in caplog.text
+    monkeypatch.delenv("FERRYMAN_ZERO_COPY")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ferryman"):
+        Envs().reload()
+    assert "ignoring" not in caplog.text
+
+
 def test_unknown_names_are_attribute_errors() -> None:
     with pytest.raises(AttributeError, match="FERRYMAN_NO_SUCH"):
         getattr(Envs(), "NO_SUCH")

@@ -31,13 +31,12 @@ def run_interpreted(script: str, timeout: float = 300) -> str:
 
 def set_read_once(monkeypatch: pytest.MonkeyPatch, attr: str, value: str) -> None:
     """FERRYMAN_<attr> = value for the rest of the test: the process reads its variables once
-    (`ferryman.envs.envs`), so the environment and the read value both change; monkeypatch puts
-    both back."""
-    from ferryman.envs import envs
+    (`ferryman.envs.envs`), so the environment and that one read value both change (a bad value
+    raises ConfigError here, as at start); monkeypatch puts both back."""
+    from ferryman.envs import VARS, envs
 
-    monkeypatch.setattr(envs, attr, getattr(envs, attr))  # read before the change, so undo restores it
     monkeypatch.setenv(f"FERRYMAN_{attr}", value)
-    envs.reload()
+    monkeypatch.setattr(envs, attr, VARS[attr].get())
 
 
 def use_kernels(monkeypatch: pytest.MonkeyPatch, value: str) -> None:

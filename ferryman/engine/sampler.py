@@ -20,7 +20,8 @@ _NEG_INF = float("-inf")
 
 
 class Sampler:
-    """`sampler(logits[B, V] fp32, seqs) -> Tensor[B] int64` token ids (one row per sequence)."""
+    """`sample(logits[B, V] fp32, seqs) -> SamplerOutput` (the runner's entry point: each row's logits
+    processors, logprobs, the draw); `sampler(logits, seqs) -> Tensor[B]` is the draw alone."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):

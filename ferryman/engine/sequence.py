@@ -55,7 +55,7 @@ class Sequence:
         self.num_computed_tokens: int = 0
         self.block_table: list[int] = []
         self.window_table: list[int] = []  # the sliding-window layers' blocks (kvcache/window_pool.py)
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions: int = 0
         self.arrival_time: float = time.monotonic()

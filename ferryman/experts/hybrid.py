@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration, sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
+from ferryman.config import CPU_EXPERTS
 from ferryman.layers.fused_moe import MoEActivation
 
 if TYPE_CHECKING:
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ferryman.experts")
 
-MODES = ("off", "auto", "on")
 MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
 MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
 OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
@@ -106,8 +106,8 @@ def slope_of(cal: Calibration) -> float:
 
 
 def decide(mode: str, r_link: float, r_cpu: float, source: str, slope: float = 0.0) -> HybridDecision:
-    if mode not in MODES:
-        raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in CPU_EXPERTS:
+        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
     if mode == "off":
         return HybridDecision(mode, False, r_link, r_cpu, source, "off", slope)
     if mode == "on":
@@ -232,8 +232,8 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
                 calibration: str | Path | None = None) -> HybridSplit | None:
     """None for "off"; else the split with rates from the calibration file for this model's experts
     on this machine, or measured now in a few hundred ms on the engine's own store and slots."""
-    if mode not in MODES:
-        raise ValueError(f"cpu_experts must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode not in CPU_EXPERTS:
+        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
     if mode == "off":
         return None
     if mode == "auto" and cache.device.type != "cuda":

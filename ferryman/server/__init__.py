@@ -1,4 +1,4 @@
-"""OpenAI- and Anthropic-compatible HTTP server (`ferryman serve`). Needs the `serve` extra."""
+"""OpenAI- and Anthropic-compatible HTTP server (`ferryman serve`)."""
 
 from ferryman.server.app import build_app, serve
 from ferryman.server.engine_loop import EngineLoop

@@ -82,11 +82,13 @@ class GrammarCompiler:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits: [R, V], bitmask: [R, W] int32 (bit j of word w allows token 32 w + j) -> [R, V]
-    with disallowed tokens at -inf; tokens past 32 W are disallowed."""
+    with disallowed tokens at -inf; tokens past 32 W are disallowed. The words (V / 8 bytes) go to
+    the logits' device and are expanded there, not the V-sized mask on the host."""
     R, V = logits.shape
+    bitmask = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     allowed = bits.view(R, -1).bool()  # [R, 32 W]
     if allowed.shape[1] < V:
         allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
-    return logits.masked_fill(~allowed[:, :V].to(logits.device), _NEG_INF)
+    return logits.masked_fill(~allowed[:, :V], _NEG_INF)
