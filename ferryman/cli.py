@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from ferryman.cli_bench import add_bench, cmd_bench
+from ferryman.cli_bench import HelpFormatter, RawHelpFormatter, add_bench, cmd_bench
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig
 from ferryman.envs import envs
 from ferryman.errors import FerrymanError
@@ -23,19 +23,6 @@ docs/configuration.md describes every setting."""
 MODEL_HELP = "model folder or preset (default: the demo model)"
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends '(default: X)' to a flag's help, unless the help says its default itself (None
-    defaults, on/off switches)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or action.default is None or isinstance(action.default, bool):
-            return text
-        return super()._get_help_string(action) or text
-
-
-class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """HelpFormatter that keeps the description's own lines."""
 
 
 def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> None:
@@ -91,7 +78,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of run, plan, info and bench bw (serve hands `engine_kwargs` to the server)."""
+    """`ferryman plan`'s EngineConfig (run hands `engine_kwargs` to LLM, serve to the server)."""
     from ferryman.llm import default_model
 
     return EngineConfig(model=a.model or default_model(), **engine_kwargs(a))
@@ -120,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     _add_plan(sub)
     _add_serve(sub)
-    add_bench(sub, HelpFormatter, RawHelpFormatter)
+    add_bench(sub)
     return parser
 
 
@@ -234,7 +221,9 @@ def cmd_info(a: argparse.Namespace) -> int:
     from ferryman.models.summary import summarize
     from ferryman.weights.build import resolve_hf_config
 
-    hf, folder = resolve_hf_config(engine_config(a).model, "dummy")
+    from ferryman.llm import default_model
+
+    hf, folder = resolve_hf_config(a.model or default_model(), "dummy")
     s = summarize(hf)
     c = s.cfg
     gib = 2**30

@@ -8,14 +8,26 @@ import argparse
 from ferryman.errors import ConfigError, FerrymanError
 
 
-Formatter = type[argparse.HelpFormatter]
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' to a flag's help, unless the help says its default itself (None
+    defaults, on/off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or isinstance(action.default, bool):
+            return text
+        return super()._get_help_string(action) or text
 
 
-def add_bench(sub: argparse._SubParsersAction, formatter: Formatter, raw: Formatter) -> None:
-    """`bench serve` and `bench bw`, their help in `formatter`, or `raw` for bw's preformatted description."""
-    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.", formatter_class=formatter)
+class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
+    """HelpFormatter that keeps the description's own lines."""
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    """`bench serve` and `bench bw` (the CLI's help formatters are defined here, below cli.py)."""
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.", formatter_class=HelpFormatter)
     kinds = bench.add_subparsers(dest="bench_command", metavar="KIND", required=True)
-    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server", formatter_class=formatter,
+    b = kinds.add_parser("serve", help="load-test an OpenAI-compatible server", formatter_class=HelpFormatter,
                          description="Concurrency sweep against URL/v1/completions (streaming): TTFT, "
                                      "inter-token latency and output tokens/s at p50 / p99.")
     b.add_argument("url", metavar="URL", help="server root, e.g. http://127.0.0.1:8000")
@@ -28,7 +40,7 @@ def add_bench(sub: argparse._SubParsersAction, formatter: Formatter, raw: Format
     b.add_argument("--api-key", help="sent as Authorization: Bearer KEY (default: none)")
     b.add_argument("--json", metavar="PATH", help="write the results as JSON (default: not written)")
     b.add_argument("--plot", metavar="PATH", help="write a PNG plot, needs matplotlib (default: none)")
-    _add_bench_bw(kinds, raw)
+    _add_bench_bw(kinds)
 
 
 BW_DESCRIPTION = """\
@@ -41,9 +53,9 @@ Each figure is the median of --reps repetitions. Writes a JSON file keyed by the
 the machine; the engine reads it when the expert geometry, machine and thread count match."""
 
 
-def _add_bench_bw(kinds: argparse._SubParsersAction, formatter: Formatter) -> None:
+def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
     b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
-                         description=BW_DESCRIPTION, formatter_class=formatter)
+                         description=BW_DESCRIPTION, formatter_class=RawHelpFormatter)
     b.add_argument("model", nargs="?", metavar="MODEL", help="model folder or preset (default: the demo model)")
     b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     b.add_argument("--output", metavar="PATH",

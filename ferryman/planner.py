@@ -52,14 +52,10 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
     per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
-    once = _dequantised_experts(cfg.expert_format, chunk_tokens * k, kernels) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    # experts the chunk's CUDA prefill path dequantises at once: a group if batched, none if grouped
+    batched = fused_moe.prefill_path(cfg.expert_format, chunk_tokens * k, kernels) == "batched"
+    once = (batched_moe.PREFILL_GROUP if batched else 0) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return chunk_tokens * per_token + once + _FIXED_HEADROOM
-
-
-def _dequantised_experts(fmt: str, pairs: int, kernels: str) -> int:
-    """Experts the CUDA prefill MoE path of a chunk of `pairs` (token, k) pairs dequantises at once:
-    a group on the batched path, none on the grouped GEMM (fused_moe.prefill_path decides)."""
-    return batched_moe.PREFILL_GROUP if fused_moe.prefill_path(fmt, pairs, kernels) == "batched" else 0
 
 
 def non_expert_params(cfg: ModelConfig) -> int:

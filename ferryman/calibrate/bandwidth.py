@@ -37,6 +37,7 @@ from ferryman.calibrate.calibration import (
 from ferryman.config import ModelConfig
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant.base import Banks, get_format
+from ferryman.quant.layout import allocate_rows
 
 Rep = Callable[[], None]  # one timed repetition (waits for its own work)
 Log = Callable[[str], None]
@@ -184,12 +185,7 @@ def dummy_cpu_rep(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, pool
 def dummy_copy_rep(row_bytes: int, k: int, pool_bytes: int, device: torch.device) -> tuple[Rep, bool]:
     """(copies of k rows from a pool of expert rows, whether the pool is pinned: it is asked to be
     when the target is a GPU, as the host store's rows are)."""
-    rows, pinned = torch.empty((_pool_size(row_bytes, k, pool_bytes), row_bytes), dtype=torch.uint8), False
-    if device.type == "cuda":
-        try:
-            rows, pinned = rows.pin_memory(), True
-        except RuntimeError:  # a locked-memory quota: measure from pageable memory, and say so
-            pass
+    rows, pinned = allocate_rows(_pool_size(row_bytes, k, pool_bytes), row_bytes, pin=device.type == "cuda")
     rows.fill_(1)  # touch every page before timing
     dst = torch.empty((k, row_bytes), dtype=torch.uint8, device=device)
     return rows_copy_rep([rows], dst, k), pinned

@@ -180,8 +180,7 @@ class Scheduler:
         if not all(pool.can_allocate(seq, num_tokens, prefix) for pool, prefix in grants):
             return False
         for pool, prefix in grants:  # the main pool first: it sets seq.num_computed_tokens
-            if not pool.allocate_for(seq, num_tokens, prefix):  # checked above: a pool is inconsistent
-                raise RuntimeError(f"seq {seq.seq_id}: KV blocks checked free but not allocated")
+            pool.grow(seq, num_tokens, prefix)
         return True
 
     def _match(self, seq: Sequence) -> list[list[int]]:

@@ -14,41 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 import torch
 
 from ferryman.config import ModelConfig
 from ferryman.experts.store import ExpertStore
 from ferryman.quant.base import BankSpec
-from ferryman.quant.layout import ExpertLayout
+from ferryman.quant.layout import ExpertLayout, allocate_rows
 
 log = logging.getLogger("ferryman.experts")
-
-def allocate_rows(rows: int, row_bytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
-    """A `[rows, row_bytes]` uint8 host buffer, pinned if asked and possible -> (buffer, pinned).
-
-    Pinned with cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds every
-    block up to a power of two (a 1.7 GB layer of gpt-oss-120b would lock 2 GB)."""
-    flat = torch.empty((rows, row_bytes), dtype=torch.uint8)
-    return flat, pin and _register(flat)
-
-
-def _register(flat: torch.Tensor) -> bool:
-    """Page-lock `flat` for the CUDA driver; unregistered when the tensor is freed."""
-    try:
-        cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
-    except (AssertionError, RuntimeError, AttributeError) as e:  # no CUDA runtime in this build
-        log.debug("cannot pin host memory: %s", e)
-        return False
-    if rc != 0:  # quota (RLIMIT_MEMLOCK, WSL), out of lockable memory
-        log.debug("cudaHostRegister of %d bytes failed with CUDA error %d", flat.numel(), rc)
-        getattr(cudart, "cudaGetLastError", lambda: None)()  # do not leave the error for the next call
-        return False
-    weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr())
-    return True
-
 
 class HostExpertStore(ExpertStore):
     """An `ExpertStore` in host memory whose banks are views of one expert-major buffer per layer."""

@@ -154,17 +154,21 @@ class BlockPool:
         `prefix_blocks` (from `match_sequence`) is only allowed on a sequence holding no blocks:
         it adopts them and its num_computed_tokens becomes the number of tokens they hold.
         """
+        if not self.can_allocate(seq, num_new_tokens, prefix_blocks):
+            return False
+        self.grow(seq, num_new_tokens, prefix_blocks)
+        return True
+
+    def grow(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> None:
+        """`allocate_for` once `can_allocate` said yes (the scheduler asks every pool first)."""
         table = self.table(seq)
         if prefix_blocks and table:
             raise ValueError(f"seq {seq.seq_id} already holds blocks; "
                              "prefix blocks are adopted only at admission")
-        if not self.can_allocate(seq, num_new_tokens, prefix_blocks):
-            return False
         if not table:
             self._admit(seq, prefix_blocks or [])
         for _ in range(self.num_new_blocks(seq, num_new_tokens)):
             table.append(self._pop_free())
-        return True
 
     def table(self, seq: Sequence) -> list[int]:
         """The block table this pool fills on `seq` (logical block i -> block id)."""

@@ -8,20 +8,10 @@ The small fused kernels (norms, RoPE, router) follow only `use_triton`: CUDA and
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ferryman.envs import envs
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from ferryman.quant.base import triton_available
 
 
 def use_triton(x: torch.Tensor) -> bool:

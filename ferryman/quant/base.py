@@ -8,6 +8,7 @@ singletons in a registry keyed by name.
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -16,6 +17,16 @@ import torch
 
 Banks = dict[str, torch.Tensor]
 PROJECTIONS = ("w13", "w2")
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (the kernels of quant/ and layers/ need it on CUDA)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
 """Where each bank of one expert sits in its row of bytes: the unit the host store keeps, the
 GPU cache's slots hold and the link carries (experts/host_store.py, experts/gpu_cache.py). The
-planner sizes slots with it."""
+planner sizes slots with it; `allocate_rows` gives such rows host memory the link can read
+asynchronously (the host store's, `ferryman bench bw`'s)."""
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ferryman.quant.base import BankSpec
+
+log = logging.getLogger("ferryman.experts")
 
 ALIGN = 64  # bytes; bank offsets and rows keep 16-byte vector loads and dtype views aligned
 
@@ -47,3 +52,28 @@ class ExpertLayout:
 
 def _align(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def allocate_rows(rows: int, row_bytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A `[rows, row_bytes]` uint8 host buffer, pinned if asked and possible -> (buffer, pinned).
+
+    Pinned with cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds every
+    block up to a power of two (a 1.7 GB layer of gpt-oss-120b would lock 2 GB)."""
+    flat = torch.empty((rows, row_bytes), dtype=torch.uint8)
+    return flat, pin and _register(flat)
+
+
+def _register(flat: torch.Tensor) -> bool:
+    """Page-lock `flat` for the CUDA driver; unregistered when the tensor is freed."""
+    try:
+        cudart = torch.cuda.cudart()
+        rc = int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
+    except (AssertionError, RuntimeError, AttributeError) as e:  # no CUDA runtime in this build
+        log.debug("cannot pin host memory: %s", e)
+        return False
+    if rc != 0:  # quota (RLIMIT_MEMLOCK, WSL), out of lockable memory
+        log.debug("cudaHostRegister of %d bytes failed with CUDA error %d", flat.numel(), rc)
+        getattr(cudart, "cudaGetLastError", lambda: None)()  # do not leave the error for the next call
+        return False
+    weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr())
+    return True

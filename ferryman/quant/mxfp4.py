@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_format
+from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_format, triton_available
 
 BLOCK = 32  # values per scale
 BLOCK_BYTES = BLOCK // 2
@@ -21,15 +21,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _EMAX_ELEM = 2  # 6.0 = 1.5 * 2^2: the largest e2m1 power of two
 _E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / 16)  # rms of a uniformly random code
-
-
-@lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @lru_cache(maxsize=8)
@@ -134,7 +125,7 @@ class Mxfp4Format(ExpertFormat):
         blocks = self.bank(banks, f"{proj}_blocks")  # [E, out, in/32, 16]
         scales = self.bank(banks, f"{proj}_scales")  # [E, out, in/32]
         dtype = dtype or self.model_dtype(banks)
-        if blocks.is_cuda and _triton_importable():  # the same values in one launch, read in place (quant/mxfp4_triton.py)
+        if blocks.is_cuda and triton_available():  # the same values in one launch, read in place (quant/mxfp4_triton.py)
             from ferryman.quant.mxfp4_triton import dequant_mxfp4_rows, dequant_mxfp4_triton
 
             if isinstance(idx, slice) or idx.dim() == 1:
