@@ -18,7 +18,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 from ferryman.errors import ConfigError
 
-T = TypeVar("T", bool, int, str)
+T = TypeVar("T", bool, str)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -28,8 +28,8 @@ class EnvVar(Generic[T]):
     """One typed variable: its name, type, default and, for strings, the allowed choices."""
 
     def __init__(self, name: str, type_: type[T], default: T, choices: tuple[str, ...] | None = None) -> None:
-        if type_ not in (bool, int, str):
-            raise ValueError(f"EnvVar {name}: type must be bool, int or str, not {type_!r}")
+        if type_ not in (bool, str):
+            raise ValueError(f"EnvVar {name}: type must be bool or str, not {type_!r}")
         if choices is not None and (type_ is not str or default not in choices):
             raise ValueError(f"EnvVar {name}: choices need type str and a default among them")
         self.name, self.type, self.default, self.choices = name, type_, default, choices
@@ -41,11 +41,6 @@ class EnvVar(Generic[T]):
             if word.lower() not in _TRUE + _FALSE:
                 self._invalid(raw, f"expected one of {'/'.join(_TRUE + _FALSE)}")
             return word.lower() in _TRUE  # type: ignore[return-value]
-        if self.type is int:
-            try:
-                return int(word)  # type: ignore[return-value]
-            except ValueError:
-                self._invalid(raw, "expected int")
         for choice in self.choices or (word,):  # choices match case-insensitively, canonical spelling
             if choice.lower() == word.lower():
                 return choice  # type: ignore[return-value]
@@ -67,7 +62,6 @@ VARS: dict[str, EnvVar[Any]] = {
     "KERNELS": EnvVar("FERRYMAN_KERNELS", str, "auto", ("auto", "torch", "triton")),
     "CPU_KERNEL": EnvVar("FERRYMAN_CPU_KERNEL", bool, True),  # 0: MXFP4 on the CPU without the C kernel
 }
-
 
 
 class Envs:

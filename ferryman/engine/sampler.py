@@ -161,8 +161,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: list[int |
     chosen = logp.gather(1, tokens[idx].view(-1, 1)).squeeze(1).tolist()  # [R]
     k = max(top_n[i] for i in rows)
     top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+    vals, ids = top_vals.tolist(), top_ids.tolist()  # one read back each, not two per row
     out: list[TokenLogprobs | None] = [None] * len(top_n)
     for r, i in enumerate(rows):
-        n = top_n[i]
-        out[i] = (chosen[r], list(zip(top_ids[r, :n].tolist(), top_vals[r, :n].tolist())))
+        out[i] = (chosen[r], list(zip(ids[r][: top_n[i]], vals[r][: top_n[i]])))
     return out
