@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has torch, triton, transformers, rich, jinja2,
 # safetensors, tokenizers, anyio, click, prometheus-client, but no fastapi/uvicorn/pydantic/
-# llguidance, nor flash-linear-attention's fla-core and einops) into .whl/ (git-ignored via the repository's info/exclude), for `device run --carry .whl`.
+# llguidance, nor flash-linear-attention's fla-core and einops) into .whl/ (git-ignored via the
+# repository's info/exclude), for `device run --carry .whl`.
 # On the GPU machine: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 set -euo pipefail
 cd "$(dirname "$0")/.."
