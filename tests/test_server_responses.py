@@ -11,7 +11,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-from server_harness import LiveServer, delay_steps, scripted, start_server  # noqa: E402
+from ferryman.server import ServerConfig  # noqa: E402
+from server_harness import (LiveServer, ScriptedLogits, delay_steps, logits_processor, scripted,  # noqa: E402
+                            start_server)
+from test_server_harmony import ANSWER, harmony_model  # noqa: E402, F401 - the tiny gpt-oss fixture
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": True,
            "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -52,7 +55,8 @@ def test_stream_builds_the_same_response(client, server: LiveServer) -> None:
         events = _events(client, input="Hi", max_output_tokens=40)
         with client.responses.stream(model="tiny", input="Hi", max_output_tokens=40) as s:
             final = s.get_final_response()
-    assert whole.status == final.status == "completed" and whole.output_text == final.output_text == "Hello there, friend."
+    assert whole.status == final.status == "completed"
+    assert whole.output_text == final.output_text == "Hello there, friend."
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -127,10 +131,11 @@ def test_max_output_tokens_cuts_a_tool_call_incomplete(client) -> None:
     """A forced call cut by max_output_tokens is never a completed function_call."""
     kw = dict(input="Weather?", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
               max_output_tokens=3)
-    r = client.responses.create(model="tiny", **kw)
-    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert all(o.status == "incomplete" for o in r.output if o.type == "function_call")
-    assert not [o for o in r.output if o.type == "message"]  # the cut arguments are no message text
+    for choice in (kw["tool_choice"], "required"):
+        r = client.responses.create(model="tiny", **{**kw, "tool_choice": choice})
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+        assert all(o.status == "incomplete" for o in r.output if o.type == "function_call")
+        assert not [o for o in r.output if o.type == "message"]  # the cut call is no message text
     events = _events(client, **kw)
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
     done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
@@ -149,7 +154,8 @@ def test_parsed_reasoning_and_namespace_call(client, server: LiveServer) -> None
     reasoning, call = r.output
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "\nNeed the record.\n"
     assert reasoning.summary == [] and r.usage.output_tokens_details.reasoning_tokens > 0
-    assert (call.type, call.namespace, call.name, json.loads(call.arguments)) == ("function_call", "crm", "lookup", {"id": 3})
+    assert (call.type, call.namespace, call.name) == ("function_call", "crm", "lookup")
+    assert json.loads(call.arguments) == {"id": 3}
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert events[-1].response.output[1].namespace == "crm"
 
@@ -221,3 +227,27 @@ def test_engine_failure_mid_stream_is_response_failed(tiny_model: Path) -> None:
     finally:
         delay_steps(srv, 0)
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oss_server(harmony_model: Path) -> LiveServer:
+    srv = start_server(str(harmony_model), ServerConfig(served_model_names=["oss"]))
+    tok = srv.loop.engine.tokenizer
+    with logits_processor(srv, ScriptedLogits(tok.encode(ANSWER, add_special_tokens=False))):
+        yield srv
+    srv.stop()
+
+
+def test_gpt_oss_reasoning_item_and_call(oss_server: LiveServer) -> None:
+    """gpt-oss (harmony): the analysis channel is a reasoning item, the commentary call a function_call."""
+    client = openai.OpenAI(base_url=oss_server.base_url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="oss", input="Weather in Lima?", max_output_tokens=60, reasoning={"effort": "low"},
+              tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    r = client.responses.create(**kw)
+    reasoning, call = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need the weather tool."
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Lima"} and r.status == "completed"
+    with client.responses.stream(**kw) as s:
+        deltas = "".join(e.delta for e in s if e.type == "response.reasoning_text.delta")
+        final = s.get_final_response()
+    assert deltas == reasoning.content[0].text and final.output[1].arguments == call.arguments

@@ -65,7 +65,8 @@ def _head(body: ResponsesRequest) -> dict[str, Any]:
 
 
 def _usage(st: ServerState, prompt_len: int, c: Choice) -> dict[str, Any]:
-    reasoning = len(st.encode(c.parsed.reasoning)) if c.parsed.reasoning and st.tokenizer is not None else 0
+    text = c.parsed.reasoning
+    reasoning = len(st.tokenizer.encode(text, add_special_tokens=False)) if text and st.tokenizer is not None else 0
     out = len(c.token_ids)
     return {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": c.metrics.num_cached_tokens},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": min(reasoning, out)},

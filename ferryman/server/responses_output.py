@@ -21,6 +21,7 @@ from typing import Any
 
 from ferryman.server.generation import sse
 from ferryman.server.parsers import Parsed, ToolCall
+from ferryman.server.responses_protocol import ToolNames
 
 # kind -> (delta event prefix, content part type)
 _TEXT_KINDS = {"reasoning": ("response.reasoning_text", "reasoning_text"),
@@ -48,7 +49,7 @@ def is_json_object(text: str) -> bool:
 class OutputWriter:
     """Output items and their stream events, fed parsed deltas in order."""
 
-    def __init__(self, names: dict[str, tuple[str | None, str]], parallel_tool_calls: bool,
+    def __init__(self, names: ToolNames, parallel_tool_calls: bool,
                  forced_tool: bool) -> None:
         self.names = names  # the name the model calls -> (namespace, function name)
         self.parallel = parallel_tool_calls

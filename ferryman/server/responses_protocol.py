@@ -226,10 +226,13 @@ def _chat_tool(fn: FunctionTool, name: str, description: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "description": description, "parameters": params}}
 
 
-def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, tuple[str | None, str]]]:
+ToolNames = dict[str, tuple[str | None, str]]  # the name the model sees -> (namespace, function name)
+
+
+def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], ToolNames]:
     """Chat-shape tools for the template and, per name the model sees, (namespace, name)."""
     out: list[dict[str, Any]] = []
-    names: dict[str, tuple[str | None, str]] = {}
+    names: ToolNames = {}
 
     def add(fn: FunctionTool, namespace: str | None, description: str, param: str) -> None:
         name = flat_name(namespace, fn.name)
@@ -254,7 +257,7 @@ def function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, A
 
 
 def tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]],
-                names: dict[str, tuple[str | None, str]]) -> tuple[str | None, list[dict[str, Any]]]:
+                names: ToolNames) -> tuple[str | None, list[dict[str, Any]]]:
     """Responses tool_choice -> (tooling's choice: None / auto / none / required / function:NAME,
     the tools to offer)."""
     if choice is None or isinstance(choice, str):
