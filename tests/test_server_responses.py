@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,21 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 HOSTED = [{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
           {"type": "code_interpreter", "container": {"type": "auto"}}, {"type": "image_generation"},
           {"type": "mcp", "server_label": "x", "server_url": "https://example.invalid"}]
+CODEX_REQUEST = Path(__file__).parent / "fixtures" / "codex_cli_0.171_second_request.json"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
+    """The tiny chat model with a 16k context: Codex CLI's prompts are 11-12k tokens."""
+    folder = tmp_path_factory.mktemp("tiny-16k")
+    for f in tiny_model.iterdir():
+        shutil.copy(f, folder / f.name)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16384}))
+    srv = start_server(str(folder), max_num_batched_tokens=2048)
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +207,22 @@ def test_codex_shaped_request(server: LiveServer, client) -> None:
         with client.responses.stream(**{k: v for k, v in body.items() if k not in ("stream", "client_metadata")},
                                      extra_body={"client_metadata": {"x": "y"}}) as s:
             assert s.get_final_response().output_text == "Done."
+
+
+def test_codex_cli_request_replayed(client, server: LiveServer) -> None:
+    """Codex CLI 0.171's second request of a turn (developer instructions, namespace and hosted
+    tools, a function_call and its output; captured through a logging proxy), replayed whole: the
+    SDK parses the streamed tool call, whose name and arguments are the ones the model wrote."""
+    body = json.loads(CODEX_REQUEST.read_text())
+    assert [t["type"] for t in body["tools"]].count("namespace") == 1 and body["store"] is False
+    rest = {k: v for k, v in body.items() if k not in ("model", "input", "stream")}
+    text = '<tool_call>\n{"name": "multi_agent_v1.wait_agent", "arguments": {"timeout_ms": 10}}\n</tool_call>'
+    with scripted(server, text):
+        with client.responses.stream(model="tiny", input=body["input"], extra_body=rest) as s:
+            final = s.get_final_response()
+    call = final.output[-1]
+    assert final.status == "completed" and final.usage.input_tokens > 10000
+    assert (call.namespace, call.name, json.loads(call.arguments)) == ("multi_agent_v1", "wait_agent", {"timeout_ms": 10})
 
 
 def test_stateful_fields_and_bad_items_are_400(client) -> None:
