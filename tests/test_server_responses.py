@@ -222,7 +222,8 @@ def test_codex_cli_request_replayed(client, server: LiveServer) -> None:
             final = s.get_final_response()
     call = final.output[-1]
     assert final.status == "completed" and final.usage.input_tokens > 10000
-    assert (call.namespace, call.name, json.loads(call.arguments)) == ("multi_agent_v1", "wait_agent", {"timeout_ms": 10})
+    assert (call.namespace, call.name) == ("multi_agent_v1", "wait_agent")
+    assert json.loads(call.arguments) == {"timeout_ms": 10}
 
 
 def test_stateful_fields_and_bad_items_are_400(client) -> None:

@@ -78,6 +78,11 @@ class ResponsesRequest(_Model):
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    refusal: str | None = None  # of a `refusal` part
+
+    @property
+    def value(self) -> str | None:
+        return self.refusal if self.type == "refusal" else self.text
 
 
 class MessageItem(_Model):
@@ -139,9 +144,9 @@ def parts_text(content: str | list[ContentPart], param: str) -> str:
     if isinstance(content, str):
         return content
     for j, p in enumerate(content):
-        if p.type not in _TEXT_PARTS or p.text is None:
+        if p.type not in _TEXT_PARTS or p.value is None:
             raise APIError(400, f"{p.type} content is not supported by this server", f"{param}[{j}]")
-    return "".join(p.text or "" for p in content)
+    return "".join(p.value or "" for p in content)
 
 
 def flat_name(namespace: str | None, name: str) -> str:
