@@ -245,6 +245,13 @@ def test_stateful_fields_and_bad_items_are_400(client) -> None:
     assert e.value.body["param"] == "tool_choice"
 
 
+def test_store_true_keeps_nothing(client) -> None:
+    r = client.responses.create(model="tiny", input="hi", store=True, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert "stores no responses" in e.value.body["message"]
+
+
 def test_engine_failure_mid_stream_is_response_failed(tiny_model: Path) -> None:
     srv = start_server(str(tiny_model))
     try:

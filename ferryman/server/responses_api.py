@@ -81,6 +81,13 @@ def _final(st: ServerState, head: dict[str, Any], writer: OutputWriter, c: Choic
             "usage": _usage(st, prompt_len, c)}
 
 
+@router.get("/v1/responses/{response_id}")
+@router.delete("/v1/responses/{response_id}")
+async def stored_response(response_id: str) -> None:
+    raise APIError(404, f"response '{response_id}' does not exist: this server stores no responses "
+                        "(store: true is accepted and changes nothing)", "response_id")
+
+
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman

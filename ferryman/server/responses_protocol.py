@@ -6,7 +6,8 @@
   message user / assistant       user / assistant message (text parts joined)
   function_call                  a tool call of the assistant message it follows (or a new one)
   function_call_output           tool message
-  reasoning                      `reasoning_content` of the next assistant message
+  reasoning                      `reasoning_content` of the next assistant message (and
+                                 `thinking`, gpt-oss's name, when that message has no text)
   custom_tool_call(_output)      as function calls, the input as `{"input": ...}`
   item_reference                 400: nothing is stored, so nothing can be referenced
   other types (hosted tool calls, compaction, ...)  skipped: only OpenAI's servers can replay them
@@ -162,11 +163,9 @@ class _Conversation:
         if instructions:
             self.messages.append({"role": "system", "content": instructions})
 
-    def add(self, raw: Any, i: int) -> None:
-        kind = raw.get("type", "message") if isinstance(raw, dict) else None
+    def add(self, raw: dict[str, Any], i: int) -> None:
+        kind = raw.get("type") or "message"  # an easy input message has no type
         where = ("input", i)
-        if kind is None:
-            raise APIError(400, f"invalid field 'input[{i}]': an item must be an object", f"input[{i}]")
         if kind == "message":
             m = validate(MessageItem, raw, *where)
             self._message(m.role, parts_text(m.content, f"input[{i}].content"))
@@ -222,6 +221,9 @@ def conversation(body: ResponsesRequest) -> list[dict[str, Any]]:
             conv.add(raw, i)
     if not any(m["role"] != "system" for m in conv.messages):
         raise APIError(400, "input has no message to answer", "input")
+    for m in conv.messages:  # gpt-oss templates read a tool-calling turn's reasoning as `thinking`
+        if m.get("reasoning_content") and not m["content"]:
+            m["thinking"] = m["reasoning_content"]
     return conv.messages
 
 
