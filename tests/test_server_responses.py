@@ -13,8 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
 from ferryman.server import ServerConfig  # noqa: E402
-from server_harness import (LiveServer, ScriptedLogits, delay_steps, logits_processor, scripted,  # noqa: E402
-                            start_server)
+from server_harness import LiveServer, delay_steps, scripted, serving, start_server  # noqa: E402
 from test_server_harmony import ANSWER, harmony_model  # noqa: E402, F401 - the tiny gpt-oss fixture
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": True,
@@ -36,9 +35,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> LiveSe
         shutil.copy(f, folder / f.name)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16384}))
-    srv = start_server(str(folder), max_num_batched_tokens=2048)
-    yield srv
-    srv.stop()
+    with serving(str(folder), max_num_batched_tokens=2048) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +268,8 @@ def test_engine_failure_mid_stream_is_response_failed(tiny_model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def oss_server(harmony_model: Path) -> LiveServer:
-    srv = start_server(str(harmony_model), ServerConfig(served_model_names=["oss"]))
-    tok = srv.loop.engine.tokenizer
-    with logits_processor(srv, ScriptedLogits(tok.encode(ANSWER, add_special_tokens=False))):
+    with serving(str(harmony_model), ServerConfig(served_model_names=["oss"]), script=ANSWER) as srv:
         yield srv
-    srv.stop()
 
 
 def test_gpt_oss_reasoning_item_and_call(oss_server: LiveServer) -> None:
