@@ -171,6 +171,9 @@ def test_parsed_reasoning_and_namespace_call(client, server: LiveServer) -> None
     assert json.loads(call.arguments) == {"id": 3}
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert events[-1].response.output[1].namespace == "crm"
+    forced = client.responses.create(model="tiny", input="Find 3", tools=[ns], max_output_tokens=20,
+                                     tool_choice={"type": "function", "name": "lookup"})  # unqualified
+    assert [(o.type, o.namespace, o.name) for o in forced.output] == [("function_call", "crm", "lookup")]
 
 
 def test_parallel_tool_calls_false_keeps_one_call(client, server: LiveServer) -> None:
