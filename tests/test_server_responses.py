@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import pydantic
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -138,6 +139,13 @@ def test_json_schema_output(client) -> None:
     obj = json.loads(r.output_text)
     assert set(obj) == {"name", "age"} and 0 <= obj["age"] <= 120 and r.text.format.type == "json_schema"
     assert r.status == "completed"
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        age: int = pydantic.Field(ge=0, le=120)
+
+    parsed = client.responses.parse(model="tiny", input="A person.", text_format=Person, max_output_tokens=80)
+    assert isinstance(parsed.output_parsed, Person) and 0 <= parsed.output_parsed.age <= 120
 
 
 def test_max_output_tokens_cuts_a_tool_call_incomplete(client) -> None:
