@@ -123,8 +123,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
-                           description="Serve MODEL over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
-                                       "/v1/messages, /health, /metrics, /v1/stats.",
+                           description="Serve MODEL over HTTP: /v1/chat/completions, /v1/responses, /v1/completions, "
+                                       "/v1/models, /v1/messages, /health, /metrics, /v1/stats.",
                            formatter_class=HelpFormatter)
     serve.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")

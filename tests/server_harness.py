@@ -103,6 +103,21 @@ def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: A
 
 
 @contextmanager
+def serving(model: str, cfg: ServerConfig | None = None, script: str | None = None,
+            **engine_kwargs: Any) -> Iterator[LiveServer]:
+    """A live server for the span of a fixture; with `script`, every request writes that text."""
+    srv = start_server(model, cfg, **engine_kwargs)
+    try:
+        if script is None:
+            yield srv
+        else:
+            with scripted(srv, script):
+                yield srv
+    finally:
+        srv.stop()
+
+
+@contextmanager
 def logits_processor(server: "LiveServer", proc: Any) -> Iterator[None]:
     """Requests submitted meanwhile sample through `proc` alone (it replaces their grammar)."""
     loop = server.loop

@@ -24,11 +24,12 @@ from ferryman.server.engine_loop import EngineLoop
 from ferryman.server.errors import APIError, error_response, validation_error
 from ferryman.server.metrics import ServerMetrics
 from ferryman.server.openai_api import router as openai_router
+from ferryman.server.responses_api import router as responses_router
 from ferryman.server.state import ServerConfig, ServerState
 
 log = logging.getLogger("ferryman.server")
 
-_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+_ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/messages",
            "/v1/messages/count_tokens", "/v1/stats", "/health", "/metrics"}
 
 
@@ -131,6 +132,7 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
     _install_handlers(app)
     app.include_router(openai_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

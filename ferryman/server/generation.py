@@ -168,10 +168,12 @@ async def generate(state: ServerState, specs: list[GenSpec], request: Request) -
 
 def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str],
            on_delta: Callable[[Choice, Choice], list[str]],
-           last: Callable[[list[Choice]], list[str]]) -> StreamingResponse:
+           last: Callable[[list[Choice]], list[str]],
+           on_error: Callable[[APIError], list[str]] | None = None) -> StreamingResponse:
     """Server-sent events: `first`, each delta's `on_delta(delta, its choice so far)`, then
     `last(choices)`. Submits at once, so a 429 / 503 is an HTTP error before the stream starts;
-    a failure mid-stream ends it with an error event in the style of the API at `path`."""
+    a failure mid-stream ends it with `on_error(error)`, by default an error event in the style
+    of the API at `path`."""
     deltas = _drain(state, _submit(state, specs))
     choices = [Choice(i) for i in range(sum(s.n for s in specs))]
 
@@ -185,6 +187,10 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
                     yield ev
         except Exception as e:  # the engine died or a request failed
             err = engine_error(e)
+            if on_error is not None:
+                for ev in on_error(err):
+                    yield ev
+                return
             event = "error" if is_anthropic_path(path) else None
             yield sse(error_body(path, err.status, err.message, err.param), event)
             return
