@@ -1,0 +1,74 @@
+"""Request fields checked before anything runs: stop strings within the server's limits, and
+OpenAI's `logit_bias` (token id as text -> bias in [-100, 100]) turned into a logits processor.
+
+A bad value is a 400 naming the field (logged by the error handler), never silently ignored:
+thousands of stop strings slow every step of the request, and a bias on a token id outside the
+vocabulary would index past the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ferryman.server.errors import APIError
+from ferryman.server.state import ServerConfig
+
+BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+
+
+def check_stops(stops: list[str], cfg: ServerConfig, param: str) -> list[str]:
+    """`stops`, or a 400 naming `param` when there are more than the server takes."""
+    if len(stops) > cfg.max_stop_strings:
+        raise APIError(400, f"{param} has {len(stops)} stop strings; this server takes at most "
+                            f"{cfg.max_stop_strings}", param)
+    size = sum(len(s.encode("utf-8", "surrogatepass")) for s in stops)
+    if size > cfg.max_stop_bytes:
+        raise APIError(400, f"{param} holds {size} bytes of stop strings; this server takes at most "
+                            f"{cfg.max_stop_bytes}", param)
+    return stops
+
+
+class LogitBias:
+    """A `LogitsProcessor` adding a fixed bias to some tokens' logits (stateless: choices share it)."""
+
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = torch.tensor(list(bias), dtype=torch.long)  # [B]
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)  # [B]
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits: [V] -> [V], logits[ids] + values."""
+        if self.ids.device != logits.device:
+            self.ids, self.values = self.ids.to(logits.device), self.values.to(logits.device)
+        return logits.index_add(0, self.ids, self.values.to(logits.dtype))
+
+
+def _token_id(key: str) -> int:
+    text = key.strip()
+    if not (text.isascii() and text.isdigit()):  # also refuses signs: token ids are >= 0
+        raise APIError(400, f"logit_bias keys must be token ids (integers as text), got {key!r}", "logit_bias")
+    return int(text)
+
+
+def _bias(key: str, value: Any) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or abs(value) > BIAS_LIMIT:
+        raise APIError(400, f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}",
+                       "logit_bias")
+    return float(value)
+
+
+def logit_bias(raw: dict[str, Any] | None, vocab_size: int) -> list[LogitBias]:
+    """The request's logit_bias as logits processors (none when absent or empty), or a 400."""
+    if not raw:
+        return []
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        token = _token_id(key)
+        if token >= vocab_size:
+            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})",
+                           "logit_bias")
+        bias[token] = _bias(key, value)
+    return [LogitBias(bias)]
