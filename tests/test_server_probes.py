@@ -206,3 +206,22 @@ def test_max_tokens_default_and_clamp(client) -> None:
     r = client.completions.create(model="tiny", prompt=list(range(10, 500)), max_tokens=32000,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 512 - 490 and r.choices[0].finish_reason == "length"  # clamped
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+     '"function", "function": {"name": "f", "description": "\\udfff"}}]}', "tools[0].function.description"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["ok", "\\ud800"]}', "prompt[1]"),
+    ("/v1/messages", '{"model": "tiny", "max_tokens": 4, "system": "\\ud800", "messages": [{"role": "user", '
+     '"content": "hi"}]}', "system"),
+])
+def test_lone_surrogate_is_400(http: httpx.Client, route: str, body: str, param: str) -> None:
+    r = http.post(route, content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    if route == "/v1/messages":
+        assert r.json()["error"]["type"] == "invalid_request_error" and param in r.json()["error"]["message"]
+    else:
+        _openai_error(r, 400, param)
+    _healthy(http)

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
 from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
-from ferryman.server.limits import check_stops
+from ferryman.server.limits import check_stops, check_unicode
 from ferryman.server.parsers import Parsed, ToolCall
 from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
 from ferryman.server.state import ServerState
@@ -98,6 +98,7 @@ def _render(st: ServerState, messages: list[dict[str, Any]], setup: ToolSetup,
 
 def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
     st.check_model(body.model)
+    check_unicode(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for i, m in enumerate(body.messages):
         messages.extend(_message_dicts(i, m))

@@ -1,5 +1,6 @@
-"""Request fields checked before anything runs: stop strings within the server's limits, and
-OpenAI's `logit_bias` (token id as text -> bias in [-100, 100]) turned into a logits processor.
+"""Request fields checked before anything runs: text that is Unicode, stop strings within the
+server's limits, and OpenAI's `logit_bias` (token id as text -> bias in [-100, 100]) turned into a
+logits processor.
 
 A bad value is a 400 naming the field (logged by the error handler), never silently ignored:
 thousands of stop strings slow every step of the request, and a bias on a token id outside the
@@ -9,14 +10,43 @@ vocabulary would index past the logits.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from ferryman.server.errors import APIError
 from ferryman.server.state import ServerConfig
 
 BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _children(value: Any, path: str) -> list[tuple[Any, str]]:
+    if isinstance(value, BaseModel):
+        fields = type(value).model_fields
+        return [(v, f"{path}.{fields[k].alias or k}" if path else fields[k].alias or k)
+                for k, v in value.__dict__.items() if k in fields]
+    if isinstance(value, dict):
+        keyed = [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
+        return keyed + [(k, path or "body") for k in value if isinstance(k, str)]
+    if isinstance(value, list):
+        return [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return []
+
+
+def check_unicode(body: BaseModel) -> None:
+    """A 400 naming the first string of the request that holds a lone surrogate: JSON lets a
+    client write "\\ud800", no tokenizer takes it. An explicit stack: deep nesting cannot overflow."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise APIError(400, f"{path} holds a lone UTF-16 surrogate, which is not Unicode text", path)
+        else:
+            stack.extend(reversed(_children(value, path)))
 
 
 def check_stops(stops: list[str], cfg: ServerConfig, param: str) -> list[str]:

@@ -14,7 +14,7 @@ from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.errors import APIError
 from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
-from ferryman.server.limits import check_stops, logit_bias
+from ferryman.server.limits import check_stops, check_unicode, logit_bias
 from ferryman.server.parsers import Parsed
 from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferryman.server.state import ServerState
@@ -105,6 +105,7 @@ def _chat_tools(st: ServerState, body: ChatCompletionRequest) -> ToolSetup:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
+    check_unicode(body)
     tools = _chat_tools(st, body)
     prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
     st.check_prompt(prompt.token_ids, "messages")
@@ -190,6 +191,7 @@ def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[in
 async def completions(body: CompletionRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
+    check_unicode(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
