@@ -4,8 +4,9 @@ Messages are converted to the OpenAI shape and rendered by the same chat templat
 blocks become assistant tool calls, `tool_result` blocks tool messages, a `system` message inside
 `messages` (beta mid-conversation-system-2026-04-07) a system message at that point, reasoning
 comes back as `thinking` blocks. Usage follows Anthropic: `input_tokens` excludes the prompt tokens
-the prefix cache served (`cache_read_input_tokens`), the same in message_start and message_delta. Streams follow Anthropic's event sequence: message_start, ping, per block
-content_block_start / *_delta / content_block_stop, message_delta (stop_reason, usage), message_stop.
+the prefix cache served (`cache_read_input_tokens`), the same in message_start and message_delta.
+Streams follow Anthropic's event sequence: message_start, ping, per block content_block_start /
+*_delta / content_block_stop, message_delta (stop_reason, usage), message_stop.
 """
 
 from __future__ import annotations
