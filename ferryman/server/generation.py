@@ -118,8 +118,9 @@ def _submit(state: ServerState, specs: list[GenSpec]) -> list[_Sub]:
     subs: list[_Sub] = []
     total, limit = sum(spec.n for spec in specs), state.loop.max_pending
     if total > limit:  # a 429 would never clear: the request alone is over the limit
+        param = "n" if any(spec.n > 1 for spec in specs) else "prompt"
         raise APIError(400, f"this request asks for {total} generations (n x prompts); the server takes at most "
-                            f"{limit} requests at once", "n")
+                            f"{limit} requests at once", param)
     try:
         for spec in specs:
             for i in range(spec.n):
