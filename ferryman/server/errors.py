@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse
 log = logging.getLogger("ferryman.server")
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 408: "timeout", 413: "invalid_request_error", 422: "invalid_request_error",
+                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                  429: "rate_limit_error", 503: "service_unavailable"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
                     422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
                     504: "timeout_error"}
 # OpenAI's error codes where a status has one; other errors carry code null
