@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse
 log = logging.getLogger("ferryman.server")
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                 429: "rate_limit_error", 503: "service_unavailable"}
+                 404: "not_found_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
                     422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
