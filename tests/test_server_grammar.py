@@ -63,12 +63,22 @@ def test_copies_are_independent(compiler: GrammarCompiler) -> None:
 
 
 @pytest.mark.parametrize("schema, why", [({"type": "strin"}, "Invalid type"), ({"required": "a"}, "required"),
-                                         ([1], "JSON object"), ({"type": "string", "pattern": "(("}, "regex")])
+                                         ([1], "JSON object"), ({"properties": 5}, "properties"),
+                                         ({"$ref": "#/$defs/nope"}, "nope")])
 def test_bad_schemas_name_the_field(compiler: GrammarCompiler, schema, why: str) -> None:
     with pytest.raises(APIError) as e:
         compiler.check_schema(schema, "tools[2].function.parameters")
     assert e.value.param == "tools[2].function.parameters" and why in e.value.message
     assert "\n" not in e.value.message
+
+
+def test_valid_schemas_llguidance_cannot_enforce_pass(compiler: GrammarCompiler) -> None:
+    """Claude Code's tools use `propertyNames`; MCP servers send ECMA regexes (lookaheads)."""
+    compiler.check_schema({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}, "tools[0].input_schema")
+    compiler.check_schema({"type": "string", "pattern": "^(?!-)[a-z-]+$"}, "tools[1].input_schema")
+    compiler.compile({"type": "object", "propertyNames": {"maxLength": 3}}, "tools[0].input_schema", lenient=True)
+    with pytest.raises(APIError, match="propertyNames"):  # response_format: refused, not approximated
+        compiler.compile({"type": "object", "propertyNames": {"maxLength": 3}}, "response_format")
 
 
 def test_only_whole_calls_are_calls() -> None:

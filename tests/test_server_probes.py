@@ -142,7 +142,7 @@ def test_schema_compiled_once_per_request(srv: LiveServer, http: httpx.Client) -
     grammars = srv.app.state.ferryman.grammars
     calls: list[str] = []
     compile_ = grammars.compile
-    grammars.compile = lambda schema, param: calls.append(param) or compile_(schema, param)
+    grammars.compile = lambda schema, param, **kw: calls.append(param) or compile_(schema, param, **kw)
     try:
         fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": {"type": "object"}}}
         assert _chat(http, n=3, response_format=fmt, max_tokens=8).status_code == 200

@@ -111,26 +111,32 @@ class GrammarCompiler:
         return self._ll_tokenizer
 
     def check_schema(self, schema: Any, param: str) -> None:
-        """A 400 naming `param` unless `schema` is a usable JSON schema (a structural check, no
-        tokenizer: cheap, and cached by the schema's text)."""
-        grammar = _grammar(schema, param)
-        why = self._checked.get(grammar)
+        """A 400 naming `param` unless `schema` is a JSON schema: a structural check (no tokenizer,
+        cached by the schema's text) of a schema shown to the model only. What llguidance does not
+        implement (`propertyNames`, ECMA-only regex syntax) is no error here: the schema is valid."""
+        if not isinstance(schema, dict):
+            raise APIError(400, f"{param} must be a JSON object (a JSON schema)", param)
+        key = json.dumps(schema)
+        why = self._checked.get(key)
         if why is None:
             import llguidance as llg
 
+            grammar = _grammar(_without_patterns(schema, param), param, lenient=True)
             is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
             why = "; ".join(m.strip().splitlines()[0] for m in messages if m.strip()) if is_error else ""
             if len(self._checked) >= _CHECKED_CACHE:
                 self._checked.clear()
-            self._checked[grammar] = why or ""
+            self._checked[key] = why
         if why:
             raise APIError(400, f"{param} is not a usable JSON schema: {why}", param)
 
-    def compile(self, schema: Any, param: str) -> CompiledGrammar:
-        """The grammar of `schema` for this tokenizer, or a 400 naming `param`."""
+    def compile(self, schema: Any, param: str, lenient: bool = False) -> CompiledGrammar:
+        """The grammar of `schema` for this tokenizer, or a 400 naming `param`. lenient: keywords
+        llguidance does not implement are ignored (a forced tool call: its runtime checks the
+        arguments) instead of refused (response_format: the output must match the schema)."""
         import llguidance as llg
 
-        grammar = _grammar(schema, param)
+        grammar = _grammar(schema, param, lenient)
         tok = self._llt(param)
         err = llg.LLMatcher.validate_grammar(grammar, tok)
         if err and not err.startswith("WARNING"):
@@ -146,7 +152,7 @@ class GrammarCompiler:
         return self.compile(schema, param).matcher()
 
 
-def _grammar(schema: Any, param: str) -> str:
+def _grammar(schema: Any, param: str, lenient: bool = False) -> str:
     """A JSON schema -> llguidance's grammar text, or a 400 naming `param`."""
     if not isinstance(schema, dict):
         raise APIError(400, f"{param} must be a JSON object (a JSON schema)", param)
@@ -156,9 +162,27 @@ def _grammar(schema: Any, param: str) -> str:
         raise APIError(400, "structured output needs the llguidance package: pip install llguidance",
                        param) from None
     try:
-        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides={**_JSON_OPTIONS,
+                                                                                     "lenient": lenient})
     except (ValueError, TypeError) as e:
         raise APIError(400, f"{param} is not a usable JSON schema: {e}", param) from None
+
+
+def _without_patterns(schema: dict[str, Any], param: str) -> dict[str, Any]:
+    """`schema` without its regexes: JSON Schema's are ECMA-262, llguidance's engine lacks some
+    of it (lookarounds, backreferences), and a schema only shown to the model needs none."""
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items()
+                    if not (k == "pattern" and isinstance(v, str)) and k != "patternProperties"}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    try:
+        return strip(schema)
+    except RecursionError:
+        raise APIError(400, f"{param} is nested too deeply", param) from None
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def tool_setup(st: ServerState, tools: list[dict[str, Any]] | None, choice: str 
     if not tools or choice == "none":
         return ToolSetup(None, None, None, False, st)
     if choice == "required":
-        grammar = st.grammars.compile(_call_schema(tools), "tools").matcher
+        grammar = st.grammars.compile(_call_schema(tools), "tools", lenient=True).matcher
         return ToolSetup(tools, grammar, ForcedToolParser, True, st)
     if choice is not None and choice.startswith("function:"):
         name = choice.removeprefix("function:")
@@ -78,6 +78,6 @@ def tool_setup(st: ServerState, tools: list[dict[str, Any]] | None, choice: str 
         if i is None:
             raise APIError(400, f"tool_choice names '{name}', which is not among the tools", "tool_choice")
         schema = tools[i]["function"].get("parameters") or {"type": "object"}
-        grammar = st.grammars.compile(schema, params[i]).matcher
+        grammar = st.grammars.compile(schema, params[i], lenient=True).matcher
         return ToolSetup(tools, grammar, lambda: ForcedToolParser(name), True, st)
     return ToolSetup(tools, None, None, True, st)
