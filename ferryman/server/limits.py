@@ -10,7 +10,6 @@ vocabulary would index past the logits.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import torch
@@ -20,19 +19,30 @@ from ferryman.server.errors import APIError
 from ferryman.server.state import ServerConfig
 
 BIAS_LIMIT = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
-_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # only a lone surrogate cannot be encoded
+        return False
+    return True
+
+
+_PLAIN = (int, float, type(None))  # what holds no text (token ids, numbers, bools): skipped
 
 
 def _children(value: Any, path: str) -> list[tuple[Any, str]]:
     if isinstance(value, BaseModel):
         fields = type(value).model_fields
         return [(v, f"{path}.{fields[k].alias or k}" if path else fields[k].alias or k)
-                for k, v in value.__dict__.items() if k in fields]
+                for k, v in value.__dict__.items() if k in fields and not isinstance(v, _PLAIN)]
     if isinstance(value, dict):
-        keyed = [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
+        keyed = [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items() if not isinstance(v, _PLAIN)]
         return keyed + [(k, path or "body") for k in value if isinstance(k, str)]
     if isinstance(value, list):
-        return [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        texty = [i for i, v in enumerate(value) if not isinstance(v, _PLAIN)]  # token ids are not
+        return [(value[i], f"{path}[{i}]") for i in texty]
     return []
 
 
@@ -43,7 +53,7 @@ def check_unicode(body: BaseModel) -> None:
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if not value.isascii() and not _is_unicode(value):
                 raise APIError(400, f"{path} holds a lone UTF-16 surrogate, which is not Unicode text", path)
         else:
             stack.extend(reversed(_children(value, path)))
