@@ -136,6 +136,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413")
     serve.add_argument("--output-parser", default="auto", choices=["auto", "qwen3", "harmony", "none"],
                        help="reasoning / tool-call parser (auto: harmony for gpt-oss, else qwen3)")
+    serve.add_argument("--max-tokens-default", type=int, default=None,
+                       help="output tokens of a request that sets no max_tokens (default: all the context leaves; "
+                            "/v1/completions: 16); any request is clamped to what the context leaves")
+    serve.add_argument("--max-stop-strings", type=int, default=64, help="stop strings one request may send")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="the HTTP server's log level")
     serve.add_argument("--no-warm-up", dest="warm_up", action="store_false",
@@ -250,7 +254,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     cfg = ServerConfig(served_model_names=a.served_model_name or [], api_key=a.api_key,
                        max_body_bytes=int(a.max_body_mb * 2**20), max_pending=a.max_queue,
-                       output_parser=a.output_parser, warm_up=a.warm_up)
+                       output_parser=a.output_parser, warm_up=a.warm_up,
+                       max_tokens_default=a.max_tokens_default, max_stop_strings=a.max_stop_strings)
     serve(engine_kwargs(a), a.model, cfg, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 

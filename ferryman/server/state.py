@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ferryman.errors import ConfigError, PromptTooLongError
+from ferryman.errors import ConfigError
 from ferryman.server.chat import ChatPrompt, ChatRenderer
 from ferryman.server.engine_loop import EngineLoop
-from ferryman.server.errors import APIError
+from ferryman.server.errors import APIError, context_overflow
 from ferryman.server.grammar import GrammarCompiler
 from ferryman.server.harmony import HarmonyParser, harmony_marker_ids
 from ferryman.server.parsers import OutputParser, PlainParser, Qwen3Parser
@@ -27,6 +27,9 @@ class ServerConfig:
     max_pending: int = 256  # requests in flight (queued + running) before 429
     output_parser: str = "auto"  # reasoning / tool-call parser: auto | qwen3 | harmony | none
     warm_up: bool = True  # CUDA: compile the first requests' kernels before serving (engine/warm_up.py)
+    max_tokens_default: int | None = None  # budget of a request without max_tokens; None: all the context leaves
+    max_stop_strings: int = 64  # more stop strings in one request get 400
+    max_stop_bytes: int = 4096  # stop strings of one request, UTF-8 bytes together; more get 400
 
     def __post_init__(self) -> None:
         if self.output_parser not in PARSERS:
@@ -35,11 +38,17 @@ class ServerConfig:
             raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ConfigError(f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+        if self.max_stop_strings < 0 or self.max_stop_bytes < 0:
+            raise ConfigError(f"max_stop_strings and max_stop_bytes must be >= 0, got {self.max_stop_strings}, "
+                              f"{self.max_stop_bytes}")
 
 
 class ServerState:
     def __init__(self, loop: EngineLoop, cfg: ServerConfig) -> None:
         self.loop = loop
+        self.cfg = cfg
         engine = loop.engine
         # A private copy: the engine thread decodes with its own, and a Rust tokenizer shared by
         # two threads can fail ("Already borrowed") when one of them changes its settings.
@@ -72,17 +81,18 @@ class ServerState:
         if not ids:
             raise APIError(400, "the prompt is empty", param)
         if len(ids) >= self.max_model_len:
-            raise APIError(400, str(PromptTooLongError(len(ids), self.max_model_len))
-                           + " (and at least 1 token must be left for the output)", param)
+            raise context_overflow(len(ids), self.max_model_len, param)
         vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param)
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """Output budget: what was asked, at most what the context leaves."""
+        """Output budget: what was asked (else the server's default), at most what the context
+        leaves: a request asking for more is clamped, not refused."""
         room = self.max_model_len - prompt_len
-        return room if requested is None else min(requested, room)
+        wanted = requested if requested is not None else self.cfg.max_tokens_default
+        return room if wanted is None else min(wanted, room)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
