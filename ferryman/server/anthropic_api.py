@@ -48,7 +48,7 @@ def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
     return tool_results + ([msg] if texts or calls or not tool_results else [])
 
 
-def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
+async def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
     st.check_model(body.model)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for i, m in enumerate(body.messages):
@@ -65,19 +65,19 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
     setup = tool_setup(st, tools or None, choice, fmt.schema_ if fmt is not None else None,
                        format_param="output_config.format")
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
-    return st.renderer.render(messages, setup.tools, kwargs), setup
+    return await st.chat_prompt(messages, setup.tools, kwargs), setup
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: ACountTokensRequest, request: Request) -> dict[str, Any]:
-    prompt, _ = _prompt(request.app.state.ferryman, body)
+    prompt, _ = await _prompt(request.app.state.ferryman, body)
     return {"input_tokens": len(prompt.token_ids)}
 
 
 @router.post("/v1/messages")
 async def messages(body: AMessagesRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
-    prompt, setup = _prompt(st, body)
+    prompt, setup = await _prompt(st, body)
     st.check_prompt(prompt.token_ids, "messages")
     params = make_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                          stop=list(body.stop_sequences or []),

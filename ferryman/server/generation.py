@@ -89,6 +89,7 @@ def choice_params(spec: GenSpec, i: int) -> SamplingParams:
 
 def _submit(state: ServerState, specs: list[GenSpec]) -> list[tuple[RequestHandle, OutputParser]]:
     """Submit every choice of every spec (choice index = position in the returned list)."""
+    state.check_room(sum(spec.n for spec in specs))  # never fits: a 400, not a 429
     subs: list[tuple[RequestHandle, OutputParser]] = []
     try:
         for spec in specs:
@@ -187,6 +188,8 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
             err = engine_error(e)
             event = "error" if is_anthropic_path(path) else None
             yield sse(error_body(path, err.status, err.message, err.param), event)
+            if event is None:  # OpenAI clients wait for [DONE]
+                yield "data: [DONE]\n\n"
             return
         finally:
             await deltas.aclose()  # a client gone closes this generator: abort its requests
