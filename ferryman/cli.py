@@ -133,7 +133,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key) on /v1/* and "
-                                         "/metrics; visible in `ps`, so prefer --api-key-file or FERRYMAN_API_KEY "
+                                         "/metrics; visible in `ps`, so prefer --api-key-file (docs/server.md) "
                                          "(default: none)")
     serve.add_argument("--served-model-name", action="append",
                        help="name clients use for the model (repeatable; default: the folder name)")
