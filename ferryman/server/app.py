@@ -83,6 +83,9 @@ class GateMiddleware:
             log_error(scope, err)
             await error_response(path, err)(scope, _empty_receive, send)
             return
+        if path in _DRAIN_OPEN:  # probes: not work a drain waits for
+            await self.app(scope, self._limited(receive), send)
+            return
         self.state.in_progress += 1
         try:
             await self.app(scope, self._limited(receive), send)
