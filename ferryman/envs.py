@@ -6,8 +6,9 @@ and one secret (FERRYMAN_API_KEY, the server's API key, which a command line wou
 
 The six variables are read together, once: at the first `envs.X` of the process (the CLI reads
 them at start). An unset or empty variable gives the default; a bad value raises ConfigError
-naming the variable and the value (a secret's value is not shown); a secret set but blank too. Tests that change one either call `envs.reload()` after
-setting the environment, or `monkeypatch.setattr(envs, "X", value)`. docs/configuration.md lists
+naming the variable and the value, and so does a secret set but blank (its value is never shown).
+Tests that change one either call `envs.reload()` after setting the environment, or
+`monkeypatch.setattr(envs, "X", value)`. docs/configuration.md lists
 them; every user choice is a field of `EngineConfig` instead (config.py).
 """
 

@@ -59,7 +59,8 @@ def test_sigterm_drains_then_exits_0(tmp_path: Path) -> None:
                 "anthropic": ("/v1/messages", {**chat, "max_tokens": 1000})}
         outs: dict[str, list[str]] = {name: [] for name in runs}
         started = {name: threading.Event() for name in runs}
-        threads = [threading.Thread(target=_stream, args=(url, p, b, outs[n], started[n])) for n, (p, b) in runs.items()]
+        threads = [threading.Thread(target=_stream, args=(url, p, b, outs[n], started[n]))
+                   for n, (p, b) in runs.items()]
         for t in threads:
             t.start()
         for e in started.values():

@@ -58,8 +58,9 @@ def log_error(scope: Scope, err: APIError) -> None:
     rid = scope.get("state", {}).get("request_id", "-")
     field = f" (field '{err.param}')" if err.param else ""
     level = logging.WARNING if err.status >= 500 else logging.INFO
+    message = err.message.encode("utf-8", "backslashreplace").decode("utf-8")  # a client's lone surrogate
     log.log(level, "%s %s %s -> %d: %s%s", rid, scope.get("method", "-"), scope.get("path", "-"), err.status,
-            err.message, field)
+            message, field)
 
 
 class GateMiddleware:

@@ -9,8 +9,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 408: "invalid_request_error",
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    408: "invalid_request_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 

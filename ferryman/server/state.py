@@ -87,6 +87,7 @@ class ServerState:
 
     # ---- checks ------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
+        check_text(name, "model")
         if name not in self._accepted:
             raise APIError(404, f"model '{name}' does not exist; this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)}", "model")
