@@ -78,6 +78,7 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.loop.shutdown()
+        self.app.state.ferryman.workers.close()
 
 
 def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: Any) -> LiveServer:

@@ -20,8 +20,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-
 from ferryman.server.errors import APIError
 from ferryman.server.parsers import THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
 from ferryman.server.template import BoundedSandbox, TemplateLimitError, deadline, weight
