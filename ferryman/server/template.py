@@ -133,6 +133,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self.filters["tojson"] = _tojson
         self.filters = {name: self._bounded_filter(name, f) for name, f in self.filters.items()}
         self.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        # lipsum(n) builds n paragraphs in Python code the deadline does not see line by line
+        self.globals.pop("lipsum", None)
 
     # ---- checks --------------------------------------------------------------------------------
     def _refuse(self, what: str) -> None:
@@ -181,9 +183,9 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return bounded
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        __self._check_args(args, kwargs)
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, (str, list, tuple, dict)):  # a method of a value: 'x'.center(...), ...
-            __self._check_args(args, kwargs)
             __self._check_builders(getattr(__obj, "__name__", ""), owner, args)
         result = super().call(__context, __obj, *args, **kwargs)
         return __self._check(result, "the result of a call")
