@@ -188,7 +188,7 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
             err = engine_error(e)
             event = "error" if is_anthropic_path(path) else None
             yield sse(error_body(path, err.status, err.message, err.param), event)
-            if event is None:  # OpenAI clients wait for [DONE]
+            if path in ("/v1/chat/completions", "/v1/completions"):  # their clients wait for [DONE]
                 yield "data: [DONE]\n\n"
             return
         finally:
