@@ -78,14 +78,16 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.loop.shutdown()
+        self.app.state.ferryman.workers.close()
 
 
 def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: Any) -> LiveServer:
     kwargs = dict(device="cpu", dtype="float32", max_num_seqs=32, max_num_batched_tokens=256)
     kwargs.update(engine_kwargs)
     engine = LLMEngine(EngineConfig(model=model, **kwargs))
-    loop = EngineLoop(engine, max_pending=(cfg.max_pending if cfg else 256))
-    app = build_app(loop, cfg or ServerConfig(served_model_names=["tiny"]))
+    cfg = cfg or ServerConfig(served_model_names=["tiny"])
+    loop = EngineLoop(engine, max_pending=cfg.max_pending, step_timeout_s=cfg.step_timeout_s)
+    app = build_app(loop, cfg)
     loop.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

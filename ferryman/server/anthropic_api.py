@@ -84,20 +84,20 @@ def _as_reminders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _render(st: ServerState, messages: list[dict[str, Any]], setup: ToolSetup,
+async def _render(st: ServerState, messages: list[dict[str, Any]], setup: ToolSetup,
             kwargs: dict[str, Any] | None) -> ChatPrompt:
     """The prompt, with system messages where they stand; a template that refuses a system
     message after the first gets them as reminders in the user turns instead."""
     try:
-        return st.renderer.render(messages, setup.tools, kwargs)
+        return await st.chat_prompt(messages, setup.tools, kwargs)
     except APIError:
         if not any(m["role"] == "system" for m in messages[1:]):
             raise
     log.info("the chat template refused a system message mid-conversation: sent as a user-turn reminder")
-    return st.renderer.render(_as_reminders(messages), setup.tools, kwargs)
+    return await st.chat_prompt(_as_reminders(messages), setup.tools, kwargs)
 
 
-def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
+async def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
     st.check_model(body.model)
     check_unicode(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
@@ -116,12 +116,12 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
                        format_param="output_config.format",
                        tool_params=[f"tools[{i}].input_schema" for i in range(len(tools))])
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
-    return _render(st, messages, setup, kwargs), setup
+    return await _render(st, messages, setup, kwargs), setup
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: ACountTokensRequest, request: Request) -> dict[str, Any]:
-    prompt, _ = _prompt(request.app.state.ferryman, body)
+    prompt, _ = await _prompt(request.app.state.ferryman, body)
     return {"input_tokens": len(prompt.token_ids)}
 
 
@@ -131,7 +131,7 @@ async def messages(body: AMessagesRequest, request: Request) -> Any:
     if "n" in body.model_fields_set:
         raise APIError(400, "n is not a field of the Messages API (one message per request)", "n",
                        anthropic_message="n: Extra inputs are not permitted")
-    prompt, setup = _prompt(st, body)
+    prompt, setup = await _prompt(st, body)
     st.check_prompt(prompt.token_ids, "messages")
     stops = check_stops(list(body.stop_sequences or []), st.cfg, "stop_sequences")
     params = make_params({"stop": "stop_sequences"}, temperature=body.temperature, top_p=body.top_p,

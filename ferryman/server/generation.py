@@ -115,12 +115,8 @@ def choice_params(spec: GenSpec, i: int) -> tuple[SamplingParams, GrammarMatcher
 
 def _submit(state: ServerState, specs: list[GenSpec]) -> list[_Sub]:
     """Submit every choice of every spec (choice index = position in the returned list)."""
+    state.check_room(sum(spec.n for spec in specs))  # never fits: a 400, not a 429
     subs: list[_Sub] = []
-    total, limit = sum(spec.n for spec in specs), state.loop.max_pending
-    if total > limit:  # a 429 would never clear: the request alone is over the limit
-        param = "n" if any(spec.n > 1 for spec in specs) else "prompt"
-        raise APIError(400, f"this request asks for {total} generations (n x prompts); the server takes at most "
-                            f"{limit} requests at once", param)
     try:
         for spec in specs:
             for i in range(spec.n):
@@ -245,6 +241,8 @@ def stream(state: ServerState, specs: list[GenSpec], path: str, first: list[str]
                     yield ev
                 return
             yield sse(err.body(path), "error" if is_anthropic_path(path) else None)
+            if path in ("/v1/chat/completions", "/v1/completions"):  # their clients wait for [DONE]
+                yield "data: [DONE]\n\n"
             return
         finally:
             await deltas.aclose()  # a client gone closes this generator: abort its requests

@@ -107,7 +107,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     st.check_model(body.model)
     check_unicode(body)
     tools = _chat_tools(st, body)
-    prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
+    prompt = await st.chat_prompt(chat_messages(body.messages), tools.tools, body.chat_template_kwargs,
+                                  body.chat_template)
     st.check_prompt(prompt.token_ids, "messages")
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
@@ -177,14 +178,15 @@ def chat_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | Non
 
 
 # ---- completions ------------------------------------------------------------------------------
-def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+async def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [st.encode(prompt)]
+        return [await st.encode_prompt(prompt)]
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [st.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    return [await st.encode_prompt(p, f"prompt[{i}]") if isinstance(p, str) else list(p)  # type: ignore[union-attr]
+            for i, p in enumerate(prompt)]
 
 
 @router.post("/v1/completions")
@@ -196,7 +198,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    prompts = _prompts(st, body.prompt)
+    prompts = await _prompts(st, body.prompt)
     specs = []
     wanted = body.max_tokens or st.cfg.max_tokens_default or COMPLETION_MAX_TOKENS
     for ids in prompts:

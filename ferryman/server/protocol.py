@@ -100,6 +100,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # extension: refused unless --trust-request-chat-template
 
 
 class CompletionRequest(_Sampling):
