@@ -231,7 +231,7 @@ def test_a_request_that_fits_later_gets_429_with_retry_after(strict: LiveServer)
 
 def test_a_trickled_body_is_cut_with_408(strict: LiveServer) -> None:
     host, port = strict.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    body = json.dumps({"model": "tiny", "prompt": "hi " * 100, "max_tokens": 2}).encode()  # ~30 s trickled
     with health_pings(strict), socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode())
@@ -250,7 +250,7 @@ def test_a_trickled_body_is_cut_with_408(strict: LiveServer) -> None:
                 continue
         took = time.monotonic() - t0
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert b"not received within 1 s" in answer and took < 2.5
+    assert b"not received within 1 s" in answer and took < 8  # 1 s, and a loaded 2-core machine's slack
     _still_serves(strict, AUTH)
 
 
