@@ -109,3 +109,25 @@ def test_bias_steers_choice_not_weights() -> None:
     assert (ids == 5).any(dim=-1).all()
     pos = (ids == 5).int().argmax(dim=-1)
     assert torch.allclose(w.gather(1, pos[:, None])[:, 0], 2.0 * logits[:, 5].sigmoid())
+
+
+def test_guess_scores_rank_like_the_router() -> None:
+    """The next-layer guesser ranks on Router.choice_scores: without groups, its top-k is the
+    sigmoid router's choice (the correction bias included); a softmax router's are its logits."""
+    from ferryman.config import ModelConfig
+    from ferryman.layers.router import Router
+
+    base = dict(model_type="t", vocab_size=8, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                head_dim=16, num_experts=32, top_k=4, moe_intermediate_size=8, norm_topk_prob=True)
+    gen = torch.Generator().manual_seed(3)
+    router = Router(ModelConfig(**base, router_kind="sigmoid"))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 16, generator=gen))
+        router.e_score_correction_bias.copy_(0.5 * torch.randn(32, generator=gen))
+    x = torch.randn(20, 16, generator=gen)
+    ids, _ = route_sigmoid(router(x), router.e_score_correction_bias, 4, 1, 1, True, 1.0)
+    guessed = torch.topk(router.choice_scores(x), 4, dim=-1).indices
+    assert torch.equal(guessed.sort(-1)[0], ids.sort(-1)[0])
+    assert not torch.equal(torch.topk(router(x), 4, dim=-1).indices.sort(-1)[0], ids.sort(-1)[0])  # the bias counts
+    softmax = Router(ModelConfig(**base))
+    assert softmax.e_score_correction_bias is None and softmax.weight.dtype == torch.get_default_dtype()
