@@ -230,12 +230,14 @@ def cmd_info(a: argparse.Namespace) -> int:
     rows = [
         ("model", str(folder) if folder else f"{a.model} (preset)"),
         ("architecture", c.model_type),
-        ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE" + (f", {len(c.dense_layers)} dense)" if c.dense_layers else ")")),
+        ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE" + (f", {len(c.dense_layers)} dense)" if c.dense_layers
+                                                                else ")")),
         ("hidden size", str(c.hidden_size)),
         ("attention", f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
                       + (f", sliding window {c.sliding_window}" if c.sliding_window else "")),
         ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"
-                    + (f"; shared experts FFN {c.shared_intermediate_size} (resident)" if c.shared_intermediate_size else "")),
+                    + (f"; shared experts FFN {c.shared_intermediate_size} (resident)"
+                       if c.shared_intermediate_size else "")),
         ("routing", _routing_text(c)),
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),

@@ -30,7 +30,8 @@ def reference(family: str, logits: torch.Tensor, bias: torch.Tensor, n_group: in
     identity computes exactly these logits. Returns (ids, weights) sorted by expert id."""
     T, E = logits.shape
     kw = dict(hidden_size=E, n_routed_experts=E, n_group=n_group, topk_group=topk_group, num_experts_per_tok=top_k,
-              norm_topk_prob=renorm, routed_scaling_factor=scaling, num_hidden_layers=1)
+              norm_topk_prob=renorm, routed_scaling_factor=scaling, num_hidden_layers=1, moe_intermediate_size=4,
+              intermediate_size=4)
     config_cls, module = (DeepseekV3Config, dsv3) if family == "deepseek_v3" else (Glm4MoeConfig, glm)
     config = config_cls(**kw)
     router_cls = getattr(module, "DeepseekV3TopkRouter" if family == "deepseek_v3" else "Glm4MoeTopkRouter")
@@ -39,13 +40,12 @@ def reference(family: str, logits: torch.Tensor, bias: torch.Tensor, n_group: in
         router.weight.copy_(torch.eye(E))
         router.e_score_correction_bias.copy_(bias)
         out = router(logits)
-        if len(out) == 2:  # routers that return logits only: the MoE block routes
+        if isinstance(out, torch.Tensor):  # a router that returns its logits: the MoE block routes
             moe_cls = getattr(module, "DeepseekV3MoE" if family == "deepseek_v3" else "Glm4MoeMoE")
             moe = moe_cls(config).to(logits.device)
             moe.gate = router
-            ids, w = moe.route_tokens_to_experts(out[0])
-        else:
-            _, w, ids = out
+            out = moe.route_tokens_to_experts(out)
+    ids, w = [t for t in out if t.dtype == torch.int64][-1], [t for t in out if t.dtype.is_floating_point][-1]
     return _by_id(ids, w)
 
 

@@ -15,7 +15,9 @@ from ferryman.models.mixtral import Mixtral
 from ferryman.models.olmoe import Olmoe
 from ferryman.models.qwen3_moe import Qwen3Moe
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (Glm4Moe(), GptOss(), Mixtral(), Olmoe(), Qwen3Moe())}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a for a in (Glm4Moe(), GptOss(), Mixtral(), Olmoe(), Qwen3Moe())
+}
 
 
 def get_architecture(model_type: str) -> Architecture:
