@@ -110,3 +110,15 @@ def test_shrunk_air_runs_on_dummy_weights(tmp_path: Path) -> None:
               expert_cache=4)
     logits = llm.score([list(range(1, 20))])[0]
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_activations_count_the_shared_experts() -> None:
+    """A prefill chunk's shared-expert gate_up / activation ([2S] + [S] per token) are planned for."""
+    from dataclasses import replace
+
+    from ferryman.planner import activation_bytes
+
+    cfg = model_config(get_preset("glm-4.5"))
+    without = replace(cfg, shared_intermediate_size=0)
+    got = activation_bytes(cfg, torch.bfloat16, 4096, 1) - activation_bytes(without, torch.bfloat16, 4096, 1)
+    assert got == 4096 * 2 * 3 * 1536
