@@ -44,14 +44,17 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
                      kernels: str = "auto") -> int:
     """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ _FIXED_HEADROOM).
 
-    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per routed
-    pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the sorted input row (H);
+    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and the larger
+    MLP: per routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the
+    sorted input row (H), plus the shared experts' gate_up / activation; or a dense layer's;
     once: the prefill path's dequantised w13 banks (2 I H each) and fp32 logits of the sampled rows.
     kernels: the MoE kernels the engine runs (PlanRequest.kernels)."""
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
-    per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
+    moe = k * (item * (3 * i + h) + 4 * h) + item * 3 * cfg.shared_intermediate_size
+    dense = item * 3 * cfg.intermediate_size if cfg.num_layers > len(cfg.moe_layers) else 0
+    per_token = item * (6 * h + 2 * q + kv) + max(moe, dense)
     # experts the chunk's CUDA prefill path dequantises at once: a group if batched, none if grouped
     batched = fused_moe.prefill_path(cfg.expert_format, chunk_tokens * k, kernels) == "batched"
     once = (batched_moe.PREFILL_GROUP if batched else 0) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
@@ -59,20 +62,28 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def non_expert_params(cfg: ModelConfig) -> int:
-    """Parameters of the module tree (models/transformer.py): everything but the routed experts."""
+    """Parameters of the module tree (models/transformer.py): everything but the routed experts;
+    shared experts and the dense layers' MLPs included."""
     h, hd, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     attn = (q + 2 * kv) * h + q * h  # qkv_proj, o_proj
     attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.attention_out_bias
     attn += {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
-    router = cfg.num_experts * (h + cfg.router_bias)
+    moe = router_params(cfg) + 3 * cfg.shared_intermediate_size * h  # + the shared experts' MLP
     dense_mlp = 3 * cfg.intermediate_size * h  # gate_up_proj, down_proj
-    layers = sum(2 * h + attn + (router if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
+    layers = sum(2 * h + attn + (moe if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)  # a tied lm_head shares the table
     return embed + layers + h  # + the final norm
 
 
+def router_params(cfg: ModelConfig) -> int:
+    """One MoE layer's router: weight, bias, and a sigmoid router's score correction bias."""
+    return cfg.num_experts * (cfg.hidden_size + cfg.router_bias + (cfg.router_kind == "sigmoid"))
+
+
 def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return non_expert_params(cfg) * dtype.itemsize
+    """Bytes of non_expert_params in `dtype`, a sigmoid router's in fp32 (layers/router.py)."""
+    fp32 = router_params(cfg) * len(cfg.moe_layers) if cfg.router_kind == "sigmoid" else 0
+    return (non_expert_params(cfg) - fp32) * dtype.itemsize + fp32 * 4
 
 
 def host_embedding_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
