@@ -8,10 +8,10 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from ferryman.cli_bench import HelpFormatter, RawHelpFormatter, add_bench, cmd_bench
+from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, port, size
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig
 from ferryman.envs import envs
-from ferryman.errors import FerrymanError
+from ferryman.errors import ConfigError, FerrymanError
 
 DESCRIPTION = """\
 ferryman runs Mixture-of-Experts language models on the machine you have.
@@ -21,8 +21,6 @@ or, with --load-format dummy, a built-in preset with random weights
 (gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b).
 docs/configuration.md describes every setting."""
 MODEL_HELP = "model folder or preset (default: the demo model)"
-
-
 
 
 def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> None:
@@ -39,7 +37,7 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                    help="KV cache storage: the model's dtype, or fp8 (e4m3: half the bytes, so more context or "
                         "more expert slots in the same budget; CUDA needs compute capability >= 8.9). "
                         "docs/benchmarks.md compares them")
-    g.add_argument("--gpu-memory", metavar="SIZE",
+    g.add_argument("--gpu-memory", metavar="SIZE", type=size,
                    help="cap on everything ferryman allocates on the GPU, e.g. 16GiB (default: the free memory "
                         "less 10%% of the total; see `ferryman plan`)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES,
@@ -85,7 +83,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION, formatter_class=RawHelpFormatter)
+    parser = Parser(prog="ferryman", description=DESCRIPTION, formatter_class=RawHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks and DEBUG logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate text from a prompt, streamed to the terminal",
@@ -128,7 +126,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                            formatter_class=HelpFormatter)
     serve.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--port", type=port, default=8000, help="port to bind")
     serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key; default: none)")
     serve.add_argument("--served-model-name", action="append",
                        help="name clients use for the model (repeatable; default: the folder name)")
@@ -145,11 +143,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from ferryman import LLM, SamplingParams
+    from ferryman import LLM
 
+    params = _sampling_params(a)  # before loading: a bad flag fails at once
+    if not a.prompt and not a.chat:
+        raise ConfigError("--prompt is empty: give the text to complete, e.g. -p 'def quicksort(xs):'")
     llm = LLM(a.model, **engine_kwargs(a))
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.sampling_seed,
-                            max_tokens=a.max_tokens)
     prompt = _run_prompt(llm, a)
     for delta in llm.stream(prompt, params):
         # without a tokenizer (dummy presets, bare checkpoints) the output is shown as token ids
@@ -166,6 +165,19 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(llm.stats())
     return 0
+
+
+def _sampling_params(a: argparse.Namespace) -> Any:
+    """SamplingParams of `ferryman run`'s flags; an invalid value is a ConfigError naming the flag."""
+    from ferryman import SamplingParams
+
+    try:
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.sampling_seed,
+                              max_tokens=a.max_tokens)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")
+        flag = {"seed": "--seed"}.get(field, "--" + field.replace("_", "-"))
+        raise ConfigError(f"{flag} {rest}") from None
 
 
 def _run_prompt(llm: Any, a: argparse.Namespace) -> str | list[int]:
