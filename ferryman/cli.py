@@ -250,7 +250,8 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
         ("everything else", f"{s.other_bytes / gib:.2f} GiB"),
-        ("context", str(c.max_position_embeddings)),
+        ("context", str(c.max_position_embeddings) + (f" (RoPE {c.rope.kind} x{c.rope.factor:g} over "
+                                                      f"{c.rope.original_max_position})" if c.rope.factor != 1 else "")),
     ]
     for k, v in rows:
         print(f"{k:>16}: {v}")
