@@ -4,6 +4,8 @@ shows its default."""
 from __future__ import annotations
 
 import argparse
+import ast
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -124,3 +126,30 @@ def test_every_help_text_shows_its_default() -> None:
             assert "".join(text.split()) in shown, f"`{p.prog} --help` does not print {name}'s help"
     assert {"ferryman run", "ferryman serve", "ferryman plan", "ferryman info", "ferryman bench serve",
             "ferryman bench bw"} <= set(walked)
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~ \[;(]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_first_install_command_covers_every_import() -> None:
+    """`pip install -e .` (the README's first command) brings every package ferryman imports, the
+    server's included (theirs count: fastapi brings starlette); only the GPU kernels' triton and
+    `bench serve --plot`'s matplotlib are optional."""
+    tomllib = pytest.importorskip("tomllib")
+    from importlib.metadata import packages_distributions, requires
+
+    deps = {_name(d) for d in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    covered = deps | {_name(r) for d in deps for r in requires(d) or [] if "extra ==" not in r}
+    modules: set[str] = set()
+    for path in (ROOT / "ferryman").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    dists = packages_distributions()
+    third_party = {m for m in modules if m in dists and m not in ("ferryman", "triton", "matplotlib")}
+    assert {"fastapi", "uvicorn", "pydantic", "prometheus_client", "llguidance", "starlette"} <= third_party
+    missing = {m: dists[m] for m in third_party if not {_name(d) for d in dists[m]} & covered}
+    assert not missing, f"imported but not installed by `pip install -e .`: {missing}"
