@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, port, size
+from ferryman.cli_bench import (HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, port,
+                                size)
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
@@ -60,7 +61,7 @@ def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -
                    help="offloaded experts: compute some misses on the CPU while others are fetched, split by "
                         "the rates `ferryman bench bw` measured (else a quick measurement at start). auto: when "
                         "the CPU reaches 1/4 of the link's rate. docs/benchmarks.md has the trade-off")
-    g.add_argument("--calibration", metavar="PATH",
+    g.add_argument("--calibration", metavar="PATH", type=existing_file,
                    help="rates file for --cpu-experts (default: the one `ferryman bench bw` writes for the model)")
     g.add_argument("--no-decode-prefetch", dest="decode_prefetch", action="store_false",
                    help="offloaded experts: do not copy the next layer's guessed experts ahead in decode steps "
@@ -250,12 +251,16 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
         ("everything else", f"{s.other_bytes / gib:.2f} GiB"),
-        ("context", str(c.max_position_embeddings) + (f" (RoPE {c.rope.kind} x{c.rope.factor:g} over "
-                                                      f"{c.rope.original_max_position})" if c.rope.factor != 1 else "")),
+        ("context", str(c.max_position_embeddings) + _rope_scaling(c.rope)),
     ]
     for k, v in rows:
         print(f"{k:>16}: {v}")
     return 0
+
+
+def _rope_scaling(rope: Any) -> str:
+    """' (RoPE yarn x16 over 2048)' for a context stretched by RoPE scaling, else ''."""
+    return f" (RoPE {rope.kind} x{rope.factor:g} over {rope.original_max_position})" if rope.factor != 1 else ""
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ rates the hybrid split uses): their parsers and commands, for ferryman/cli.py.""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import NoReturn
 
 from ferryman.config import parse_bytes
@@ -39,6 +40,13 @@ def size(text: str) -> str:
         parse_bytes(text, name="")
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def existing_file(text: str) -> str:
+    """A file the user names must be there (a missing one is not silently replaced by a default)."""
+    if not Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
     return text
 
 
@@ -97,8 +105,6 @@ def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_bw(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ferryman.calibrate.bandwidth import MiB, run_bench
     from ferryman.calibrate.calibration import default_path, expert_key
     from ferryman.engine.model_runner import expert_activation
@@ -130,7 +136,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if not a.url.startswith(("http://", "https://")):
         raise ConfigError(f"URL must start with http:// or https://, got {a.url!r}")
     import json
-    from pathlib import Path
 
     from ferryman.server.bench import BenchConfig, plot, run_bench
 

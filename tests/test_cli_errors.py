@@ -63,6 +63,7 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["run", "--max-model-len", "100000", "--device", "cpu"], "max_model_len 100000 exceeds the model's context"),
     (["plan", "--expert-cache", "lots"], "expert_cache must look like '10%', '0.1' or '64'"),
     (["bench", "serve", "localhost:8000"], "URL must start with http:// or https://"),
+    (["run", "--calibration", "/no/rates.json"], "argument --calibration: /no/rates.json: no such file"),
 ])
 def test_bad_flags_are_one_line_errors(argv: list[str], says: str, capsys: pytest.CaptureFixture) -> None:
     assert says in one_line_error(argv, capsys)
