@@ -83,7 +83,7 @@ def test_yarn_frequencies_match_transformers() -> None:
     assert torch.equal(ours, theirs) and our_scale == their_scale
 
 
-@pytest.mark.slow  # two 2300-token prefills each side: ~30 s on 2 idle cores
+@pytest.mark.slow  # two 2300-token prefills in ferryman and two in transformers
 def test_long_prompt_matches_transformers() -> None:
     """A prompt past the 2048 positions the model was built for: logits and greedy tokens equal
     transformers' on the YaRN-scaled config (CPU, fp32), and the default context is 32768."""
