@@ -176,9 +176,8 @@ def _sampling_params(a: argparse.Namespace) -> Any:
         return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.sampling_seed,
                               max_tokens=a.max_tokens)
     except ValueError as e:
-        field, _, rest = str(e).partition(" ")
-        flag = {"seed": "--seed"}.get(field, "--" + field.replace("_", "-"))
-        raise ConfigError(f"{flag} {rest}") from None
+        field, _, rest = str(e).partition(" ")  # "max_tokens must be >= 1, got -5"
+        raise ConfigError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def _run_prompt(llm: Any, a: argparse.Namespace) -> str | list[int]:
