@@ -154,3 +154,15 @@ def test_the_first_install_command_covers_every_import() -> None:
     assert {"fastapi", "uvicorn", "pydantic", "prometheus_client", "llguidance", "starlette"} <= third_party
     missing = {m: dists[m] for m in third_party if not {_name(d) for d in dists[m]} & covered}
     assert not missing, f"imported but not installed by `pip install -e .`: {missing}"
+
+
+def test_python_api_sizes_need_a_unit_too() -> None:
+    """LLM(gpu_memory=...) as the flag: a string needs its unit; an int is bytes (at least 1 MiB)."""
+    from ferryman.config import EngineConfig
+    from ferryman.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gpu_memory 16: give a unit, e.g. 16GiB"):
+        EngineConfig(model="m", gpu_memory="16")
+    with pytest.raises(ConfigError, match="gpu_memory 16: give a unit, e.g. '16GiB' \\(an int is a number of bytes\\)"):
+        EngineConfig(model="m", gpu_memory=16)
+    assert EngineConfig(model="m", gpu_memory=8 << 30).offload.gpu_memory == 8 << 30
