@@ -9,7 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ferryman.cli_bench import HelpFormatter, RawHelpFormatter, add_bench, cmd_bench
+from ferryman.cli_bench import (HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, port,
+                                size)
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
@@ -22,8 +23,6 @@ or, with --load-format dummy, a built-in preset with random weights
 (gpt-oss-20b, gpt-oss-120b, qwen3-30b-a3b, mixtral-8x7b, olmoe-1b-7b).
 docs/configuration.md describes every setting."""
 MODEL_HELP = "model folder or preset (default: the demo model)"
-
-
 
 
 def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> None:
@@ -40,7 +39,7 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                    help="KV cache storage: the model's dtype, or fp8 (e4m3: half the bytes, so more context or "
                         "more expert slots in the same budget; CUDA needs compute capability >= 8.9). "
                         "docs/benchmarks.md compares them")
-    g.add_argument("--gpu-memory", metavar="SIZE",
+    g.add_argument("--gpu-memory", metavar="SIZE", type=size,
                    help="cap on everything ferryman allocates on the GPU, e.g. 16GiB (default: the free memory "
                         "less 10%% of the total; see `ferryman plan`)")
     g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES,
@@ -63,7 +62,7 @@ def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -
                    help="offloaded experts: compute some misses on the CPU while others are fetched, split by "
                         "the rates `ferryman bench bw` measured (else a quick measurement at start). auto: when "
                         "the CPU reaches 1/4 of the link's rate. docs/benchmarks.md has the trade-off")
-    g.add_argument("--calibration", metavar="PATH",
+    g.add_argument("--calibration", metavar="PATH", type=existing_file,
                    help="rates file for --cpu-experts (default: the one `ferryman bench bw` writes for the model)")
     g.add_argument("--no-decode-prefetch", dest="decode_prefetch", action="store_false",
                    help="offloaded experts: do not copy the next layer's guessed experts ahead in decode steps "
@@ -86,7 +85,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferryman", description=DESCRIPTION, formatter_class=RawHelpFormatter)
+    parser = Parser(prog="ferryman", description=DESCRIPTION, formatter_class=RawHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks and DEBUG logs")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", help="generate text from a prompt, streamed to the terminal",
@@ -131,7 +130,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                            formatter_class=HelpFormatter)
     serve.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 is this machine only")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--port", type=port, default=8000, help="port to bind")
     serve.add_argument("--api-key", help="require this key (Authorization: Bearer KEY or x-api-key) on /v1/* and "
                                          "/metrics; visible in `ps`, so prefer --api-key-file (docs/server.md) "
                                          "(default: none)")
@@ -177,11 +176,12 @@ def _serve_guard_flags(g: argparse._ArgumentGroup) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from ferryman import LLM, SamplingParams
+    from ferryman import LLM
 
+    params = _sampling_params(a)  # before loading: a bad flag fails at once
+    if not a.prompt and not a.chat:
+        raise ConfigError("--prompt is empty: give the text to complete, e.g. -p 'def quicksort(xs):'")
     llm = LLM(a.model, **engine_kwargs(a))
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.sampling_seed,
-                            max_tokens=a.max_tokens)
     prompt = _run_prompt(llm, a)
     for delta in llm.stream(prompt, params):
         # without a tokenizer (dummy presets, bare checkpoints) the output is shown as token ids
@@ -198,6 +198,18 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.stats:
         _print_stats(llm.stats())
     return 0
+
+
+def _sampling_params(a: argparse.Namespace) -> Any:
+    """SamplingParams of `ferryman run`'s flags; an invalid value is a ConfigError naming the flag."""
+    from ferryman import SamplingParams
+
+    try:
+        return SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.sampling_seed,
+                              max_tokens=a.max_tokens)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")  # "max_tokens must be >= 1, got -5"
+        raise ConfigError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def _run_prompt(llm: Any, a: argparse.Namespace) -> str | list[int]:
@@ -274,7 +286,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
         ("everything else", f"{s.other_bytes / gib:.2f} GiB"),
-        ("context", str(c.max_position_embeddings)),
+        ("context", str(c.max_position_embeddings) + _rope_scaling(c.rope)),
     ]
     if c.num_mtp_layers:
         last = c.num_layers + c.num_mtp_layers - 1
@@ -313,6 +325,11 @@ def _routing_text(c: ModelConfig) -> str:
     groups = f", top-{c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
     renorm = ", renormalised" if c.norm_topk_prob else ""
     return f"sigmoid + correction bias{groups}{renorm}, x{c.routed_scaling_factor:g}"
+
+
+def _rope_scaling(rope: Any) -> str:
+    """' (RoPE yarn x16 over 2048)' for a context stretched by RoPE scaling, else ''."""
+    return f" (RoPE {rope.kind} x{rope.factor:g} over {rope.original_max_position})" if rope.factor != 1 else ""
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

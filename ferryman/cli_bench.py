@@ -4,7 +4,10 @@ rates the hybrid split uses): their parsers and commands, for ferryman/cli.py.""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import NoReturn
 
+from ferryman.config import parse_bytes
 from ferryman.errors import ConfigError, FerrymanError
 
 
@@ -14,13 +17,48 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "(default" in text or action.default is None or isinstance(action.default, bool):
+        if "default:" in text or action.default is None or isinstance(action.default, bool):
             return text
         return super()._get_help_string(action) or text
 
 
 class RawHelpFormatter(argparse.RawDescriptionHelpFormatter, HelpFormatter):
     """HelpFormatter that keeps the description's own lines."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error, as every other CLI error is: 'ferryman run: error: argument
+    --port: ...', exit status 2 (subcommands' parsers are of the same class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
+def size(text: str) -> str:
+    """A --gpu-memory style size: the text is kept (the config parses it), a bare number refused."""
+    try:
+        parse_bytes(text, name="")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def existing_file(text: str) -> str:
+    """A file the user names must be there (a missing one is not silently replaced by a default)."""
+    if not Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1-65535 (0: any free port)")
+    return value
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -67,8 +105,6 @@ def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench_bw(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ferryman.calibrate.bandwidth import MiB, run_bench
     from ferryman.calibrate.calibration import default_path, expert_key
     from ferryman.engine.model_runner import expert_activation
@@ -97,8 +133,9 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     if a.bench_command == "bw":
         return cmd_bench_bw(a)
+    if not a.url.startswith(("http://", "https://")):
+        raise ConfigError(f"URL must start with http:// or https://, got {a.url!r}")
     import json
-    from pathlib import Path
 
     from ferryman.server.bench import BenchConfig, plot, run_bench
 

@@ -182,24 +182,32 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
 # ---- sizes and shares as users write them ---------------------------------------------------------
 GiB = 1 << 30
 MiB = 1 << 20
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
+_UNITS = {"b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
           "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
-def parse_bytes(value: str | int | float) -> int:
-    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB' or a number of bytes -> bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"gpu_memory must be a size like '16GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        n = float(value)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"gpu_memory must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+def parse_bytes(value: str | int, name: str = "gpu_memory") -> int:
+    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB', '4096B' -> bytes; an int is bytes.
+
+    A string needs its unit: '16' is refused, not read as 16 bytes (nor guessed as GiB). An int
+    (the Python API, e.g. a figure from torch.cuda.mem_get_info) is bytes, and one below 1 MiB is
+    refused the same way: no budget that small holds a model, so the unit was forgotten."""
+    prefix = f"{name} " if name else ""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < MiB:
+            raise ConfigError(f"{prefix}{value}: give a unit, e.g. '{value}GiB' (an int is a number of bytes)")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{prefix}must be a size like '16GiB' or an int of bytes, got {value!r}")
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if m is not None and not m.group(2):
+        raise ConfigError(f"{prefix}{value.strip()}: give a unit, e.g. {value.strip()}GiB")
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{prefix}must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ConfigError(f"gpu_memory must be positive, got {value!r}")
-    return int(n)
+        raise ConfigError(f"{prefix}must be positive, got {value!r}")
+    return n
 
 
 def parse_expert_cache(value: str | int | float) -> float | int:
@@ -234,7 +242,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 class OffloadConfig:
     """What a user may choose about routed experts (docs/configuration.md has each field's flag)."""
 
-    gpu_memory: str | int | None = None  # device budget, e.g. "16GiB": caps every allocation
+    gpu_memory: str | int | None = None  # device budget, e.g. "16GiB" (a string needs a unit; an int is bytes)
     moe_strategy: str = "auto"  # auto (resident if every expert fits) | resident | offload
     expert_cache: str | float | int | None = None  # a share ("10%", 0.1) or a slot count; None: the plan's rest
     cpu_experts: str = "off"  # off | auto | on: misses computed on the CPU (experts/hybrid.py)

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ferryman.errors import ModelLoadError
+
 # Never reach a model hub: every file must already be in the model folder.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -20,7 +22,10 @@ def load_tokenizer(folder: Path | None) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as e:  # transformers and tokenizers raise many kinds for a bad file
+        raise ModelLoadError(f"cannot load the tokenizer of {folder}: {type(e).__name__}: {e}") from None
 
 
 class TokenIdText:

@@ -27,6 +27,7 @@ def test_info_without_model_describes_demo(capsys: pytest.CaptureFixture) -> Non
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "qwen3_moe" in out and "32 per layer, top-4" in out and "10 (10 MoE)" in out
+    assert "context: 32768 (RoPE yarn x16 over 2048)" in out
 
 
 def test_every_command_has_help(capsys: pytest.CaptureFixture) -> None:

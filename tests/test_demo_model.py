@@ -63,3 +63,40 @@ def test_demo_model_is_the_default_and_writes_python() -> None:
 def test_shipped_folder_is_at_most_40_mib() -> None:
     size = sum(f.stat().st_size for f in DEMO_MODEL.rglob("*") if f.is_file())
     assert size <= 40 * 2**20, f"demo model folder is {size / 2**20:.2f} MiB"
+
+
+def test_yarn_frequencies_match_transformers() -> None:
+    """The demo model's RoPE (YaRN, factor 16 over 2048 positions): ferryman's inverse frequencies
+    and cos/sin scaling are transformers' own."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ferryman.layers.rotary import inv_freq_of
+    from ferryman.models.registry import model_config
+    from ferryman.weights.build import resolve_hf_config
+
+    cfg = model_config(resolve_hf_config(str(DEMO_MODEL), "auto")[0])
+    assert (cfg.rope.kind, cfg.rope.factor, cfg.rope.original_max_position, cfg.max_position_embeddings) == (
+        "yarn", 16.0, 2048, 32768)
+    theirs, their_scale = ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.from_pretrained(DEMO_MODEL), "cpu")
+    ours, our_scale = inv_freq_of(cfg.rope, cfg.head_dim)
+    assert torch.equal(ours, theirs) and our_scale == their_scale
+
+
+@pytest.mark.slow  # two 2300-token prefills in ferryman and two in transformers
+def test_long_prompt_matches_transformers() -> None:
+    """A prompt past the 2048 positions the model was built for: logits and greedy tokens equal
+    transformers' on the YaRN-scaled config (CPU, fp32), and the default context is 32768."""
+    llm = LLM(dtype="float32", device="cpu", max_num_seqs=1)
+    assert llm.engine.max_model_len == 32768
+    prompt = [t for w in _heldout_slice(llm.tokenizer, n_windows=10) for t in w][:2300]  # [2300]
+    ref = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32, local_files_only=True).eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]  # [T, V]
+        greedy = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    got = llm.score([prompt])[0]
+    err = (got - want).abs().max().item()
+    assert err <= 1e-4 * want.abs().max().item(), f"max |logit diff| {err:.3g} over {len(prompt)} positions"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ours = llm.generate(prompt_token_ids=[prompt], params=params)[0].token_ids
+    assert greedy and ours[: len(greedy)] == greedy  # transformers stops at an eos, ours runs on

@@ -54,6 +54,12 @@ def test_export_loads_offline_with_transformers(exported: Path) -> None:
     raw = json.loads((exported / "config.json").read_text())
     assert raw["torch_dtype"] == raw["dtype"] == "bfloat16" and raw["rope_theta"] == 10000.0
     assert raw["num_experts"] == raw["num_local_experts"] == config.num_experts
+    # the served context: YaRN x16 over the built-for positions, as transformers reads it
+    spec = build.make_spec(build.parse_args(["--out", str(exported), "--tiny"])).model
+    assert raw["max_position_embeddings"] == 16 * spec.max_position_embeddings == spec.served_context
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["factor"] == 16
+    assert config.rope_parameters["original_max_position_embeddings"] == spec.max_position_embeddings
+    assert "YaRN (factor 16 over the 2048" in (exported / "README.md").read_text()
     with safe_open(str(exported / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert {f.get_slice(n).get_dtype() for n in names} == {"BF16"}

@@ -40,12 +40,13 @@ def _req(name: str, budget: str | None, **kw: object) -> PlanRequest:
 
 
 @pytest.mark.parametrize("text,want", [("16GiB", 16 * GiB), ("16G", 16 * GiB), ("16 gb", 16 * 10**9),
-                                       ("512MiB", 512 << 20), ("1.5GiB", 3 * GiB // 2), (4096, 4096)])
+                                       ("512MiB", 512 << 20), ("1.5GiB", 3 * GiB // 2), ("4096B", 4096),
+                                       (GiB, GiB)])
 def test_parse_bytes(text: str | int, want: int) -> None:
     assert parse_bytes(text) == want
 
 
-@pytest.mark.parametrize("bad", ["16 apples", "", "-1GiB", "0", True])
+@pytest.mark.parametrize("bad", ["16 apples", "", "-1GiB", "0", "16", 16, 16.0, True])
 def test_parse_bytes_rejects(bad: object) -> None:
     with pytest.raises(ConfigError, match="gpu_memory"):
         parse_bytes(bad)

@@ -14,7 +14,7 @@ from ferryman.experts.store import ExpertStore
 from ferryman.models.registry import get_architecture, model_config, read_config_json
 from ferryman.models.transformer import MoETransformer
 from ferryman.weights.loader import load_weights
-from ferryman.weights.presets import get_preset, is_preset
+from ferryman.weights.presets import PRESETS, get_preset, is_preset
 from ferryman.weights.sources import DummySource, SafetensorsSource, TensorSource
 
 @dataclass
@@ -38,7 +38,8 @@ def resolve_hf_config(model: str, load_format: str) -> tuple[dict, Path | None]:
                 f"to run it with random weights, or pass a model folder"
             )
         return get_preset(model), None
-    raise ModelLoadError(f"model folder {path} does not exist (and {model!r} is not a built-in preset)")
+    raise ModelLoadError(f"model folder {path} does not exist (and {model!r} is not a built-in preset: "
+                         f"{', '.join(PRESETS)})")
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:

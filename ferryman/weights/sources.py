@@ -10,10 +10,10 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ferryman.errors import ModelLoadError
 
@@ -34,7 +34,7 @@ class SafetensorsSource:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -47,7 +47,7 @@ class SafetensorsSource:
             path = self.folder / f
             if not path.exists():
                 raise ModelLoadError(f"{index.name} lists {f}, which is not in {self.folder}")
-            h = safe_open(str(path), framework="pt")
+            h = _open(path)
             self._handles[f] = h
             for k in h.keys():
                 self._where[k] = f
@@ -67,7 +67,31 @@ class SafetensorsSource:
         return str(self.folder / (f or next(iter(self._handles))))
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        try:
+            return self._handles[self._where[name]].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read tensor {name!r} from {self.folder / self._where[name]}: {e}") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index file's tensor -> shard file map."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from None
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to file names")
+    return weight_map
+
+
+def _open(path: Path) -> Any:
+    """A safetensors handle; a truncated or corrupt file is a ModelLoadError naming it (the header
+    states every tensor's byte range, so a file cut short fails here, before any tensor is read)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{path} is not a readable safetensors file ({path.stat().st_size:,} bytes: "
+                             f"{e}); it may be truncated or still downloading: fetch it again") from None
 
 
 class DummySource:

@@ -121,8 +121,8 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
         f"{len(windows['train']):,} windows of {spec.train.seq_len}")
     result = train(model, windows["train"], spec.train, device, log, windows["val"], compile_model=args.compile)
 
-    save_tokenizer(tokenizer, args.out, spec.model.max_position_embeddings)
-    weights_bytes = export_model(model, args.out, [eos, token_id(tokenizer, "<|im_end|>")])
+    save_tokenizer(tokenizer, args.out, spec.model.served_context)
+    weights_bytes = export_model(model, args.out, [eos, token_id(tokenizer, "<|im_end|>")], spec.model)
     log(f"exported {weights_bytes / 2**20:.2f} MiB of bf16 weights to {args.out}")
     ev = next_token_loss(load_exported(args.out, device), windows["heldout"], spec.train.eval_batch_size, device)
     log(f"held-out loss {ev['loss']:.4f} over {ev['windows']} windows of {ev['seq_len']} tokens")

@@ -45,6 +45,15 @@ def _parameter_counts(model: dict, total: int) -> tuple[int, int]:
     return total, total - idle
 
 
+def _context(m: dict) -> str:
+    """The served context: YaRN over the positions the model was built for (ModelSpec.served_rope)."""
+    factor, built = m.get("yarn_factor", 1), m["max_position_embeddings"]
+    if factor == 1:
+        return f"{built} positions"
+    return (f"{int(built * factor)} positions: RoPE scaled by YaRN (factor {factor:g} over the {built} it was "
+            "built for; `rope_parameters` in `config.json`)")
+
+
 def _model_section(spec: dict, params: int, weights_bytes: int) -> list[str]:
     m = spec["model"]
     total, active = _parameter_counts(m, params)
@@ -57,8 +66,7 @@ def _model_section(spec: dict, params: int, weights_bytes: int) -> list[str]:
         f"q/k RMSNorm, RoPE theta {m['rope_theta']:g} |",
         f"| experts | {m['num_experts']} routed experts per layer, top-{m['top_k']}, softmax then renormalised "
         f"(`norm_topk_prob`), expert width {m['moe_intermediate_size']}, SiLU-gated |",
-        f"| vocabulary / context | {m['vocab_size']} byte-level BPE tokens / "
-        f"{m['max_position_embeddings']} positions |",
+        f"| vocabulary / context | {m['vocab_size']} byte-level BPE tokens / {_context(m)} |",
         f"| parameters | {total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token "
         "(embedding tied with the output head) |",
         f"| weights | `model.safetensors`, bf16, {weights_bytes / 2**20:.2f} MiB |",

@@ -30,8 +30,9 @@ class ModelSpec:
     num_experts: int = 32
     top_k: int = 4
     moe_intermediate_size: int = 64  # multiple of 32 so MXFP4 blocks (32 values) fit exactly
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 2048  # the positions it is built for (trained on seq_len windows)
     rope_theta: float = 10000.0
+    yarn_factor: float = 16.0  # the exported config serves max_position_embeddings x this through YaRN
     rms_norm_eps: float = 1e-6
     router_aux_loss_coef: float = 0.01
     initializer_range: float = 0.02
@@ -43,6 +44,21 @@ class ModelSpec:
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ValueError(f"vocab_size={self.vocab_size} cannot hold the 256 byte tokens and the special tokens")
+        if self.yarn_factor < 1:
+            raise ValueError(f"yarn_factor={self.yarn_factor} must be >= 1 (1: no scaling)")
+
+    @property
+    def served_context(self) -> int:
+        """max_position_embeddings of the exported config.json."""
+        return int(self.max_position_embeddings * self.yarn_factor)
+
+    def served_rope(self) -> dict:
+        """rope_parameters of the exported config.json: YaRN over the built-for positions (the
+        transformers defaults for beta_fast, beta_slow and the attention factor 0.1 ln(factor) + 1)."""
+        if self.yarn_factor == 1:
+            return {"rope_type": "default", "rope_theta": self.rope_theta}
+        return {"rope_type": "yarn", "rope_theta": self.rope_theta, "factor": self.yarn_factor,
+                "original_max_position_embeddings": self.max_position_embeddings}
 
 
 @dataclass(frozen=True, slots=True)

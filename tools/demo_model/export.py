@@ -10,13 +10,14 @@ import transformers
 from safetensors import safe_open
 from transformers import Qwen3MoeForCausalLM
 
-from tools.demo_model.config import MAX_SAFETENSORS_BYTES, safetensors_names
+from tools.demo_model.config import MAX_SAFETENSORS_BYTES, ModelSpec, safetensors_names
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def export_model(model: Qwen3MoeForCausalLM, out: Path, stop_token_ids: list[int]) -> int:
-    """Save bf16 weights + config.json + generation_config.json; returns the weights file size.
+def export_model(model: Qwen3MoeForCausalLM, out: Path, stop_token_ids: list[int], spec: ModelSpec) -> int:
+    """Save bf16 weights + config.json (with the served context, `spec.served_rope`) +
+    generation_config.json; returns the weights file size.
 
     The model is moved to CPU bf16 in place (training is over by then).
     """
@@ -30,6 +31,7 @@ def export_model(model: Qwen3MoeForCausalLM, out: Path, stop_token_ids: list[int
     size = weights.stat().st_size
     if size > MAX_SAFETENSORS_BYTES:
         raise ValueError(f"{weights} is {size / 2**20:.2f} MiB, over {MAX_SAFETENSORS_BYTES / 2**20:.0f} MiB")
+    set_served_context(out / "config.json", spec)
     add_legacy_config_keys(out / "config.json")
     write_generation_config(out / "generation_config.json", stop_token_ids, model.config.pad_token_id)
     for path in out.iterdir():
@@ -47,6 +49,15 @@ def check_tensor_names(weights: Path, expected: list[str]) -> None:
         raise ValueError(f"{weights} has unexpected tensor names: missing {missing[:5]}, extra {extra[:5]}")
     if dtypes != {"BF16"}:
         raise ValueError(f"{weights} holds dtypes {sorted(dtypes)}, expected only BF16")
+
+
+def set_served_context(path: Path, spec: ModelSpec) -> None:
+    """Training ran with plain RoPE over short windows; the exported model serves
+    `spec.served_context` positions through YaRN (as Qwen3 models extend theirs)."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["rope_parameters"] = spec.served_rope()
+    config["max_position_embeddings"] = spec.served_context
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def add_legacy_config_keys(path: Path) -> None:
