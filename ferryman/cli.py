@@ -157,7 +157,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _serve_guard_flags(g: argparse._ArgumentGroup) -> None:
     """The API key file and the limits that keep one client from stalling or breaking the server."""
-    g.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file (its first line)")
+    g.add_argument("--api-key-file", metavar="PATH",
+                   help="read the API key from this file (its first line; default: none)")
     g.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a request body not received within this gets 408")
     g.add_argument("--max-prompt-chars", type=int, metavar="N",
