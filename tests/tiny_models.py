@@ -33,6 +33,17 @@ CONFIGS: dict[str, dict] = {
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, original_max_position_embeddings=64, truncate=False)),
 }
+# hybrid models: 4 layers (3 gated DeltaNet, 1 gated full attention), grouped value heads, a shared expert
+HYBRID = dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+CONFIGS.update({
+    "qwen3_next": dict(HYBRID, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2]),
+    "qwen3_5_moe_text": dict(HYBRID),
+    "qwen3_5_moe": dict(HYBRID),  # the vision-language layout: text_config + a (tiny) vision tower
+})
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2)
 ARCHS = list(CONFIGS)
 
 
@@ -50,9 +61,15 @@ def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
 def build_tiny(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     """Save a tiny `arch` checkpoint to `folder`; return the transformers reference model (fp32, eager)."""
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(arch, **COMMON, **CONFIGS[arch])
-    cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        cfg = Qwen3_5MoeConfig(text_config={**COMMON, **CONFIGS[arch]}, vision_config=VISION, tie_word_embeddings=False)
+        model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+    else:
+        cfg = AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     gen = torch.Generator().manual_seed(seed)
     _randomise(model, gen)
     model.save_pretrained(folder)

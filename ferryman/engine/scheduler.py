@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
+from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool, window_pool_need
 
 
@@ -35,6 +36,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     window: int | None = None  # sliding window of the layers with a pool of their own (None: no such pool)
     num_window_blocks: int = 0  # blocks of that pool (at least window_pool_need)
+    num_state_slots: int = 0  # linear-attention state slots (kvcache/state_pool.py); 0: no such layers
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -101,6 +103,8 @@ class Scheduler:
             WindowBlockPool(config.num_window_blocks, config.block_size, config.window, config.enable_prefix_caching)
         # Invariant: a sequence holds blocks in every pool or in none.
         self.pools: list[BlockPool] = [self.pool] if self.window_pool is None else [self.pool, self.window_pool]
+        # Invariant: a sequence holds a state slot iff it holds blocks (hybrid models only).
+        self.state_pool = StatePool(config.num_state_slots) if config.num_state_slots else None
         self.waiting: deque[Sequence] = deque()
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
@@ -134,6 +138,8 @@ class Scheduler:
     def free_blocks(self, seq: Sequence) -> None:
         for pool in self.pools:
             pool.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.free_blocks(seq)
@@ -179,6 +185,8 @@ class Scheduler:
         grants = list(zip(self.pools, prefixes or [None] * len(self.pools)))
         if not all(pool.can_allocate(seq, num_tokens, prefix) for pool, prefix in grants):
             return False
+        if self.state_pool is not None and not self.state_pool.allocate(seq):
+            return False
         for pool, prefix in grants:  # the main pool first: it sets seq.num_computed_tokens
             pool.grow(seq, num_tokens, prefix)
         return True
@@ -187,6 +195,8 @@ class Scheduler:
         """The cached prefix `seq` adopts in each pool: main-pool blocks, and the window pool's
         table for the window before its end (the hit shrinks to what that pool still holds)."""
         prefix = self.pool.match_sequence(seq)
+        if self.state_pool is not None:  # cached KV without the linear layers' state is no hit
+            prefix = []
         if self.window_pool is None:
             return [prefix]
         window_prefix = self.window_pool.usable_prefix(seq, len(prefix))

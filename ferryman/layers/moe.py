@@ -53,6 +53,11 @@ class SparseMoE(nn.Module):
         self.kind = cfg.router_kind
         self.renormalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        # a shared expert every token takes: resident, in the module tree, never in the expert cache;
+        # optionally scaled by sigmoid(x @ shared_expert_gate) per token (Qwen3-Next, Qwen3.5)
+        inter = cfg.shared_expert_intermediate_size
+        self.shared_expert = DenseMLP(cfg.hidden_size, inter) if inter else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if inter and cfg.shared_expert_gate else None
         self.experts: ExpertBackend | None = None  # bound by the model runner
         self.trace: RoutingRecorder | None = None  # records routing when set (measurements)
 
@@ -71,7 +76,13 @@ class SparseMoE(nn.Module):
             raise RuntimeError(f"MoE layer {self.layer} has no expert backend bound")
         if self.trace is not None:
             self.trace.record(self.layer, topk_ids)
-        return self.experts.forward(self.layer, x, topk_ids, topk_w)
+        out = self.experts.forward(self.layer, x, topk_ids, topk_w)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)  # [T, H]
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + shared
 
 
 class DenseMLP(nn.Module):

@@ -12,9 +12,13 @@ from ferryman.models.base import Architecture
 from ferryman.models.gpt_oss import GptOss
 from ferryman.models.mixtral import Mixtral
 from ferryman.models.olmoe import Olmoe
+from ferryman.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeText
 from ferryman.models.qwen3_moe import Qwen3Moe
+from ferryman.models.qwen3_next import Qwen3Next
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GptOss(), Mixtral(), Olmoe(), Qwen3Moe())}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a for a in (GptOss(), Mixtral(), Olmoe(), Qwen3Moe(), Qwen3Next(), Qwen3_5MoeText(), Qwen3_5Moe())
+}
 
 
 def get_architecture(model_type: str) -> Architecture:
