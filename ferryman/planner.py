@@ -21,6 +21,7 @@ import torch
 from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
+from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.state_pool import state_bytes_per_seq
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
@@ -162,6 +163,12 @@ class MemoryPlan:
     expert_slots: int  # == total experts when resident
     host_embedding_bytes: int = 0  # the token-embedding table kept in host RAM (offload), not in weights_bytes
     state_bytes: int = 0  # the linear-attention state pool (hybrid models), on the device
+
+    @property
+    def checkpoint_host_bytes(self) -> int:
+        """Host RAM of the prefix cache's state checkpoints (kvcache/state_checkpoints.py): never device
+        memory, so an agent's checkpoints cost no KV or expert slots."""
+        return CHECKPOINTS_PER_SEQ * self.state_bytes
 
     @property
     def host_embedding(self) -> bool:

@@ -50,7 +50,9 @@ ARCHS = list(CONFIGS)
 def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "sinks")):
+            if name.endswith("A_log"):  # slow decays: the recurrent state remembers the whole prompt
+                p.copy_(torch.empty(p.shape).uniform_(0.005, 0.05, generator=gen).log())
+            elif name.endswith(("bias", "sinks")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))

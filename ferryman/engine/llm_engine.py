@@ -24,6 +24,7 @@ from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
+from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.state_pool import num_linear_layers
 from ferryman.kvcache.window_pool import num_window_layers, window_split
 from ferryman.models.registry import model_config
@@ -70,6 +71,8 @@ class LLMEngine:
         num_window_blocks = self.plan.request.window_blocks
         # hybrid models: a linear-attention state slot per running sequence (kvcache/state_pool.py)
         num_state_slots = ecfg.max_num_seqs if num_linear_layers(self.cfg) else 0
+        # and their prefix-cache checkpoints in host RAM (kvcache/state_checkpoints.py)
+        num_checkpoints = CHECKPOINTS_PER_SEQ * num_state_slots if ecfg.enable_prefix_caching else 0
         eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -82,6 +85,7 @@ class LLMEngine:
                 window=window,
                 num_window_blocks=num_window_blocks,
                 num_state_slots=num_state_slots,
+                num_state_checkpoints=num_checkpoints,
             ),
             eos_token_ids=eos,
         )
@@ -92,7 +96,7 @@ class LLMEngine:
                                                       calibration=ecfg.offload.calibration,
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
-                                  num_state_slots=num_state_slots)
+                                  num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped

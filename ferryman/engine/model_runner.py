@@ -20,6 +20,7 @@ from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
+from ferryman.kvcache.state_checkpoints import CheckpointStore
 from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.planner import MemoryPlan
@@ -48,6 +49,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         num_window_blocks: int = 0,
         num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -69,6 +71,9 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
         self.bind_states(num_state_slots)
+        # the prefix cache's state checkpoints (kvcache/state_checkpoints.py), in host RAM
+        self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)
+                                           for layer in self.model.linear_layers()]) if num_state_checkpoints else None
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | SegmentedDecode | None = None
         if use_cuda_graphs and device.type == "cuda" and self.model.linear_layers():
@@ -105,9 +110,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run the step; returns the tokens (and logprobs) of the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
+        if self.checkpoints is not None and out.state_restores:
+            self.checkpoints.restore(out.state_restores)
         self.experts.begin_step()
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
         self.experts.end_step()
+        if self.checkpoints is not None and out.state_saves:
+            self.checkpoints.save(out.state_saves)
         if not inputs.sample_seq_ids:
             return SamplerOutput()
         return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])
