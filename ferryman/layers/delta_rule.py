@@ -80,7 +80,7 @@ def step_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return (state * q[..., None]).sum(-2), state
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32, key heads repeated to the value heads, L2-normalised, q scaled."""
     q, k = (l2norm(t.float().repeat_interleave(ratio, dim=-2)) for t in (q, k))
     return q * q.shape[-1] ** -0.5, k
@@ -90,7 +90,7 @@ def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      starts: list[int], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] fp32; starts: [B+1]
     token offsets (host); init: [B, Hv, Dk, Dv] fp32 -> (o [T, Hv, Dv] fp32, final states [B, ...])."""
-    q, k = _prepare(q, k, v.shape[1] // q.shape[1])
+    q, k = prepare_qk(q, k, v.shape[1] // q.shape[1])
     v = v.float()
     B = len(starts) - 1
     if starts[-1] == B:  # one token each: a batched step
