@@ -77,7 +77,31 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     model.save_pretrained(folder)
     if arch == "gpt_oss":
         _write_mxfp4(model, folder, gen)
+    if arch == "qwen3_5_moe":
+        _fuse_experts(folder)
     return model
+
+
+def _fuse_experts(folder: Path) -> None:
+    """Rewrite per-expert tensors as the published Qwen3.5 checkpoints hold them: per layer
+    `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `mlp.experts.down_proj` [E, H, I]."""
+    import re
+
+    from safetensors.torch import load_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(str(file))
+    per_expert = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in tensors if per_expert.match(n)]:
+        prefix, e, proj = per_expert.match(name).groups()
+        groups.setdefault(prefix, {}).setdefault(int(e), {})[proj] = tensors.pop(name)
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        tensors[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order])
+        tensors[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def _write_mxfp4(model: torch.nn.Module, folder: Path, gen: torch.Generator) -> None:

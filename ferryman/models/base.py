@@ -65,6 +65,11 @@ class Architecture(ABC):
             out.update({p + k: v for k, v in self.mlp_tensors(cfg, i, dt).items()})
         return out
 
+    def checkpoint_tensors_in(self, cfg: ModelConfig, names: set[str]) -> dict[str, TensorSpec]:
+        """The schema of a checkpoint holding `names`: an architecture published in two layouts
+        (per-expert or fused expert tensors) picks the one the files hold."""
+        return self.checkpoint_tensors(cfg)
+
     def attention_tensors(self, cfg: ModelConfig, dt: torch.dtype) -> dict[str, TensorSpec]:
         H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         out: dict[str, TensorSpec] = {}

@@ -2,11 +2,14 @@
 published vision-language checkpoints: the text model under `model.language_model.*`, its config
 under `text_config`; the vision tower `model.visual.*` is not run). The layers are Qwen3-Next's with
 separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a projections, every layer MoE, top-k weights
-always renormalised. Text positions are equal on the three M-RoPE axes, so M-RoPE is plain RoPE."""
+always renormalised. Text positions are equal on the three M-RoPE axes, so M-RoPE is plain RoPE.
+Experts come per expert (`mlp.experts.{e}.gate_proj.weight`, as transformers saves them) or fused
+as published (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I])."""
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from ferryman.config import ModelConfig
@@ -15,6 +18,8 @@ from ferryman.models.qwen3_next import Qwen3Next
 
 log = logging.getLogger("ferryman.models")
 _TEXT = "model.language_model."
+_PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+_FUSED = {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
 
 
 class Qwen3_5MoeText(Qwen3Next):
@@ -29,6 +34,23 @@ class Qwen3_5MoeText(Qwen3Next):
             norm_topk_prob=True,
             **self.hybrid_fields(hf),
         )
+
+    def checkpoint_tensors_in(self, cfg: ModelConfig, names: set[str]) -> dict[str, TensorSpec]:
+        schema = self.checkpoint_tensors(cfg)
+        if not any(n.endswith(".mlp.experts.gate_up_proj") for n in names):
+            return schema
+        out = {n: spec for n, spec in schema.items() if not _PER_EXPERT.search(n)}
+        E, I, H, dt = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size, cfg.dtype
+        prefix = next(n for n in schema if n.endswith("embed_tokens.weight")).removesuffix("embed_tokens.weight")
+        for i in cfg.moe_layers:
+            out[f"{prefix}layers.{i}.mlp.experts.gate_up_proj"] = ((E, 2 * I, H), dt)
+            out[f"{prefix}layers.{i}.mlp.experts.down_proj"] = ((E, H, I), dt)
+        return out
+
+    def map_mlp(self, cfg: ModelConfig, layer: int, rel: str) -> Target | None:
+        if rel in _FUSED:  # [E, out, in] like the banks: gate rows then up rows, as w13 holds them
+            return Target("expert", _FUSED[rel], layer, None)
+        return super().map_mlp(cfg, layer, rel)
 
 
 class Qwen3_5Moe(Qwen3_5MoeText):
