@@ -119,7 +119,8 @@ class PlanRequest:
     @property
     def kv_per_token(self) -> int:
         """A token's KV in the main pool: every layer's but the window pool's."""
-        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, self.cfg.num_attention_layers - num_window_layers(self.cfg))
+        layers = self.cfg.num_attention_layers - num_window_layers(self.cfg)
+        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, layers)
 
     @property
     def window_blocks(self) -> int:

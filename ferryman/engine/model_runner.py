@@ -88,9 +88,10 @@ class ModelRunner:
             return
         if num_slots < 1:
             raise ValueError("a model with linear-attention layers needs state slots (num_state_slots)")
+        conv, ssm = (num_slots, *conv_state_shape(self.cfg)), (num_slots, *ssm_state_shape(self.cfg))
         for layer in self.model.linear_layers():
-            layer.conv_state = torch.zeros((num_slots, *conv_state_shape(self.cfg)), dtype=self.dtype, device=self.device)
-            layer.ssm_state = torch.zeros((num_slots, *ssm_state_shape(self.cfg)), dtype=torch.float32, device=self.device)
+            layer.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
+            layer.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks: int, max_len: int) -> DecodeGraphs | SegmentedDecode | None:
         """Whole-step graphs when the experts never sync with the host (resident: batches the Triton

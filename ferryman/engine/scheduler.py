@@ -167,7 +167,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = self._chunk(seq, seq.num_computed_tokens, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            start = seq.num_computed_tokens
+            num_tokens = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             if not self._allocate_or_preempt(seq, num_tokens, out):
                 break  # seq preempted itself: everything behind it is gone too
             out.scheduled.append(self._scheduled(seq, num_tokens))
@@ -228,7 +229,8 @@ class Scheduler:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             if self.checkpoints is not None and prefixes[0]:  # the state after the adopted prefix
-                out.state_restores.append((self.checkpoints.use(seq.block_hashes[len(prefixes[0]) - 1]), seq.state_slot))
+                checkpoint = self.checkpoints.use(seq.block_hashes[len(prefixes[0]) - 1])
+                out.state_restores.append((checkpoint, seq.state_slot))
             if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING

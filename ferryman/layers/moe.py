@@ -57,7 +57,8 @@ class SparseMoE(nn.Module):
         # optionally scaled by sigmoid(x @ shared_expert_gate) per token (Qwen3-Next, Qwen3.5)
         inter = cfg.shared_expert_intermediate_size
         self.shared_expert = DenseMLP(cfg.hidden_size, inter) if inter else None
-        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if inter and cfg.shared_expert_gate else None
+        gated = inter and cfg.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         self.experts: ExpertBackend | None = None  # bound by the model runner
         self.trace: RoutingRecorder | None = None  # records routing when set (measurements)
 
