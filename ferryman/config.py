@@ -36,6 +36,31 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttnConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): heads, head sizes and the short convolution."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    fused_projections: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba (grouped per key head)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     method: str  # e.g. "mxfp4"
 
@@ -89,6 +114,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer: never loaded
+    # hybrid models (layer_types "linear_attention"); gated attention; shared expert
+    linear_attn: LinearAttnConfig | None = None
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate)
+    norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w)
+    shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x @ gate)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -130,6 +160,15 @@ class ModelConfig:
         if self.layer_types:
             return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
         return self.sliding_window
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """A gated DeltaNet layer: recurrent state instead of KV."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep KV (every layer but the linear-attention ones)."""
+        return sum(1 for i in range(self.num_layers) if not self.is_linear_layer(i))
 
     @property
     def expert_format(self) -> str:

@@ -21,6 +21,8 @@ import torch
 from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
+from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
+from ferryman.kvcache.state_pool import state_bytes_per_seq
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
 from ferryman.quant.base import get_format
@@ -36,8 +38,8 @@ def expert_slots(cache: float | int, total: int) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
-    """K and V of one token in `layers` layers (None: all of them)."""
-    return (cfg.num_layers if layers is None else layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """K and V of one token in `layers` layers (None: all that keep KV)."""
+    return (cfg.num_attention_layers if layers is None else layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
 def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int,
@@ -65,12 +67,13 @@ def non_expert_params(cfg: ModelConfig) -> int:
     """Parameters of the module tree (models/transformer.py): everything but the routed experts;
     shared experts and the dense layers' MLPs included."""
     h, hd, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = (q + 2 * kv) * h + q * h  # qkv_proj, o_proj
+    attn = (q * (2 if cfg.attn_output_gate else 1) + 2 * kv) * h + q * h  # qkv_proj (+ output gate), o_proj
     attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.attention_out_bias
     attn += {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
-    moe = router_params(cfg) + 3 * cfg.shared_intermediate_size * h  # + the shared experts' MLP
+    moe = router_params(cfg) + 3 * cfg.shared_intermediate_size * h + h * cfg.shared_expert_gate  # + shared experts
     dense_mlp = 3 * cfg.intermediate_size * h  # gate_up_proj, down_proj
-    layers = sum(2 * h + attn + (moe if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
+    mixer = [linear_attn_params(cfg) if cfg.is_linear_layer(i) else attn for i in range(cfg.num_layers)]
+    layers = sum(2 * h + mixer[i] + (moe if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)  # a tied lm_head shares the table
     return embed + layers + h  # + the final norm
 
@@ -78,6 +81,14 @@ def non_expert_params(cfg: ModelConfig) -> int:
 def router_params(cfg: ModelConfig) -> int:
     """One MoE layer's router: weight, bias, and a sigmoid router's score correction bias."""
     return cfg.num_experts * (cfg.hidden_size + cfg.router_bias + (cfg.router_kind == "sigmoid"))
+
+
+def linear_attn_params(cfg: ModelConfig) -> int:
+    """Parameters of one gated DeltaNet layer (layers/gated_deltanet.py)."""
+    la, h = cfg.linear_attn, cfg.hidden_size
+    assert la is not None
+    projections = (la.conv_dim + la.value_dim + 2 * la.num_v_heads) * h + la.value_dim * h  # in_proj_*, out_proj
+    return projections + la.conv_dim * la.conv_kernel + 2 * la.num_v_heads + la.v_head_dim  # conv, dt_bias, A_log, norm
 
 
 def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -118,7 +129,8 @@ class PlanRequest:
     @property
     def kv_per_token(self) -> int:
         """A token's KV in the main pool: every layer's but the window pool's."""
-        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, self.cfg.num_layers - num_window_layers(self.cfg))
+        layers = self.cfg.num_attention_layers - num_window_layers(self.cfg)
+        return kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, layers)
 
     @property
     def window_blocks(self) -> int:
@@ -133,6 +145,11 @@ class PlanRequest:
     def window_kv_bytes(self) -> int:
         layers = num_window_layers(self.cfg)
         return self.window_blocks * self.block_size * kv_bytes_per_token(self.cfg, self.kv_dtype or self.dtype, layers)
+
+    @property
+    def state_bytes(self) -> int:
+        """The linear-attention layers' state pool on the device: a slot per sequence (kvcache/state_pool.py)."""
+        return state_bytes_per_seq(self.cfg, self.dtype) * self.max_num_seqs
 
     @property
     def total_experts(self) -> int:
@@ -156,6 +173,13 @@ class MemoryPlan:
     slot_bytes: int  # one expert (a cache slot)
     expert_slots: int  # == total experts when resident
     host_embedding_bytes: int = 0  # the token-embedding table kept in host RAM (offload), not in weights_bytes
+    state_bytes: int = 0  # the linear-attention state pool (hybrid models), on the device
+
+    @property
+    def checkpoint_host_bytes(self) -> int:
+        """Host RAM of the prefix cache's state checkpoints (kvcache/state_checkpoints.py): never device
+        memory, so an agent's checkpoints cost no KV or expert slots."""
+        return CHECKPOINTS_PER_SEQ * self.state_bytes
 
     @property
     def host_embedding(self) -> bool:
@@ -167,7 +191,7 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes
+        return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes + self.state_bytes
 
 
 def _round_up(n: int, m: int) -> int:
@@ -209,7 +233,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
         return _unlimited_plan(req, weights, act, per_slot)
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
-    rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes
+    rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes - req.state_bytes
     strategy = _strategy(req, all_fit=rest >= total * per_slot)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
@@ -227,7 +251,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
     kv_bytes = kv_tokens * per_token + req.window_kv_bytes
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host)
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes)
 
 
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
@@ -269,14 +293,14 @@ def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> 
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
     host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host)
+    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,
             slots: int, per_slot: int, rest: int) -> None:
     need = slots * per_slot - rest
     what = "every expert (resident)" if req.strategy == "resident" else f"{slots} expert slots"
-    kv = floor_tokens * per_token + req.window_kv_bytes
+    kv = floor_tokens * per_token + req.window_kv_bytes + req.state_bytes
     window = f" + a {req.window_blocks}-block window pool" if req.window_blocks else ""
     raise ConfigError(
         f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "

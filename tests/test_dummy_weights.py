@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferryman import LLM
+from ferryman import LLM, SamplingParams
 from ferryman.weights.presets import get_preset
 
 
@@ -48,3 +48,22 @@ def test_gpt_oss_dummy_has_real_shapes_mxfp4_and_finite_logits(tmp_path: Path) -
 def test_preset_runs_with_dummy_by_name(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="--load-format dummy"):
         LLM("olmoe-1b-7b", device="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
+def test_hybrid_preset_dummy_runs_and_resumes(tmp_path: Path, name: str) -> None:
+    """Four real-width layers of a hybrid preset (3 gated DeltaNet, 1 gated attention): finite
+    logits, and a second turn restored from a state checkpoint gives the tokens of a cold prefill."""
+    folder = _shrunk_preset(name, tmp_path / "h", num_hidden_layers=4, num_experts=16, vocab_size=1024)
+    kw = dict(device="cpu", load_format="dummy", max_model_len=256, max_num_seqs=2)
+    llm = LLM(str(folder), **kw)
+    assert len(llm.engine.runner.model.linear_layers()) == 3
+    logits = llm.score([list(range(1, 40))])[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[list(range(1, 40))], params=params)[0]
+    turn2 = list(range(1, 40)) + first.token_ids + [7, 8, 9]
+    warm = llm.generate(prompt_token_ids=[turn2], params=params)[0]
+    cold = LLM(str(folder), enable_prefix_caching=False, **kw).generate(prompt_token_ids=[turn2], params=params)[0]
+    assert warm.metrics.num_cached_tokens == 32 and warm.token_ids == cold.token_ids

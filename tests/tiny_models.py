@@ -38,6 +38,17 @@ CONFIGS: dict[str, dict] = {
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, original_max_position_embeddings=64, truncate=False)),
 }
+# hybrid models: 4 layers (3 gated DeltaNet, 1 gated full attention), grouped value heads, a shared expert
+HYBRID = dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+CONFIGS.update({
+    "qwen3_next": dict(HYBRID, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[2]),
+    "qwen3_5_moe_text": dict(HYBRID),
+    "qwen3_5_moe": dict(HYBRID),  # the vision-language layout: text_config + a (tiny) vision tower
+})
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+              temporal_patch_size=2, spatial_merge_size=2)
 ARCHS = list(CONFIGS)
 
 
@@ -47,7 +58,9 @@ def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
             if name.endswith("e_score_correction_bias"):  # the size of sigmoid scores' spread: it decides
                 b.copy_(0.5 * torch.randn(b.shape, generator=gen))
         for name, p in model.named_parameters():
-            if name.endswith(("bias", "sinks")):
+            if name.endswith("A_log"):  # slow decays: the recurrent state remembers the whole prompt
+                p.copy_(torch.empty(p.shape).uniform_(0.005, 0.05, generator=gen).log())
+            elif name.endswith(("bias", "sinks")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
@@ -58,15 +71,45 @@ def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
 def build_tiny(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     """Save a tiny `arch` checkpoint to `folder`; return the transformers reference model (fp32, eager)."""
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model(arch, **COMMON, **CONFIGS[arch])
-    cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    if arch == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        cfg = Qwen3_5MoeConfig(text_config={**COMMON, **CONFIGS[arch]}, vision_config=VISION, tie_word_embeddings=False)
+        model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
+    else:
+        cfg = AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})
+        cfg._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     gen = torch.Generator().manual_seed(seed)
     _randomise(model, gen)
     model.save_pretrained(folder)
     if arch == "gpt_oss":
         _write_mxfp4(model, folder, gen)
+    if arch == "qwen3_5_moe":
+        _fuse_experts(folder)
     return model
+
+
+def _fuse_experts(folder: Path) -> None:
+    """Rewrite per-expert tensors as the published Qwen3.5 checkpoints hold them: per layer
+    `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `mlp.experts.down_proj` [E, H, I]."""
+    import re
+
+    from safetensors.torch import load_file
+
+    (file,) = folder.glob("*.safetensors")
+    tensors = load_file(str(file))
+    per_expert = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in [n for n in tensors if per_expert.match(n)]:
+        prefix, e, proj = per_expert.match(name).groups()
+        groups.setdefault(prefix, {}).setdefault(int(e), {})[proj] = tensors.pop(name)
+    for prefix, experts in groups.items():
+        order = sorted(experts)
+        tensors[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in order])
+        tensors[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in order])
+    save_file(tensors, str(file), metadata={"format": "pt"})
 
 
 def _write_mxfp4(model: torch.nn.Module, folder: Path, gen: torch.Generator) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.layers.attn_metadata import StateMetadata
 from ferryman.layers.paged_attention import AttnMetadata
 
 
@@ -66,6 +67,10 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, 
         max_query_len=max(s.num_tokens for s in out.scheduled),
         max_seq_len=max(seq_lens),
     )
+    if out.scheduled[0].seq.state_slot >= 0:  # a hybrid model: every sequence holds a state slot
+        slots = [s.seq.state_slot for s in out.scheduled]
+        fresh = [s.start_pos == 0 for s in out.scheduled]
+        meta.state = StateMetadata(t(slots, torch.int64), t(fresh, torch.bool), qsl, slots, fresh)
     if window_kv:
         meta.window_block_tables = t(_padded([s.seq.window_table for s in out.scheduled]), torch.int32)
         meta.window_slot_mapping = t(window_slots, torch.int64)

@@ -24,6 +24,8 @@ from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
+from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
+from ferryman.kvcache.state_pool import num_linear_layers
 from ferryman.kvcache.window_pool import num_window_layers, window_split
 from ferryman.models.registry import model_config
 from ferryman.planner import kv_bytes_per_token
@@ -67,6 +69,10 @@ class LLMEngine:
         num_blocks = self._num_blocks(kv)
         window = window_split(self.cfg)  # the sliding-window layers' own pool (kvcache/window_pool.py)
         num_window_blocks = self.plan.request.window_blocks
+        # hybrid models: a linear-attention state slot per running sequence (kvcache/state_pool.py)
+        num_state_slots = ecfg.max_num_seqs if num_linear_layers(self.cfg) else 0
+        # and their prefix-cache checkpoints in host RAM (kvcache/state_checkpoints.py)
+        num_checkpoints = CHECKPOINTS_PER_SEQ * num_state_slots if ecfg.enable_prefix_caching else 0
         eos = set(self.cfg.eos_token_ids) | extra_eos_ids(loaded.folder, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -78,6 +84,8 @@ class LLMEngine:
                 enable_prefix_caching=ecfg.enable_prefix_caching,
                 window=window,
                 num_window_blocks=num_window_blocks,
+                num_state_slots=num_state_slots,
+                num_state_checkpoints=num_checkpoints,
             ),
             eos_token_ids=eos,
         )
@@ -87,7 +95,8 @@ class LLMEngine:
                                   expert_options=dict(cpu_experts=ecfg.offload.cpu_experts,
                                                       calibration=ecfg.offload.calibration,
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
-                                  kv_dtype=kv, num_window_blocks=num_window_blocks)
+                                  kv_dtype=kv, num_window_blocks=num_window_blocks,
+                                  num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
@@ -102,7 +111,7 @@ class LLMEngine:
     # ---- sizing ------------------------------------------------------------------------------
     def _num_blocks(self, dtype: torch.dtype) -> int:
         """Blocks of the main KV pool (every layer but the window pool's)."""
-        per_token = kv_bytes_per_token(self.cfg, dtype, self.cfg.num_layers - num_window_layers(self.cfg))
+        per_token = kv_bytes_per_token(self.cfg, dtype, self.cfg.num_attention_layers - num_window_layers(self.cfg))
         wanted = self.ecfg.max_num_seqs * self.max_model_len
         if self.ecfg.kv_cache_tokens is not None:
             tokens = self.ecfg.kv_cache_tokens

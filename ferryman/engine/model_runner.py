@@ -20,6 +20,8 @@ from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
+from ferryman.kvcache.state_checkpoints import CheckpointStore
+from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.planner import MemoryPlan
 from ferryman.weights.build import LoadedModel
@@ -46,6 +48,8 @@ class ModelRunner:
         expert_options: dict[str, Any] | None = None,
         kv_dtype: torch.dtype | None = None,
         num_window_blocks: int = 0,
+        num_state_slots: int = 0,
+        num_state_checkpoints: int = 0,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -66,10 +70,28 @@ class ModelRunner:
             shape = (n, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+        self.bind_states(num_state_slots)
+        # the prefix cache's state checkpoints (kvcache/state_checkpoints.py), in host RAM
+        self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)
+                                           for layer in self.model.linear_layers()]) if num_state_checkpoints else None
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | SegmentedDecode | None = None
-        if use_cuda_graphs and device.type == "cuda":
+        if use_cuda_graphs and device.type == "cuda" and self.model.linear_layers():
+            log.info("decode of a hybrid (linear-attention) model runs without CUDA graphs")
+        elif use_cuda_graphs and device.type == "cuda":
             self.graphs = self._capture_graphs(max_num_seqs, -(-max_model_len // block_size), max_model_len)
+
+    def bind_states(self, num_slots: int) -> None:
+        """The state pool of the linear-attention layers (kvcache/state_pool.py): per layer a conv
+        state [N, C, K-1] in the model's dtype and a recurrent state [N, Hv, Dk, Dv] in fp32."""
+        if not self.model.linear_layers():
+            return
+        if num_slots < 1:
+            raise ValueError("a model with linear-attention layers needs state slots (num_state_slots)")
+        conv, ssm = (num_slots, *conv_state_shape(self.cfg)), (num_slots, *ssm_state_shape(self.cfg))
+        for layer in self.model.linear_layers():
+            layer.conv_state = torch.zeros(conv, dtype=self.dtype, device=self.device)
+            layer.ssm_state = torch.zeros(ssm, dtype=torch.float32, device=self.device)
 
     def _capture_graphs(self, max_num_seqs: int, max_blocks: int, max_len: int) -> DecodeGraphs | SegmentedDecode | None:
         """Whole-step graphs when the experts never sync with the host (resident: batches the Triton
@@ -89,9 +111,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
         """Run the step; returns the tokens (and logprobs) of the sequences that sample."""
         inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
+        if self.checkpoints is not None and out.state_restores:
+            self.checkpoints.restore(out.state_restores)
         self.experts.begin_step()
         logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
         self.experts.end_step()
+        if self.checkpoints is not None and out.state_saves:
+            self.checkpoints.save(out.state_saves)
         if not inputs.sample_seq_ids:
             return SamplerOutput()
         return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])

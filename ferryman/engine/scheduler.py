@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
+from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_position
+from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool, window_pool_need
 
 
@@ -35,6 +37,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     window: int | None = None  # sliding window of the layers with a pool of their own (None: no such pool)
     num_window_blocks: int = 0  # blocks of that pool (at least window_pool_need)
+    num_state_slots: int = 0  # linear-attention state slots (kvcache/state_pool.py); 0: no such layers
+    num_state_checkpoints: int = 0  # their prefix-cache checkpoints (kvcache/state_checkpoints.py)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -81,6 +85,10 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)
+    # Hybrid models (kvcache/state_checkpoints.py): (checkpoint, state slot) copies to run before the
+    # forward, and (state slot, checkpoint) copies to run after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -101,6 +109,10 @@ class Scheduler:
             WindowBlockPool(config.num_window_blocks, config.block_size, config.window, config.enable_prefix_caching)
         # Invariant: a sequence holds blocks in every pool or in none.
         self.pools: list[BlockPool] = [self.pool] if self.window_pool is None else [self.pool, self.window_pool]
+        # Invariant: a sequence holds a state slot iff it holds blocks (hybrid models only).
+        self.state_pool = StatePool(config.num_state_slots) if config.num_state_slots else None
+        self.checkpoints = CheckpointIndex(config.num_state_checkpoints) \
+            if self.state_pool is not None and config.enable_prefix_caching and config.num_state_checkpoints else None
         self.waiting: deque[Sequence] = deque()
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
@@ -134,6 +146,8 @@ class Scheduler:
     def free_blocks(self, seq: Sequence) -> None:
         for pool in self.pools:
             pool.free(seq)
+        if self.state_pool is not None:
+            self.state_pool.free(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.free_blocks(seq)
@@ -153,10 +167,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            start = seq.num_computed_tokens
+            num_tokens = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             if not self._allocate_or_preempt(seq, num_tokens, out):
                 break  # seq preempted itself: everything behind it is gone too
             out.scheduled.append(self._scheduled(seq, num_tokens))
+            self._save_checkpoint(out.scheduled[-1], out)
             budget -= num_tokens
             i += 1
         return budget
@@ -179,6 +195,8 @@ class Scheduler:
         grants = list(zip(self.pools, prefixes or [None] * len(self.pools)))
         if not all(pool.can_allocate(seq, num_tokens, prefix) for pool, prefix in grants):
             return False
+        if self.state_pool is not None and not self.state_pool.allocate(seq):
+            return False
         for pool, prefix in grants:  # the main pool first: it sets seq.num_computed_tokens
             pool.grow(seq, num_tokens, prefix)
         return True
@@ -187,6 +205,8 @@ class Scheduler:
         """The cached prefix `seq` adopts in each pool: main-pool blocks, and the window pool's
         table for the window before its end (the hit shrinks to what that pool still holds)."""
         prefix = self.pool.match_sequence(seq)
+        if self.state_pool is not None:  # cached KV without the linear layers' state is no hit
+            prefix = prefix[:self._checkpointed(seq, len(prefix))]
         if self.window_pool is None:
             return [prefix]
         window_prefix = self.window_pool.usable_prefix(seq, len(prefix))
@@ -203,10 +223,14 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             prefixes = self._match(seq)
-            num_tokens = min(seq.num_tokens - len(prefixes[0]) * self.config.block_size, budget)
+            start = len(prefixes[0]) * self.config.block_size
+            num_tokens = self._chunk(seq, start, min(seq.num_tokens - start, budget))
             if not self.allocate_blocks(seq, num_tokens, prefixes):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if self.checkpoints is not None and prefixes[0]:  # the state after the adopted prefix
+                checkpoint = self.checkpoints.use(seq.block_hashes[len(prefixes[0]) - 1])
+                out.state_restores.append((checkpoint, seq.state_slot))
             if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING
@@ -214,8 +238,38 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_tokens))
+            self._save_checkpoint(out.scheduled[-1], out)
             budget -= num_tokens
         return budget
+
+    # ---- state checkpoints of hybrid models (kvcache/state_checkpoints.py) -------------------
+
+    def _checkpointed(self, seq: Sequence, num_blocks: int) -> int:
+        """The longest prefix of at most num_blocks cached blocks whose state is checkpointed."""
+        if self.checkpoints is None:
+            return 0
+        for n in range(num_blocks, 0, -1):
+            if self.checkpoints.find(seq.block_hashes[n - 1]) is not None:
+                return n
+        return 0
+
+    def _chunk(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """A prefill chunk of a hybrid model ends at the sequence's checkpoint position if it passes it."""
+        if self.checkpoints is None:
+            return num_tokens
+        at = checkpoint_position(seq.num_prompt_tokens, self.config.block_size)
+        return at - start if start < at < start + num_tokens else num_tokens
+
+    def _save_checkpoint(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
+        """Save the state after this chunk when it ends at the checkpoint position (once per prefix)."""
+        if self.checkpoints is None:
+            return
+        at = checkpoint_position(s.seq.num_prompt_tokens, self.config.block_size)
+        if at == 0 or s.start_pos + s.num_tokens != at:
+            return
+        prefix_hash = s.seq.block_hashes[at // self.config.block_size - 1]
+        if self.checkpoints.find(prefix_hash) is None:
+            out.state_saves.append((s.seq.state_slot, self.checkpoints.reserve(prefix_hash)))
 
     @staticmethod
     def _scheduled(seq: Sequence, num_tokens: int) -> ScheduledSeq:
@@ -266,6 +320,8 @@ class Scheduler:
         """Forget every cached prompt block that no sequence holds, in every pool."""
         for pool in self.pools:
             pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     def stats(self) -> dict[str, float]:
         return {

@@ -85,8 +85,9 @@ class SegmentedDecode:
             self.x[:bs].copy_(layer.mlp(h))
             return
         ids, w = block.select(h)  # [bs, K]
-        if block.shared_experts is not None:
-            self.shared[:bs].copy_(block.shared_experts(h))
+        shared = block.shared(h)
+        if shared is not None:
+            self.shared[:bs].copy_(shared)
         if self.ids is None or self.w is None:
             self.ids = torch.zeros((self.x.shape[0], ids.shape[1]), dtype=ids.dtype, device=self.device)
             self.w = torch.zeros((self.x.shape[0], w.shape[1]), dtype=w.dtype, device=self.device)

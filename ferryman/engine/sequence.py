@@ -39,7 +39,7 @@ class Sequence:
 
     __slots__ = (
         "seq_id", "prompt_token_ids", "output_token_ids", "params", "status", "finish_reason",
-        "num_computed_tokens", "block_table", "window_table", "block_hashes", "num_cached_tokens",
+        "num_computed_tokens", "block_table", "window_table", "state_slot", "block_hashes", "num_cached_tokens",
         "num_preemptions", "arrival_time", "first_scheduled_time", "first_token_time", "finished_time", "_generator",
     )
 
@@ -55,6 +55,7 @@ class Sequence:
         self.num_computed_tokens: int = 0
         self.block_table: list[int] = []
         self.window_table: list[int] = []  # the sliding-window layers' blocks (kvcache/window_pool.py)
+        self.state_slot: int = -1  # linear-attention layers' state (kvcache/state_pool.py); -1: none
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions: int = 0

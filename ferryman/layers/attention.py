@@ -19,13 +19,18 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        # with an output gate, q_proj yields [q | gate] per head: o * sigmoid(gate) before o_proj
+        self.output_gate = cfg.attn_output_gate
+        self.q_width = self.q_size * (2 if self.output_gate else 1)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_width + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.qk_norm = cfg.qk_norm  # q/k RMSNorm per head, over all heads ("full"), or none
         norm_sizes = {"head": (cfg.head_dim, cfg.head_dim), "full": (self.q_size, self.kv_size)}
         if cfg.qk_norm in norm_sizes:
             q_size, k_size = norm_sizes[cfg.qk_norm]
-            self.q_norm, self.k_norm = RMSNorm(q_size, cfg.rms_norm_eps), RMSNorm(k_size, cfg.rms_norm_eps)
+            offset = cfg.norm_unit_offset
+            self.q_norm = RMSNorm(q_size, cfg.rms_norm_eps, unit_offset=offset)
+            self.k_norm = RMSNorm(k_size, cfg.rms_norm_eps, unit_offset=offset)
         self.clip_qkv = cfg.clip_qkv
         self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attn_sinks else None
         self.window = cfg.window_of(layer)
@@ -38,7 +43,10 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # x: [T, H]; positions: [T]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_width, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:  # q: [T, Hq, 2D] -> q, gate: [T, Hq, D]
+            q, gate = q.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(T, self.num_heads, self.head_dim)  # q: [T, Hq, D]
@@ -59,4 +67,7 @@ class Attention(nn.Module):
         write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         sinks = self.sinks.float() if self.sinks is not None else None
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.window, sinks)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = o.reshape(T, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(T, self.q_size))
+        return self.o_proj(o)

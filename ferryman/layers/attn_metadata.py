@@ -12,6 +12,18 @@ from torch import Tensor
 
 
 @dataclass
+class StateMetadata:
+    """What the linear-attention layers read of a step (kvcache/state_pool.py): each sequence's slot
+    in the state pool and whether it starts from a zero state."""
+
+    slots: Tensor  # [B] int64, state-pool slot of each sequence
+    fresh: Tensor  # [B] bool, True where the sequence starts at position 0 (its state is zero)
+    host_starts: list[int]  # [B+1] query_start_loc on the host (the torch path walks sequences)
+    host_slots: list[int]  # [B] slots on the host
+    host_fresh: list[bool]  # [B] fresh on the host
+
+
+@dataclass
 class AttnMetadata:
     query_start_loc: Tensor  # [B+1] int32, cumulative query lengths (decode: 0..B)
     seq_lens: Tensor  # [B] int32, kv length after this step (cached + new)
@@ -23,6 +35,7 @@ class AttnMetadata:
     # [B, max_blocks] (NULL_BLOCK before the window, same width as block_tables) and slots [T]
     window_block_tables: Tensor | None = None
     window_slot_mapping: Tensor | None = None
+    state: StateMetadata | None = None  # hybrid models: the linear-attention layers' state slots
 
     def windowed(self) -> AttnMetadata:
         """The metadata a sliding-window layer reads: its own pool's tables and slots, if it has a pool."""

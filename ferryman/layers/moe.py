@@ -59,9 +59,12 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.norm_topk_prob
         self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
         self.gate = Router(cfg)
-        self.shared_experts = (
-            DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
-        )
+        # shared experts every token takes: resident, in the module tree, never in the expert cache;
+        # optionally scaled by sigmoid(x @ shared_expert_gate) per token (Qwen3-Next, Qwen3.5)
+        inter = cfg.shared_intermediate_size
+        self.shared_experts = DenseMLP(cfg.hidden_size, inter) if inter else None
+        gated = bool(inter) and cfg.shared_expert_gate
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if gated else None
         self.experts: ExpertBackend | None = None  # bound by the model runner
         self.trace: RoutingRecorder | None = None  # records routing when set (measurements)
 
@@ -69,7 +72,17 @@ class SparseMoE(nn.Module):
         # x: [T, H]
         topk_ids, topk_w = self.select(x)
         out = self.compute(x, topk_ids, topk_w)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        shared = self.shared(x)
+        return out if shared is None else out + shared
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output (gated when the model gates it): [T, H], None without them."""
+        if self.shared_experts is None:
+            return None
+        out = self.shared_experts(x)  # [T, H]
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: x [T, H] -> (expert ids, weights) [T, K]. No host sync (graph-capturable)."""

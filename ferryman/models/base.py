@@ -65,10 +65,16 @@ class Architecture(ABC):
             out.update({p + k: v for k, v in self.mlp_tensors(cfg, i, dt).items()})
         return out
 
+    def checkpoint_tensors_in(self, cfg: ModelConfig, names: set[str]) -> dict[str, TensorSpec]:
+        """The schema of a checkpoint holding `names`: an architecture published in two layouts
+        (per-expert or fused expert tensors) picks the one the files hold."""
+        return self.checkpoint_tensors(cfg)
+
     def attention_tensors(self, cfg: ModelConfig, dt: torch.dtype) -> dict[str, TensorSpec]:
         H, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         out: dict[str, TensorSpec] = {}
-        for proj, width in (("q", q), ("k", kv), ("v", kv)):
+        q_width = 2 * q if cfg.attn_output_gate else q  # [q | gate] per head
+        for proj, width in (("q", q_width), ("k", kv), ("v", kv)):
             out[f"self_attn.{proj}_proj.weight"] = ((width, H), dt)
             if cfg.attention_bias:
                 out[f"self_attn.{proj}_proj.bias"] = ((width,), dt)
@@ -99,7 +105,7 @@ class Architecture(ABC):
         return self.map_mlp(cfg, layer, rel)
 
     def _map_attention(self, cfg: ModelConfig, layer: int, rel: str) -> Target | None:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1), cfg.num_kv_heads * cfg.head_dim
         rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
         m = re.match(r"self_attn\.([qkv])_proj\.(weight|bias)$", rel)
         if m:

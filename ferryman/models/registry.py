@@ -13,10 +13,12 @@ from ferryman.models.glm4_moe import Glm4Moe
 from ferryman.models.gpt_oss import GptOss
 from ferryman.models.mixtral import Mixtral
 from ferryman.models.olmoe import Olmoe
+from ferryman.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeText
 from ferryman.models.qwen3_moe import Qwen3Moe
+from ferryman.models.qwen3_next import Qwen3Next
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for a in (Glm4Moe(), GptOss(), Mixtral(), Olmoe(), Qwen3Moe())
+    a.model_type: a for a in (Glm4Moe(), GptOss(), Mixtral(), Olmoe(), Qwen3Moe(), Qwen3Next(), Qwen3_5MoeText(), Qwen3_5Moe())
 }
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from ferryman.config import ModelConfig
 from ferryman.layers.attention import Attention
+from ferryman.layers.gated_deltanet import GatedDeltaNet
 from ferryman.layers.moe import DenseMLP, SparseMoE
 from ferryman.layers.norms import RMSNorm
 from ferryman.layers.paged_attention import AttnMetadata
@@ -21,10 +22,12 @@ from ferryman.layers.rotary import RotaryEmbedding
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        fp32 = cfg.norm_weight_fp32
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
-        self.self_attn = Attention(cfg, layer, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
+        fp32, offset = cfg.norm_weight_fp32, cfg.norm_unit_offset
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32, offset)
+        # the token mixer: softmax attention over paged KV, or a gated DeltaNet over a state slot
+        self.self_attn: Attention | None = None if cfg.is_linear_layer(layer) else Attention(cfg, layer, rotary)
+        self.linear_attn = GatedDeltaNet(cfg, layer) if cfg.is_linear_layer(layer) else None
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32, offset)
         self.mlp: nn.Module = (
             SparseMoE(cfg, layer)
             if cfg.is_moe_layer(layer)
@@ -49,7 +52,9 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(positions, h, meta)
+        mixer = self.self_attn if self.self_attn is not None else self.linear_attn
+        assert mixer is not None
+        h = mixer(positions, h, meta)
         return self.post_attention_layernorm.add_forward(h, residual)
 
 
@@ -61,7 +66,7 @@ class MoETransformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32, cfg.norm_unit_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -93,4 +98,8 @@ class MoETransformer(nn.Module):
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+        """The layers that keep KV (a hybrid model's linear-attention layers keep state instead)."""
+        return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if layer.linear_attn is not None]

@@ -37,8 +37,8 @@ def load_weights(
     source: TensorSource,
     progress: bool = False,
 ) -> None:
-    schema = arch.checkpoint_tensors(cfg)
     available = source.names()
+    schema = arch.checkpoint_tensors_in(cfg, available)
     missing = [n for n in schema if n not in available]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

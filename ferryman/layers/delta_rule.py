@@ -1,0 +1,115 @@
+"""The gated delta rule of Gated DeltaNet layers, over packed sequences with per-sequence state.
+
+Per value head, with S the [Dk, Dv] state and per token t (q, k L2-normalised, q scaled by Dk^-0.5):
+    S = exp(g_t) * S;  S = S + beta_t * k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
+The torch path is exact in fp32 (the chunked form for prefill chunks, the step form for decodes,
+the same math as transformers' reference); on CUDA the flash-linear-attention kernels run when the
+package is installed (the `gpu` extra), else the torch path with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("ferryman.layers")
+CHUNK = 64  # tokens per chunk of the chunked form
+_fla: dict[str, Any] = {}  # the flash-linear-attention kernels once imported; {"missing": True} if absent
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def fla_kernels() -> dict[str, Callable] | None:
+    """flash-linear-attention's (chunk, recurrent) kernels, imported on first use; None when missing."""
+    if not _fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        except ImportError:
+            log.warning("flash-linear-attention is not installed (pip install 'ferryman[gpu]'): gated DeltaNet "
+                        "layers run the torch path on the GPU, which is much slower")
+            _fla["missing"] = True
+        else:
+            _fla.update(chunk=chunk_gated_delta_rule, recurrent=fused_recurrent_gated_delta_rule)
+    return None if "missing" in _fla else _fla
+
+
+def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, all heads at once, fp32. q, k: [H, L, Dk] (normalised, q scaled); v: [H, L, Dv];
+    g (log decay), beta: [H, L]; state: [H, Dk, Dv] -> (o [H, L, Dv], final state [H, Dk, Dv])."""
+    H, L, Dv = v.shape
+    pad = (-L) % chunk  # padded tokens have k = 0, beta = 0, g = 0: they change nothing
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    n = (L + pad) // chunk
+    q, k, v = (t.reshape(H, n, chunk, -1) for t in (q, k, v))
+    g, beta = g.reshape(H, n, chunk), beta.reshape(H, n, chunk)
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)  # [H, n, C]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, n, C, C]
+    # the WY form: (I + strictly-lower(beta k k^T decay)) [u | w] = [beta v | beta k exp(cum)]
+    system = (kb @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_in, k_out = q * cum.exp()[..., None], k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ state  # [H, C, Dv]
+        out[:, i] = q_in[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k_out[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(H, n * chunk, Dv)[:, :L], state
+
+
+def step_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences, fp32. q, k: [B, H, Dk]; v: [B, H, Dv]; g, beta: [B, H];
+    state: [B, H, Dk, Dv] -> (o [B, H, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k[..., None]).sum(-2)  # [B, H, Dv]
+    delta = (v - remembered) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(-2), state
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32, key heads repeated to the value heads, L2-normalised, q scaled."""
+    q, k = (l2norm(t.float().repeat_interleave(ratio, dim=-2)) for t in (q, k))
+    return q * q.shape[-1] ** -0.5, k
+
+
+def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     starts: list[int], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences. q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] fp32; starts: [B+1]
+    token offsets (host); init: [B, Hv, Dk, Dv] fp32 -> (o [T, Hv, Dv] fp32, final states [B, ...])."""
+    q, k = prepare_qk(q, k, v.shape[1] // q.shape[1])
+    v = v.float()
+    B = len(starts) - 1
+    if starts[-1] == B:  # one token each: a batched step
+        return step_delta_rule(q, k, v, g, beta, init)
+    out, finals = torch.empty_like(v), []
+    for b in range(B):
+        s, e = starts[b], starts[b + 1]
+        o, st = chunk_delta_rule(*(t[s:e].transpose(0, 1) for t in (q, k, v, g, beta)), init[b])
+        out[s:e] = o.transpose(0, 1)
+        finals.append(st)
+    return out, torch.stack(finals)
+
+
+def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   starts: torch.Tensor, init: torch.Tensor, decode: bool,
+                   kernels: dict[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device)."""
+    kernel = kernels["recurrent" if decode else "chunk"]
+    o, final = kernel(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                      initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=starts.long())
+    return o.squeeze(0), final

@@ -1,0 +1,85 @@
+"""The gated delta rule: the chunked form against the token-by-token recurrence (CPU, fp32), a prompt
+cut into chunks against the whole, and flash-linear-attention's kernels against the torch path (GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from ferryman.layers import delta_rule
+from ferryman.layers.delta_rule import chunk_delta_rule, delta_rule_fla, delta_rule_torch, fla_kernels, step_delta_rule
+
+
+def _inputs(T: int, Hk: int = 2, Hv: int = 4, D: int = 16, seed: int = 0, device: str = "cpu",
+            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(T, Hk, D, generator=g) for _ in range(2))
+    v = torch.randn(T, Hv, D, generator=g)
+    decay = -torch.rand(T, Hv, generator=g) * 0.3  # log decays in (-0.3, 0]
+    beta = torch.rand(T, Hv, generator=g)
+    return tuple(t.to(device, dtype if t.dim() == 3 else torch.float32) for t in (q, k, v, decay, beta))
+
+
+def test_chunked_form_equals_the_recurrence() -> None:
+    q, k, v, g, beta = _inputs(150)  # 3 chunks of 64, the last one padded
+    init = torch.randn(1, 4, 16, 16) * 0.1
+    out, final = delta_rule_torch(q, k, v, g, beta, [0, 150], init)
+    qn, kn = delta_rule.prepare_qk(q, k, 2)
+    state, steps = init.clone(), []
+    for t in range(150):
+        o, state = step_delta_rule(qn[t:t + 1], kn[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        steps.append(o)
+    torch.testing.assert_close(out, torch.cat(steps), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, state, rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_in_pieces_equals_the_whole() -> None:
+    """Chunked prefill: each piece starts from the state the last one ended with."""
+    q, k, v, g, beta = _inputs(100, seed=1)
+    zero = torch.zeros(1, 4, 16, 16)
+    whole, final = delta_rule_torch(q, k, v, g, beta, [0, 100], zero)
+    first, mid = delta_rule_torch(q[:37], k[:37], v[:37], g[:37], beta[:37], [0, 37], zero)
+    second, end = delta_rule_torch(q[37:], k[37:], v[37:], g[37:], beta[37:], [0, 63], mid)
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(end, final, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_size_does_not_change_the_result() -> None:
+    q, k, v, g, beta = (t.transpose(0, 1) for t in _inputs(90, Hk=4, seed=2))
+    q, k = delta_rule.l2norm(q) * 16 ** -0.5, delta_rule.l2norm(k)
+    state = torch.zeros(4, 16, 16)
+    a, sa = chunk_delta_rule(q, k, v, g, beta, state, chunk=64)
+    b, sb = chunk_delta_rule(q, k, v, g, beta, state, chunk=16)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="flash-linear-attention is installed")
+def test_missing_fla_warns_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(delta_rule, "_fla", {})
+    with caplog.at_level(logging.WARNING, logger="ferryman.layers"):
+        assert fla_kernels() is None and fla_kernels() is None
+    assert sum("flash-linear-attention is not installed" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[5, 70, 130], [1, 1, 1, 1]])
+def test_fla_equals_the_torch_path(lengths: list[int]) -> None:
+    """Packed sequences with their own initial states (prefill chunks, then a decode step)."""
+    kernels = fla_kernels()
+    if kernels is None:
+        pytest.skip("flash-linear-attention is not installed")
+    T, starts = sum(lengths), [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    q, k, v, g, beta = _inputs(T, Hk=2, Hv=4, D=64, seed=3, device="cuda", dtype=torch.bfloat16)
+    init = torch.randn(len(lengths), 4, 64, 64, device="cuda") * 0.1
+    want, want_final = delta_rule_torch(q, k, v, g, beta, starts, init)
+    decode = max(lengths) == 1
+    got, final = delta_rule_fla(q, k, v, g, beta.bfloat16(), torch.tensor(starts, device="cuda"), init.clone(),
+                                decode, kernels)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(final.float(), want_final, rtol=3e-2, atol=3e-2)
