@@ -319,6 +319,8 @@ def _hybrid_segments(folder: Path, tmp_path: Path, device: str, rates: tuple[flo
     from ferryman.engine.segment_graphs import SegmentedDecode
 
     cfg = model_config(folder)
+    if cfg.linear_attn is not None:
+        pytest.skip("linear-attention models decode without the per-layer graphs")
     cal = calibration_of(cfg, torch.float32, *rates)
     save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")  # on CUDA the split reads h2d
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)

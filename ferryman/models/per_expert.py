@@ -13,10 +13,12 @@ from ferryman.models.base import Architecture, Target, TensorSpec
 class PerExpertArchitecture(Architecture):
     """Experts at `{prefix}.experts.{e}.{gate|up|down}.weight`, the router at `{prefix}.gate.weight`
     (and `{prefix}.gate.e_score_correction_bias`, fp32, for sigmoid routing); shared experts at
-    `{prefix}.shared_experts.{gate_proj|up_proj|down_proj}.weight`; a layer without experts holds a
-    dense MLP (`mlp.{gate_proj|up_proj|down_proj}.weight`)."""
+    `{prefix}.{shared_name}.{gate_proj|up_proj|down_proj}.weight` (and their gate at
+    `{prefix}.shared_expert_gate.weight` when the model gates them); a layer without experts holds
+    a dense MLP (`mlp.{gate_proj|up_proj|down_proj}.weight`)."""
 
     prefix = "mlp"
+    shared_name = "shared_experts"  # GLM, DeepSeek; Qwen's checkpoints say "shared_expert"
     leaves = ("gate_proj", "up_proj", "down_proj")  # the (gate, up, down) tensor names of an expert
 
     def mlp_tensors(self, cfg: ModelConfig, layer: int, dt: torch.dtype) -> dict[str, TensorSpec]:
@@ -29,7 +31,9 @@ class PerExpertArchitecture(Architecture):
         if cfg.router_kind == "sigmoid":
             out[f"{self.prefix}.gate.e_score_correction_bias"] = ((E,), torch.float32)
         if cfg.shared_intermediate_size:
-            out.update(dense_mlp_tensors(f"{self.prefix}.shared_experts.", H, cfg.shared_intermediate_size, dt))
+            out.update(dense_mlp_tensors(f"{self.prefix}.{self.shared_name}.", H, cfg.shared_intermediate_size, dt))
+            if cfg.shared_expert_gate:
+                out[f"{self.prefix}.shared_expert_gate.weight"] = ((1, H), dt)
         for e in range(E):
             out[f"{self.prefix}.experts.{e}.{gate}.weight"] = ((I, H), dt)
             out[f"{self.prefix}.experts.{e}.{up}.weight"] = ((I, H), dt)
@@ -40,9 +44,10 @@ class PerExpertArchitecture(Architecture):
         p = f"layers.{layer}.mlp."
         if not cfg.is_moe_layer(layer):
             return map_dense_mlp(rel, "mlp.", p, cfg.intermediate_size)
-        if rel in (f"{self.prefix}.gate.weight", f"{self.prefix}.gate.e_score_correction_bias"):
+        if rel in (f"{self.prefix}.gate.weight", f"{self.prefix}.gate.e_score_correction_bias",
+                   f"{self.prefix}.shared_expert_gate.weight"):
             return Target("param", p + rel.removeprefix(f"{self.prefix}."))
-        shared = f"{self.prefix}.shared_experts."
+        shared = f"{self.prefix}.{self.shared_name}."
         if cfg.shared_intermediate_size and rel.startswith(shared):
             return map_dense_mlp(rel, shared, p + "shared_experts.", cfg.shared_intermediate_size)
         m = re.match(rf"{re.escape(self.prefix)}\.experts\.(\d+)\.(\w+)\.weight$", rel)

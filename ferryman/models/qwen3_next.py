@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from ferryman.config import LinearAttnConfig, ModelConfig
 from ferryman.models.base import Target, TensorSpec, hf_common
@@ -34,6 +33,7 @@ def linear_attn_of(hf: dict[str, Any], fused: bool) -> LinearAttnConfig:
 
 
 class Qwen3Next(PerExpertArchitecture):
+    shared_name = "shared_expert"  # and its sigmoid gate, `mlp.shared_expert_gate`
     model_type = "qwen3_next"
     fused_projections = True  # in_proj_qkvz / in_proj_ba
 
@@ -97,31 +97,9 @@ class Qwen3Next(PerExpertArchitecture):
             out["in_proj_a.weight"] = ((Hv, H), dt)
         return out
 
-    def mlp_tensors(self, cfg: ModelConfig, layer: int, dt: torch.dtype) -> dict[str, TensorSpec]:
-        out = super().mlp_tensors(cfg, layer, dt)
-        S, H = cfg.shared_intermediate_size, cfg.hidden_size
-        if cfg.is_moe_layer(layer) and S:
-            out["mlp.shared_expert.gate_proj.weight"] = ((S, H), dt)
-            out["mlp.shared_expert.up_proj.weight"] = ((S, H), dt)
-            out["mlp.shared_expert.down_proj.weight"] = ((H, S), dt)
-            out["mlp.shared_expert_gate.weight"] = ((1, H), dt)
-        return out
-
     def map_name(self, cfg: ModelConfig, name: str) -> Target | None:
         prefix, _, rest = name.partition(".linear_attn.")
         if rest and prefix.startswith("model.layers."):
             layer = int(prefix.removeprefix("model.layers."))
             return Target("param", f"layers.{layer}.{_LINEAR}{rest}") if layer < cfg.num_layers else None
         return super().map_name(cfg, name)
-
-    def map_mlp(self, cfg: ModelConfig, layer: int, rel: str) -> Target | None:
-        S, p = cfg.shared_intermediate_size, f"layers.{layer}.mlp."
-        shared = {
-            "mlp.shared_expert.gate_proj.weight": Target("param", p + "shared_experts.gate_up_proj.weight", rows=(0, S)),
-            "mlp.shared_expert.up_proj.weight": Target("param", p + "shared_experts.gate_up_proj.weight", rows=(S, 2 * S)),
-            "mlp.shared_expert.down_proj.weight": Target("param", p + "shared_experts.down_proj.weight"),
-            "mlp.shared_expert_gate.weight": Target("param", p + "shared_expert_gate.weight"),
-        }
-        if cfg.is_moe_layer(layer) and rel in shared:
-            return shared[rel]
-        return super().map_mlp(cfg, layer, rel)
