@@ -9,12 +9,15 @@ from typing import Any
 from ferryman.config import ModelConfig
 from ferryman.errors import ConfigError, UnsupportedModelError
 from ferryman.models.base import Architecture
+from ferryman.models.deepseek_v3 import DeepseekV3, KimiK2
 from ferryman.models.gpt_oss import GptOss
 from ferryman.models.mixtral import Mixtral
 from ferryman.models.olmoe import Olmoe
 from ferryman.models.qwen3_moe import Qwen3Moe
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GptOss(), Mixtral(), Olmoe(), Qwen3Moe())}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a for a in (DeepseekV3(), GptOss(), KimiK2(), Mixtral(), Olmoe(), Qwen3Moe())
+}
 
 
 def get_architecture(model_type: str) -> Architecture:

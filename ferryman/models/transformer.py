@@ -12,6 +12,7 @@ from torch import nn
 
 from ferryman.config import ModelConfig
 from ferryman.layers.attention import Attention
+from ferryman.layers.mla import MLAttention
 from ferryman.layers.moe import DenseMLP, SparseMoE
 from ferryman.layers.norms import RMSNorm
 from ferryman.layers.paged_attention import AttnMetadata
@@ -23,7 +24,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         fp32 = cfg.norm_weight_fp32
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
-        self.self_attn = Attention(cfg, layer, rotary)
+        self.self_attn = MLAttention(cfg, layer, rotary) if cfg.mla is not None else Attention(cfg, layer, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32)
         self.mlp: nn.Module = (
             SparseMoE(cfg, layer)
@@ -92,5 +93,5 @@ class MoETransformer(nn.Module):
     def moe_blocks(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[Attention | MLAttention]:
         return [layer.self_attn for layer in self.layers]
