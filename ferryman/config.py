@@ -17,7 +17,7 @@ import torch
 
 from ferryman.errors import ConfigError
 
-RouterKind = Literal["softmax_topk", "topk_softmax"]
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid"]
 ExpertAct = Literal["silu", "swiglu_oai"]
 QKNorm = Literal["none", "head", "full"]
 
@@ -80,6 +80,14 @@ class ModelConfig:
     norm_topk_prob: bool
     router_kind: RouterKind = "softmax_topk"
     router_bias: bool = False
+    # "sigmoid" routing (DeepSeek-V3, GLM-4.5; layers/router.py): experts chosen on sigmoid(logits) +
+    # e_score_correction_bias within the topk_group best of n_group groups, weighted by the
+    # unbiased scores (renormalised when norm_topk_prob) times routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # shared experts: a dense SwiGLU MLP of this width beside the routed experts of every MoE layer
+    shared_intermediate_size: int = 0
     expert_act: ExpertAct = "silu"
     expert_bias: bool = False
     # dense FFN, for layers listed in dense_layers
@@ -105,6 +113,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
     mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v heads (head_dim: the rope part)
+    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer: never loaded
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -114,10 +123,24 @@ class ModelConfig:
             )
         if self.num_experts > 0 and not 0 < self.top_k <= self.num_experts:
             raise ConfigError(f"top-k {self.top_k} is not in 1..num_experts ({self.num_experts})")
+        if self.router_kind == "sigmoid":
+            self._check_groups()
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ConfigError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
+
+    def _check_groups(self) -> None:
+        """Group-limited routing needs equal groups of >= 2 experts (a group's score is the sum of
+        its best two) and enough experts in the chosen groups for top-k."""
+        E, G = self.num_experts, self.n_group
+        if G < 1 or E % G or (G > 1 and E // G < 2):
+            raise ConfigError(f"n_group {G} must divide n_routed_experts ({E}) into groups of at least 2 experts")
+        if not 1 <= self.topk_group <= G:
+            raise ConfigError(f"topk_group {self.topk_group} is not in 1..n_group ({G})")
+        if self.top_k > self.topk_group * (E // G):
+            raise ConfigError(f"num_experts_per_tok {self.top_k} exceeds the experts of topk_group "
+                              f"{self.topk_group} groups of {E // G}")
 
     # ---- derived views -------------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

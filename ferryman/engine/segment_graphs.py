@@ -2,8 +2,8 @@
 
 An offloaded MoE layer reads the batch's expert ids on the host (one sync) to fetch its misses, so
 a whole step cannot be one graph (engine/cuda_graph.py). Between two such syncs everything is
-static: segment i = (residual add +) norm, attention, norm, router of layer i (a dense MLP too for
-layers without experts); the last segment is the final norm + lm_head. Each segment is captured
+static: segment i = (residual add +) norm, attention, norm, router of layer i (and its shared
+experts, or the dense MLP of a layer without experts); the last segment is the final norm + lm_head. Each segment is captured
 once per batch bucket. A step replays segment 0, runs MoE layer 0 eagerly on its B real rows,
 replays segment 1, ... : one launch per segment instead of ~12 eager ones. The MoE kernel itself
 is a graph too when the batch fits the Triton decode kernel: the backend carries the layer's plan
@@ -17,7 +17,9 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 - `x`: the previous block's output, not yet added; `res`: the residual stream before it. Segment i
   reads x and res and writes res, `h` (its MLP input) and, for a MoE layer, `ids` / `w` (the
   routing); the eager MoE then writes x[:B], or the MoE graph x[:bs] from `slots` (the slot of
-  each pair; padding rows repeat row 0's). A dense layer's segment writes x itself.
+  each pair; padding rows repeat row 0's). A dense layer's segment writes x itself. A layer with
+  shared experts writes their output to `shared` in its segment; it is added to x[:B] after the
+  routed experts (routed + shared, the reference's order).
 - Rows B..bs are padding: they hold stale finite values, write their KV to slot -1, and never
   reach the experts (no expert is fetched for them).
 - Segments replay in order on one stream, so one memory pool serves every graph: no two graphs'
@@ -51,6 +53,7 @@ class SegmentedDecode:
         self.x = torch.zeros(max_bs, model.cfg.hidden_size, dtype=dtype, device=self.device)  # [max_bs, H]
         self.res = torch.zeros_like(self.x)
         self.h = torch.zeros_like(self.x)
+        self.shared = torch.zeros_like(self.x)  # [max_bs, H]: the shared experts' output of the layer
         self.ids: torch.Tensor | None = None  # [max_bs, K]; allocated at the first routing (router's dtype)
         self.w: torch.Tensor | None = None
         self.moe = {i: layer.mlp for i, layer in enumerate(model.layers) if isinstance(layer.mlp, SparseMoE)}
@@ -81,6 +84,8 @@ class SegmentedDecode:
             self.x[:bs].copy_(layer.mlp(h))
             return
         ids, w = block.select(h)  # [bs, K]
+        if block.shared_experts is not None:
+            self.shared[:bs].copy_(block.shared_experts(h))
         if self.ids is None or self.w is None:
             self.ids = torch.zeros((self.x.shape[0], ids.shape[1]), dtype=ids.dtype, device=self.device)
             self.w = torch.zeros((self.x.shape[0], w.shape[1]), dtype=w.dtype, device=self.device)
@@ -158,9 +163,13 @@ class SegmentedDecode:
         for i in range(n):
             self._run(("seg", i), bs, fns)
             block = self.moe.get(i)
-            if block is not None and not self._moe_step(i, B, bs, fns):
+            if block is None:
+                continue
+            if not self._moe_step(i, B, bs, fns):
                 assert self.ids is not None and self.w is not None  # set by the segment above
                 self.x[:B].copy_(block.compute(self.h[:B], self.ids[:B], self.w[:B]))
+            if block.shared_experts is not None:
+                self.x[:B].add_(self.shared[:B])
         logits = self._run(("final", n), bs, fns)
         return logits[:B]
 

@@ -21,10 +21,10 @@ Measurements behind these defaults: docs/benchmarks.md.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 DECODE_MAX_SEQS = 16  # decode guesses in steps of at most this many sequences
 WIDE_BATCH = 8  # steps of at least this many sequences have their own precision gate
@@ -54,7 +54,9 @@ def narrow_k(top_k: int) -> int:
 
 @dataclass
 class NextLayerGuesser:
-    gates: dict[int, nn.Module]  # MoE layer -> its router (a [H] -> [E] linear map)
+    # MoE layer -> its router's choice scores ([T, H] -> [T, E]: top-k of them is the layer's choice,
+    # groups aside; a softmax router's logits, a sigmoid router's biased scores)
+    gates: dict[int, Callable[[torch.Tensor], torch.Tensor]]
     top_k: int
     min_precision: float = 0.75
     min_samples: int = 32
@@ -130,7 +132,7 @@ class NextLayerGuesser:
         nxt = self.next_of.get(layer)
         if nxt is None:
             return None
-        logits = self.gates[nxt](x)  # [T, E]; softmax is monotone, top-k on logits suffices
+        logits = self.gates[nxt](x)  # [T, E] choice scores
         k = min(self.width(x.shape[0]) if wide else self.top_k, logits.shape[-1])
         return nxt, torch.topk(logits, k, dim=-1).indices
 

@@ -130,7 +130,7 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
     from ferryman.experts.policies import make_policy
 
     cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy())
-    gates = {block.layer: block.gate for block in model.moe_blocks()}
+    gates = {block.layer: block.gate.choice_scores for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode_prefetch) if prefetch else None
     return OffloadExperts(cache, act, guesser, hybrid, cpu_thread)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ferryman.config import ModelConfig
 from ferryman.layers.backend import use_triton
+from ferryman.layers.router import Router, route_sigmoid
 
 # decode-sized steps take the one-launch Triton router; prefill keeps torch's (same math)
 ROUTE_TRITON_MAX_TOKENS = 256
@@ -30,7 +31,8 @@ class ExpertBackend(Protocol):
 
 
 def route(logits: torch.Tensor, top_k: int, kind: str, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router math of each family (see shared/notes/formats.md). logits: [T, E] -> ids, weights [T, K]."""
+    """Softmax router math of each family (see shared/notes/formats.md); "sigmoid" routing is
+    layers/router.py's `route_sigmoid`. logits: [T, E] -> ids, weights [T, K]."""
     if use_triton(logits) and logits.shape[0] <= ROUTE_TRITON_MAX_TOKENS and logits.shape[1] <= 1024:
         from ferryman.layers.router_triton import route_triton
 
@@ -46,24 +48,37 @@ def route(logits: torch.Tensor, top_k: int, kind: str, renormalize: bool) -> tup
 
 
 class SparseMoE(nn.Module):
+    """Routed experts (through the bound backend) plus, when the model has them, shared experts: an
+    ordinary dense MLP of the module tree, resident, never in the expert cache."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.top_k = cfg.top_k
         self.kind = cfg.router_kind
         self.renormalize = cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        self.n_group, self.topk_group, self.scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor
+        self.gate = Router(cfg)
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None
+        )
         self.experts: ExpertBackend | None = None  # bound by the model runner
         self.trace: RoutingRecorder | None = None  # records routing when set (measurements)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
         topk_ids, topk_w = self.select(x)
-        return self.compute(x, topk_ids, topk_w)
+        out = self.compute(x, topk_ids, topk_w)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: x [T, H] -> (expert ids, weights) [T, K]. No host sync (graph-capturable)."""
-        return route(self.gate(x), self.top_k, self.kind, self.renormalize)
+        logits = self.gate(x)  # [T, E]
+        if self.kind == "sigmoid":
+            assert self.gate.e_score_correction_bias is not None  # a sigmoid Router has one
+            return route_sigmoid(logits, self.gate.e_score_correction_bias, self.top_k, self.n_group,
+                                 self.topk_group, self.renormalize, self.scaling)
+        return route(logits, self.top_k, self.kind, self.renormalize)
 
     def compute(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """The experts of a routed batch through the bound backend: [T, H]."""
