@@ -87,8 +87,14 @@ class DeepseekV3(PerExpertArchitecture):
             num_experts=hf["n_routed_experts"],
             moe_intermediate_size=hf["moe_intermediate_size"],
             norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            router_kind="sigmoid",
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
             intermediate_size=hf["intermediate_size"],
             dense_layers=tuple(range(min(first_dense, L))),
+            num_mtp_layers=hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0,
         )
 
     def attention_tensors(self, cfg: ModelConfig, dt: torch.dtype) -> dict[str, TensorSpec]:
