@@ -67,12 +67,13 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 
 
 def non_expert_params(cfg: ModelConfig) -> int:
-    """Parameters of the module tree (models/transformer.py): everything but the routed experts."""
+    """Parameters of the module tree (models/transformer.py): everything but the routed experts;
+    shared experts and the dense layers' MLPs included."""
     h = cfg.hidden_size
     attn = attention_params(cfg)
-    router = cfg.num_experts * (h + cfg.router_bias)
+    moe = router_params(cfg) + 3 * cfg.shared_intermediate_size * h  # + the shared experts' MLP
     dense_mlp = 3 * cfg.intermediate_size * h  # gate_up_proj, down_proj
-    layers = sum(2 * h + attn + (router if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
+    layers = sum(2 * h + attn + (moe if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)  # a tied lm_head shares the table
     return embed + layers + h  # + the final norm
 
@@ -92,8 +93,15 @@ def attention_params(cfg: ModelConfig) -> int:
     return attn + {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
 
 
+def router_params(cfg: ModelConfig) -> int:
+    """One MoE layer's router: weight, bias, and a sigmoid router's score correction bias."""
+    return cfg.num_experts * (cfg.hidden_size + cfg.router_bias + (cfg.router_kind == "sigmoid"))
+
+
 def non_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return non_expert_params(cfg) * dtype.itemsize
+    """Bytes of non_expert_params in `dtype`, a sigmoid router's in fp32 (layers/router.py)."""
+    fp32 = router_params(cfg) * len(cfg.moe_layers) if cfg.router_kind == "sigmoid" else 0
+    return (non_expert_params(cfg) - fp32) * dtype.itemsize + fp32 * 4
 
 
 def host_embedding_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -13,19 +13,22 @@ from ferryman.planner import non_expert_params
 from ferryman.weights.presets import HF_REPO_IDS, PRESETS, get_preset, is_preset
 
 # Sizes the publishers state (model cards / papers). gpt-oss "active" excludes the embedding
-# table (OpenAI's convention); the others include it.
-PUBLISHED = {  # name: (total, active, active counts the embedding)
-    "gpt-oss-20b": (20.91e9, 3.61e9, False),
-    "gpt-oss-120b": (116.83e9, 5.13e9, False),
-    "qwen3-30b-a3b": (30.5e9, 3.3e9, True),
-    "mixtral-8x7b": (46.7e9, 12.9e9, True),
-    "olmoe-1b-7b": (6.9e9, 1.3e9, True),
+# table (OpenAI's convention), GLM's the embedding and lm_head tables; the others include them.
+# GLM's totals leave out the MTP layer, which ferryman does not load either.
+PUBLISHED = {  # name: (total, active, vocab x hidden tables "active" leaves out)
+    "gpt-oss-20b": (20.91e9, 3.61e9, 1),
+    "gpt-oss-120b": (116.83e9, 5.13e9, 1),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9, 0),
+    "mixtral-8x7b": (46.7e9, 12.9e9, 0),
+    "olmoe-1b-7b": (6.9e9, 1.3e9, 0),
+    "glm-4.5": (355e9, 32e9, 2),
+    "glm-4.5-air": (106e9, 12e9, 2),
 }
 
 # Fields of the published config.json that the transformers 5.x config class does not keep
 # under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype) or handled by
 # the quantizer; Qwen3-MoE's class has no head_dim default but honours it.
-FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config", "head_dim"}
+FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config", "head_dim", "partial_rotary_factor"}
 
 
 def _meta_model(cfg: dict) -> torch.nn.Module:
@@ -49,10 +52,12 @@ def test_every_field_is_known_to_transformers(name: str) -> None:
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_param_counts_matches_transformers_model(name: str) -> None:
     preset = get_preset(name)
-    params = dict(_meta_model(preset).named_parameters())
-    total = sum(p.numel() for p in params.values())
+    model = _meta_model(preset)
+    params = dict(model.named_parameters())
+    # a checkpoint tensor that transformers keeps as a buffer: sigmoid routers' correction bias
+    total = sum(p.numel() for p in params.values()) + _score_bias_numel(model)
     routed = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
-    experts = preset.get("num_local_experts") or preset["num_experts"]
+    experts = preset.get("num_local_experts") or preset.get("n_routed_experts") or preset["num_experts"]
     top_k = preset["num_experts_per_tok"]
     got = summarize(preset)
     assert got.total_params == total
@@ -62,12 +67,15 @@ def test_param_counts_matches_transformers_model(name: str) -> None:
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_param_counts_matches_published_sizes(name: str) -> None:
     preset = get_preset(name)
-    total, active, with_embedding = PUBLISHED[name]
+    total, active, tables_left_out = PUBLISHED[name]
     got = summarize(preset)
-    embedding = preset["vocab_size"] * preset["hidden_size"]
-    got_active = got.active_params if with_embedding else got.active_params - embedding
+    got_active = got.active_params - tables_left_out * preset["vocab_size"] * preset["hidden_size"]
     assert got.total_params == pytest.approx(total, rel=0.02)
     assert got_active == pytest.approx(active, rel=0.03)
+
+
+def _score_bias_numel(model: torch.nn.Module) -> int:
+    return sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
 
 
 @pytest.mark.parametrize(
@@ -75,6 +83,8 @@ def test_param_counts_matches_published_sizes(name: str) -> None:
     [
         ("olmoe-1b-7b", {"tie_word_embeddings": True}),
         ("qwen3-30b-a3b", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
+        ("glm-4.5", {"head_dim": 16, "n_group": 4, "topk_group": 2}),  # dense layers 0-2, shared experts
+        ("glm-4.5-air", {"head_dim": 16, "n_shared_experts": 2}),
     ],
 )
 def test_param_counts_variants(base: str, overrides: dict) -> None:
@@ -84,9 +94,10 @@ def test_param_counts_variants(base: str, overrides: dict) -> None:
            "eos_token_id": 2, "pad_token_id": 3, **overrides}
     if cfg["model_type"] == "qwen3_moe":
         cfg["head_dim"] = 16
-    params = dict(_meta_model(cfg).named_parameters())
-    assert summarize(cfg).total_params == sum(p.numel() for p in params.values())
-    other = sum(p.numel() for n, p in params.items() if ".mlp.experts." not in n)
+    model = _meta_model(cfg)
+    params = dict(model.named_parameters())
+    assert summarize(cfg).total_params == sum(p.numel() for p in params.values()) + _score_bias_numel(model)
+    other = sum(p.numel() for n, p in params.items() if ".mlp.experts." not in n) + _score_bias_numel(model)
     assert non_expert_params(model_config(cfg)) == other  # the planner's count
 
 

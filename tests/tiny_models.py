@@ -29,6 +29,11 @@ CONFIGS: dict[str, dict] = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, norm_topk_prob=False,
                   clip_qkv=2.0, eos_token_id=None, pad_token_id=None),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=12),
+    # groups of 2 experts, 2 of 4 groups chosen: the group limit decides; layer 0 dense
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+                     moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+                     partial_rotary_factor=0.5, rms_norm_eps=1e-5),
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                                          beta_slow=1.0, original_max_position_embeddings=64, truncate=False)),
@@ -38,7 +43,8 @@ CONFIGS: dict[str, dict] = {
 _DEEPSEEK = dict(
     num_key_value_heads=4, head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
     intermediate_size=96, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-    first_k_dense_replace=1, eos_token_id=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    first_k_dense_replace=1, eos_token_id=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
     rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                          mscale=0.9, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
 )
@@ -51,8 +57,8 @@ ARCHS = list(CONFIGS)
 def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
     with torch.no_grad():
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer transformers zeroes
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+            if name.endswith("e_score_correction_bias"):  # the size of sigmoid scores' spread: it decides
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
         for name, p in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))

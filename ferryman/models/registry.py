@@ -10,13 +10,14 @@ from ferryman.config import ModelConfig
 from ferryman.errors import ConfigError, UnsupportedModelError
 from ferryman.models.base import Architecture
 from ferryman.models.deepseek_v3 import DeepseekV3, KimiK2
+from ferryman.models.glm4_moe import Glm4Moe
 from ferryman.models.gpt_oss import GptOss
 from ferryman.models.mixtral import Mixtral
 from ferryman.models.olmoe import Olmoe
 from ferryman.models.qwen3_moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for a in (DeepseekV3(), GptOss(), KimiK2(), Mixtral(), Olmoe(), Qwen3Moe())
+    a.model_type: a for a in (DeepseekV3(), Glm4Moe(), GptOss(), KimiK2(), Mixtral(), Olmoe(), Qwen3Moe())
 }
 
 
