@@ -23,7 +23,11 @@ PUBLISHED = {  # name: (total, active, vocab x hidden tables "active" leaves out
     "olmoe-1b-7b": (6.9e9, 1.3e9, 0),
     "glm-4.5": (355e9, 32e9, 2),
     "glm-4.5-air": (106e9, 12e9, 2),
+    "deepseek-v3": (671e9, 37e9, 0),  # 671B without the 14B MTP module
+    "kimi-k2": (1.04e12, 32e9, 0),  # the technical report's 1.04T
 }
+# model_types transformers knows under another name (Kimi-K2 runs DeepseekV3ForCausalLM)
+HF_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
 
 # Fields of the published config.json that the transformers 5.x config class does not keep
 # under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype) or handled by
@@ -31,20 +35,25 @@ PUBLISHED = {  # name: (total, active, vocab x hidden tables "active" leaves out
 FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config", "head_dim", "partial_rotary_factor"}
 
 
+def _hf_config(cfg: dict):  # noqa: ANN202
+    model_type = HF_MODEL_TYPES.get(cfg["model_type"], cfg["model_type"])
+    return AutoConfig.for_model(**{**cfg, "model_type": model_type})
+
+
 def _meta_model(cfg: dict) -> torch.nn.Module:
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+        return AutoModelForCausalLM.from_config(_hf_config(cfg))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_field_is_known_to_transformers(name: str) -> None:
     preset = get_preset(name)
-    default = CONFIG_MAPPING[preset["model_type"]]()
+    default = CONFIG_MAPPING[HF_MODEL_TYPES.get(preset["model_type"], preset["model_type"])]()
     unknown = {k for k in preset if not hasattr(default, k)} - FILE_ONLY
     assert not unknown, f"{name}: fields the config class does not know (typos?): {unknown}"
-    config = AutoConfig.for_model(**preset)
+    config = _hf_config(preset)
     for key, value in preset.items():
-        if key not in FILE_ONLY:
+        if key not in FILE_ONLY | {"model_type"}:
             assert getattr(config, key) == value, key
     assert config.rope_parameters["rope_theta"] == preset["rope_theta"]
 
@@ -78,6 +87,11 @@ def _score_bias_numel(model: torch.nn.Module) -> int:
     return sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
 
 
+_SMALL_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                  topk_group=1)
+
+
 @pytest.mark.parametrize(
     "base, overrides",
     [
@@ -85,6 +99,8 @@ def _score_bias_numel(model: torch.nn.Module) -> int:
         ("qwen3-30b-a3b", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
         ("glm-4.5", {"head_dim": 16, "n_group": 4, "topk_group": 2}),  # dense layers 0-2, shared experts
         ("glm-4.5-air", {"head_dim": 16, "n_shared_experts": 2}),
+        ("deepseek-v3", {**_SMALL_MLA, "q_lora_rank": 24}),  # MLA with a q LoRA pair, 3 dense layers
+        ("kimi-k2", {**_SMALL_MLA, "q_lora_rank": None, "attention_bias": True}),  # one q_proj, biases
     ],
 )
 def test_param_counts_variants(base: str, overrides: dict) -> None:
@@ -125,5 +141,5 @@ def test_lookup_and_copies() -> None:
 
 
 def test_sizes_of_an_unknown_architecture_are_refused() -> None:
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
-        summarize({"model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3.*kimi_k2"):
+        summarize({"model_type": "llama"})
