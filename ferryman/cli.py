@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ferryman.cli_bench import HelpFormatter, RawHelpFormatter, add_bench, cmd_bench
-from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig
+from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
 from ferryman.envs import envs
 from ferryman.errors import FerrymanError
 
@@ -232,8 +232,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("architecture", c.model_type),
         ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE)"),
         ("hidden size", str(c.hidden_size)),
-        ("attention", f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
-                      + (f", sliding window {c.sliding_window}" if c.sliding_window else "")),
+        ("attention", _attention_text(c)),
         ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"),
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
@@ -243,6 +242,16 @@ def cmd_info(a: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:>16}: {v}")
     return 0
+
+
+def _attention_text(c: ModelConfig) -> str:
+    if c.mla is not None:  # what the KV cache holds per token and layer
+        m = c.mla
+        q = "q_proj" if m.q_lora_rank is None else f"q LoRA {m.q_lora_rank}"
+        return (f"multi-head latent, {c.num_heads} heads ({q}, qk {m.qk_nope_head_dim}+{m.qk_rope_head_dim}, "
+                f"v {m.v_head_dim}); cached per token: latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}")
+    return (f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
+            + (f", sliding window {c.sliding_window}" if c.sliding_window else ""))
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
