@@ -39,7 +39,10 @@ def latent_attention(q: Tensor, cache: Tensor, meta: AttnMetadata, scale: float,
     _check_cache(cache, q.shape[-1])
     if cache.dtype not in (q.dtype, FP8_KV):
         raise ValueError(f"latent cache dtype {cache.dtype} must be q's ({q.dtype}) or {FP8_KV}")
-    if backend.attention_triton(q.device) and meta.max_query_len <= 1:
+    # decode steps (one query per sequence, graph padding included) take the Triton kernel; prefill
+    # chunks and mixed steps the torch path
+    one_query_each = meta.max_query_len <= 1 and q.shape[0] == meta.seq_lens.shape[0]
+    if backend.attention_triton(q.device) and one_query_each:
         from ferryman.layers.mla_triton import latent_decode_triton
 
         return latent_decode_triton(q, cache, meta, scale, latent_dim)
