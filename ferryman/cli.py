@@ -230,15 +230,23 @@ def cmd_info(a: argparse.Namespace) -> int:
     rows = [
         ("model", str(folder) if folder else f"{a.model} (preset)"),
         ("architecture", c.model_type),
-        ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE)"),
+        ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE" + (f", {len(c.dense_layers)} dense)" if c.dense_layers
+                                                                else ")")),
         ("hidden size", str(c.hidden_size)),
         ("attention", _attention_text(c)),
-        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"),
+        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"
+                    + (f"; shared experts FFN {c.shared_intermediate_size} (resident)"
+                       if c.shared_intermediate_size else "")),
+        ("routing", _routing_text(c)),
         ("parameters", f"{s.total_params / 1e9:.3f} B total, {s.active_params / 1e9:.3f} B active per token"),
         ("routed experts", f"{s.expert_bytes / gib:.2f} GiB ({s.bytes_per_expert / 2**20:.2f} MiB per expert)"),
         ("everything else", f"{s.other_bytes / gib:.2f} GiB"),
         ("context", str(c.max_position_embeddings)),
     ]
+    if c.num_mtp_layers:
+        last = c.num_layers + c.num_mtp_layers - 1
+        span = str(c.num_layers) if c.num_mtp_layers == 1 else f"{c.num_layers}-{last}"
+        rows.append(("not loaded", f"{c.num_mtp_layers} MTP layer(s): model.layers.{span}.* (multi-token prediction)"))
     for k, v in rows:
         print(f"{k:>16}: {v}")
     return 0
@@ -252,6 +260,15 @@ def _attention_text(c: ModelConfig) -> str:
                 f"v {m.v_head_dim}); cached per token: latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}")
     return (f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
             + (f", sliding window {c.sliding_window}" if c.sliding_window else ""))
+
+
+def _routing_text(c: ModelConfig) -> str:
+    if c.router_kind != "sigmoid":
+        return {"softmax_topk": "softmax, top-k", "topk_softmax": "top-k, softmax over k"}[c.router_kind] + (
+            ", renormalised" if c.norm_topk_prob and c.router_kind == "softmax_topk" else "")
+    groups = f", top-{c.topk_group} of {c.n_group} groups" if c.n_group > 1 else ""
+    renorm = ", renormalised" if c.norm_topk_prob else ""
+    return f"sigmoid + correction bias{groups}{renorm}, x{c.routed_scaling_factor:g}"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -49,8 +49,9 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
                      kernels: str = "auto") -> int:
     """Estimated peak of transient tensors for a prefill chunk of `chunk_tokens` (+ _FIXED_HEADROOM).
 
-    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and per routed
-    pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the sorted input row (H);
+    Per token: residual, norm and block outputs (6 H), q/k/v and attention output, and the larger
+    MLP: per routed pair the MoE gate_up / activation ([2I] + [I]), an fp32 output row and the
+    sorted input row (H), plus the shared experts' gate_up / activation; or a dense layer's;
     once: the prefill path's dequantised w13 banks (2 I H each) and fp32 logits of the sampled rows.
     kernels: the MoE kernels the engine runs (PlanRequest.kernels)."""
     item = dtype.itemsize
@@ -59,7 +60,9 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     if cfg.mla is not None:  # q and its absorbed form, the latent output, W_UV's output
         q, kv = cfg.num_heads * (cfg.mla.qk_head_dim + cfg.mla.cache_dim), cfg.num_heads * (
             cfg.mla.kv_lora_rank + cfg.mla.v_head_dim)
-    per_token = item * (6 * h + 2 * q + kv) + k * (item * (3 * i + h) + 4 * h)
+    moe = k * (item * (3 * i + h) + 4 * h) + item * 3 * cfg.shared_intermediate_size
+    dense = item * 3 * cfg.intermediate_size if cfg.num_layers > len(cfg.moe_layers) else 0
+    per_token = item * (6 * h + 2 * q + kv) + max(moe, dense)
     # experts the chunk's CUDA prefill path dequantises at once: a group if batched, none if grouped
     batched = fused_moe.prefill_path(cfg.expert_format, chunk_tokens * k, kernels) == "batched"
     once = (batched_moe.PREFILL_GROUP if batched else 0) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4

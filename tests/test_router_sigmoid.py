@@ -30,7 +30,8 @@ def reference(family: str, logits: torch.Tensor, bias: torch.Tensor, n_group: in
     identity computes exactly these logits. Returns (ids, weights) sorted by expert id."""
     T, E = logits.shape
     kw = dict(hidden_size=E, n_routed_experts=E, n_group=n_group, topk_group=topk_group, num_experts_per_tok=top_k,
-              norm_topk_prob=renorm, routed_scaling_factor=scaling, num_hidden_layers=1)
+              norm_topk_prob=renorm, routed_scaling_factor=scaling, num_hidden_layers=1, moe_intermediate_size=4,
+              intermediate_size=4)
     config_cls, module = (DeepseekV3Config, dsv3) if family == "deepseek_v3" else (Glm4MoeConfig, glm)
     config = config_cls(**kw)
     router_cls = getattr(module, "DeepseekV3TopkRouter" if family == "deepseek_v3" else "Glm4MoeTopkRouter")
@@ -39,13 +40,12 @@ def reference(family: str, logits: torch.Tensor, bias: torch.Tensor, n_group: in
         router.weight.copy_(torch.eye(E))
         router.e_score_correction_bias.copy_(bias)
         out = router(logits)
-        if len(out) == 2:  # routers that return logits only: the MoE block routes
+        if isinstance(out, torch.Tensor):  # a router that returns its logits: the MoE block routes
             moe_cls = getattr(module, "DeepseekV3MoE" if family == "deepseek_v3" else "Glm4MoeMoE")
             moe = moe_cls(config).to(logits.device)
             moe.gate = router
-            ids, w = moe.route_tokens_to_experts(out[0])
-        else:
-            _, w, ids = out
+            out = moe.route_tokens_to_experts(out)
+    ids, w = [t for t in out if t.dtype == torch.int64][-1], [t for t in out if t.dtype.is_floating_point][-1]
     return _by_id(ids, w)
 
 
@@ -109,3 +109,25 @@ def test_bias_steers_choice_not_weights() -> None:
     assert (ids == 5).any(dim=-1).all()
     pos = (ids == 5).int().argmax(dim=-1)
     assert torch.allclose(w.gather(1, pos[:, None])[:, 0], 2.0 * logits[:, 5].sigmoid())
+
+
+def test_guess_scores_rank_like_the_router() -> None:
+    """The next-layer guesser ranks on Router.choice_scores: without groups, its top-k is the
+    sigmoid router's choice (the correction bias included); a softmax router's are its logits."""
+    from ferryman.config import ModelConfig
+    from ferryman.layers.router import Router
+
+    base = dict(model_type="t", vocab_size=8, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                head_dim=16, num_experts=32, top_k=4, moe_intermediate_size=8, norm_topk_prob=True)
+    gen = torch.Generator().manual_seed(3)
+    router = Router(ModelConfig(**base, router_kind="sigmoid"))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 16, generator=gen))
+        router.e_score_correction_bias.copy_(0.5 * torch.randn(32, generator=gen))
+    x = torch.randn(20, 16, generator=gen)
+    ids, _ = route_sigmoid(router(x), router.e_score_correction_bias, 4, 1, 1, True, 1.0)
+    guessed = torch.topk(router.choice_scores(x), 4, dim=-1).indices
+    assert torch.equal(guessed.sort(-1)[0], ids.sort(-1)[0])
+    assert not torch.equal(torch.topk(router(x), 4, dim=-1).indices.sort(-1)[0], ids.sort(-1)[0])  # the bias counts
+    softmax = Router(ModelConfig(**base))
+    assert softmax.e_score_correction_bias is None and softmax.weight.dtype == torch.get_default_dtype()

@@ -3,12 +3,13 @@
 An offloaded MoE layer reads the batch's expert ids on the host (one sync) to fetch its misses, so
 a whole step cannot be one graph (engine/cuda_graph.py). Between two such syncs everything is
 static: segment i = (residual add +) norm, attention, norm, router of layer i (and its shared
-experts, or the dense MLP of a layer without experts); the last segment is the final norm + lm_head. Each segment is captured
-once per batch bucket. A step replays segment 0, runs MoE layer 0 eagerly on its B real rows,
-replays segment 1, ... : one launch per segment instead of ~12 eager ones. The MoE kernel itself
-is a graph too when the batch fits the Triton decode kernel: the backend carries the layer's plan
-out up to the kernel (`OffloadExperts.prepare_decode`: the sync, lookup, fetches), its slot ids go
-into a static buffer, the layer's MoE graph replays, and `finish_step` starts the guesses' copies.
+experts, or the dense MLP of a layer without experts); the last segment is the final norm +
+lm_head. Each segment is captured once per batch bucket. A step replays segment 0, runs MoE layer
+0 eagerly on its B real rows, replays segment 1, ... : one launch per segment instead of ~12 eager
+ones. The MoE kernel itself is a graph too when the batch fits the Triton decode kernel: the
+backend carries the layer's plan out up to the kernel (`OffloadExperts.prepare_decode`: the sync,
+lookup, fetches), its slot ids go into a static buffer, the layer's MoE graph replays, and
+`finish_step` starts the guesses' copies.
 A hybrid split (--cpu-experts) zeroes the weights of the CPU's pairs in `w` before the replay and
 adds the CPU's part to x after it. Steps that need the eager MoE (rounds, a backend rebound after
 capture) run it between the segments.

@@ -43,5 +43,6 @@ class Glm4Moe(PerExpertArchitecture):
 def glm_rope(hf: dict[str, Any]) -> RopeConfig:
     """RoPE of a GLM config: `partial_rotary_factor` defaults to 0.5 (transformers' Glm4MoeConfig)."""
     rope = rope_from_hf(hf)
-    stated = any("partial_rotary_factor" in d for d in (hf, hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}))
+    places = (hf, hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {})
+    stated = any("partial_rotary_factor" in d for d in places)
     return rope if stated else dataclasses.replace(rope, partial_rotary_factor=0.5)
