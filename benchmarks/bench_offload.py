@@ -39,6 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.engine.warm_up import warm_up  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fewer_layers import fewer_layers  # noqa: E402
+
 TARGETS = ("gpt-oss-120b:16GiB", "gpt-oss-20b:8GiB", "qwen3-30b-a3b:8GiB")
 
 
@@ -100,8 +103,9 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         kw["cpu_experts"] = a.cpu_experts
     if a.no_decode_prefetch:
         kw["decode_prefetch"] = False
+    source = fewer_layers(model, a.layers) if a.layers and not demo else model
     t0 = time.perf_counter()
-    llm = LLM(None if demo else model, **kw)
+    llm = LLM(None if demo else source, **kw)
     load_s = time.perf_counter() - t0
     eng = llm.engine
     if eng.plan.strategy == "offload" and (a.policy or a.no_prefetch):
@@ -133,9 +137,10 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     wasted = max(0, dec.get("prefetch_fetched", 0) - dec.get("prefetch_hits", 0)) * slot_bytes / decode_steps
     needed_per_token = moved_per_token - wasted  # the copies of wrong guesses left out
     row = {
-        "model": model, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
+        "model": model, "layers": cfg.num_layers, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
         "slots": experts.get("slots"), "cache_fraction": experts.get("slots", total_experts) / total_experts,
         "link_gb_s": bw / 1e9, "decode_tok_s": dec["decode_tok_s"],
+        "decode_ms_per_layer": 1e3 / dec["decode_tok_s"] / cfg.num_layers if dec["decode_tok_s"] else None,
         "decode_hit_rate": dec.get("hits", 0) / max(1, dec.get("hits", 0) + dec.get("misses", 0)),
         "misses_per_token": misses_per_token,
         "decode_link_limit": bw / moved_per_token if moved_per_token else None,
@@ -208,6 +213,8 @@ def main() -> None:
                     help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
     ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
                     help="compute part of the decode misses on the CPU (experts/hybrid.py)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N layers (models bigger than the machine's RAM; the table says N)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     rows = []
@@ -215,7 +222,7 @@ def main() -> None:
         model, _, budget = target.partition(":")
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = ["model", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_hit_rate",
+    cols = ["model", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
             "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")

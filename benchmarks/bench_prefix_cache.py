@@ -2,6 +2,7 @@
 
     python benchmarks/bench_prefix_cache.py [--model FOLDER|PRESET] [--load-format dummy] [--device cpu]
                                             [--prefix-tokens 1536] [--tail-tokens 64]
+                                            [--gpu-memory 16GiB] [--layers N]
 
 Turn 1 sends a long prefix; turn 2 resends it plus a new tail (as agents do). The same turn-2
 prompt is then timed on a fresh engine (cold). Prints both TTFTs, the cached token count and the
@@ -17,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
 from ferryman import LLM, SamplingParams
 from ferryman.engine.warm_up import warm_up
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fewer_layers import fewer_layers  # noqa: E402
 
 
 def ttft(llm: LLM, ids: list[int]) -> tuple[float, int]:
@@ -36,10 +42,13 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--prefix-tokens", type=int, default=1536)
     ap.add_argument("--tail-tokens", type=int, default=64)
+    ap.add_argument("--gpu-memory", default=None, help="VRAM budget, e.g. 16GiB (default: the plan's)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers of MODEL")
     a = ap.parse_args()
     kw = dict(device=a.device, load_format=a.load_format, max_model_len=a.prefix_tokens + a.tail_tokens + 16,
-              max_num_seqs=1)
-    warm_llm = LLM(a.model, **kw)
+              max_num_seqs=1, gpu_memory=a.gpu_memory)
+    source = fewer_layers(a.model, a.layers) if a.layers else a.model
+    warm_llm = LLM(source, **kw)
     g = torch.Generator().manual_seed(0)
     vocab = warm_llm.engine.cfg.vocab_size
 
@@ -54,12 +63,13 @@ def main() -> None:
     first, _ = ttft(warm_llm, prefix)
     warm, cached = ttft(warm_llm, prefix + tail)
     del warm_llm
-    cold_llm = LLM(a.model, **kw)
+    cold_llm = LLM(source, **kw)
     warm_up(cold_llm.engine)
     ttft(cold_llm, unmeasured[0] + unmeasured[1])
     cold, cold_cached = ttft(cold_llm, prefix + tail)
     print(f"machine: {platform.machine()}, device {cold_llm.engine.device}, torch {torch.__version__}")
-    print(f"model: {a.model or 'bundled demo model'}; prefix {a.prefix_tokens} + tail {a.tail_tokens} tokens")
+    layers = f", first {a.layers} layers" if a.layers else ""
+    print(f"model: {a.model or 'bundled demo model'}{layers}, VRAM budget {a.gpu_memory or 'the plan'}; prefix {a.prefix_tokens} + tail {a.tail_tokens} tokens")
     print(f"turn 1 (prefix not cached): {first * 1e3:.1f} ms")
     print(f"turn 2, prefix cached ({cached} tokens from the cache): {warm * 1e3:.1f} ms")
     print(f"turn 2 on a fresh engine ({cold_cached} cached): {cold * 1e3:.1f} ms")

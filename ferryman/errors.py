@@ -22,6 +22,14 @@ class ConfigError(FerrymanError, ValueError):
     """A bad option, environment variable or config field."""
 
 
+class InvalidParameterError(FerrymanError, ValueError):
+    """A bad request parameter; `param` names it (the HTTP server's 400 names the same field)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        self.param = param
+        super().__init__(message)
+
+
 class ModelLoadError(FerrymanError):
     """The model folder or checkpoint cannot be loaded."""
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ferryman.errors import InvalidParameterError
+
 if TYPE_CHECKING:
     import torch
 
@@ -71,7 +73,7 @@ class SamplingParams:
             value = getattr(self, name)
             is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not is_number or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
+                raise InvalidParameterError(name, f"{name} must be a finite number, got {value!r}")
         _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
         _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
@@ -92,25 +94,25 @@ class SamplingParams:
             _require_int(self.logprobs, "logprobs")
             _require(self.logprobs >= 0, "logprobs", self.logprobs, ">= 0 or None")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidParameterError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     def _check_lists(self) -> None:
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise InvalidParameterError("stop", f"stop must hold non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+                raise InvalidParameterError("stop_token_ids", f"stop_token_ids must hold token ids >= 0, got {t!r}")
         for proc in self.logits_processors:
             if not callable(proc):
-                raise ValueError(f"logits_processors must hold callables, got {proc!r}")
+                raise InvalidParameterError("logits_processors", f"logits_processors must hold callables, got {proc!r}")
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise InvalidParameterError(name, f"{name} must be {expected}, got {value!r}")
 
 
 def _require_int(value: object, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise InvalidParameterError(name, f"{name} must be an int, got {value!r}")

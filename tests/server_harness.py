@@ -78,14 +78,16 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(10)
         self.loop.shutdown()
+        self.app.state.ferryman.workers.close()
 
 
 def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: Any) -> LiveServer:
     kwargs = dict(device="cpu", dtype="float32", max_num_seqs=32, max_num_batched_tokens=256)
     kwargs.update(engine_kwargs)
     engine = LLMEngine(EngineConfig(model=model, **kwargs))
-    loop = EngineLoop(engine, max_pending=(cfg.max_pending if cfg else 256))
-    app = build_app(loop, cfg or ServerConfig(served_model_names=["tiny"]))
+    cfg = cfg or ServerConfig(served_model_names=["tiny"])
+    loop = EngineLoop(engine, max_pending=cfg.max_pending, step_timeout_s=cfg.step_timeout_s)
+    app = build_app(loop, cfg)
     loop.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,6 +102,21 @@ def start_server(model: str, cfg: ServerConfig | None = None, **engine_kwargs: A
             raise RuntimeError("uvicorn did not start within 20 s")
         time.sleep(0.02)
     return LiveServer(f"http://127.0.0.1:{port}", loop, app, server, thread)
+
+
+@contextmanager
+def serving(model: str, cfg: ServerConfig | None = None, script: str | None = None,
+            **engine_kwargs: Any) -> Iterator[LiveServer]:
+    """A live server for the span of a fixture; with `script`, every request writes that text."""
+    srv = start_server(model, cfg, **engine_kwargs)
+    try:
+        if script is None:
+            yield srv
+        else:
+            with scripted(srv, script):
+                yield srv
+    finally:
+        srv.stop()
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The five environment variables: parsing, defaults, errors naming the variable, read once."""
+"""The six environment variables: parsing, defaults, errors naming the variable, read once."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ FINAL = {
     "FERRYMAN_CACHE_DIR": "",
     "FERRYMAN_KERNELS": "auto",
     "FERRYMAN_CPU_KERNEL": True,
+    "FERRYMAN_API_KEY": "",
 }
 
 
@@ -25,10 +26,11 @@ def clean_env(monkeypatch: pytest.MonkeyPatch):
     envs.reload()  # later tests see the real environment again
 
 
-def test_the_five_variables_and_their_defaults() -> None:
+def test_the_six_variables_and_their_defaults() -> None:
     assert {v.name: v.default for v in VARS.values()} == FINAL
     fresh = Envs()
-    assert (fresh.LOG_LEVEL, fresh.DEBUG, fresh.CACHE_DIR, fresh.KERNELS, fresh.CPU_KERNEL) == tuple(FINAL.values())
+    got = (fresh.LOG_LEVEL, fresh.DEBUG, fresh.CACHE_DIR, fresh.KERNELS, fresh.CPU_KERNEL, fresh.API_KEY)
+    assert got == tuple(FINAL.values())
 
 
 def test_read_once_until_reload(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -106,3 +108,12 @@ def test_bad_declarations() -> None:
         EnvVar("FERRYMAN_X", int, 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FERRYMAN_Y"):
         EnvVar("FERRYMAN_Y", str, "fast", choices=("a", "b"))
+
+
+def test_the_api_key_is_taken_as_is_and_never_blank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FERRYMAN_API_KEY", " s3cret-Key ")
+    assert Envs().API_KEY == "s3cret-Key"
+    monkeypatch.setenv("FERRYMAN_API_KEY", "  ")
+    with pytest.raises(ConfigError, match="FERRYMAN_API_KEY is set but empty") as err:
+        Envs().reload()
+    assert "'  '" not in str(err.value)

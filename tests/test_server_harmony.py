@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 from ferryman.llm import DEMO_MODEL  # noqa: E402
 from ferryman.server import ServerConfig  # noqa: E402
 from ferryman.server.harmony import MARKERS  # noqa: E402
-from server_harness import LiveServer, ScriptedLogits, logits_processor, start_server  # noqa: E402
+from server_harness import LiveServer, serving  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}"
             "<|start|>assistant")
@@ -49,11 +49,8 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(harmony_model: Path) -> LiveServer:
-    srv = start_server(str(harmony_model), ServerConfig(served_model_names=["oss"]))
-    tok = srv.loop.engine.tokenizer
-    with logits_processor(srv, ScriptedLogits(tok.encode(ANSWER, add_special_tokens=False))):
+    with serving(str(harmony_model), ServerConfig(served_model_names=["oss"]), script=ANSWER) as srv:
         yield srv
-    srv.stop()
 
 
 def test_harmony_parser_is_chosen(server: LiveServer) -> None:

@@ -23,6 +23,11 @@
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
+#                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
+#                RAM whole; decode time per layer compares with offload120's
+#   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
+#                200-token turn, restored from a state checkpoint, against the same prompt cold
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -61,10 +66,11 @@ in_tree() {  # in_tree TREE: IN_TREE=(the prefix that runs a command in TREE, im
   IN_TREE=(env -C "$1" PYTHONPATH="$(pypath "$1")")
 }
 
-offload() {  # offload NAME TARGET SECONDS [TREE]: bench_offload on one target
+offload() {  # offload NAME TARGET SECONDS [TREE [ARGS...]]: bench_offload on one target
   local name=$1 target=$2 secs=$3
   in_tree "${4:-$ROOT}"
-  stage "$name" "$secs" "${IN_TREE[@]}" python3 benchmarks/bench_offload.py --target "$target" --json "$OUT/$name.json"
+  stage "$name" "$secs" "${IN_TREE[@]}" python3 benchmarks/bench_offload.py --target "$target" --json "$OUT/$name.json" \
+    "${@:5}"
 }
 
 serve16() {  # serve16 NAME PORT [TREE]: gpt-oss-20b at 8 GiB, 16 users
@@ -137,6 +143,12 @@ for s in ${@:-tests}; do
     serve16)     serve16 serve16 8130 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;
+    families)    for t in glm-4.5-air:12 qwen3-next-80b-a3b:12 deepseek-v3:5; do
+                   offload "family_${t%%:*}" "${t%%:*}:16GiB" 200 "$ROOT" --layers "${t##*:}" --decode-tokens 128 \
+                     --prefill-prompt 0
+                 done ;;
+    hybridprefix) stage hybrid_prefix 240 python3 benchmarks/bench_prefix_cache.py --model qwen3-next-80b-a3b \
+                   --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
     compare)     compare ;;

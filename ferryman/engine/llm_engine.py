@@ -170,7 +170,8 @@ class LLMEngine:
                 text += req.detok.flush(req.seq.output_token_ids)
                 self._finalize(req, reason)
             req.output.text += text
-            deltas.append(StepDelta(seq_id, [token], text, reason, [sampled.logprobs.get(seq_id)]))
+            deltas.append(StepDelta(seq_id, [token], text, reason, [sampled.logprobs.get(seq_id)],
+                                    req.seq.num_cached_tokens))
         return deltas
 
     def _note_slow(self, out: SchedulerOutput, prefill: int, seconds: float) -> None:

@@ -49,3 +49,4 @@ class StepDelta:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per token id; None: not asked
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (set from the first delta on)

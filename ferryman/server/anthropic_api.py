@@ -1,14 +1,18 @@
 """Anthropic API: /v1/messages (whole and streamed) and /v1/messages/count_tokens.
 
 Messages are converted to the OpenAI shape and rendered by the same chat template; `tool_use`
-blocks become assistant tool calls, `tool_result` blocks tool messages, reasoning comes back as
-`thinking` blocks. Streams follow Anthropic's event sequence: message_start, ping, per block
-content_block_start / *_delta / content_block_stop, message_delta (stop_reason, usage), message_stop.
+blocks become assistant tool calls, `tool_result` blocks tool messages, a `system` message inside
+`messages` (beta mid-conversation-system-2026-04-07) a system message at that point, reasoning
+comes back as `thinking` blocks. Usage follows Anthropic: `input_tokens` excludes the prompt tokens
+the prefix cache served (`cache_read_input_tokens`), the same in message_start and message_delta.
+Streams follow Anthropic's event sequence: message_start, ping, per block content_block_start /
+*_delta / content_block_stop, message_delta (stop_reason, usage), message_stop.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -17,19 +21,35 @@ from fastapi import APIRouter, Request
 from ferryman.server.chat import ChatPrompt
 from ferryman.server.errors import APIError
 from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
+from ferryman.server.limits import check_stops, check_unicode
 from ferryman.server.parsers import Parsed, ToolCall
 from ferryman.server.protocol import ACountTokensRequest, AMessage, AMessagesRequest
 from ferryman.server.state import ServerState
 from ferryman.server.tooling import ToolSetup, tool_setup
 
 router = APIRouter()
+log = logging.getLogger("ferryman.server")
 
 
 def _text(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
+def _system_text(i: int, m: AMessage) -> str:
+    """A mid-conversation system message: its text (text blocks only)."""
+    if isinstance(m.content, str):
+        return m.content
+    for j, b in enumerate(m.content):
+        if b.type != "text":
+            raise APIError(400, f"a system message holds text blocks only, got {b.type}",
+                           f"messages[{i}].content[{j}].type",
+                           anthropic_message=f"messages.{i}.content.{j}.type: a system message holds text blocks only")
+    return _text(m.content)
+
+
 def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
+    if m.role == "system":
+        return [{"role": "system", "content": _system_text(i, m)}]
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     tool_results, texts, calls = [], [], []
@@ -48,8 +68,38 @@ def _message_dicts(i: int, m: AMessage) -> list[dict[str, Any]]:
     return tool_results + ([msg] if texts or calls or not tool_results else [])
 
 
-def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
+def _as_reminders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mid-conversation system messages as `<system-reminder>` text in the user turn they follow
+    (or a user turn of their own), for chat templates that allow a system message first only."""
+    out: list[dict[str, Any]] = []
+    for k, m in enumerate(messages):
+        if m["role"] != "system" or k == 0:
+            out.append(m)
+            continue
+        reminder = f"<system-reminder>\n{m['content']}\n</system-reminder>"
+        if out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{reminder}"}
+        else:
+            out.append({"role": "user", "content": reminder})
+    return out
+
+
+async def _render(st: ServerState, messages: list[dict[str, Any]], setup: ToolSetup,
+            kwargs: dict[str, Any] | None) -> ChatPrompt:
+    """The prompt, with system messages where they stand; a template that refuses a system
+    message after the first gets them as reminders in the user turns instead."""
+    try:
+        return await st.chat_prompt(messages, setup.tools, kwargs)
+    except APIError:
+        if not any(m["role"] == "system" for m in messages[1:]):
+            raise
+    log.info("the chat template refused a system message mid-conversation: sent as a user-turn reminder")
+    return await st.chat_prompt(_as_reminders(messages), setup.tools, kwargs)
+
+
+async def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, ToolSetup]:
     st.check_model(body.model)
+    check_unicode(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     for i, m in enumerate(body.messages):
         messages.extend(_message_dicts(i, m))
@@ -63,44 +113,66 @@ def _prompt(st: ServerState, body: ACountTokensRequest) -> tuple[ChatPrompt, Too
         choice = {"auto": "auto", "any": "required", "none": "none"}.get(tc.type, f"function:{tc.name}")
     fmt = body.output_config.format if body.output_config is not None else None
     setup = tool_setup(st, tools or None, choice, fmt.schema_ if fmt is not None else None,
-                       format_param="output_config.format")
+                       format_param="output_config.format",
+                       tool_params=[f"tools[{i}].input_schema" for i in range(len(tools))])
     kwargs = {"enable_thinking": body.thinking.type != "disabled"} if body.thinking else None
-    return st.renderer.render(messages, setup.tools, kwargs), setup
+    return await _render(st, messages, setup, kwargs), setup
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: ACountTokensRequest, request: Request) -> dict[str, Any]:
-    prompt, _ = _prompt(request.app.state.ferryman, body)
+    prompt, _ = await _prompt(request.app.state.ferryman, body)
     return {"input_tokens": len(prompt.token_ids)}
 
 
 @router.post("/v1/messages")
 async def messages(body: AMessagesRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
-    prompt, setup = _prompt(st, body)
+    if "n" in body.model_fields_set:
+        raise APIError(400, "n is not a field of the Messages API (one message per request)", "n",
+                       anthropic_message="n: Extra inputs are not permitted")
+    prompt, setup = await _prompt(st, body)
     st.check_prompt(prompt.token_ids, "messages")
-    params = make_params(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                         stop=list(body.stop_sequences or []),
+    stops = check_stops(list(body.stop_sequences or []), st.cfg, "stop_sequences")
+    params = make_params({"stop": "stop_sequences"}, temperature=body.temperature, top_p=body.top_p,
+                         top_k=body.top_k, stop=stops,
                          max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
     spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": body.model}
     if body.stream:
-        start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": len(spec.prompt_ids), "output_tokens": 0}}
-        writer = _BlockWriter()
-
-        def last(choices: list[Choice]) -> list[str]:
-            reason, seq = _stop_reason(st, choices[0], body)
-            end = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                   "usage": _usage(len(spec.prompt_ids), choices[0])}
-            return writer.close() + [sse(end, "message_delta"), sse({"type": "message_stop"}, "message_stop")]
-
-        first = [sse({"type": "message_start", "message": start}, "message_start"), sse({"type": "ping"}, "ping")]
-        return stream(st, [spec], "/v1/messages", first, lambda d, _: writer.feed(d.parsed), last)
+        return _stream(st, spec, message, body)
     choice = (await generate(st, [spec], request))[0]
     reason, seq = _stop_reason(st, choice, body)
     return {**message, "content": _blocks(choice.parsed), "stop_reason": reason, "stop_sequence": seq,
             "usage": _usage(len(prompt.token_ids), choice)}
+
+
+def _stream(st: ServerState, spec: GenSpec, message: dict[str, Any], body: AMessagesRequest) -> Any:
+    """message_start waits for the first delta: by then the prefix cache has been looked up, so
+    its usage (cache reads apart) is the one message_delta repeats at the end."""
+    writer = _BlockWriter()
+    started = False
+
+    def start(c: Choice) -> list[str]:
+        nonlocal started
+        if started:
+            return []
+        started = True
+        head = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": {**_usage(len(spec.prompt_ids), c), "output_tokens": 0}}
+        return [sse({"type": "message_start", "message": head}, "message_start"), sse({"type": "ping"}, "ping")]
+
+    def on_delta(d: Choice, c: Choice) -> list[str]:
+        return start(c) + writer.feed(d.parsed)
+
+    def last(choices: list[Choice]) -> list[str]:
+        reason, seq = _stop_reason(st, choices[0], body)
+        end = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+               "usage": _usage(len(spec.prompt_ids), choices[0])}
+        return (start(choices[0]) + writer.close()
+                + [sse(end, "message_delta"), sse({"type": "message_stop"}, "message_stop")])
+
+    return stream(st, [spec], "/v1/messages", [], on_delta, last)
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
@@ -127,18 +199,20 @@ def _stop_string_hit(state: ServerState, choice: Choice, stops: list[str]) -> st
 
 
 def _stop_reason(st: ServerState, c: Choice, body: AMessagesRequest) -> tuple[str, str | None]:
-    if c.parsed.tool_calls:
+    finish = c.api_finish
+    if finish == "tool_calls":
         return "tool_use", None
-    if c.finish_reason == "length":
+    if finish == "length":
         return "max_tokens", None
     hit = _stop_string_hit(st, c, list(body.stop_sequences or []))
     return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
 
 
 def _usage(prompt_len: int, c: Choice) -> dict[str, Any]:
-    cached = c.metrics.num_cached_tokens
-    return {"input_tokens": prompt_len - cached, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0, "output_tokens": len(c.token_ids)}
+    """Anthropic's usage: input_tokens are the prompt tokens the prefix cache did not serve."""
+    cached = c.cached_tokens
+    return {"input_tokens": prompt_len - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": len(c.token_ids)}
 
 
 # block kind -> (its content_block_start, its delta type and text field)

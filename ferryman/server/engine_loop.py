@@ -5,9 +5,11 @@ hands commands to the engine thread. Between two steps the engine thread adds an
 then runs one `LLMEngine.step()` and posts each request's new tokens to that request's asyncio
 queue (`loop.call_soon_threadsafe`). Tokenising, HTTP and streaming therefore never stall a step.
 
-Failure: if a step raises, the thread exits, or a step runs longer than `step_timeout_s`, the loop
-is *dead*: every pending request gets an `EngineDeadError` at once, new submissions are refused,
-and `/health` answers 503. A dead loop is never restarted.
+Failure: if a step raises, the thread exits, or a step runs longer than `step_timeout_s`
+(`--step-timeout`; the watchdog logs at ERROR what the engine thread was running), the loop is
+*dead*: every pending request gets an `EngineDeadError` at once, new submissions are refused, and
+`/health` answers 503. A dead loop is never restarted. Shutdown (`end_pending`, then `shutdown`)
+ends what is still running with a `ShutdownError`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import asyncio
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +46,13 @@ _GATHER_GAP_S = 0.005
 
 class OverloadedError(FerrymanError):
     """The request queue is full (HTTP 429)."""
+
+
+class ShutdownError(EngineDeadError):
+    """The server is shutting down: what is still running is ended (HTTP 503)."""
+
+    def __init__(self, reason: str) -> None:
+        FerrymanError.__init__(self, reason)  # not "engine is dead": the engine is fine
 
 
 @dataclass(eq=False)
@@ -115,7 +126,17 @@ class EngineLoop:
         self._commands.put(("wake", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(ShutdownError("the server is shutting down"))
+
+    def end_pending(self, reason: str) -> int:
+        """End every request in flight with a ShutdownError(reason) and abort it in the engine;
+        returns how many. New submissions are still taken (the caller stops them first)."""
+        with self._lock:
+            handles = list(self._pending.values())
+        for h in handles:
+            self.abort(h)
+        self._fail_all(ShutdownError(reason))
+        return len(handles)
 
     @property
     def alive(self) -> bool:
@@ -268,4 +289,17 @@ class EngineLoop:
             if not self._thread.is_alive():
                 self._die("the engine thread exited")
             elif started is not None and time.monotonic() - started > self.step_timeout_s:
+                log.error("watchdog: an engine step has run for more than %g s (--step-timeout) with %d "
+                          "requests in flight (%d running, %d waiting); the engine thread is at %s; the engine "
+                          "is now dead and every request fails", self.step_timeout_s, len(self._pending),
+                          self.stats_snapshot.get("num_running", 0), self.stats_snapshot.get("num_waiting", 0),
+                          self._engine_stack())
                 self._die(f"an engine step has run for more than {self.step_timeout_s:g} s")
+
+    def _engine_stack(self, depth: int = 4) -> str:
+        """Where the engine thread is now: its innermost frames, innermost last, on one line."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        if frame is None:
+            return "an unknown place"
+        frames = traceback.extract_stack(frame)[-depth:]
+        return " > ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in frames)

@@ -14,28 +14,26 @@ from ferryman.engine.outputs import TokenLogprobs
 from ferryman.sampling_params import SamplingParams
 from ferryman.server.errors import APIError
 from ferryman.server.generation import Choice, GenSpec, generate, make_params, sse, stream
+from ferryman.server.limits import check_stops, check_unicode, logit_bias
 from ferryman.server.parsers import Parsed
 from ferryman.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from ferryman.server.state import ServerState
 from ferryman.server.tooling import ToolSetup, tool_setup
 
 router = APIRouter()
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's default) unless the server sets one
 
 
-def sampling_params(req: Any, max_tokens: int, top_logprobs: int | None) -> SamplingParams:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return make_params(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+def sampling_params(st: ServerState, req: Any, max_tokens: int, top_logprobs: int | None,
+                    api_names: dict[str, str] | None = None) -> SamplingParams:
+    """The request's SamplingParams; a 400 names the request's field (`api_names` maps the
+    SamplingParams field to it where the names differ)."""
+    stop = check_stops([req.stop] if isinstance(req.stop, str) else list(req.stop or []), st.cfg, "stop")
+    return make_params(api_names, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                        seed=req.seed, repetition_penalty=req.repetition_penalty,
                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                       stop=stop, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=top_logprobs)
-
-
-def _finish(choice_reason: str | None, parsed_calls: bool) -> str | None:
-    if choice_reason is None:
-        return None
-    if parsed_calls:
-        return "tool_calls"
-    return "length" if choice_reason == "length" else "stop"
+                       stop=stop, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=top_logprobs,
+                       logits_processors=logit_bias(req.logit_bias, st.vocab_size))
 
 
 def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
@@ -107,12 +105,16 @@ def _chat_tools(st: ServerState, body: ChatCompletionRequest) -> ToolSetup:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
+    check_unicode(body)
     tools = _chat_tools(st, body)
-    prompt = st.renderer.render(chat_messages(body.messages), tools.tools, body.chat_template_kwargs)
+    prompt = await st.chat_prompt(chat_messages(body.messages), tools.tools, body.chat_template_kwargs,
+                                  body.chat_template)
     st.check_prompt(prompt.token_ids, "messages")
     wanted = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, st.max_tokens(wanted, len(prompt.token_ids)), top)
+    names = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+             "logprobs": "top_logprobs"}
+    params = sampling_params(st, body, st.max_tokens(wanted, len(prompt.token_ids)), top, names)
     spec = GenSpec(prompt.token_ids, params, body.n, tools.grammar, tools.parser_factory(prompt))
     if body.stream:
         head = _head("chatcmpl-", "chat.completion.chunk", body.model)
@@ -151,7 +153,7 @@ def _message_fields(parsed: Parsed, first_call: int | None) -> dict[str, Any]:
 def _chat_choice(st: ServerState, c: Choice, logprobs: bool) -> dict[str, Any]:
     calls = bool(c.parsed.tool_calls)
     msg = {"role": "assistant", "content": None if calls else "", **_message_fields(c.parsed, None)}
-    return {"index": c.index, "message": msg, "finish_reason": _finish(c.finish_reason, calls),
+    return {"index": c.index, "message": msg, "finish_reason": c.api_finish,
             "logprobs": {"content": chat_logprobs(st, c.token_ids, c.logprobs)} if logprobs else None}
 
 
@@ -162,7 +164,7 @@ def _chat_chunk(st: ServerState, d: Choice, choice: Choice, logprobs: bool) -> d
         return None
     return {"index": d.index, "delta": delta,
             "logprobs": {"content": chat_logprobs(st, d.token_ids, d.logprobs)} if logprobs else None,
-            "finish_reason": _finish(d.finish_reason, bool(choice.parsed.tool_calls))}
+            "finish_reason": choice.api_finish}
 
 
 def _logprob_entry(st: ServerState, token_id: int, lp: float) -> dict[str, Any]:
@@ -176,29 +178,32 @@ def chat_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs | Non
 
 
 # ---- completions ------------------------------------------------------------------------------
-def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+async def _prompts(st: ServerState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [st.encode(prompt)]
+        return [await st.encode_prompt(prompt)]
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
-    return [st.encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+    return [await st.encode_prompt(p, f"prompt[{i}]") if isinstance(p, str) else list(p)  # type: ignore[union-attr]
+            for i, p in enumerate(prompt)]
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Any:
     st: ServerState = request.app.state.ferryman
     st.check_model(body.model)
+    check_unicode(body)
     if body.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs)", "echo")
-    prompts = _prompts(st, body.prompt)
+    prompts = await _prompts(st, body.prompt)
     specs = []
+    wanted = body.max_tokens or st.cfg.max_tokens_default or COMPLETION_MAX_TOKENS
     for ids in prompts:
         st.check_prompt(ids, "prompt")
-        specs.append(GenSpec(ids, sampling_params(body, st.max_tokens(body.max_tokens, len(ids)), body.logprobs), body.n))
+        specs.append(GenSpec(ids, sampling_params(st, body, st.max_tokens(wanted, len(ids)), body.logprobs), body.n))
     echo = [st.decode(ids) if body.echo else "" for ids in prompts for _ in range(body.n)]
     prompt_len = sum(len(p) for p in prompts)
     logprobs = body.logprobs is not None
@@ -227,4 +232,4 @@ def completion_logprobs(st: ServerState, ids: list[int], lps: list[TokenLogprobs
 def _completion_choice(st: ServerState, c: Choice, text: str, logprobs: bool) -> dict[str, Any]:
     return {"index": c.index, "text": text,
             "logprobs": completion_logprobs(st, c.token_ids, c.logprobs) if logprobs else None,
-            "finish_reason": _finish(c.finish_reason, False)}
+            "finish_reason": c.api_finish}

@@ -25,15 +25,25 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 @dataclass
 class ToolCall:
     name: str
-    arguments: str  # a JSON object, as text
+    arguments: str  # a JSON object, as text (a call whose arguments are not one is not complete)
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
+    @property
+    def complete(self) -> bool:
+        """The arguments are a whole JSON object (a call cut by max_tokens is not)."""
+        return json_object(self.arguments) is not None
+
     def arguments_dict(self) -> dict[str, Any]:
-        try:
-            value = json.loads(self.arguments or "{}")
-        except json.JSONDecodeError:
-            return {"_raw": self.arguments}
-        return value if isinstance(value, dict) else {"_value": value}
+        return json_object(self.arguments) or {}
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """`text` parsed, when it is a JSON object; else None."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 @dataclass
@@ -43,11 +53,13 @@ class Parsed:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    cut_call: bool = False  # the output ended inside a tool call (not returned as one)
 
     def extend(self, other: Parsed) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls.extend(other.tool_calls)
+        self.cut_call = self.cut_call or other.cut_call
 
 
 class OutputParser(ABC):
@@ -70,15 +82,17 @@ class PlainParser(OutputParser):
 
 
 def parse_tool_json(body: str) -> ToolCall | None:
-    """`{"name": ..., "arguments": {...}}` (Hermes / Qwen3) -> ToolCall; None if it is not one."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """`{"name": ..., "arguments": {...}}` (Hermes / Qwen3) -> ToolCall; None if it is not one
+    (arguments that are not a JSON object, or JSON text of one, make it not one)."""
+    obj = json_object(body)
+    if obj is None or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        args = json_object(args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 class Qwen3Parser(OutputParser):
@@ -105,8 +119,9 @@ class Qwen3Parser(OutputParser):
             call = parse_tool_json(rest.strip())
             if call is not None:
                 out.tool_calls.append(call)
-            else:
+            else:  # cut before </tool_call>: the model's text, flagged so no finish says the call ended
                 out.content += TOOL_OPEN + rest
+                out.cut_call = True
         elif self.mode == "reasoning":
             out.reasoning += rest
         else:
@@ -184,7 +199,9 @@ class Qwen3Parser(OutputParser):
 
 class ForcedToolParser(OutputParser):
     """A grammar-forced tool call, whole output: the arguments of the function `name` (tool_choice
-    naming it) or, without a name (tool_choice "required"), `{"name": ..., "arguments": {...}}`."""
+    naming it) or, without a name (tool_choice "required"), `{"name": ..., "arguments": {...}}`.
+    The wrapper is ours, never content: an output that is not a whole call (cut by max_tokens)
+    returns nothing but the `cut_call` flag."""
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name
@@ -195,7 +212,9 @@ class ForcedToolParser(OutputParser):
         return Parsed()
 
     def finish(self) -> Parsed:
-        if self.name is not None:
-            return Parsed(tool_calls=[ToolCall(self.name, self.text.strip())])
-        call = parse_tool_json(self.text.strip())
-        return Parsed(tool_calls=[call]) if call is not None else Parsed(content=self.text)
+        text = self.text.strip()
+        if self.name is None:
+            call = parse_tool_json(text)
+        else:
+            call = ToolCall(self.name, text) if json_object(text) is not None else None
+        return Parsed(tool_calls=[call]) if call is not None else Parsed(cut_call=True)

@@ -87,6 +87,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: benchmarks need fixed output lengths
+    logit_bias: dict[str, Any] | None = None  # token id (as text) -> bias in [-100, 100]
 
 
 class ChatCompletionRequest(_Sampling):
@@ -99,11 +100,12 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # extension: refused unless --trust-request-chat-template
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: the server's default, else 16 as OpenAI
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -139,8 +141,8 @@ ABlock = Annotated[TextPart | AImageBlock | AToolUseBlock | AToolResultBlock | A
 
 
 class AMessage(_Body):
-    role: Literal["user", "assistant"]
-    content: str | list[ABlock]
+    role: Literal["user", "assistant", "system"]  # system: an instruction from this point on (beta
+    content: str | list[ABlock]  # mid-conversation-system-2026-04-07); its content is text
 
 
 class ATool(_Body):
@@ -185,3 +187,4 @@ class AMessagesRequest(ACountTokensRequest):
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
+    n: Any = None  # not in this API: present, it is refused by name (one message per request)

@@ -35,11 +35,6 @@ class ToolSetup:
         return lambda: self.state.make_parser(self.parse_tools, prompt)
 
 
-def _compile(st: ServerState, schema: dict[str, Any], param: str) -> Callable[[], GrammarMatcher]:
-    st.grammars.json_schema(schema, param)  # fail now (400), not in the engine thread
-    return lambda: st.grammars.json_schema(schema, param)
-
-
 def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": t["function"]["name"]},
@@ -48,25 +43,41 @@ def _call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def _check_tools(st: ServerState, tools: list[dict[str, Any]], params: list[str]) -> None:
+    """Every tool's parameter schema is a usable JSON schema, whether or not a grammar forces it:
+    a 400 names the first bad one (`tools[i].function.parameters` or the API's own field)."""
+    for t, param in zip(tools, params):
+        schema = t["function"].get("parameters")
+        if schema is not None:
+            st.grammars.check_schema(schema, param)
+
+
 def tool_setup(st: ServerState, tools: list[dict[str, Any]] | None, choice: str | None,
-               json_schema: dict[str, Any] | None = None, format_param: str = "response_format") -> ToolSetup:
-    """choice: None / "auto" / "none" / "required" or "function:NAME"."""
+               json_schema: dict[str, Any] | None = None, format_param: str = "response_format",
+               tool_params: list[str] | None = None) -> ToolSetup:
+    """choice: None / "auto" / "none" / "required" or "function:NAME". tool_params: the request
+    field of each tool's schema (default OpenAI's `tools[i].function.parameters`). Each schema is
+    compiled once per request; the request's choices sample through copies of it."""
     if choice not in (None, "auto", "none") and not tools:
         raise APIError(400, "tool_choice needs tools", "tool_choice")
     if json_schema is not None and choice not in (None, "auto", "none"):
         raise APIError(400, f"{format_param} cannot be combined with a forced tool_choice", format_param)
+    params = tool_params or [f"tools[{i}].function.parameters" for i in range(len(tools or []))]
+    _check_tools(st, tools or [], params)
     if json_schema is not None:
-        return ToolSetup(tools if choice != "none" else None, _compile(st, json_schema, format_param),
-                         None, False, st)
+        grammar = st.grammars.compile(json_schema, format_param).matcher
+        return ToolSetup(tools if choice != "none" else None, grammar, None, False, st)
     if not tools or choice == "none":
         return ToolSetup(None, None, None, False, st)
     if choice == "required":
-        return ToolSetup(tools, _compile(st, _call_schema(tools), "tool_choice"), ForcedToolParser, True, st)
+        grammar = st.grammars.compile(_call_schema(tools), "tools", lenient=True).matcher
+        return ToolSetup(tools, grammar, ForcedToolParser, True, st)
     if choice is not None and choice.startswith("function:"):
         name = choice.removeprefix("function:")
-        fn = next((t["function"] for t in tools if t["function"]["name"] == name), None)
-        if fn is None:
+        i = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+        if i is None:
             raise APIError(400, f"tool_choice names '{name}', which is not among the tools", "tool_choice")
-        schema = fn.get("parameters") or {"type": "object"}
-        return ToolSetup(tools, _compile(st, schema, "tool_choice"), lambda: ForcedToolParser(name), True, st)
+        schema = tools[i]["function"].get("parameters") or {"type": "object"}
+        grammar = st.grammars.compile(schema, params[i], lenient=True).matcher
+        return ToolSetup(tools, grammar, lambda: ForcedToolParser(name), True, st)
     return ToolSetup(tools, None, None, True, st)

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "assets" / "presets"
-NAMES = ("gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b", "mixtral-8x7b", "olmoe-1b-7b", "glm-4.5", "glm-4.5-air",
-         "deepseek-v3", "kimi-k2")
+NAMES = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.json")))
 
 PRESETS: dict[str, dict[str, Any]] = {n: json.loads((PRESET_DIR / f"{n}.json").read_text()) for n in NAMES}
 HF_REPO_IDS: dict[str, str] = {n: cfg["_name_or_path"] for n, cfg in PRESETS.items()}
