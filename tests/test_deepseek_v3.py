@@ -98,3 +98,12 @@ def test_cuda_decode_matches_transformers(tiny: tuple[Path, torch.nn.Module]) ->
     outs = llm.generate(prompt_token_ids=LONG, params=params)
     for ids, out in zip(LONG, outs):
         assert out.token_ids == hf_greedy(ref, ids, 24)
+
+
+def test_config_without_mla_fields_is_refused_by_name() -> None:
+    from ferryman.errors import ConfigError
+
+    cfg = get_preset("kimi-k2")
+    del cfg["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="kimi_k2 model lacks kv_lora_rank"):
+        model_config(cfg)
