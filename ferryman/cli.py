@@ -222,8 +222,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ("layers", f"{c.num_layers} ({len(c.moe_layers)} MoE" + (f", {len(c.dense_layers)} dense)" if c.dense_layers
                                                                 else ")")),
         ("hidden size", str(c.hidden_size)),
-        ("attention", f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
-                      + (f", sliding window {c.sliding_window}" if c.sliding_window else "")),
+        ("attention", _attention_text(c)),
         ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"
                     + (f"; shared experts FFN {c.shared_intermediate_size} (resident)"
                        if c.shared_intermediate_size else "")),
@@ -240,6 +239,16 @@ def cmd_info(a: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:>16}: {v}")
     return 0
+
+
+def _attention_text(c: ModelConfig) -> str:
+    if c.mla is not None:  # what the KV cache holds per token and layer
+        m = c.mla
+        q = "q_proj" if m.q_lora_rank is None else f"q LoRA {m.q_lora_rank}"
+        return (f"multi-head latent, {c.num_heads} heads ({q}, qk {m.qk_nope_head_dim}+{m.qk_rope_head_dim}, "
+                f"v {m.v_head_dim}); cached per token: latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}")
+    return (f"{c.num_heads} query / {c.num_kv_heads} kv heads, head_dim {c.head_dim}"
+            + (f", sliding window {c.sliding_window}" if c.sliding_window else ""))
 
 
 def _routing_text(c: ModelConfig) -> str:

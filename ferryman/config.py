@@ -61,6 +61,30 @@ class LinearAttnConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): k and v come from one compressed latent of
+    `kv_lora_rank` values plus a `qk_rope_head_dim` rope key shared by all heads; the KV cache
+    holds those kv_lora_rank + qk_rope_head_dim values per token (layers/mla.py)."""
+
+    q_lora_rank: int | None  # None: q comes from one projection (q_proj), else q_a -> norm -> q_b
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rope pairs are (x0, x1), (x2, x3), ... in the checkpoint's layout
+    softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale(mscale_all_dim) ** 2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values cached per token and layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     method: str  # e.g. "mxfp4"
 
@@ -113,6 +137,7 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     quant: QuantConfig | None = None
+    mla: MLAConfig | None = None  # multi-head latent attention instead of q/k/v heads (head_dim: the rope part)
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer: never loaded
     # hybrid models (layer_types "linear_attention"); gated attention; shared expert
     linear_attn: LinearAttnConfig | None = None

@@ -37,9 +37,14 @@ def expert_slots(cache: float | int, total: int) -> int:
     return max(1, min(total, n))
 
 
+def kv_values_per_token(cfg: ModelConfig) -> int:
+    """Cached values of one token in one layer: K and V of each kv head, or MLA's latent + rope key."""
+    return cfg.mla.cache_dim if cfg.mla is not None else 2 * cfg.num_kv_heads * cfg.head_dim
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
-    """K and V of one token in `layers` layers (None: all that keep KV)."""
-    return (cfg.num_attention_layers if layers is None else layers) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    """The cache of one token in `layers` layers (None: all that keep KV)."""
+    return (cfg.num_attention_layers if layers is None else layers) * kv_values_per_token(cfg) * dtype.itemsize
 
 
 def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, max_seqs: int,
@@ -54,6 +59,9 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     item = dtype.itemsize
     h, i, k = cfg.hidden_size, cfg.moe_intermediate_size, max(cfg.top_k, 1)
     q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
+    if cfg.mla is not None:  # q and its absorbed form, the latent output, W_UV's output
+        q, kv = cfg.num_heads * (cfg.mla.qk_head_dim + cfg.mla.cache_dim), cfg.num_heads * (
+            cfg.mla.kv_lora_rank + cfg.mla.v_head_dim)
     moe = k * (item * (3 * i + h) + 4 * h) + item * 3 * cfg.shared_intermediate_size
     dense = item * 3 * cfg.intermediate_size if cfg.num_layers > len(cfg.moe_layers) else 0
     per_token = item * (6 * h + 2 * q + kv) + max(moe, dense)
@@ -66,16 +74,29 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
 def non_expert_params(cfg: ModelConfig) -> int:
     """Parameters of the module tree (models/transformer.py): everything but the routed experts;
     shared experts and the dense layers' MLPs included."""
-    h, hd, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    attn = (q * (2 if cfg.attn_output_gate else 1) + 2 * kv) * h + q * h  # qkv_proj (+ output gate), o_proj
-    attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.attention_out_bias
-    attn += {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
+    h = cfg.hidden_size
+    attn = attention_params(cfg)
     moe = router_params(cfg) + 3 * cfg.shared_intermediate_size * h + h * cfg.shared_expert_gate  # + shared experts
     dense_mlp = 3 * cfg.intermediate_size * h  # gate_up_proj, down_proj
     mixer = [linear_attn_params(cfg) if cfg.is_linear_layer(i) else attn for i in range(cfg.num_layers)]
     layers = sum(2 * h + mixer[i] + (moe if cfg.is_moe_layer(i) else dense_mlp) for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)  # a tied lm_head shares the table
     return embed + layers + h  # + the final norm
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """Parameters of one attention layer (layers/attention.py or layers/mla.py)."""
+    h, hd, q, kv = cfg.hidden_size, cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if cfg.mla is not None:
+        m, heads = cfg.mla, cfg.num_heads
+        qp = heads * m.qk_head_dim * h if m.q_lora_rank is None else (
+            m.q_lora_rank * (h + 1 + heads * m.qk_head_dim) + m.q_lora_rank * cfg.attention_bias)
+        kv_a = m.cache_dim * (h + cfg.attention_bias) + m.kv_lora_rank  # + kv_a_layernorm
+        kv_b = m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        return qp + kv_a + kv_b + heads * m.v_head_dim * h + h * cfg.attention_bias
+    attn = (q * (2 if cfg.attn_output_gate else 1) + 2 * kv) * h + q * h  # qkv_proj (+ output gate), o_proj
+    attn += (q + 2 * kv) * cfg.attention_bias + h * cfg.attention_out_bias
+    return attn + {"none": 0, "head": 2 * hd, "full": q + kv}[cfg.qk_norm] + cfg.num_heads * cfg.attn_sinks
 
 
 def router_params(cfg: ModelConfig) -> int:

@@ -26,10 +26,14 @@ PUBLISHED = {  # name: (total, active, vocab x hidden tables "active" leaves out
     "qwen3-235b-a22b": (235e9, 22e9, 0),
     "qwen3-next-80b-a3b": (80e9, 3e9, 1),
     "qwen3.5-397b-a17b": (397e9, 17e9, 0),  # the vision tower (~0.4B) is not in the text preset
+    "deepseek-v3": (671e9, 37e9, 0),  # 671B without the 14B MTP module
+    "kimi-k2": (1.04e12, 32e9, 0),  # the technical report's 1.04T
 }
 # Qwen3-Next's card states "3B activated", the rounding of its name (A3B): 3.56B without the
 # embedding table, 3.25B without the lm_head too; transformers' own model checks the exact count.
 ACTIVE_REL = {"qwen3-next-80b-a3b": 0.2}
+# model_types transformers knows under another name (Kimi-K2 runs DeepseekV3ForCausalLM)
+HF_MODEL_TYPES = {"kimi_k2": "deepseek_v3"}
 
 # Fields of the published config.json that the transformers 5.x config class does not keep
 # under the same name: renamed (rope_* -> rope_parameters, torch_dtype -> dtype) or handled by
@@ -38,20 +42,25 @@ FILE_ONLY = {"rope_theta", "rope_scaling", "torch_dtype", "quantization_config",
              "partial_rotary_factor", "full_attention_interval"}  # the last two: into rope_parameters, layer_types
 
 
+def _hf_config(cfg: dict):  # noqa: ANN202
+    model_type = HF_MODEL_TYPES.get(cfg["model_type"], cfg["model_type"])
+    return AutoConfig.for_model(**{**cfg, "model_type": model_type})
+
+
 def _meta_model(cfg: dict) -> torch.nn.Module:
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+        return AutoModelForCausalLM.from_config(_hf_config(cfg))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_every_field_is_known_to_transformers(name: str) -> None:
     preset = get_preset(name)
-    default = CONFIG_MAPPING[preset["model_type"]]()
+    default = CONFIG_MAPPING[HF_MODEL_TYPES.get(preset["model_type"], preset["model_type"])]()
     unknown = {k for k in preset if not hasattr(default, k)} - FILE_ONLY
     assert not unknown, f"{name}: fields the config class does not know (typos?): {unknown}"
-    config = AutoConfig.for_model(**preset)
+    config = _hf_config(preset)
     for key, value in preset.items():
-        if key not in FILE_ONLY:
+        if key not in FILE_ONLY | {"model_type"}:
             assert getattr(config, key) == value, key
     assert config.rope_parameters["rope_theta"] == preset["rope_theta"]
 
@@ -85,6 +94,11 @@ def _score_bias_numel(model: torch.nn.Module) -> int:
     return sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
 
 
+_SMALL_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                  topk_group=1)
+
+
 @pytest.mark.parametrize(
     "base, overrides",
     [
@@ -92,6 +106,8 @@ def _score_bias_numel(model: torch.nn.Module) -> int:
         ("qwen3-30b-a3b", {"mlp_only_layers": [0], "decoder_sparse_step": 2}),
         ("glm-4.5", {"head_dim": 16, "n_group": 4, "topk_group": 2}),  # dense layers 0-2, shared experts
         ("glm-4.5-air", {"head_dim": 16, "n_shared_experts": 2}),
+        ("deepseek-v3", {**_SMALL_MLA, "q_lora_rank": 24}),  # MLA with a q LoRA pair, 3 dense layers
+        ("kimi-k2", {**_SMALL_MLA, "q_lora_rank": None, "attention_bias": True}),  # one q_proj, biases
     ],
 )
 def test_param_counts_variants(base: str, overrides: dict) -> None:
@@ -132,8 +148,8 @@ def test_lookup_and_copies() -> None:
 
 
 def test_sizes_of_an_unknown_architecture_are_refused() -> None:
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
-        summarize({"model_type": "deepseek_v3"})
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3.*kimi_k2"):
+        summarize({"model_type": "llama"})
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])

@@ -49,6 +49,19 @@ CONFIGS.update({
 })
 VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2)
+# DeepSeek-V3 (MLA, sigmoid group-limited routing with a correction bias, a shared expert, a first
+# dense layer, yarn with mscale): q through a LoRA pair, and through one q_proj (q_lora_rank null)
+_DEEPSEEK = dict(
+    num_key_value_heads=4, head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    intermediate_size=96, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    first_k_dense_replace=1, eos_token_id=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    v_head_dim=16,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                         mscale=0.9, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
+)
+CONFIGS["deepseek_v3"] = dict(_DEEPSEEK, q_lora_rank=24, norm_topk_prob=True)
+CONFIGS["deepseek_v3_q_proj"] = dict(_DEEPSEEK, q_lora_rank=None, norm_topk_prob=False, rope_interleave=False)
+MODEL_TYPES = {"deepseek_v3_q_proj": "deepseek_v3"}  # CONFIGS keys that are variants of a model_type
 ARCHS = list(CONFIGS)
 
 
@@ -77,7 +90,7 @@ def build_tiny(arch: str, folder: Path, seed: int = 0) -> torch.nn.Module:
         cfg = Qwen3_5MoeConfig(text_config={**COMMON, **CONFIGS[arch]}, vision_config=VISION, tie_word_embeddings=False)
         model = Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
     else:
-        cfg = AutoConfig.for_model(arch, **{**COMMON, **CONFIGS[arch]})
+        cfg = AutoConfig.for_model(MODEL_TYPES.get(arch, arch), **{**COMMON, **CONFIGS[arch]})
         cfg._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     gen = torch.Generator().manual_seed(seed)

@@ -67,9 +67,9 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.window_pool = self.window_kv and attn.window is not None
             n = num_window_blocks if attn.window_pool else num_blocks
-            shape = (n, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+            shape = attn.cache_shape(n, block_size)  # MLA layers: one latent cache [N, S, 1, C] (layers/mla.py)
             attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device) if attn.separate_values else None
         self.bind_states(num_state_slots)
         # the prefix cache's state checkpoints (kvcache/state_checkpoints.py), in host RAM
         self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)

@@ -40,6 +40,11 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.window_pool = False  # the runner's binding: the caches are the window pool's (kvcache/window_pool.py)
 
+    separate_values = True  # the runner allocates v_cache beside k_cache
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # x: [T, H]; positions: [T]
         T = x.shape[0]

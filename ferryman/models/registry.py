@@ -9,6 +9,7 @@ from typing import Any
 from ferryman.config import ModelConfig
 from ferryman.errors import ConfigError, UnsupportedModelError
 from ferryman.models.base import Architecture
+from ferryman.models.deepseek_v3 import DeepseekV3, KimiK2
 from ferryman.models.glm4_moe import Glm4Moe
 from ferryman.models.gpt_oss import GptOss
 from ferryman.models.mixtral import Mixtral
@@ -18,7 +19,8 @@ from ferryman.models.qwen3_moe import Qwen3Moe
 from ferryman.models.qwen3_next import Qwen3Next
 
 ARCHITECTURES: dict[str, Architecture] = {
-    a.model_type: a for a in (Glm4Moe(), GptOss(), Mixtral(), Olmoe(), Qwen3Moe(), Qwen3Next(), Qwen3_5MoeText(), Qwen3_5Moe())
+    a.model_type: a for a in (DeepseekV3(), Glm4Moe(), GptOss(), KimiK2(), Mixtral(), Olmoe(), Qwen3Moe(), Qwen3Next(),
+                              Qwen3_5MoeText(), Qwen3_5Moe())
 }
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from ferryman.config import ModelConfig
 from ferryman.layers.attention import Attention
 from ferryman.layers.gated_deltanet import GatedDeltaNet
+from ferryman.layers.mla import MLAttention
 from ferryman.layers.moe import DenseMLP, SparseMoE
 from ferryman.layers.norms import RMSNorm
 from ferryman.layers.paged_attention import AttnMetadata
@@ -24,9 +25,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         fp32, offset = cfg.norm_weight_fp32, cfg.norm_unit_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32, offset)
-        # the token mixer: softmax attention over paged KV, or a gated DeltaNet over a state slot
-        self.self_attn: Attention | None = None if cfg.is_linear_layer(layer) else Attention(cfg, layer, rotary)
-        self.linear_attn = GatedDeltaNet(cfg, layer) if cfg.is_linear_layer(layer) else None
+        # the token mixer: softmax attention (or MLA) over paged KV, or a gated DeltaNet over a state slot
+        linear = cfg.is_linear_layer(layer)
+        self.self_attn: Attention | MLAttention | None = (
+            None if linear else MLAttention(cfg, layer, rotary) if cfg.mla is not None else Attention(cfg, layer, rotary))
+        self.linear_attn = GatedDeltaNet(cfg, layer) if linear else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp32, offset)
         self.mlp: nn.Module = (
             SparseMoE(cfg, layer)
@@ -97,7 +100,7 @@ class MoETransformer(nn.Module):
     def moe_blocks(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
-    def attention_layers(self) -> list[Attention]:
+    def attention_layers(self) -> list[Attention | MLAttention]:
         """The layers that keep KV (a hybrid model's linear-attention layers keep state instead)."""
         return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
 
