@@ -3,12 +3,16 @@
 # would: each one non-interactively, with a tiny task and a time limit. Run by hand (not in CI):
 # it installs the agents from npm and needs a few minutes of CPU per agent on the demo model.
 #
-#   tools/agents_check.sh [--prefix DIR] [--timeout S] [--task TEXT] [--capture DIR] [--only AGENT]
-#                         [-- SERVE ARGS...]
+#   tools/agents_check.sh [--prefix DIR] [--timeout S] [--task TEXT] [--max-output N] [--capture DIR]
+#                         [--only AGENT] [-- SERVE ARGS...]
 #
 #   --prefix DIR   npm prefix the agents are installed into (default /tmp/ferryman-agents)
 #   --timeout S    seconds each agent may run (default 900)
 #   --task TEXT    the prompt (default "Say hi.")
+#   --max-output N output tokens per model call (default 256), set through each agent's own setting
+#                  (CLAUDE_CODE_MAX_OUTPUT_TOKENS, opencode's limit.output, QWEN_CODE_MAX_OUTPUT_TOKENS)
+#                  and, for Codex, which sends no limit, the server's --max-tokens-default when it has
+#                  one: the agents ask for 8k-32k tokens, and the demo model rarely stops on its own
 #   --capture DIR  put tools/agents_proxy.py in front of the server: DIR/<agent>/NN.json hold each
 #                  request (the raw material of tests/fixtures/agents, see tools/agents_fixtures.py)
 #   --only AGENT   run one agent: claude-code, codex, opencode or qwen-code (repeatable)
@@ -22,6 +26,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=/tmp/ferryman-agents
 TIMEOUT=900
 TASK="Say hi."
+MAX_OUTPUT=256
 CAPTURE=""
 ONLY=()
 SERVE_ARGS=(--device cpu)
@@ -30,6 +35,7 @@ while [ $# -gt 0 ]; do
     --prefix) PREFIX=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
     --task) TASK=$2; shift 2 ;;
+    --max-output) MAX_OUTPUT=$2; shift 2 ;;
     --capture) CAPTURE=$2; shift 2 ;;
     --only) ONLY+=("$2"); shift 2 ;;
     --) shift; SERVE_ARGS=("$@"); break ;;
@@ -65,13 +71,19 @@ NODE_DIR=$(dirname "$(command -v node)")
 
 # ---- the server -----------------------------------------------------------------------------
 PORT=$(free_port)
+LIMITS=()
+if (cd "$ROOT" && python -m ferryman serve --help) | grep -q -- --max-tokens-default; then
+  LIMITS=(--max-tokens-default "$MAX_OUTPUT")
+fi
 (cd "$ROOT" && exec python -m ferryman serve --port "$PORT" --served-model-name "$MODEL" --api-key "$KEY" \
-  --log-level warning "${SERVE_ARGS[@]}") >"$SCRATCH/serve.log" 2>&1 &
+  --log-level warning "${LIMITS[@]}" "${SERVE_ARGS[@]}") >"$SCRATCH/serve.log" 2>&1 &
 PIDS+=($!)
 if ! wait_http "http://127.0.0.1:$PORT/health" 300; then
   echo "ferryman serve did not start:"; tail -5 "$SCRATCH/serve.log"; exit 1
 fi
-echo "ferryman serve on port $PORT (log: $SCRATCH/serve.log)"
+CONTEXT=$(curl -s -H "Authorization: Bearer $KEY" "http://127.0.0.1:$PORT/v1/models" \
+  | python -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["max_model_len"])')
+echo "ferryman serve on port $PORT, context $CONTEXT tokens (log: $SCRATCH/serve.log)"
 
 # start_endpoint AGENT: URL = where the agent talks to (through a logging proxy under --capture)
 start_endpoint() {
@@ -109,7 +121,8 @@ EOF
 {"\$schema": "https://opencode.ai/config.json", "autoupdate": false, "share": "disabled",
  "model": "ferryman/$MODEL",
  "provider": {"ferryman": {"npm": "@ai-sdk/openai-compatible", "name": "ferryman",
-   "options": {"baseURL": "$3/v1", "apiKey": "$KEY"}, "models": {"$MODEL": {"name": "$MODEL"}}}}}
+   "options": {"baseURL": "$3/v1", "apiKey": "$KEY"},
+   "models": {"$MODEL": {"name": "$MODEL", "limit": {"context": $CONTEXT, "output": $MAX_OUTPUT}}}}}}
 EOF
       ;;
   esac
@@ -122,6 +135,7 @@ run_agent() {
     claude-code)
       "${env[@]}" ANTHROPIC_BASE_URL="$2" ANTHROPIC_API_KEY="$KEY" ANTHROPIC_MODEL="$MODEL" \
         ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 \
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS="$MAX_OUTPUT" \
         timeout "$TIMEOUT" claude -p "$TASK" ;;
     codex)
       "${env[@]}" CODEX_HOME="$3/.codex" FERRYMAN_AGENTS_KEY="$KEY" \
@@ -130,6 +144,7 @@ run_agent() {
       "${env[@]}" timeout "$TIMEOUT" opencode run -m "ferryman/$MODEL" "$TASK" ;;
     qwen-code)
       "${env[@]}" OPENAI_BASE_URL="$2/v1" OPENAI_API_KEY="$KEY" OPENAI_MODEL="$MODEL" \
+        QWEN_CODE_MAX_OUTPUT_TOKENS="$MAX_OUTPUT" \
         timeout "$TIMEOUT" qwen --auth-type openai -m "$MODEL" "$TASK" ;;
     *) echo "unknown agent '$1' (claude-code, codex, opencode, qwen-code)"; return 2 ;;
   esac
