@@ -7,12 +7,14 @@
 #                         [--only AGENT] [-- SERVE ARGS...]
 #
 #   --prefix DIR   npm prefix the agents are installed into (default /tmp/ferryman-agents)
-#   --timeout S    seconds each agent may run (default 900)
+#   --timeout S    seconds each agent may run (default 1800)
 #   --task TEXT    the prompt (default "Say hi.")
 #   --max-output N output tokens per model call (default 256), set through each agent's own setting
-#                  (CLAUDE_CODE_MAX_OUTPUT_TOKENS, opencode's limit.output, QWEN_CODE_MAX_OUTPUT_TOKENS)
-#                  and, for Codex, which sends no limit, the server's --max-tokens-default when it has
-#                  one: the agents ask for 8k-32k tokens, and the demo model rarely stops on its own
+#                  (CLAUDE_CODE_MAX_OUTPUT_TOKENS, opencode's limit.output, QWEN_CODE_MAX_OUTPUT_TOKENS):
+#                  they ask for 8k-32k, and the demo model (a Python completer) rarely stops early.
+#                  Codex has no such setting and sends no limit: it writes until the model stops or
+#                  the context is full, and a server-side cap (--max-tokens-default) would end its
+#                  response `incomplete`, which Codex reports as an error
 #   --capture DIR  put tools/agents_proxy.py in front of the server: DIR/<agent>/NN.json hold each
 #                  request (the raw material of tests/fixtures/agents, see tools/agents_fixtures.py)
 #   --only AGENT   run one agent: claude-code, codex, opencode or qwen-code (repeatable)
@@ -24,7 +26,7 @@ set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PREFIX=/tmp/ferryman-agents
-TIMEOUT=900
+TIMEOUT=1800
 TASK="Say hi."
 MAX_OUTPUT=256
 CAPTURE=""
@@ -71,12 +73,8 @@ NODE_DIR=$(dirname "$(command -v node)")
 
 # ---- the server -----------------------------------------------------------------------------
 PORT=$(free_port)
-LIMITS=()
-if (cd "$ROOT" && python -m ferryman serve --help) | grep -q -- --max-tokens-default; then
-  LIMITS=(--max-tokens-default "$MAX_OUTPUT")
-fi
 (cd "$ROOT" && exec python -m ferryman serve --port "$PORT" --served-model-name "$MODEL" --api-key "$KEY" \
-  --log-level warning "${LIMITS[@]}" "${SERVE_ARGS[@]}") >"$SCRATCH/serve.log" 2>&1 &
+  --log-level warning "${SERVE_ARGS[@]}") >"$SCRATCH/serve.log" 2>&1 &
 PIDS+=($!)
 if ! wait_http "http://127.0.0.1:$PORT/health" 300; then
   echo "ferryman serve did not start:"; tail -5 "$SCRATCH/serve.log"; exit 1
