@@ -111,6 +111,7 @@ env_key = "FERRYMAN_AGENTS_KEY"
 wire_api = "responses"
 request_max_retries = 0
 stream_max_retries = 0
+stream_idle_timeout_ms = $((TIMEOUT * 1000))
 EOF
       ;;
     opencode)
