@@ -117,8 +117,8 @@ def replay_responses(srv: LiveServer, params: dict, headers: dict, body: dict) -
     events = [strict(e, RESPONSES_EVENTS[e.type]) for e in stream]
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
-    assert [e.sequence_number for e in events] == list(range(events[0].sequence_number, len(events)
-                                                              + events[0].sequence_number))
+    first = events[0].sequence_number
+    assert [e.sequence_number for e in events] == list(range(first, first + len(events)))
     return events[-1].response
 
 
