@@ -67,7 +67,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         record = {"method": self.command, "path": self.path,
                   "headers": {k.lower(): v for k, v in self.headers.items() if k.lower() not in SECRET_HEADERS},
                   "body": loggable_body(body)}
-        conn = http.client.HTTPConnection(*self.upstream, timeout=600)
+        conn = http.client.HTTPConnection(*self.upstream)  # no read timeout: a long prefill is silent for minutes
         try:
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
             conn.request(self.command, self.path, body=body or None, headers=headers)
@@ -81,6 +81,9 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 self.relay(resp, record["response"])
             except (BrokenPipeError, ConnectionResetError):  # the agent hung up (an aborted request)
                 record["response"]["client_closed"] = True
+                self.close_connection = True
+            except OSError as e:  # the upstream broke off mid-answer
+                record["response"]["error"] = f"upstream error: {e}"
                 self.close_connection = True
         finally:
             conn.close()
