@@ -68,7 +68,9 @@ def _usage(st: ServerState, prompt_len: int, c: Choice) -> dict[str, Any]:
     text = c.parsed.reasoning
     reasoning = len(st.tokenizer.encode(text, add_special_tokens=False)) if text and st.tokenizer is not None else 0
     out = len(c.token_ids)
-    return {"input_tokens": prompt_len, "input_tokens_details": {"cached_tokens": c.metrics.num_cached_tokens},
+    # the prefix cache fills itself at no charge: nothing counts as a cache write (as cache_creation_input_tokens)
+    details = {"cached_tokens": c.metrics.num_cached_tokens, "cache_write_tokens": 0}
+    return {"input_tokens": prompt_len, "input_tokens_details": details,
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": min(reasoning, out)},
             "total_tokens": prompt_len + out}
 
