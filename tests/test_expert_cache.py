@@ -320,3 +320,23 @@ def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
     assert look.evicted == [11] and look.filled == [(20, 1)]
     look = t.admit([21], avoid=lambda slot: True)  # every victim busy: the policy's own choice,
     assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
+
+
+def test_pinned_rows_own_their_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudaHostRegister refuses a page already registered: small buffers (tiny models) must not share
+    a page, so each registered range is page-aligned, whole pages, and inside its own allocation."""
+    import mmap
+
+    from ferryman.quant import layout
+
+    ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(layout, "_register", lambda flat, nbytes: ranges.append((flat.data_ptr(), nbytes)) or True)
+    bufs = [layout.allocate_rows(3, 1000, pin=True) for _ in range(4)]  # 3000 bytes each: under a page
+    page = mmap.PAGESIZE
+    for (flat, pinned), (ptr, n) in zip(bufs, ranges):
+        assert pinned and flat.shape == (3, 1000) and flat.is_contiguous() and flat.data_ptr() == ptr
+        assert ptr % page == 0 and n % page == 0 and n >= flat.numel()
+        base = flat.untyped_storage().data_ptr()
+        assert base <= ptr and ptr + n <= base + flat.untyped_storage().nbytes()
+    pages = [set(range(p // page, (p + n) // page)) for p, n in ranges]
+    assert all(not (a & b) for i, a in enumerate(pages) for b in pages[i + 1:])
