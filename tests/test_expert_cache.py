@@ -231,6 +231,19 @@ def test_batch_shares_one_lookup_and_matches_resident() -> None:
     assert st["bytes_h2d"] == rec.bytes and st["stall_seconds"] <= st["h2d_seconds"]
 
 
+@pytest.mark.parametrize("bad", [-1, 8, 2**62])
+def test_expert_ids_out_of_range_name_the_layer(bad: int) -> None:
+    """CUDA's top-k returns arbitrary indices for NaN router scores; such an id must stop the layer
+    with a clear error, not reach a host-store row that does not exist (an empty copy)."""
+    store = make_store()
+    backend, rec = offload_of(store, 6)
+    x = torch.randn(2, 64)
+    ids = torch.tensor([[1, bad], [4, 1]])
+    with pytest.raises(RuntimeError, match=rf"MoE layer 0: the router chose expert {bad}, outside \[0, 8\)"):
+        backend.forward(0, x, ids, torch.full((2, 2), 0.5))
+    assert rec.log == []
+
+
 def test_union_larger_than_the_cache_runs_in_rounds() -> None:
     store = make_store(seed=5)
     backend, rec = offload_of(store, 2)
