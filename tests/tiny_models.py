@@ -211,7 +211,9 @@ def torch_delta_rule_in_transformers() -> None:
         for fn_name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
             fn = getattr(mod, fn_name, None)
             if fn is not None:
-                setattr(mod, fn_name, inspect.unwrap(fn, stop=lambda f: f.__code__.co_filename == mod.__file__))
+                own = mod.__file__
+                setattr(mod, fn_name, inspect.unwrap(fn, stop=lambda f: getattr(f, "__code__", None) is not None
+                                                     and f.__code__.co_filename == own))
 
 
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
