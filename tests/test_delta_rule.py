@@ -83,3 +83,51 @@ def test_fla_equals_the_torch_path(lengths: list[int]) -> None:
                                 decode, kernels)
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(final.float(), want_final, rtol=3e-2, atol=3e-2)
+
+
+# fla 0.6.0's signatures (fla/ops/gated_delta_rule/chunk.py, fused_recurrent.py): the recurrent
+# kernel takes gk, gv after g, so the two positional orders differ after g
+def _fla_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,  # noqa: ANN001, ANN202
+               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
+               **kwargs):
+    return _fla_reference(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _fla_recurrent(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,  # noqa: ANN001, ANN202
+                   output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                   dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                   cu_seqlens=None, **kwargs):
+    assert gk is None and gv is None, "per-key / per-value decays given: an argument landed in gk or gv"
+    return _fla_reference(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
+
+
+def _fla_reference(q, k, v, g, beta, scale, init, l2norm, cu_seqlens):  # noqa: ANN001, ANN202
+    """What fla computes, on the torch path: [1, T, ...] varlen inputs, defaults as fla's."""
+    assert l2norm and q.shape[0] == 1 and cu_seqlens is not None and init is not None
+    beta = torch.ones_like(q[..., 0]) if beta is None else beta
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, final = delta_rule_torch(q[0], k[0], v[0], g[0].float(), beta[0].float(), cu_seqlens.tolist(), init)
+    return (o * (scale / q.shape[-1] ** -0.5)).unsqueeze(0), final
+
+
+@pytest.mark.parametrize("lengths", [[5, 70, 130], [1, 1, 1, 1]])
+def test_fla_kernels_get_each_argument_where_their_signature_wants_it(lengths: list[int]) -> None:
+    """delta_rule_fla against stand-ins with fla's exact signatures that compute the torch path: a
+    beta handed to the recurrent kernel by position would land in its gk."""
+    T, starts = sum(lengths), [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    q, k, v, g, beta = _inputs(T, seed=4)
+    init = torch.randn(len(lengths), 4, 16, 16) * 0.1
+    want, want_final = delta_rule_torch(q, k, v, g, beta, starts, init)
+    kernels = {"chunk": _fla_chunk, "recurrent": _fla_recurrent}
+    got, final = delta_rule_fla(q, k, v, g, beta, torch.tensor(starts), init.clone(), max(lengths) == 1, kernels)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(final, want_final)
+
+
+def test_fla_runs_only_for_half_precision_on_cuda() -> None:
+    """fp32 models take the exact torch path on every device (fla's chunk kernels multiply in TF32)."""
+    assert delta_rule.fla_kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is None  # CPU
+    assert delta_rule.fla_kernels_for(torch.zeros(1, dtype=torch.float32, device="meta")) is None

@@ -231,6 +231,19 @@ def test_batch_shares_one_lookup_and_matches_resident() -> None:
     assert st["bytes_h2d"] == rec.bytes and st["stall_seconds"] <= st["h2d_seconds"]
 
 
+@pytest.mark.parametrize("bad", [-1, 8, 2**62])
+def test_expert_ids_out_of_range_name_the_layer(bad: int) -> None:
+    """CUDA's top-k returns arbitrary indices for NaN router scores; such an id must stop the layer
+    with a clear error, not reach a host-store row that does not exist (an empty copy)."""
+    store = make_store()
+    backend, rec = offload_of(store, 6)
+    x = torch.randn(2, 64)
+    ids = torch.tensor([[1, bad], [4, 1]])
+    with pytest.raises(RuntimeError, match=rf"MoE layer 0: the router chose expert {bad}, outside \[0, 8\)"):
+        backend.forward(0, x, ids, torch.full((2, 2), 0.5))
+    assert rec.log == []
+
+
 def test_union_larger_than_the_cache_runs_in_rounds() -> None:
     store = make_store(seed=5)
     backend, rec = offload_of(store, 2)
@@ -320,3 +333,23 @@ def test_prefetch_victims_skip_slots_a_pending_kernel_reads() -> None:
     assert look.evicted == [11] and look.filled == [(20, 1)]
     look = t.admit([21], avoid=lambda slot: True)  # every victim busy: the policy's own choice,
     assert look.evicted == [20] and look.filled == [(21, 1)]  # the unreferenced prefetched key
+
+
+def test_pinned_rows_own_their_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudaHostRegister refuses a page already registered: small buffers (tiny models) must not share
+    a page, so each registered range is page-aligned, whole pages, and inside its own allocation."""
+    import mmap
+
+    from ferryman.quant import layout
+
+    ranges: list[tuple[int, int]] = []
+    monkeypatch.setattr(layout, "_register", lambda flat, nbytes: ranges.append((flat.data_ptr(), nbytes)) or True)
+    bufs = [layout.allocate_rows(3, 1000, pin=True) for _ in range(4)]  # 3000 bytes each: under a page
+    page = mmap.PAGESIZE
+    for (flat, pinned), (ptr, n) in zip(bufs, ranges):
+        assert pinned and flat.shape == (3, 1000) and flat.is_contiguous() and flat.data_ptr() == ptr
+        assert ptr % page == 0 and n % page == 0 and n >= flat.numel()
+        base = flat.untyped_storage().data_ptr()
+        assert base <= ptr and ptr + n <= base + flat.untyped_storage().nbytes()
+    pages = [set(range(p // page, (p + n) // page)) for p, n in ranges]
+    assert all(not (a & b) for i, a in enumerate(pages) for b in pages[i + 1:])

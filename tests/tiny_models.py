@@ -195,12 +195,35 @@ def agree_but_near_ties(got: list[list], want: list[list], tie: float) -> None:
             break
 
 
+def torch_delta_rule_in_transformers() -> None:
+    """transformers' Qwen3-Next / Qwen3.5 call flash-linear-attention's Triton kernels in place of
+    their torch gated delta rule whenever fla is importable, whatever the tensors' device: the CPU
+    reference would hand CPU tensors to Triton. Put the modules' own torch functions back (the
+    innermost of each wrapper chain, the function defined in the modeling file)."""
+    import importlib
+    import inspect
+
+    for name in ("qwen3_next.modeling_qwen3_next", "qwen3_5_moe.modeling_qwen3_5_moe"):
+        try:
+            mod = importlib.import_module(f"transformers.models.{name}")
+        except ImportError:
+            continue
+        for fn_name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+            fn = getattr(mod, fn_name, None)
+            if fn is not None:
+                own = mod.__file__
+                setattr(mod, fn_name, inspect.unwrap(fn, stop=lambda f: getattr(f, "__code__", None) is not None
+                                                     and f.__code__.co_filename == own))
+
+
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    torch_delta_rule_in_transformers()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
 
 
 def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    torch_delta_rule_in_transformers()
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))

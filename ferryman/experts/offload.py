@@ -107,6 +107,11 @@ class OffloadExperts:
         rows, g = x.shape[0], self.guesser
         proposals = g.propose(layer, x, streaming) if g is not None else []
         used, guessed, host_ids = host_ids_of(topk_ids, [p[2] for p in proposals])
+        if used and not 0 <= used[0] <= used[-1] < self.num_experts:  # used: ascending
+            bad = used[0] if used[0] < 0 else used[-1]
+            # CUDA's top-k returns arbitrary indices for NaN scores: an empty copy further on
+            raise RuntimeError(f"MoE layer {layer}: the router chose expert {bad}, outside [0, {self.num_experts}) "
+                               "(non-finite hidden states?)")
         guesses: list[Guess] = []
         if g is not None:
             guesses = [Guess(t, kind, tuple(ids), g.copy_limit(t, kind, rows))

@@ -3,8 +3,10 @@
 Per value head, with S the [Dk, Dv] state and per token t (q, k L2-normalised, q scaled by Dk^-0.5):
     S = exp(g_t) * S;  S = S + beta_t * k_t (v_t - S^T k_t)^T;  o_t = S^T q_t
 The torch path is exact in fp32 (the chunked form for prefill chunks, the step form for decodes,
-the same math as transformers' reference); on CUDA the flash-linear-attention kernels run when the
-package is installed (the `gpu` extra), else the torch path with one warning.
+the same math as transformers' reference); on CUDA, for bf16/fp16 models, the flash-linear-attention
+kernels run when the package is installed (the `gpu` extra), else the torch path with one warning.
+fp32 models take the torch path on every device: fla's chunk kernels multiply fp32 in TF32 (~1e-3
+relative), which an fp32 model (the reference dtype of the parity tests) must not.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def fla_kernels() -> dict[str, Callable] | None:
         else:
             _fla.update(chunk=chunk_gated_delta_rule, recurrent=fused_recurrent_gated_delta_rule)
     return None if "missing" in _fla else _fla
+
+
+def fla_kernels_for(q: torch.Tensor) -> dict[str, Callable] | None:
+    """The fla kernels if they should run on `q`'s device and dtype (CUDA, bf16/fp16), else None."""
+    if not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return fla_kernels()
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -109,7 +118,9 @@ def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    kernels: dict[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device)."""
     kernel = kernels["recurrent" if decode else "chunk"]
-    o, final = kernel(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
-                      initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                      cu_seqlens=starts.long())
+    # every argument by name: the two kernels' positional orders differ (the recurrent one takes
+    # gk, gv after g, so a positional beta would land in gk and beta default to ones)
+    o, final = kernel(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
+                      beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long())
     return o.squeeze(0), final

@@ -15,7 +15,7 @@ from torch import nn
 
 from ferryman.config import LinearAttnConfig, ModelConfig
 from ferryman.layers.attn_metadata import AttnMetadata, StateMetadata
-from ferryman.layers.delta_rule import delta_rule_fla, delta_rule_torch, fla_kernels
+from ferryman.layers.delta_rule import delta_rule_fla, delta_rule_torch, fla_kernels_for
 from ferryman.layers.norms import GatedRMSNorm
 
 
@@ -103,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         starts: [B+1] query_start_loc on the device."""
         assert self.ssm_state is not None
         init = self._previous(self.ssm_state, st)  # [B, Hv, Dk, Dv] fp32
-        kernels = fla_kernels() if q.is_cuda else None
+        kernels = fla_kernels_for(q)
         if kernels is not None:
             o, final = delta_rule_fla(q, k, v, g, beta.to(q.dtype), starts, init, decode, kernels)
         else:

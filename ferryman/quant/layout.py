@@ -6,6 +6,7 @@ asynchronously (the host store's, `ferryman bench bw`'s)."""
 from __future__ import annotations
 
 import logging
+import mmap
 import weakref
 from dataclasses import dataclass
 
@@ -59,20 +60,30 @@ def allocate_rows(rows: int, row_bytes: int, pin: bool) -> tuple[torch.Tensor, b
 
     Pinned with cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds every
     block up to a power of two (a 1.7 GB layer of gpt-oss-120b would lock 2 GB)."""
-    flat = torch.empty((rows, row_bytes), dtype=torch.uint8)
-    return flat, pin and _register(flat)
+    if not pin:
+        return torch.empty((rows, row_bytes), dtype=torch.uint8), False
+    # cudaHostRegister locks whole pages and refuses a page already registered: a small buffer from
+    # the heap may share its first or last page with another registered one (tiny models, the
+    # bandwidth probe). So the buffer owns its pages: page-aligned, its span rounded up to pages.
+    page = mmap.PAGESIZE
+    nbytes = rows * row_bytes
+    span = -(-nbytes // page) * page
+    raw = torch.empty(span + page, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % page
+    flat = raw[start : start + nbytes].view(rows, row_bytes)
+    return flat, _register(flat, span)
 
 
-def _register(flat: torch.Tensor) -> bool:
-    """Page-lock `flat` for the CUDA driver; unregistered when the tensor is freed."""
+def _register(flat: torch.Tensor, nbytes: int) -> bool:
+    """Page-lock `nbytes` from `flat`'s start for the CUDA driver; unregistered when `flat` is freed."""
     try:
         cudart = torch.cuda.cudart()
-        rc = int(cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
+        rc = int(cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0))
     except (AssertionError, RuntimeError, AttributeError) as e:  # no CUDA runtime in this build
         log.debug("cannot pin host memory: %s", e)
         return False
     if rc != 0:  # quota (RLIMIT_MEMLOCK, WSL), out of lockable memory
-        log.debug("cudaHostRegister of %d bytes failed with CUDA error %d", flat.numel(), rc)
+        log.debug("cudaHostRegister of %d bytes failed with CUDA error %d", nbytes, rc)
         getattr(cudart, "cudaGetLastError", lambda: None)()  # do not leave the error for the next call
         return False
     weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr())
