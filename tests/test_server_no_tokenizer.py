@@ -52,7 +52,9 @@ def test_bench_serve_counts_tokens_of_a_model_without_tokenizer(bare_server: Liv
     for level in result["levels"]:
         assert level["errors"] == 0 and level["output_tokens"] == 10, level
         assert level["itl_s_p50"] is not None and level["output_tokens_per_s"] > 0
-        assert level["link_bytes"] > 0 and level["link_bytes_per_output_token"] == level["link_bytes"] / 10
+        assert level["link_bytes"] >= 0 and level["link_bytes_per_output_token"] == level["link_bytes"] / 10
+    # a level whose experts the previous one left cached may copy nothing; the first cannot
+    assert result["levels"][0]["link_bytes"] > 0, result["levels"]
 
 
 def test_bench_serve_reports_the_servers_error_message(bare_server: LiveServer) -> None:

@@ -66,6 +66,9 @@ def first_model(cfg: BenchConfig) -> str:
     return _get_json(cfg, "/v1/models")["data"][0]["id"]
 
 
+STATS_LAG_S = 0.3  # above the server's refresh period of /v1/stats (engine_loop.py: 0.2 s)
+
+
 def link_bytes(cfg: BenchConfig) -> int | None:
     """Expert bytes the server moved host -> device so far (ferryman's /v1/stats); None elsewhere."""
     try:
@@ -145,6 +148,8 @@ def run_level(cfg: BenchConfig, model: str, concurrency: int, rng: random.Random
         results = list(users.map(lambda prompt: run_request(cfg, model, prompt), prompts))
     wall = time.perf_counter() - start
     row = summarize(concurrency, results, wall)
+    if before is not None:
+        time.sleep(STATS_LAG_S)  # ferryman's /v1/stats may lag the last step of the level
     after = link_bytes(cfg)
     moved = after - before if before is not None and after is not None else None
     row["link_bytes"] = moved  # expert bytes copied during the level (prefill included)
