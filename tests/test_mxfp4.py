@@ -247,3 +247,25 @@ def test_gpu_triton_dequant_equals_transformers_at_gpt_oss_shapes() -> None:
     got = dequant_mxfp4_rows(b, s, torch.tensor([2, 1], device="cuda"), torch.bfloat16)
     want = hf_mxfp4.convert_moe_packed_tensors(blocks.flip(0), scales.flip(0), dtype=torch.bfloat16).transpose(1, 2)
     assert torch.equal(got, want)
+
+
+def test_format_family_builds_members_on_first_use() -> None:
+    from ferryman.quant import DenseFormat, get_format, known_formats, register_family
+
+    class Scaled(DenseFormat):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    def factory(name: str) -> DenseFormat:
+        if name.split(":")[1] not in ("a", "b"):
+            raise ValueError(f"bad member {name!r}")
+        return Scaled(name)
+
+    register_family("testfam", factory)
+    assert get_format("testfam:a").name == "testfam:a"
+    assert get_format("testfam:a") is get_format("testfam:a")
+    assert "testfam:..." in known_formats()
+    with pytest.raises(ValueError, match="bad member"):
+        get_format("testfam:zz")
+    with pytest.raises(ValueError, match="unknown expert format"):
+        get_format("nofam:a")

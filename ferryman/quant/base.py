@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,9 @@ class ExpertFormat(ABC):
 
 
 _FORMATS: dict[str, ExpertFormat] = {}
+# parametrised formats ("family:params", e.g. a GGUF type pair or an int4 group size): the family's
+# factory builds the instance for a full name the first time `get_format` meets it
+_FAMILIES: dict[str, Callable[[str], ExpertFormat]] = {}
 
 
 def register_format(fmt: ExpertFormat) -> ExpertFormat:
@@ -136,13 +140,29 @@ def register_format(fmt: ExpertFormat) -> ExpertFormat:
     return fmt
 
 
+def register_family(family: str, factory: Callable[[str], ExpertFormat]) -> None:
+    """Formats named "family:params" are built by `factory(name)` (ValueError for bad params) and
+    registered when first asked for; the instance's `name` must be the full name."""
+    if ":" in family:
+        raise ValueError(f"format family names hold no ':', got {family!r}")
+    _FAMILIES[family] = factory
+
+
 def get_format(name: str) -> ExpertFormat:
-    """The registered format called `name`; ValueError listing the known ones otherwise."""
+    """The registered format called `name` (a family's member is built on first use); ValueError
+    listing the known ones otherwise."""
     fmt = _FORMATS.get(name)
+    family = name.split(":", 1)[0] if ":" in name else None
+    if fmt is None and family in _FAMILIES:
+        fmt = _FAMILIES[family](name)
+        if fmt.name != name:
+            raise ValueError(f"format family {family!r} built {fmt.name!r} for {name!r}")
+        return register_format(fmt)
     if fmt is None:
         raise ValueError(f"unknown expert format {name!r}; known formats: {sorted(_FORMATS)}")
     return fmt
 
 
 def known_formats() -> list[str]:
-    return sorted(_FORMATS)
+    """Registered format names, and each family as "family:..."."""
+    return sorted(_FORMATS) + sorted(f"{f}:..." for f in _FAMILIES)
