@@ -55,18 +55,19 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
 
 
 def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:
-    """Cap what this process may allocate on a CUDA device at gpu_memory (no-op elsewhere), with
-    expandable segments on so the cap is not spent on fragmentation."""
+    """Cap what this process may allocate on a CUDA device at gpu_memory (the whole device when
+    none is given; no-op elsewhere), with expandable segments on so the cap is not spent on
+    fragmentation."""
     if device.type != "cuda":
         return
     expandable_segments()
-    if ecfg.offload.gpu_memory is None:
-        return
-    budget = parse_bytes(ecfg.offload.gpu_memory)
     total = torch.cuda.get_device_properties(device).total_memory
+    budget = total if ecfg.offload.gpu_memory is None else parse_bytes(ecfg.offload.gpu_memory)
     if budget > total:
         raise ConfigError(f"gpu_memory {budget / 2**30:.2f} GiB exceeds the device's {total / 2**30:.2f} GiB")
     index = device.index if device.index is not None else torch.cuda.current_device()
+    # set each time, also to the whole device: the cap is per process and an engine built earlier in
+    # it (another LLM, a test) may have left a smaller one
     torch.cuda.set_per_process_memory_fraction(budget / total, index)
 
 
