@@ -47,6 +47,11 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--expert-cache", metavar="N",
                    help="device expert cache: a share of all experts (10%%, 0.1) or a slot count "
                         "(default: what the plan leaves)")
+    g.add_argument("--min-expert-slots", type=int, metavar="N",
+                   help="offloaded experts: slots the KV cache never takes back (default: top-k)")
+    g.add_argument("--kv-reserve-tokens", type=int, metavar="N",
+                   help="offloaded experts: free KV tokens kept when idle KV pages become expert slots "
+                        "(default: one step's tokens); `ferryman ctl` changes both live")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

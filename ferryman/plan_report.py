@@ -62,7 +62,7 @@ def _link_estimate(plan: MemoryPlan) -> str:
     """Batch-1 decode bound by the link if routing were uniform (no locality: a floor on hits)."""
     r = plan.request
     misses = len(r.cfg.moe_layers) * r.cfg.top_k * (1 - plan.expert_slots / max(1, r.total_experts))
-    per_token = misses * plan.slot_bytes
+    per_token = max(misses * plan.slot_bytes, 1.0)
     rates = ", ".join(f"{name} <= {bw / per_token:.0f} tok/s" for name, bw in REFERENCE_LINKS)
     return (f"~{misses:.0f} misses x {plan.slot_bytes / MiB:.1f} MiB = {per_token / GiB:.2f} GiB per token if routing "
             f"were uniform: {rates} (real routing hits more; `ferryman bench bw` measures your link)")
