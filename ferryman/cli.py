@@ -1,4 +1,4 @@
-"""`ferryman` command line: run, info, plan, serve, bench serve, bench bw."""
+"""`ferryman` command line: run, info, plan, serve, ctl, bench serve, bench bw."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, size
+from ferryman.cli_ctl import add_ctl, cmd_ctl
 from ferryman.cli_serve import add_serve, cmd_serve
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
 from ferryman.envs import envs
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     add_serve(sub, MODEL_HELP, _engine_flags)
     add_bench(sub)
+    add_ctl(sub, HelpFormatter)
     return parser
 
 
@@ -295,7 +297,7 @@ def setup_logging(debug: bool = False) -> None:
 
 
 COMMANDS = {"run": cmd_run, "info": cmd_info, "plan": cmd_plan, "serve": lambda a: cmd_serve(a, engine_kwargs(a)),
-            "bench": cmd_bench}
+            "bench": cmd_bench, "ctl": cmd_ctl}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -340,6 +340,7 @@ class LLMEngine:
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
             "experts": self.expert_stats(block),
+            "memory_split": self.split.snapshot() if self.split is not None else {},  # memory_split() has more
             **self.memory_stats(),
             **self.scheduler.stats(),
         }
