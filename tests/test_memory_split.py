@@ -81,10 +81,11 @@ def test_pages_move_both_ways() -> None:
     assert t.split.rebalance() == 5  # idle KV pages become slots, up to max_slots (9)
     assert t.split.expert_pages == 9 and t.split.counters.to_experts == 5
     _check_owners(t)
-    seq = _seq(1, 3 * q * BS)  # three pages of KV: two more than the three KV pages hold free
-    assert not t.pool.can_allocate(seq, seq.num_tokens)
+    seq = _seq(1, 5 * q * BS)  # five pages of KV: two more than the three KV pages
+    assert not t.pool.can_allocate(seq, seq.num_tokens) and t.pool.shortfall(seq, seq.num_tokens) == 2 * q
     assert t.split.ensure_kv(t.pool.shortfall(seq, seq.num_tokens) + len(t.pool.free_queue))
-    assert t.pool.allocate_for(seq, seq.num_tokens) and t.split.counters.to_kv == 0 + t.split.kv_pages - 3
+    assert t.pool.allocate_for(seq, seq.num_tokens)
+    assert t.split.counters.to_kv == 2 and t.split.kv_pages == 5 and t.split.expert_pages == 7
     _check_owners(t)
     t.pool.free(seq)
     assert t.split.rebalance() > 0  # and back
@@ -95,14 +96,12 @@ def test_kv_floor_reserve_and_bounds_are_kept() -> None:
     t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
     t.split.rebalance()
     assert t.split.kv_pages == 3  # the floor: one max_model_len sequence
-    t.split.set_bounds(kv_reserve=2 * t.geo.blocks_per_page)
     assert t.split.rebalance() == 0 and t.split.kv_pages == 3
     assert not t.split.ensure_kv(t.pool.num_blocks)  # min_slots stops it
     assert t.split.expert_pages == 2 and t.cache.table.active[PINNED_PAGE]
-    t.split.set_bounds(min_slots=1, max_slots=4)
-    assert t.split.expert_pages == 2
-    t.split.rebalance()
-    assert t.split.expert_pages == 2  # the reserve (2 pages of free blocks) holds
+    q = t.geo.blocks_per_page
+    t.split.set_bounds(min_slots=1, max_slots=4, kv_reserve=7 * q)
+    assert t.split.rebalance() == 1 and t.split.free_blocks == 7 * q  # the reserve stays free
     t.split.set_bounds(kv_reserve=0)
     t.split.rebalance()
     assert t.split.expert_pages == 4  # max_slots
@@ -136,13 +135,15 @@ def test_the_slots_that_move_are_the_coldest_and_pinned_never() -> None:
 
 
 def test_a_moved_slot_is_refetched_before_use() -> None:
-    t = _setup(pages=6, slots=2, bounds=SplitBounds(1, 6, 0), min_kv=1)
+    t = _setup(pages=6, slots=3, bounds=SplitBounds(1, 6, 0), min_kv=1)
     cache, store = t.cache, t.store
+    cache.release(0, [0], cache.acquire(0, [0]))  # slot 0 (never moved)
     slot = cache.acquire(1, [5])[0]
     cache.release(1, [5], [slot])
-    assert torch.equal(cache.pool.flat[slot], store.flat[1][5])
-    t.split.set_bounds(max_slots=1)  # slot 1 (expert 5's) goes back to KV
-    assert not cache.contains(1, 5) and t.split.owner[slot] == KV
+    assert slot == 1 and torch.equal(cache.pool.flat[slot], store.flat[1][5])
+    cache.release(0, [0], cache.acquire(0, [0]))  # expert 5 is the coldest
+    t.split.set_bounds(max_slots=1)  # slots 2 (free) and 1 (expert 5's) go back to KV
+    assert not cache.contains(1, 5) and t.split.owner[slot] == KV and cache.contains(0, 0)
     t.region.buffer.view(-1)[slot * t.geo.page_bytes:(slot + 1) * t.geo.page_bytes].fill_(7)  # KV writes it
     t.split.set_bounds(max_slots=6)
     t.split.rebalance()
@@ -191,7 +192,7 @@ KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, enforce_eage
 
 def _greedy(llm: LLM, n: int = 24) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, params=params)]
 
 
 @pytest.fixture(scope="module")
