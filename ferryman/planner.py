@@ -2,10 +2,9 @@
 
     budget = non-expert weights + KV cache + activation headroom + expert cache (the rest)
 
-An offloaded plan shares one region between KV blocks and expert slots (kvcache/shared_region.py):
-its floor is one sequence of max_model_len (or `kv_cache_tokens`) plus `min_expert_slots`, the
-experts start with every other page and the engine moves pages between the two uses as the load
-asks (engine/memory_split.py), so max_num_seqs x max_model_len reserves nothing.
+An offloaded plan shares one region between KV blocks and expert slots (kvcache/shared_region.py,
+engine/memory_split.py): its floor is one sequence of max_model_len plus `min_expert_slots`, the
+experts start with the other pages; max_num_seqs x max_model_len reserves nothing.
 
 Otherwise the KV cache gets its floor first: min(max_model_len, 32768) tokens for each of `max_num_seqs`
 sequences (or exactly `kv_cache_tokens`), in every layer but the sliding-window ones of a model that
@@ -307,20 +306,14 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes)
 
 
-def page_geometry(req: PlanRequest, per_slot: int) -> PageGeometry:
-    return PageGeometry.of(req.block_size * req.kv_per_token, per_slot)
-
-
 def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int) -> MemoryPlan:
     """Offload under a budget: `region` bytes (what weights, activations, the window and state pools
     leave) in pages; the KV cache starts at its floor (one max_model_len sequence), the experts take
     the other pages up to every expert, or `expert_cache`'s count."""
-    geo = page_geometry(req, per_slot)
+    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot)
     pages = region // geo.page_bytes
     kv_floor = geo.pages_for_tokens(req.shared_floor_tokens, req.block_size)
-    floor = req.slot_floor
-    if req.expert_cache is not None:
-        floor = max(floor, expert_slots(req.expert_cache, req.total_experts))
+    floor = max(req.slot_floor, expert_slots(req.expert_cache, req.total_experts) if req.expert_cache else 0)
     if pages < kv_floor + floor:
         need = (kv_floor + floor) * geo.page_bytes - region
         raise ConfigError(
@@ -385,7 +378,7 @@ def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> 
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
     host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    geo = page_geometry(req, per_slot) if strategy == "offload" else None  # the engine sizes the KV pages
+    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" else None
     return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo)
 
 
