@@ -249,3 +249,16 @@ def test_gpt_oss_20b_at_8gib_with_32_sequences_of_8192_plans() -> None:
     assert plan.expert_slots > 0.4 * plan.request.total_experts
     assert main(["plan", "gpt-oss-20b", "--gpu-memory", "8GiB", "--max-num-seqs", "32",
                  "--max-model-len", "8192"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_split_on_cuda_gives_the_resident_tokens(eager: bool) -> None:
+    """On CUDA (stream copies into strided slot rows, paged attention over strided KV views, per-layer
+    graphs unless eager): sequences take slots back and return them, tokens are the resident ones."""
+    kw = dict(KW, device="cuda", enforce_eager=eager)
+    want = _greedy(LLM(**kw))
+    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, **kw)
+    assert _greedy(llm) == want
+    split = llm.memory_split()
+    assert split["moves_to_kv"] > 0 and split["moves_to_experts"] > 0 and split["num_preemptions"] == 0
