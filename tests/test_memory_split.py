@@ -92,6 +92,20 @@ def test_pages_move_both_ways() -> None:
     _check_owners(t)
 
 
+def test_idle_pages_with_cached_prefixes_become_slots_last() -> None:
+    t = _setup(pages=6, slots=2, bounds=SplitBounds(1, 3, 0), min_kv=1)
+    q = t.geo.blocks_per_page
+    seq = _seq(1, q * BS)  # fills one page (the first free blocks: page 2), then registers its prefix
+    assert t.pool.allocate_for(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    t.pool.cache_full_blocks(seq)
+    t.pool.free(seq)
+    cached = [p for p in range(6) if t.split.owner[p] == KV and t.pool.cached_in_page(p)]
+    assert len(cached) == 1 and t.pool.page_idle(cached[0])
+    assert t.split.rebalance() == 1 and t.split.owner[cached[0]] == KV  # an uncached page went
+    _check_owners(t)
+
+
 def test_kv_floor_reserve_and_bounds_are_kept() -> None:
     t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
     t.split.rebalance()

@@ -105,15 +105,16 @@ class MemorySplit:
         if room <= 0 or spare < q or self.kv_pages <= self.min_kv_pages:
             return 0
         cache = self.cache()
-        for p in range(self.num_pages - 1, -1, -1):
+        idle = [p for p in range(self.num_pages - 1, -1, -1) if self.owner[p] == KV and self.pool.page_idle(p)]
+        idle.sort(key=self.pool.cached_in_page)  # cached prompt prefixes go last (stable: high pages first)
+        for p in idle:
             if moved >= room or spare < q or self.kv_pages <= self.min_kv_pages:
                 break
-            if self.owner[p] == KV and self.pool.page_idle(p):
-                self.pool.withdraw_page(p)
-                self.owner[p] = EXPERT
-                cache.lend_slot(p)
-                self.counters.to_experts += 1
-                moved, spare = moved + 1, spare - q
+            self.pool.withdraw_page(p)
+            self.owner[p] = EXPERT
+            cache.lend_slot(p)
+            self.counters.to_experts += 1
+            moved, spare = moved + 1, spare - q
         return moved
 
     def shrink_to_bounds(self) -> int:

@@ -278,6 +278,10 @@ class BlockPool:
         blocks = self.page_blocks(page)
         return self.held_in_page[page] == 0 and all(b in self.free_queue for b in blocks)
 
+    def cached_in_page(self, page: int) -> int:
+        """Blocks of `page` registered in the prefix cache."""
+        return sum(1 for b in self.page_blocks(page) if self.blocks[b].block_hash is not None)
+
     def withdraw_page(self, page: int) -> None:
         """Take an idle page's blocks out of use (their cached prefixes are forgotten)."""
         if not self.page_idle(page):
