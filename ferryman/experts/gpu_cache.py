@@ -143,7 +143,7 @@ class ExpertCache:
         """Experts per MoE layer a prefill stream keeps cached from one chunk to the next: the slots
         left once two layers' worth (the layer computing, the next one streaming in) are set aside,
         shared evenly among the layers."""
-        return max(0, (self.table.num_slots - 2 * self.num_experts) // len(self.moe_index))
+        return max(0, (self.table.num_active - 2 * self.num_experts) // len(self.moe_index))
 
     def demote_fetched(self, layer: int) -> int:
         """Scan resistance for a prefill stream: the experts the last acquire brought in (copied, or
