@@ -27,7 +27,7 @@ def add_ctl(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormat
                          formatter_class=formatter)
     ctl.add_argument("action", nargs="?", choices=("show", "set"), default="show", help="what to do")
     ctl.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    ctl.add_argument("--api-key", help="the server's API key (default: FERRYMAN_API_KEY)")
+    ctl.add_argument("--api-key", help="the server's API key (default: the environment's, as `ferryman serve` reads it)")
     ctl.add_argument("--json", action="store_true", help="print the server's JSON answer as is")
     ctl.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the server")
     for flag, what in (("--min-expert-slots", "expert slots the KV cache never takes back"),

@@ -112,3 +112,12 @@ def test_plan_predicts_decode_and_ttft(capsys: pytest.CaptureFixture[str]) -> No
     assert many.slots < one.slots  # 32 users' KV takes pages from the experts
     assert one.decode_tok_s < four.decode_tok_s < many.decode_tok_s and one.ttft_s < four.ttft_s < many.ttft_s
     assert predict(plan, 100e9, "test").decode_tok_s > one.decode_tok_s  # a faster link
+
+
+def test_split_flags_build_the_engine_config() -> None:
+    from ferryman.cli import build_parser, engine_config
+
+    ecfg = engine_config(build_parser().parse_args(["serve", "m", "--min-expert-slots", "8", "--kv-reserve-tokens", "512"]))
+    assert (ecfg.min_expert_slots, ecfg.kv_reserve_tokens) == (8, 512)
+    with pytest.raises(Exception, match="min_expert_slots must be >= 1"):
+        engine_config(build_parser().parse_args(["serve", "m", "--min-expert-slots", "0"]))
