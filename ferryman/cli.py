@@ -49,7 +49,8 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                    help="device expert cache: a share of all experts (10%%, 0.1) or a slot count "
                         "(default: what the plan leaves)")
     g.add_argument("--min-expert-slots", type=int, metavar="N",
-                   help="offloaded experts: slots the KV cache never takes back (default: top-k)")
+                   help="offloaded experts: slots the KV cache never takes back (default: two layers' experts, "
+                        "at most the plan's slots)")
     g.add_argument("--kv-reserve-tokens", type=int, metavar="N",
                    help="offloaded experts: free KV tokens kept when idle KV pages become expert slots "
                         "(default: one step's tokens); `ferryman ctl` changes both live")

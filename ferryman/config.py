@@ -343,7 +343,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     progress: bool = False
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, see `kv_dtype`)
-    min_expert_slots: int | None = None  # offload: slots the KV cache never takes back (None: top_k)
+    min_expert_slots: int | None = None  # offload: slots KV never takes back (None: 2 layers' experts)
     kv_reserve_tokens: int | None = None  # offload: free KV kept when idle pages become slots (None: one step)
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"

@@ -81,7 +81,8 @@ def _link_estimate(plan: MemoryPlan) -> str:
 # stage, for an offloaded plan on the H200 machine's class of GPU:
 #   - routing is uniform (dummy weights; real text hits more): a step of B sequences uses
 #     U = E (1 - (1 - k/E)^B) experts per MoE layer, of which the share cached is h = slots / (L E);
-#   - the slots are the plan's less the pages the B sequences' KV takes (a shared region);
+#   - the slots are the plan's less the pages the B sequences' KV takes (a shared region), down to
+#     the engine's minimum (min_expert_slots, by default two layers' experts);
 #   - misses are copied over the link at the calibrated rate and not overlapped with compute;
 #   - a layer's compute is LAYER_S (host sync, attention, router, launches) plus its experts'
 #     bytes read at HBM_BPS; a prefill chunk adds 2 x active parameters x tokens at FLOPS;
@@ -115,7 +116,8 @@ def predict(plan: MemoryPlan, link_bps: float, link_source: str, users: int = 1,
     slots = plan.expert_slots
     if plan.pages is not None:  # the users' KV takes pages from the experts, down to top_k slots
         extra = (users * (prompt_tokens + output_tokens) - (plan.kv_tokens or 0)) * r.kv_per_token
-        slots = max(r.slot_floor, slots - -(-max(0, extra) // plan.pages.page_bytes))
+        least = min(slots, r.min_expert_slots or max(r.slot_floor, 2 * experts))  # the engine's default bound
+        slots = max(least, slots - -(-max(0, extra) // plan.pages.page_bytes))
     hit = min(1.0, slots / max(1, layers * experts))
     row = plan.slot_bytes
 

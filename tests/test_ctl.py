@@ -21,7 +21,8 @@ KEY = "sesame"
 @pytest.fixture(scope="module")
 def offloaded(tiny_model):
     with serving(str(tiny_model), ServerConfig(served_model_names=["tiny"], api_key=KEY), moe_strategy="offload",
-                 expert_cache=12, kv_cache_tokens=64, max_model_len=64, max_num_batched_tokens=32) as srv:
+                 expert_cache=12, min_expert_slots=2, kv_cache_tokens=64, max_model_len=64,
+                 max_num_batched_tokens=32) as srv:
         yield srv
 
 

@@ -217,8 +217,9 @@ def reference() -> list[list[int]]:
 def test_sequences_take_slots_back_and_tokens_match(reference: list[list[int]]) -> None:
     """A KV floor of one sequence: four sequences take expert slots as they grow, give them back when
     done, and the greedy tokens are the resident engine's."""
-    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, **KW)
+    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, min_expert_slots=4, **KW)
     start = llm.memory_split()
+    assert LLM(moe_strategy="offload", expert_cache=80, **KW).memory_split()["min_expert_slots"] == 64  # 2 x 32
     assert start["shared"] and start["expert_pages"] == 40
     assert _greedy(llm) == reference
     split = llm.memory_split()
@@ -238,7 +239,7 @@ def test_preempted_sequences_resume_with_the_same_tokens(reference: list[list[in
 def test_live_bounds_through_the_public_api() -> None:
     from ferryman.errors import ConfigError
 
-    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, **KW)
+    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, min_expert_slots=4, **KW)
     out = llm.set_memory_bounds(max_expert_slots=30)
     assert out["expert_pages"] == 30 and out["max_expert_slots"] == 30
     with pytest.raises(ConfigError, match="max_expert_slots must be >= min_expert_slots"):
@@ -272,7 +273,7 @@ def test_split_on_cuda_gives_the_resident_tokens(eager: bool) -> None:
     graphs unless eager): sequences take slots back and return them, tokens are the resident ones."""
     kw = dict(KW, device="cuda", enforce_eager=eager)
     want = _greedy(LLM(**kw))
-    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, **kw)
+    llm = LLM(moe_strategy="offload", expert_cache=40, kv_cache_tokens=96, min_expert_slots=4, **kw)
     assert _greedy(llm) == want
     split = llm.memory_split()
     assert split["moves_to_kv"] > 0 and split["moves_to_experts"] > 0 and split["num_preemptions"] == 0

@@ -156,8 +156,10 @@ class LLMEngine:
         r, S = self.plan.request, self.ecfg.block_size
         # an asked expert_cache caps the cache; otherwise every expert may come to the device
         most = self.plan.expert_slots if r.expert_cache is not None else r.total_experts
-        reserve = self.ecfg.kv_reserve_tokens
-        bounds = SplitBounds(min(r.slot_floor, self.plan.expert_slots), most,
+        reserve, least = self.ecfg.kv_reserve_tokens, self.ecfg.min_expert_slots
+        if least is None:  # two layers' experts: the layer computing and the next one streaming in
+            least = max(r.slot_floor, 2 * self.cfg.num_experts)
+        bounds = SplitBounds(min(least, self.plan.expert_slots, most), most,
                              -(-(self.ecfg.max_num_batched_tokens if reserve is None else reserve) // S))
         split = MemorySplit(self.scheduler.pool, lambda: self.runner.experts.cache, region.num_pages, bounds,
                             region.geometry.pages_for_tokens(r.shared_floor_tokens, S))
@@ -351,8 +353,9 @@ class LLMEngine:
         model = self.runner.model
         # a token-embedding table kept in host RAM (offloaded plans) is not device memory
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == self.device.type)
-        kv = sum(t.numel() * t.element_size() for attn in model.attention_layers()
-                 for t in (attn.k_cache, attn.v_cache) if isinstance(t, torch.Tensor) and t.is_contiguous())
+        own = [a for a in model.attention_layers() if self.split is None or a.window_pool]  # not in the region
+        kv = sum(t.numel() * t.element_size() for attn in own for t in (attn.k_cache, attn.v_cache)
+                 if isinstance(t, torch.Tensor))
         experts = self.expert_stats()
         total = int(self.expert_bytes)
         on_device = int(experts["slots"] * experts["slot_bytes"]) if "slot_bytes" in experts else total
