@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.engine.warm_up import warm_up  # noqa: E402
+from ferryman.plan_report import predict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fewer_layers import fewer_layers  # noqa: E402
@@ -160,6 +161,10 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
     }
+    if eng.plan.strategy == "offload":  # `ferryman plan`'s prediction at the measured link rate
+        p_dec = predict(eng.plan, bw, "measured", 1, 128, a.decode_tokens)
+        row["pred_decode_tok_s"] = p_dec.decode_tok_s
+        row["pred_ttft_s"] = predict(eng.plan, bw, "measured", 1, max(1, ttft_len), 1).ttft_s if ttft else None
     if torch.cuda.is_available() and eng.device.type == "cuda":  # is the plan's activation estimate honest?
         row["peak_gib"] = torch.cuda.max_memory_allocated(eng.device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(eng.device) / 2**30  # what the cap limits
@@ -222,8 +227,9 @@ def main() -> None:
         model, _, budget = target.partition(":")
         rows.append(run_target(model, budget or "cpu", a))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = ["model", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
-            "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
+    cols = ["model", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s",
+            "pred_decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
+            "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s", "pred_ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))

@@ -1,4 +1,4 @@
-"""`ferryman` command line: run, info, plan, serve, bench serve, bench bw."""
+"""`ferryman` command line: run, info, plan, serve, ctl, bench serve, bench bw."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, size
+from ferryman.cli_ctl import add_ctl, cmd_ctl
 from ferryman.cli_serve import add_serve, cmd_serve
 from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
 from ferryman.envs import envs
@@ -47,6 +48,12 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--expert-cache", metavar="N",
                    help="device expert cache: a share of all experts (10%%, 0.1) or a slot count "
                         "(default: what the plan leaves)")
+    g.add_argument("--min-expert-slots", type=int, metavar="N",
+                   help="offloaded experts: slots the KV cache never takes back (default: two layers' experts, "
+                        "at most the plan's slots)")
+    g.add_argument("--kv-reserve-tokens", type=int, metavar="N",
+                   help="offloaded experts: free KV tokens kept when idle KV pages become expert slots "
+                        "(default: one step's tokens); `ferryman ctl` changes both live")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:
@@ -107,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     add_serve(sub, MODEL_HELP, _engine_flags)
     add_bench(sub)
+    add_ctl(sub, HelpFormatter)
     return parser
 
 
@@ -118,6 +126,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                           formatter_class=HelpFormatter)
     plan.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     _plan_flags(plan.add_argument_group("engine"))
+    g = plan.add_argument_group("prediction (offloaded plans: decode tok/s and TTFT at 1, 4 and max-num-seqs users)")
+    g.add_argument("--prompt-tokens", type=int, default=1024, help="prompt tokens of each request")
+    g.add_argument("--output-tokens", type=int, default=128, help="output tokens of each request")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -196,14 +207,32 @@ def _fmt(v: object) -> str:
 def cmd_plan(a: argparse.Namespace) -> int:
     from ferryman.experts.placement import engine_plan
     from ferryman.models.registry import model_config
-    from ferryman.plan_report import describe_plan
+    from ferryman.plan_report import describe_plan, describe_predictions, predict
     from ferryman.weights.build import resolve_dtype, resolve_hf_config
 
     ecfg = engine_config(a)
     cfg = model_config(resolve_hf_config(ecfg.model, "dummy")[0])
-    plan = engine_plan(ecfg, cfg, resolve_dtype(ecfg.dtype, cfg), ecfg.torch_device(), ecfg.context_len(cfg))
+    dtype = resolve_dtype(ecfg.dtype, cfg)
+    plan = engine_plan(ecfg, cfg, dtype, ecfg.torch_device(), ecfg.context_len(cfg))
     print(describe_plan(plan))
+    if plan.strategy == "offload":
+        link, source = calibrated_link(cfg, dtype)
+        users = sorted({1, 4, plan.request.max_num_seqs})
+        preds = [predict(plan, link, source, n, a.prompt_tokens, a.output_tokens) for n in users]
+        print(describe_predictions(preds, a.prompt_tokens, a.output_tokens))
     return 0
+
+
+def calibrated_link(cfg: ModelConfig, dtype: Any) -> tuple[float, str]:
+    """Host -> device bytes/s of one expert from this machine's calibration (`ferryman bench bw`), else
+    the assumed PCIe 5.0 rate; and where it came from."""
+    from ferryman.calibrate.calibration import expert_key, load_matching
+    from ferryman.plan_report import ASSUMED_LINK
+
+    cal, why = load_matching(expert_key(cfg, dtype))
+    if cal is not None and cal.h2d is not None:
+        return cal.h2d.gbps * 1e9, "calibrated"
+    return ASSUMED_LINK[1], f"assumed {ASSUMED_LINK[0]}: {why if cal is None else 'no host -> device rate'}"
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -290,7 +319,7 @@ def setup_logging(debug: bool = False) -> None:
 
 
 COMMANDS = {"run": cmd_run, "info": cmd_info, "plan": cmd_plan, "serve": lambda a: cmd_serve(a, engine_kwargs(a)),
-            "bench": cmd_bench}
+            "bench": cmd_bench, "ctl": cmd_ctl}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

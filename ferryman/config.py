@@ -343,6 +343,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     progress: bool = False
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (e4m3, see `kv_dtype`)
+    min_expert_slots: int | None = None  # offload: slots KV never takes back (None: 2 layers' experts)
+    kv_reserve_tokens: int | None = None  # offload: free KV kept when idle pages become slots (None: one step)
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None
@@ -362,7 +364,8 @@ class EngineConfig:
         if self.dtype != "auto":
             dtype_from_str(self.dtype)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens",
+                     "min_expert_slots", "kv_reserve_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:

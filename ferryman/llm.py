@@ -98,6 +98,15 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def memory_split(self) -> dict[str, Any]:
+        """How the device region splits between KV pages and expert slots (LLMEngine.memory_split)."""
+        return self.engine.memory_split()
+
+    def set_memory_bounds(self, min_expert_slots: int | None = None, max_expert_slots: int | None = None,
+                          kv_reserve_tokens: int | None = None) -> dict[str, Any]:
+        """Change the split's bounds (LLMEngine.set_memory_bounds); returns the new split."""
+        return self.engine.set_memory_bounds(min_expert_slots, max_expert_slots, kv_reserve_tokens)
+
     def score(self, prompt_token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Logits [L_i, V] (fp32) at every position of each prompt, computed as one batch."""
         return self.engine.score([list(p) for p in prompt_token_ids])

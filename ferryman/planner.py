@@ -2,7 +2,11 @@
 
     budget = non-expert weights + KV cache + activation headroom + expert cache (the rest)
 
-The KV cache gets its floor first: min(max_model_len, 32768) tokens for each of `max_num_seqs`
+An offloaded plan shares one region between KV blocks and expert slots (kvcache/shared_region.py,
+engine/memory_split.py): its floor is one sequence of max_model_len plus `min_expert_slots`, the
+experts start with the other pages; max_num_seqs x max_model_len reserves nothing.
+
+Otherwise the KV cache gets its floor first: min(max_model_len, 32768) tokens for each of `max_num_seqs`
 sequences (or exactly `kv_cache_tokens`), in every layer but the sliding-window ones of a model that
 mixes both, which keep only their window in a pool of fixed size (kvcache/window_pool.py). The expert
 cache gets the rest, in slots of one expert; if every routed expert fits the plan is resident and
@@ -22,6 +26,7 @@ from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConf
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
+from ferryman.kvcache.shared_region import PageGeometry
 from ferryman.kvcache.state_pool import state_bytes_per_seq
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
@@ -146,6 +151,7 @@ class PlanRequest:
     expert_cache: float | int | None = None
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
     kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
+    min_expert_slots: int | None = None  # an offloaded plan's slot floor (None: top_k)
 
     @property
     def kv_per_token(self) -> int:
@@ -177,6 +183,16 @@ class PlanRequest:
         return len(self.cfg.moe_layers) * self.cfg.num_experts
 
     @property
+    def slot_floor(self) -> int:
+        """Expert slots an offloaded plan never goes below: min_expert_slots, at least top_k."""
+        return min(self.total_experts, max(self.cfg.top_k, 1, self.min_expert_slots or 0))
+
+    @property
+    def shared_floor_tokens(self) -> int:
+        """KV tokens a shared region keeps at least: one sequence of max_model_len, or kv_cache_tokens."""
+        return self.kv_cache_tokens or _round_up(self.max_model_len, self.block_size)
+
+    @property
     def kv_floor_tokens(self) -> int:
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
@@ -195,6 +211,19 @@ class MemoryPlan:
     expert_slots: int  # == total experts when resident
     host_embedding_bytes: int = 0  # the token-embedding table kept in host RAM (offload), not in weights_bytes
     state_bytes: int = 0  # the linear-attention state pool (hybrid models), on the device
+    # offload: the region KV blocks and expert slots share (kvcache/shared_region.py); None: resident
+    pages: PageGeometry | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def region_pages(self) -> int:
+        """Pages of the shared region: the experts' first slots and the KV cache's first pages."""
+        if self.pages is None or self.kv_tokens is None:
+            return 0
+        return self.expert_slots + self.pages.pages_for_tokens(self.kv_tokens, self.request.block_size)
 
     @property
     def checkpoint_host_bytes(self) -> int:
@@ -208,7 +237,7 @@ class MemoryPlan:
 
     @property
     def expert_cache_bytes(self) -> int:
-        return self.expert_slots * self.slot_bytes
+        return self.expert_slots * (self.pages.page_bytes if self.pages is not None else self.slot_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -258,6 +287,8 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     strategy = _strategy(req, all_fit=rest >= total * per_slot)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
+    if strategy == "offload":
+        return _shared_plan(req, weights, act, per_slot, rest + floor_tokens * per_token, host)
     if strategy == "resident":
         slots = total
     elif req.expert_cache is not None:
@@ -275,6 +306,32 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes)
 
 
+def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int) -> MemoryPlan:
+    """Offload under a budget: `region` bytes (what weights, activations, the window and state pools
+    leave) in pages; the KV cache starts at its floor (one max_model_len sequence), the experts take
+    the other pages up to every expert, or `expert_cache`'s count."""
+    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot)
+    pages = region // geo.page_bytes
+    kv_floor = geo.pages_for_tokens(req.shared_floor_tokens, req.block_size)
+    floor = max(req.slot_floor, expert_slots(req.expert_cache, req.total_experts) if req.expert_cache else 0)
+    if pages < kv_floor + floor:
+        need = (kv_floor + floor) * geo.page_bytes - region
+        raise ConfigError(
+            f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "
+            f"+ activations {act / GiB:.2f} GiB + one sequence of {req.shared_floor_tokens} tokens of KV cache "
+            f"and {floor} expert slots ({kv_floor} + {floor} pages of {geo.page_bytes / MiB:.1f} MiB)"
+            f"{' + window and state pools' if req.window_kv_bytes or req.state_bytes else ''}; missing "
+            f"{need / GiB:.2f} GiB. Raise gpu_memory, or lower max_model_len ({req.max_model_len}) or "
+            f"max_num_batched_tokens ({req.max_num_batched_tokens})")
+    slots = min(req.total_experts, pages - kv_floor) if req.expert_cache is None else floor
+    # KV gets the other pages, up to what the sequences can use (more would stay idle)
+    wanted = geo.pages_for_tokens(req.kv_cache_tokens or req.max_num_seqs * req.max_model_len, req.block_size)
+    kv_pages = min(pages - slots, max(kv_floor, wanted))
+    kv_tokens = kv_pages * geo.blocks_per_page * req.block_size
+    kv_bytes = kv_pages * geo.page_bytes + req.window_kv_bytes
+    return MemoryPlan(req, "offload", weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes, geo)
+
+
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
 AUTO_NUM_SEQS = (32, 16, 8, 4, 2, 1)
 
@@ -282,8 +339,10 @@ AUTO_NUM_SEQS = (32, 16, 8, 4, 2, 1)
 def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
     """Plan with the largest concurrency whose KV floor fits the budget and leaves the experts at
     least half of what weights and activations leave (so KV never starves the expert cache, nor the
-    cache KV). Without a budget, or when every expert stays resident, the largest is taken."""
+    cache KV). Without a budget, or when every expert stays resident, the largest is taken; when no
+    concurrency keeps every expert resident, the largest offloaded one (its KV grows by need)."""
     last_error: ConfigError | None = None
+    shared: MemoryPlan | None = None  # the first offloaded plan: its region reserves no KV per sequence
     for n in AUTO_NUM_SEQS:
         trial = replace(req, max_num_seqs=n)
         try:
@@ -293,10 +352,15 @@ def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
             continue
         if req.budget is None or plan.strategy == "resident":
             return plan
+        if plan.shared:  # a smaller concurrency may still make every expert resident
+            shared = shared or plan
+            continue
         free = req.budget - plan.weights_bytes - plan.activation_bytes
         if trial.kv_floor_tokens * req.kv_per_token + plan.request.window_kv_bytes <= free // 2 \
                 or n == AUTO_NUM_SEQS[-1]:
             return plan
+    if shared is not None:
+        return shared
     assert last_error is not None  # every trial raised: report the smallest one's shortfall
     raise last_error
 
@@ -314,7 +378,8 @@ def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> 
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
     host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes)
+    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" else None
+    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,

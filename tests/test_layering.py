@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ferryman"
 LAYERS: list[tuple[str, ...]] = [
     ("__main__",),
     ("cli",),
-    ("cli_serve",),
+    ("cli_serve", "cli_ctl"),
     ("cli_bench",),
     ("server",),
     ("ferryman",),

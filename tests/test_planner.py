@@ -15,6 +15,7 @@ from ferryman.errors import ConfigError
 from ferryman.llm import DEMO_MODEL
 from ferryman.models.registry import get_architecture, model_config
 from ferryman.plan_report import describe_plan
+from ferryman.kvcache.shared_region import PageGeometry
 from ferryman.planner import (
     PlanRequest,
     activation_bytes,
@@ -98,11 +99,15 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     assert plan.strategy == "offload"
     # 18 full-attention layers hold the context; the 18 sliding ones (window 128) a pool of
     # 1 null + (8 + 2) + 9 retained + 4096 / 16 blocks of 16 tokens (kvcache/window_pool.py)
-    assert plan.kv_tokens == 32768 and plan.request.window_blocks == 276
-    assert plan.kv_bytes == 32768 * kv_bytes_per_token(cfg, torch.bfloat16, 18) + 276 * 16 * 18 * 2048
+    # KV and expert slots share one region of pages (a slot = 23 KV blocks): KV starts at its floor,
+    # one sequence of max_model_len in whole pages
+    kv_pages = plan.pages.pages_for_tokens(32768, 16)
+    assert plan.pages.blocks_per_page == 23 and plan.pages.page_bytes >= plan.slot_bytes
+    assert plan.kv_tokens == kv_pages * 23 * 16 >= 32768 and plan.request.window_blocks == 276
+    assert plan.kv_bytes == kv_pages * plan.pages.page_bytes + 276 * 16 * 18 * 2048
     assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
     assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1)
-    assert plan.total_bytes <= req.budget < plan.total_bytes + plan.slot_bytes
+    assert plan.total_bytes <= req.budget < plan.total_bytes + plan.pages.page_bytes
     assert 0.10 < plan.expert_slots / req.total_experts < 0.20
     text = describe_plan(plan)
     assert "offload" in text and f"{plan.expert_slots} of {req.total_experts}" in text
@@ -178,13 +183,17 @@ def test_resident_when_every_expert_fits_and_kv_takes_the_remainder() -> None:
 
 
 def test_refusals_say_how_much_is_missing() -> None:
-    req = _req("gpt-oss-120b", "16GiB", max_num_seqs=32)
+    # offloaded, 32 sequences reserve no 32 x 32768 tokens: the floor is one sequence + top_k slots
+    assert plan_memory(_req("gpt-oss-120b", "16GiB", max_num_seqs=32)).strategy == "offload"
+    req = _req("gpt-oss-120b", "3GiB", max_num_seqs=32)
     per_token = kv_bytes_per_token(req.cfg, torch.bfloat16, 18)  # the 18 full-attention layers
-    window_pool = (1 + 32 * 19 + 2048 // 16) * 16 * kv_bytes_per_token(req.cfg, torch.bfloat16, 18)
+    window_pool = (1 + 32 * 19 + 2048 // 16) * 16 * per_token
+    geo = PageGeometry.of(16 * per_token, slot_bytes(req.cfg, torch.bfloat16))
+    floor_pages = geo.pages_for_tokens(32768, 16) + 4  # + top_k slots
     need = (non_expert_bytes(req.cfg, torch.bfloat16) - host_embedding_bytes(req.cfg, torch.bfloat16)
-            + 32 * 32768 * per_token + window_pool
-            + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + 4 * slot_bytes(req.cfg, torch.bfloat16))
-    with pytest.raises(ConfigError, match=rf"missing {(need - 16 * GiB) / GiB:.2f} GiB.*max_num_seqs \(32\)"):
+            + window_pool + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + floor_pages * geo.page_bytes)
+    with pytest.raises(ConfigError, match=rf"one sequence of 32768 tokens.*4 expert slots.*missing "
+                                          rf"{(need - 3 * GiB) / GiB:.2f} GiB.*max_model_len \(32768\)"):
         plan_memory(req)
     with pytest.raises(ConfigError, match="every expert \\(resident\\).*missing"):
         plan_memory(_req("gpt-oss-120b", "16GiB", strategy="resident"))
@@ -195,7 +204,8 @@ def test_refusals_say_how_much_is_missing() -> None:
 def test_explicit_cache_and_unlimited_budgets() -> None:
     plan = plan_memory(_req("gpt-oss-120b", "40GiB", expert_cache=0.1))
     assert plan.strategy == "offload" and plan.expert_slots == round(0.1 * 4608)
-    assert plan.kv_tokens == 32768  # the floor is all one sequence can use
+    # KV: one sequence is all one sequence can use, in whole pages
+    assert plan.kv_tokens == plan.pages.pages_for_tokens(32768, 16) * plan.pages.blocks_per_page * 16
     plan = plan_memory(_req("gpt-oss-120b", None))
     assert plan.strategy == "resident" and plan.kv_tokens is None
     assert plan_memory(_req("gpt-oss-120b", None, expert_cache=100)).expert_slots == 100
@@ -226,8 +236,9 @@ def test_budget_drives_the_engine_with_the_cpu_as_device() -> None:
     kw = dict(device="cpu", dtype="float32", max_num_seqs=seqs, max_model_len=ctx, max_num_batched_tokens=64)
     llm = LLM(gpu_memory=budget, **kw)
     st = llm.stats()
-    assert st["moe_strategy"] == "offload" and st["experts"]["slots"] == 40
-    assert st["kv_cache_tokens"] == seqs * ctx
+    # offloaded: one region of pages for KV and expert slots; KV starts at its floor (one sequence)
+    assert st["moe_strategy"] == "offload" and st["experts"]["slots"] == llm.engine.plan.expert_slots > 20
+    assert seqs * ctx >= st["kv_cache_tokens"] >= ctx
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = LLM(**kw).generate(["def f(x):"], params)[0].token_ids
     assert llm.generate(["def f(x):"], params)[0].token_ids == want
@@ -254,18 +265,21 @@ def test_auto_concurrency_leaves_experts_half_the_free_budget() -> None:
     from ferryman.planner import kv_bytes_per_token
 
     # 1.125 GiB of KV per 32k-token sequence in the 18 full-attention layers, and the window pool
+    # offloaded, KV and expert slots share one region: concurrency reserves nothing, the largest is taken
     plan = _auto("gpt-oss-120b", 16, 32768)
-    assert plan.request.max_num_seqs == 4 and plan.strategy == "offload"
-    free = plan.request.budget - plan.weights_bytes - plan.activation_bytes
-    per_seq = 32768 * kv_bytes_per_token(plan.request.cfg, torch.bfloat16, 18)
-    window8 = replace(plan.request, max_num_seqs=8).window_kv_bytes
-    assert 4 * per_seq + plan.request.window_kv_bytes <= free // 2 < 8 * per_seq + window8  # 4 fits the rule, 8 not
+    assert plan.request.max_num_seqs == 32 and plan.strategy == "offload" and plan.shared
+    # a concurrency that keeps every expert resident is preferred (the 20b at 24 GiB: fewer than 32)
+    small = _auto("gpt-oss-20b", 24, 32768)
+    assert small.strategy == "resident" and small.request.max_num_seqs < 32
+    free = small.request.budget - small.weights_bytes - small.activation_bytes
+    per_seq = 32768 * kv_bytes_per_token(small.request.cfg, torch.bfloat16, 12)
+    assert small.request.max_num_seqs * per_seq <= free
     assert _auto("gpt-oss-20b", 8, 2048).request.max_num_seqs == 32  # the window layers hold no context
     assert _auto("gpt-oss-20b", None, 32768).request.max_num_seqs == 32  # no budget: the default
 
 
 def test_auto_concurrency_still_refuses_an_impossible_budget() -> None:
-    with pytest.raises(ConfigError, match=r"missing .* GiB.*max_num_seqs \(1\)"):
+    with pytest.raises(ConfigError, match=r"one sequence of 32768 tokens.*missing .* GiB"):
         _auto("gpt-oss-20b", 3, 32768)  # 4 GiB fits one sequence since the window pool
 
 

@@ -21,6 +21,10 @@
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
 #   serve16      `ferryman serve gpt-oss-20b` at 8 GiB (16 sequences, 1536 tokens), then `ferryman bench
 #                serve` with 16 users, 1024 prompt / 128 output tokens
+#   split        `ferryman serve gpt-oss-20b` at 8 GiB for 32 sequences of 8192 tokens (KV and expert slots
+#                share the budget, engine/memory_split.py): `ferryman plan`'s predictions, `ferryman bench
+#                serve` at 1, 4 and 32 users (1024 in / 128 out), one 8k-token conversation, `ferryman ctl`,
+#                then bench_split.py: predictions beside the measurement and the targets (about 4 minutes)
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
@@ -91,6 +95,32 @@ serve16() {  # serve16 NAME PORT [TREE]: gpt-oss-20b at 8 GiB, 16 users
   kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 }
 
+split() {  # split PORT: gpt-oss-20b at 8 GiB, one server for 32 sequences of 8192 tokens
+  local port=$1 url="http://127.0.0.1:$1" model_args=(gpt-oss-20b --gpu-memory 8GiB --max-num-seqs 32 --max-model-len 8192)
+  have 240 || { echo "=== split skipped: the suite budget is spent"; return; }
+  stage split_plan 60 python3 -m ferryman plan "${model_args[@]}"
+  python3 -m ferryman serve "${model_args[@]}" --load-format dummy --port "$port" --log-level warning \
+    > "$OUT/split_server.log" 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 150); do
+    curl -sf "$url/health" >/dev/null && break
+    kill -0 "$srv" 2>/dev/null || { echo "=== split: the server exited"; tail -n 25 "$OUT/split_server.log"; return; }
+    sleep 1
+  done
+  stage split 180 python3 -m ferryman bench serve "$url" --concurrency 1,4,32 \
+    --prompt-tokens 1024 --output-tokens 128 --json "$OUT/split.json"
+  python3 -m ferryman ctl --url "$url" | tee "$OUT/split_ctl.txt"
+  stage split_8k 90 python3 -m ferryman bench serve "$url" --concurrency 1 --requests-per-level 0 \
+    --prompt-tokens 7900 --output-tokens 128 --json "$OUT/split_8k.json"
+  python3 -m ferryman ctl --url "$url" --json > "$OUT/split_ctl.json"
+  curl -s "$url/v1/stats" > "$OUT/split_stats.json"
+  curl -s "$url/metrics" | grep -E "^ferryman_(memory_split|memory_moves|kv_blocks|preemptions)" | tee "$OUT/split_metrics.txt"
+  grep -ci "out of memory" "$OUT/split_server.log" | sed 's/^/CUDA OOM lines in the server log: /'
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  stage split_vs_plan 60 python3 benchmarks/bench_split.py "$OUT/split.json" "$OUT/split_8k.json" \
+    --stats "$OUT/split_stats.json"
+}
+
 table() {  # table NEW.json OLD.json: the headline figures of both runs side by side
   python3 - "$1" "$2" <<'EOF'
 import json, sys
@@ -138,6 +168,7 @@ for s in ${@:-tests}; do
                  stage resident_offload 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:40GiB \
                    --decode-tokens 256 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
     offload20)   offload offload20 gpt-oss-20b:8GiB 150 ;;
+    split)       split 8150 ;;
     offload120)  offload offload120 gpt-oss-120b:16GiB 200 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     serve16)     serve16 serve16 8130 ;;

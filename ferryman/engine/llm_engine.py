@@ -20,10 +20,12 @@ from ferryman.engine.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from ferryman.engine.memory_split import MemorySplit, SplitBounds
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
+from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.state_pool import num_linear_layers
 from ferryman.kvcache.window_pool import num_window_layers, window_split
@@ -67,6 +69,9 @@ class LLMEngine:
         # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
         kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(kv)
+        region = self._region(num_blocks)  # offload: KV blocks and expert slots in one region
+        if region is not None:
+            num_blocks = region.num_blocks
         window = window_split(self.cfg)  # the sliding-window layers' own pool (kvcache/window_pool.py)
         num_window_blocks = self.plan.request.window_blocks
         # hybrid models: a linear-attention state slot per running sequence (kvcache/state_pool.py)
@@ -86,6 +91,7 @@ class LLMEngine:
                 num_window_blocks=num_window_blocks,
                 num_state_slots=num_state_slots,
                 num_state_checkpoints=num_checkpoints,
+                blocks_per_page=region.geometry.blocks_per_page if region is not None else 1,
             ),
             eos_token_ids=eos,
         )
@@ -96,7 +102,9 @@ class LLMEngine:
                                                       calibration=ecfg.offload.calibration,
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
-                                  num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints)
+                                  num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
+                                  region=region)
+        self.split = self._split(region)  # the boundary that moves with the load (engine/memory_split.py)
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
@@ -134,6 +142,54 @@ class LLMEngine:
             )
         return blocks
 
+    def _region(self, kv_blocks: int) -> SharedRegion | None:
+        """The shared region of an offloaded plan: its expert slots plus pages for `kv_blocks` blocks."""
+        geo = self.plan.pages
+        if geo is None:
+            return None
+        kv_pages = geo.pages_for_tokens(kv_blocks * self.ecfg.block_size, self.ecfg.block_size)
+        return SharedRegion(geo, self.plan.expert_slots + kv_pages, self.device)
+
+    def _split(self, region: SharedRegion | None) -> MemorySplit | None:
+        if region is None:
+            return None
+        r, S = self.plan.request, self.ecfg.block_size
+        # an asked expert_cache caps the cache; otherwise every expert may come to the device
+        most = self.plan.expert_slots if r.expert_cache is not None else r.total_experts
+        reserve, least = self.ecfg.kv_reserve_tokens, self.ecfg.min_expert_slots
+        if least is None:  # two layers' experts: the layer computing and the next one streaming in
+            least = max(r.slot_floor, 2 * self.cfg.num_experts)
+        bounds = SplitBounds(min(least, self.plan.expert_slots, most), most,
+                             -(-(self.ecfg.max_num_batched_tokens if reserve is None else reserve) // S))
+        split = MemorySplit(self.scheduler.pool, lambda: self.runner.experts.cache, region.num_pages, bounds,
+                            region.geometry.pages_for_tokens(r.shared_floor_tokens, S))
+        self.scheduler.grow_kv = split.ensure_kv
+        return split
+
+    def memory_split(self) -> dict:
+        """The shared region's split (KV pages vs expert slots, in use / free, bounds, moves) with the
+        expert cache's hit rate, the link's GB/s and the preemptions; {"shared": False} without one."""
+        if self.split is None:
+            return {"shared": False, "num_preemptions": self.scheduler.num_preemptions}
+        e = self.expert_stats(block=False)
+        page = self.plan.pages.page_bytes
+        link = e["bytes_h2d"] / e["h2d_seconds"] / 1e9 if e["h2d_seconds"] else 0.0
+        return {"shared": True, **self.split.snapshot(), "page_bytes": page, "block_size": self.ecfg.block_size,
+                "region_bytes": self.split.num_pages * page, "expert_slots_filled": e["slots_filled"],
+                "hit_rate": e["hit_rate"], "link_gbps": link, "num_preemptions": self.scheduler.num_preemptions}
+
+    def set_memory_bounds(self, min_expert_slots: int | None = None, max_expert_slots: int | None = None,
+                          kv_reserve_tokens: int | None = None) -> dict:
+        """Change the split's bounds live (between steps); ConfigError naming a bound out of range."""
+        if self.split is None:
+            raise ConfigError("memory bounds need offloaded experts (a region shared by KV and expert slots)")
+        reserve = None if kv_reserve_tokens is None else -(-kv_reserve_tokens // self.ecfg.block_size)
+        try:
+            self.split.set_bounds(min_expert_slots, max_expert_slots, reserve)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return self.memory_split()
+
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         if len(prompt_token_ids) >= self.max_model_len:
@@ -164,6 +220,8 @@ class LLMEngine:
         prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
         self._note_slow(out, prefill, time.perf_counter() - started)
         self.scheduler.update(out, sampled.token_ids)
+        if self.split is not None:  # idle KV pages become expert slots, between steps
+            self.split.rebalance()
         self.num_steps += 1
         self.last_step_size = len(out.scheduled)
         self.last_step_shape = (sum(1 for s in out.scheduled if s.is_decode), prefill)
@@ -276,13 +334,15 @@ class LLMEngine:
             "slow_steps": self.slow_steps,  # over SLOW_STEP_S (1 s), each logged with its shape
             "slowest_step": self.slowest_step,
             "max_model_len": self.max_model_len,
-            "kv_cache_tokens": self.scheduler.config.num_blocks * self.scheduler.config.block_size,
+            "kv_cache_tokens": (self.scheduler.config.num_blocks - self.scheduler.pool.num_withdrawn)
+            * self.scheduler.config.block_size,
             "cuda_graphs": self.runner.graphs is not None,
             "cuda_graph_mode": _graph_mode(self.runner.graphs),
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
             "experts": self.expert_stats(block),
+            "memory_split": self.split.snapshot() if self.split is not None else {},  # memory_split() has more
             **self.memory_stats(),
             **self.scheduler.stats(),
         }
@@ -293,11 +353,15 @@ class LLMEngine:
         model = self.runner.model
         # a token-embedding table kept in host RAM (offloaded plans) is not device memory
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == self.device.type)
-        kv = sum(t.numel() * t.element_size() for attn in model.attention_layers()
-                 for t in (attn.k_cache, attn.v_cache) if isinstance(t, torch.Tensor))
+        own = [a for a in model.attention_layers() if self.split is None or a.window_pool]  # not in the region
+        kv = sum(t.numel() * t.element_size() for attn in own for t in (attn.k_cache, attn.v_cache)
+                 if isinstance(t, torch.Tensor))
         experts = self.expert_stats()
         total = int(self.expert_bytes)
         on_device = int(experts["slots"] * experts["slot_bytes"]) if "slot_bytes" in experts else total
+        if self.split is not None:  # the shared region's pages, by their current owner
+            page = self.plan.pages.page_bytes
+            kv, on_device = kv + self.split.kv_pages * page, self.split.expert_pages * page
         return {"weights": weights, "experts": on_device, "kv_cache": kv,
                 "experts_host": total if on_device != total else 0}
 

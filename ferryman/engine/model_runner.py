@@ -20,6 +20,7 @@ from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
+from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CheckpointStore
 from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
@@ -50,14 +51,20 @@ class ModelRunner:
         num_window_blocks: int = 0,
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
+        region: SharedRegion | None = None,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
         # resident experts, or a slot cache of a host store (experts/placement.py); expert_options:
         # offload_backend's (cpu_experts, calibration, decode_prefetch)
+        # region: KV blocks and expert slots in one buffer (kvcache/shared_region.py), the experts'
+        # slots are its pages, the first plan.expert_slots of them active at first
+        self.region = region
+        shared = {} if region is None or plan is None else \
+            dict(rows=region.slot_rows(), active=list(range(plan.expert_slots)))
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
-                                    **(expert_options or {}))
+                                    **(expert_options or {}), **shared)
         for block in self.model.moe_blocks():
             block.experts = self.experts
         # k_cache, v_cache per layer: [N, S, Hkv, D], in the model's dtype or fp8 (kv_cache_dtype);
@@ -68,8 +75,10 @@ class ModelRunner:
             attn.window_pool = self.window_kv and attn.window is not None
             n = num_window_blocks if attn.window_pool else num_blocks
             shape = attn.cache_shape(n, block_size)  # MLA layers: one latent cache [N, S, 1, C] (layers/mla.py)
-            attn.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=device) if attn.separate_values else None
+            new = (lambda: region.layer_view(shape[1:], self.kv_dtype)) if region is not None and not attn.window_pool \
+                else (lambda: torch.zeros(shape, dtype=self.kv_dtype, device=device))
+            attn.k_cache = new()
+            attn.v_cache = new() if attn.separate_values else None
         self.bind_states(num_state_slots)
         # the prefix cache's state checkpoints (kvcache/state_checkpoints.py), in host RAM
         self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)
@@ -146,6 +155,8 @@ class ModelRunner:
         if not isinstance(old, OffloadExperts):
             raise ValueError("rebind_experts needs an engine whose experts are offloaded")
         store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
+        if old.cache.shared_rows is not None:  # the same pages of the shared region stay slots
+            options = dict(options, rows=old.cache.shared_rows, active=old.cache.active_slots())
         if device.type == "cuda":  # copies into the old pool may still be in flight
             torch.cuda.synchronize(device)
         if isinstance(self.graphs, SegmentedDecode):  # its MoE graphs hold the old backend

@@ -10,14 +10,16 @@ Each step the scheduler decides which sequences run and how many of their tokens
   3. if nothing was preempted, waiting sequences are admitted FCFS while the token budget, the
      sequence limit and the pool allow; the last one admitted may get only a chunk of its prompt.
 With a window pool (sliding-window layers, kvcache/window_pool.py) a sequence gets blocks in both
-pools or in neither; its out-of-window blocks go back after every step.
+pools or in neither; its out-of-window blocks go back after every step. With a region shared with
+the expert cache (engine/memory_split.py) the main pool first asks `grow_kv` for the blocks it lacks
+(expert slots become KV pages) and preempts only when that fails.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -39,6 +41,7 @@ class SchedulerConfig:
     num_window_blocks: int = 0  # blocks of that pool (at least window_pool_need)
     num_state_slots: int = 0  # linear-attention state slots (kvcache/state_pool.py); 0: no such layers
     num_state_checkpoints: int = 0  # their prefix-cache checkpoints (kvcache/state_checkpoints.py)
+    blocks_per_page: int = 1  # main-pool blocks per page of a region shared with the experts
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -104,7 +107,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                              config.blocks_per_page)
+        # the main pool's free blocks can grow (a shared region: engine/memory_split.py): n -> done
+        self.grow_kv: Callable[[int], bool] | None = None
         self.window_pool = None if config.window is None else \
             WindowBlockPool(config.num_window_blocks, config.block_size, config.window, config.enable_prefix_caching)
         # Invariant: a sequence holds blocks in every pool or in none.
@@ -193,6 +199,9 @@ class Scheduler:
         if self.window_pool is not None:
             self.window_pool.release_stale(seq)
         grants = list(zip(self.pools, prefixes or [None] * len(self.pools)))
+        short = self.pool.shortfall(seq, num_tokens, grants[0][1])
+        if short and self.grow_kv is not None:
+            self.grow_kv(len(self.pool.free_queue) + short)
         if not all(pool.can_allocate(seq, num_tokens, prefix) for pool, prefix in grants):
             return False
         if self.state_pool is not None and not self.state_pool.allocate(seq):

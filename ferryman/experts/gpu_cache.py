@@ -15,6 +15,7 @@ unpins them once the kernels reading them are issued. A pinned key is never chos
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +32,14 @@ class SlotPool:
     major), so a run of consecutive experts into consecutive slots is one copy; the bank views are
     strided along the slot dim (every kernel reads them)."""
 
-    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device) -> None:
+    def __init__(self, layout: ExpertLayout, num_slots: int, device: torch.device,
+                 rows: torch.Tensor | None = None) -> None:
         self.layout, self.num_slots, self.device = layout, num_slots, device
-        # zeroed: a captured MoE graph may read a slot no copy has filled yet (padding rows)
-        self.flat = torch.zeros((num_slots, layout.row_bytes), dtype=torch.uint8, device=device)
+        # zeroed: a captured MoE graph may read a slot no copy has filled yet (padding rows);
+        # rows: the slot rows of a region shared with the KV cache (kvcache/shared_region.py)
+        self.flat = torch.zeros((num_slots, layout.row_bytes), dtype=torch.uint8, device=device) \
+            if rows is None else rows
+        self.contiguous = self.flat.is_contiguous()  # a shared region's rows are a page apart
         self.banks = layout.views(self.flat)
 
     @property
@@ -44,7 +49,8 @@ class SlotPool:
     def copies(self, store: HostExpertStore, layer: int, pairs: list[tuple[int, int]]) -> list[Copy]:
         """Copies filling slot s with expert e of `layer` for each (e, s)."""
         rows = store.flat[layer]
-        return [Copy(rows[e0 : e0 + n], self.flat[s0 : s0 + n]) for e0, s0, n in coalesce(pairs)]
+        runs = coalesce(pairs) if self.contiguous else [(e, s, 1) for e, s in sorted(pairs)]
+        return [Copy(rows[e0 : e0 + n], self.flat[s0 : s0 + n]) for e0, s0, n in runs]
 
 
 def coalesce(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -77,18 +83,28 @@ class ExpertCache:
     """Slots on `device` caching the experts of a `HostExpertStore`."""
 
     def __init__(self, store: HostExpertStore, num_slots: int, device: torch.device,
-                 policy: ReplacementPolicy, transfer: Transfer | None = None) -> None:
+                 policy: ReplacementPolicy, transfer: Transfer | None = None,
+                 rows: torch.Tensor | None = None, active: Iterable[int] | None = None) -> None:
         if store.layout is None:
             raise ValueError("the expert cache needs a model with routed experts")
         self.store, self.device = store, torch.device(device)
         self.num_experts = store.cfg.num_experts
         self.moe_index = {layer: i for i, layer in enumerate(store.cfg.moe_layers)}
-        self.table = SlotTable(num_slots, policy)
-        self.pool = SlotPool(store.layout, num_slots, self.device)
+        # rows / active: a region shared with the KV cache, `active` of its pages slots at first
+        self.table = SlotTable(num_slots, policy, active)
+        self.pool = SlotPool(store.layout, num_slots, self.device, rows)
         self.transfer = transfer or make_transfer(self.device, num_slots)
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
         self.last_fetched: list[int] = []  # keys the last acquire copied in, or found prefetched
+
+    @property
+    def shared_rows(self) -> torch.Tensor | None:
+        """The slot rows when they lie in a region shared with the KV cache, else None."""
+        return None if self.pool.contiguous else self.pool.flat
+
+    def active_slots(self) -> list[int]:
+        return [s for s in range(self.table.num_slots) if self.table.active[s]]
 
     @property
     def banks(self) -> dict[str, torch.Tensor]:
@@ -127,7 +143,7 @@ class ExpertCache:
         """Experts per MoE layer a prefill stream keeps cached from one chunk to the next: the slots
         left once two layers' worth (the layer computing, the next one streaming in) are set aside,
         shared evenly among the layers."""
-        return max(0, (self.table.num_slots - 2 * self.num_experts) // len(self.moe_index))
+        return max(0, (self.table.num_active - 2 * self.num_experts) // len(self.moe_index))
 
     def demote_fetched(self, layer: int) -> int:
         """Scan resistance for a prefill stream: the experts the last acquire brought in (copied, or
@@ -164,6 +180,26 @@ class ExpertCache:
         base = self.moe_index[layer] * self.num_experts
         return [k - base for k, _ in look.filled]
 
+    def lend_slot(self, slot: int) -> None:
+        """Slot id `slot` (a page the KV cache gave up) joins the cache; copies into it wait for the
+        KV kernels issued so far."""
+        self.transfer.mark_used([slot])
+        self.table.add_slot(slot)
+
+    def reclaim_slot(self, keep: Callable[[int], bool] = lambda s: False) -> int | None:
+        """Give back a free slot, else the coldest unpinned expert's (dropped: refetched before its
+        next use); kernels issued from now on (the KV cache's) are ordered after copies into it.
+        None when none can go."""
+        taken = self.table.take_slot(keep)
+        if taken is None:
+            return None
+        slot, key = taken
+        if key is not None:
+            self.prefetched.discard(key)
+            self.counters.evictions += 1
+        self.transfer.wait([slot])
+        return slot
+
     def contains(self, layer: int, expert: int) -> bool:
         return self.key(layer, expert) in self.table.slot_of
 
@@ -185,9 +221,10 @@ class ExpertCache:
         per_layer = {layer: c.hits.get(layer, 0) / max(1, c.hits.get(layer, 0) + c.misses.get(layer, 0))
                      for layer in self.moe_index if layer in c.hits}
         return {
-            "slots": self.table.num_slots,
+            "slots": self.table.num_active,
+            "slots_filled": len(self.table.slot_of),
             "slot_bytes": self.pool.layout.row_bytes,
-            "cache_fraction": self.table.num_slots / (len(self.moe_index) * self.num_experts),
+            "cache_fraction": self.table.num_active / (len(self.moe_index) * self.num_experts),
             "hits": hits,
             "misses": misses,
             "hit_rate": hits / max(1, hits + misses),

@@ -50,7 +50,8 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     kernels = envs.KERNELS if triton_available() else "torch"  # the machine's, resolved here: the plan is pure
     req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
-                      off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels)
+                      off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels,
+                      ecfg.min_expert_slots)
     return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
 
 
@@ -112,25 +113,28 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
         return ResidentExperts(store, act)
     if plan is None:
         raise ValueError("a host expert store needs a memory plan (its slot count)")
-    return offload_backend(store, model, device, plan.expert_slots, act, **options)
+    rows = options.get("rows")  # a shared region: every page has a slot id, plan.expert_slots active
+    return offload_backend(store, model, device, plan.expert_slots if rows is None else rows.shape[0], act, **options)
 
 
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None,
                     prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
-                    cpu_thread: bool | None = None, decode_prefetch: bool = True) -> Any:
+                    cpu_thread: bool | None = None, decode_prefetch: bool = True,
+                    rows: torch.Tensor | None = None, active: list[int] | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); prefetch: next-layer guesses and prefill streaming;
     decode_prefetch: guesses acted on in decode steps too (OffloadConfig.decode_prefetch);
     cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
     `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
-    cpu_thread: the CPU part in a worker thread (default: on CUDA)."""
+    cpu_thread: the CPU part in a worker thread (default: on CUDA); rows, active: the slot rows of a
+    region shared with the KV cache and the slot ids the cache holds at first (kvcache/shared_region.py)."""
     from ferryman.experts.gpu_cache import ExpertCache
     from ferryman.experts.guesses import NextLayerGuesser
     from ferryman.experts.hybrid import make_hybrid
     from ferryman.experts.offload import OffloadExperts
     from ferryman.experts.policies import make_policy
 
-    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy())
+    cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), rows=rows, active=active)
     gates = {block.layer: block.gate.choice_scores for block in model.moe_blocks()}
     hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
     guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode_prefetch) if prefetch else None

@@ -3,12 +3,17 @@
 A key is a flat expert id over all MoE layers (experts/gpu_cache.py). "In use" means pinned:
 `acquire` pins the experts of the layer step being computed, `release` unpins them once the
 kernels reading them are issued. A pinned key is never chosen as a victim. No tensors here.
+
+Active slots: with a region shared with the KV cache (kvcache/shared_region.py) only some slot
+ids are the cache's at a time. `add_slot` lends one more, `take_slot` gives one back: a free one
+if any, else the policy's coldest unpinned key's, which is dropped (refetched on its next use).
+Invariant: only active slots are free or hold keys; available() counts active slots not pinned.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ferryman.experts.policies import ReplacementPolicy
@@ -27,7 +32,7 @@ class Lookup:
 class SlotTable:
     """Which key sits in which slot; pins; eviction by the policy. No tensors."""
 
-    def __init__(self, num_slots: int, policy: ReplacementPolicy) -> None:
+    def __init__(self, num_slots: int, policy: ReplacementPolicy, active: Iterable[int] | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"the expert cache needs at least 1 slot, got {num_slots}")
         self.num_slots, self.policy = num_slots, policy
@@ -35,11 +40,44 @@ class SlotTable:
         self.key_of: list[int | None] = [None] * num_slots
         self.pins = [0] * num_slots
         self.num_pinned = 0  # slots with pins > 0
-        self.free = list(range(num_slots))  # heap: the lowest free slot is used first
+        ids = sorted(range(num_slots) if active is None else set(active))
+        self.active = [False] * num_slots  # slot ids the cache holds now
+        for i in ids:
+            self.active[i] = True
+        self.num_active = len(ids)
+        self.free = ids  # heap (sorted): the lowest free slot is used first
 
     def available(self) -> int:
-        """Slots not pinned: how many distinct keys one acquire may ask for."""
-        return self.num_slots - self.num_pinned
+        """Active slots not pinned: how many distinct keys one acquire may ask for."""
+        return self.num_active - self.num_pinned
+
+    def add_slot(self, slot: int) -> None:
+        """Slot id `slot` joins the cache, empty."""
+        if self.active[slot]:
+            raise ValueError(f"slot {slot} is already the expert cache's")
+        self.active[slot] = True
+        self.num_active += 1
+        heapq.heappush(self.free, slot)
+
+    def take_slot(self, keep: Callable[[int], bool] = lambda s: False) -> tuple[int, int | None] | None:
+        """Give one active slot back -> (slot, the key dropped from it or None): the highest free
+        slot, else the slot of the policy's coldest key not pinned; never a slot keep(slot) protects.
+        None when every candidate is pinned or kept."""
+        free = [s for s in self.free if not keep(s)]
+        if free:
+            slot, key = max(free), None
+            self.free.remove(slot)
+            heapq.heapify(self.free)
+        else:
+            key = self.policy.victim(lambda k: self.is_pinned(k) or keep(self.slot_of[k]))
+            if key is None:
+                return None
+            slot = self.slot_of.pop(key)
+            self.policy.remove(key)
+            self.key_of[slot] = None
+        self.active[slot] = False
+        self.num_active -= 1
+        return slot, key
 
     def is_pinned(self, key: int) -> bool:
         slot = self.slot_of.get(key)

@@ -10,6 +10,11 @@ Free queue order (front = next handed out):
   - a sequence's blocks are freed last block first, so a shared prefix outlives its private tail;
   - freed blocks without a hash (partial tails, duplicates) go to the front: they hold nothing
     reusable; freed cached blocks go to the back (least recently used is evicted first).
+
+Pages (kvcache/shared_region.py): blocks b with b // blocks_per_page == p form page p. A whole page
+of free blocks can be *withdrawn* (lent to the expert cache: out of the free queue, hashes
+dropped) and later *restored*. Invariant: a block is withdrawn, or held, or in the free queue;
+held_in_page[p] counts the held blocks of page p.
 """
 
 from __future__ import annotations
@@ -75,8 +80,12 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 blocks_per_page: int = 1) -> None:
         self.num_blocks = num_blocks
+        self.blocks_per_page = blocks_per_page
+        self.held_in_page = [0] * -(-num_blocks // blocks_per_page)
+        self.num_withdrawn = 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -93,8 +102,9 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by sequences."""
-        return 1.0 - len(self.free_queue) / self.num_blocks
+        """Fraction of the usable (not withdrawn) blocks held by sequences."""
+        usable = self.num_blocks - self.num_withdrawn
+        return 1.0 - len(self.free_queue) / usable if usable else 1.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -189,6 +199,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_queue[block_id]
+            self.held_in_page[block_id // self.blocks_per_page] += 1
         block.ref_count += 1
 
     def _pop_free(self) -> int:
@@ -199,6 +210,7 @@ class BlockPool:
             del self.cached[block.block_hash]
             block.block_hash = None
         block.ref_count = 1
+        self.held_in_page[block_id // self.blocks_per_page] += 1
         return block_id
 
     # ---- caching and freeing -----------------------------------------------------------------
@@ -239,6 +251,7 @@ class BlockPool:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
+            self.held_in_page[block_id // self.blocks_per_page] -= 1
             self.free_queue[block_id] = None
             if block.block_hash is None:
                 self.free_queue.move_to_end(block_id, last=False)
@@ -253,3 +266,46 @@ class BlockPool:
                 block.block_hash = None
                 dropped += 1
         return dropped
+
+    # ---- pages lent to the expert cache ------------------------------------------------------
+
+    def page_blocks(self, page: int) -> range:
+        q = self.blocks_per_page
+        return range(page * q, min(self.num_blocks, (page + 1) * q))
+
+    def page_idle(self, page: int) -> bool:
+        """No sequence holds a block of `page` and none is withdrawn (a cached prefix may live there)."""
+        blocks = self.page_blocks(page)
+        return self.held_in_page[page] == 0 and all(b in self.free_queue for b in blocks)
+
+    def cached_in_page(self, page: int) -> int:
+        """Blocks of `page` registered in the prefix cache."""
+        return sum(1 for b in self.page_blocks(page) if self.blocks[b].block_hash is not None)
+
+    def withdraw_page(self, page: int) -> None:
+        """Take an idle page's blocks out of use (their cached prefixes are forgotten)."""
+        if not self.page_idle(page):
+            raise ValueError(f"KV page {page} is not idle: a sequence holds one of its blocks, or it is lent")
+        for b in self.page_blocks(page):
+            del self.free_queue[b]
+            block = self.blocks[b]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = -1  # withdrawn: never in a table, never freed
+        self.num_withdrawn += len(self.page_blocks(page))
+
+    def restore_page(self, page: int) -> None:
+        """Give a withdrawn page's blocks back to the free queue (front: they hold nothing)."""
+        for b in self.page_blocks(page):
+            if self.blocks[b].ref_count != -1:
+                raise ValueError(f"KV block {b} of page {page} was not withdrawn")
+            self.blocks[b].ref_count = 0
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
+        self.num_withdrawn -= len(self.page_blocks(page))
+
+    def shortfall(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> int:
+        """Free blocks missing for `can_allocate` to say yes (0 when it does)."""
+        revived = sum(1 for b in prefix_blocks or () if self.blocks[b].ref_count == 0)
+        return max(0, self.num_new_blocks(seq, num_new_tokens, prefix_blocks) + revived - len(self.free_queue))

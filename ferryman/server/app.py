@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ferryman.server.admin_api import router as admin_router
 from ferryman.server.anthropic_api import router as anthropic_router
 from ferryman.server.engine_loop import EngineLoop
 from ferryman.server.errors import APIError, error_response, validation_error
@@ -39,7 +40,7 @@ from ferryman.server.state import ServerConfig, ServerState
 log = logging.getLogger("ferryman.server")
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/messages",
-           "/v1/messages/count_tokens", "/v1/stats", "/health", "/metrics"}
+           "/v1/messages/count_tokens", "/v1/stats", "/v1/admin/memory", "/health", "/metrics"}
 _DRAIN_OPEN = ("/health", "/metrics")  # still answered while draining, for probes and scrapers
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a client's x-request-id is kept when it looks like one
 
@@ -193,6 +194,7 @@ def build_app(loop: EngineLoop, cfg: ServerConfig | None = None) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(anthropic_router)
     app.include_router(responses_router)
+    app.include_router(admin_router)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -164,6 +164,16 @@ class EngineLoop:
         self._commands.put(("add", handle))
         return handle
 
+    def call(self, fn: Callable[[LLMEngine], Any]) -> asyncio.Future:
+        """Run fn(engine) on the engine thread between two steps (admin: live memory bounds); the
+        future gets its result, or the ValueError / FerrymanError it raised."""
+        if not self.alive:
+            raise EngineDeadError(self.dead_reason or "the engine thread is not running")
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        self._commands.put(("call", (fn, future, aloop)))
+        return future
+
     def abort(self, handle: RequestHandle) -> None:
         """Stop a request (client gone): its blocks are freed before the next step."""
         if not handle.finished:
@@ -211,6 +221,8 @@ class EngineLoop:
     def _apply(self, kind: str, handle: Any) -> None:
         if kind == "add":
             self._add(handle)
+        elif kind == "call":
+            self._call(*handle)
         elif kind == "abort" and handle.rid is not None and handle.rid in self._by_rid:
             self.engine.abort(handle.rid)
             self._close(handle, StepDelta(handle.rid, [], "", "abort"))
@@ -222,6 +234,18 @@ class EngineLoop:
             self._finish_handle(handle, e)
             return
         self._by_rid[handle.rid] = handle
+
+    def _call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future, aloop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except (ValueError, FerrymanError) as e:
+            result, error = None, e
+
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(result)
+
+        aloop.call_soon_threadsafe(settle)
 
     def _step(self) -> None:
         self._step_started = time.monotonic()

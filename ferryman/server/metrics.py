@@ -60,6 +60,28 @@ class EngineCollector(Collector):
         experts = s.get("experts") if isinstance(s.get("experts"), dict) else {}
         for name, (key, doc) in _EXPERT_COUNTERS.items():
             yield CounterMetricFamily(f"ferryman_{name}", doc, value=float(experts.get(key, 0)))
+        yield from _split_metrics(s.get("memory_split") if isinstance(s.get("memory_split"), dict) else {})
+
+
+def _split_metrics(split: dict[str, Any]) -> Iterator[Any]:
+    """The region KV blocks and expert slots share (engine/memory_split.py): pages by owner, KV blocks
+    by state, moves by direction. Nothing without a shared region (resident experts)."""
+    if not split:
+        return
+    pages = GaugeMetricFamily("ferryman_memory_split_pages", "pages of the shared device region, by owner",
+                              labels=["owner"])
+    pages.add_metric(["kv"], float(split["kv_pages"]))
+    pages.add_metric(["experts"], float(split["expert_pages"]))
+    yield pages
+    blocks = GaugeMetricFamily("ferryman_kv_blocks", "KV blocks of the shared region's KV pages", labels=["state"])
+    blocks.add_metric(["used"], float(split["kv_blocks_used"]))
+    blocks.add_metric(["free"], float(split["kv_blocks_free"]))
+    yield blocks
+    moves = CounterMetricFamily("ferryman_memory_moves", "pages moved between the KV and expert caches",
+                                labels=["to"])
+    moves.add_metric(["kv"], float(split["moves_to_kv"]))
+    moves.add_metric(["experts"], float(split["moves_to_experts"]))
+    yield moves
 
 
 class ServerMetrics:
