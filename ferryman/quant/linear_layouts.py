@@ -25,6 +25,18 @@ PartSpec = tuple[Shape, torch.dtype]
 Rows = tuple[int, int] | None
 
 
+NOT_LINEAR = frozenset({"embed_tokens", "lm_head", "gate", "router", "shared_expert_gate"})
+
+
+def is_linear_weight(name: str, shape: Shape) -> bool:
+    """A Linear's 2-D `.weight` that quantised checkpoints store in parts: not the embedding,
+    lm_head, a norm or a router (those stay in the model dtype in every release)."""
+    if len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    leaf = name.rsplit(".", 2)[-2]
+    return leaf not in NOT_LINEAR and "norm" not in leaf
+
+
 @dataclass(frozen=True)
 class BankPart:
     """Where a part of a routed expert's weight goes: bank `<proj><suffix>`, `rows` of the expert."""

@@ -19,18 +19,8 @@ from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.models.base import Architecture, Target, TensorSpec
 from ferryman.quant.hf_quant import is_ignored
-from ferryman.quant.linear_layouts import LinearLayout, linear_layout
+from ferryman.quant.linear_layouts import LinearLayout, is_linear_weight, linear_layout
 from ferryman.weights.sources import TensorSource
-
-NOT_LINEAR = frozenset({"embed_tokens", "lm_head", "gate", "router", "shared_expert_gate"})
-
-
-def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
-    if len(shape) != 2 or not name.endswith(".weight"):
-        return False
-    leaf = name.rsplit(".", 2)[-2]
-    return leaf not in NOT_LINEAR and "norm" not in leaf
-
 
 class QuantisedLinears:
     """The quantised schema of one checkpoint and the reading of its Linears."""
