@@ -88,7 +88,7 @@ class QuantisedLinears:
             if not self.layout.shape_ok(suffix, shape, actual):
                 raise WeightError(name, source.file_of(name), expected=shape, actual=actual)
             t = source.get(name)
-            exact = dtype in (torch.uint8, torch.float8_e4m3fn)
+            exact = not dtype.is_floating_point or dtype == torch.float8_e4m3fn  # codes; float scales may be any float
             if (exact and t.dtype != dtype) or (not exact and (not t.is_floating_point() or t.dtype.itemsize < 2)):
                 raise WeightError(name, source.file_of(name), reason=f"dtype {t.dtype}, expected {dtype} "
                                   f"({self.layout.key}; a layer's experts share one format)")
