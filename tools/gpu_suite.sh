@@ -19,6 +19,10 @@
 #   offload20    gpt-oss-20b at 8 GiB (bench_offload): link, decode tok/s, TTFT of a 4k prompt, 8k prefill
 #   offload120   gpt-oss-120b at 16 GiB, the same figures
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
+#   quant        the FP8 / NVFP4 kernel GPU tests, then qwen3-30b-a3b at 8 GiB with dummy experts in bf16, fp8
+#                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
+#                limits (decode_vs_link, decode_vs_needed); about 4 minutes (QUANTS="fp8 nvfp4" in a second
+#                call if the budget runs out)
 #   serve16      `ferryman serve gpt-oss-20b` at 8 GiB (16 sequences, 1536 tokens), then `ferryman bench
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   split        `ferryman serve gpt-oss-20b` at 8 GiB for 32 sequences of 8192 tokens (KV and expert slots
@@ -171,6 +175,10 @@ for s in ${@:-tests}; do
     split)       split 8150 ;;
     offload120)  offload offload120 gpt-oss-120b:16GiB 200 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
+    quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
+                 for q in ${QUANTS:-none fp8 nvfp4}; do
+                   offload "quant_$q" "qwen3-30b-a3b:8GiB:$q" 100 "$ROOT" --decode-tokens 128 --prefill-prompt 0
+                 done ;;
     serve16)     serve16 serve16 8130 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ferryman.quant import Banks
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
-TRITON_FORMATS = ("dense", "mxfp4")  # the expert formats the MoE Triton kernels read
+# the expert formats the MoE Triton kernels read (fp8 blocks: any whose width is a power of two >= 16)
+TRITON_FORMATS = ("dense", "mxfp4", "fp8:128x128", "fp8:channel", "nvfp4", "nvfp4-ct")
 
 
 def to_device(device: torch.device) -> Upload:
@@ -58,17 +59,40 @@ class KernelBank:
     b: torch.Tensor
     strides: tuple[int, int, int]
     has_bias: bool
+    g: torch.Tensor | None = None  # nvfp4: global scales [slots, parts] (else the weights again, unread)
+    g_stride: int = 0
+
+
+def quant_params(fmt: str) -> dict[str, int]:
+    """The decode kernels' QF / QA / QB constexprs of a format: 1 = fp8 (QA x QB blocks, QB 0 a
+    scale per row), 2 = nvfp4 (QA 1: the global scale divides), 0 = dense or mxfp4."""
+    family, _, param = fmt.partition(":")
+    if family == "fp8":
+        bn, bk = (1, 0) if param == "channel" else (int(v) for v in param.split("x"))
+        return dict(QF=1, QA=bn, QB=bk)
+    if family in ("nvfp4", "nvfp4-ct"):
+        return dict(QF=2, QA=int(family == "nvfp4-ct"), QB=0)
+    return dict(QF=0, QA=0, QB=0)
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
-    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
+    g = None
+    if fmt == "mxfp4":
+        w, s = banks[f"{proj}_blocks"], banks[f"{proj}_scales"]
+    elif fmt.startswith("fp8:"):  # e4m3 bytes as uint8: the kernel decodes their bits
+        w, s = banks[proj].view(torch.uint8), banks[f"{proj}_scale"]
+    elif fmt.startswith("nvfp4"):
+        w, s, g = banks[f"{proj}_packed"], banks[f"{proj}_scale"].view(torch.uint8), banks[f"{proj}_gscale"]
+    else:
+        w, s = banks[proj], banks[proj]
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     b = banks[f"{proj}_bias"] if has_bias else stand_in
     for name, t in (("weights", w), ("scales", s), ("bias", b)):
         if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
             raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
                              f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
-    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias)
+    return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias,
+                      w if g is None else g, 0 if g is None else g.stride(0))
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:

@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from ferryman.config import ModelConfig, QuantConfig, RopeConfig
+from ferryman.config import ModelConfig, RopeConfig
 from ferryman.errors import ConfigError
+from ferryman.quant.hf_quant import quant_from_hf
 
 Shape = tuple[int, ...]
 TensorSpec = tuple[Shape, torch.dtype]
@@ -37,6 +38,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class Architecture(ABC):
     model_type: str
+    # quantisation methods whose tensors this architecture lists itself (the others: quant/hf_quant.py)
     quant_methods: tuple[str, ...] = ()
 
     @abstractmethod
@@ -162,19 +164,6 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
             merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         ),
     )
-
-
-def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig | None:
-    qc = hf.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method", "?")
-    if method not in supported:
-        raise ConfigError(
-            f"unsupported quantization_config.quant_method {method!r} for "
-            f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
-        )
-    return QuantConfig(method)
 
 
 def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
