@@ -17,6 +17,7 @@ import torch
 
 from ferryman.config import ModelConfig, QuantConfig, RopeConfig
 from ferryman.errors import ConfigError
+from ferryman.quant.intq_schemes import INT_METHODS, int_expert_format, is_int_checkpoint
 
 Shape = tuple[int, ...]
 TensorSpec = tuple[Shape, torch.dtype]
@@ -174,6 +175,11 @@ def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig
             f"unsupported quantization_config.quant_method {method!r} for "
             f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
         )
+    if method in INT_METHODS:  # integer weights: the experts' format from the scheme (quant/intq_schemes.py)
+        if not is_int_checkpoint(qc):
+            raise ConfigError(f"unsupported compressed-tensors format {qc.get('format')!r} for {hf.get('model_type')} "
+                              f"(supported: pack-quantized)")
+        return QuantConfig(int_expert_format(qc))
     return QuantConfig(method)
 
 
