@@ -94,10 +94,10 @@ def gptq_tensors(w: torch.Tensor, bits: int, group: int, sym: bool, act: bool,
     out, k = w.shape
     gidx = _gidx(k, group, act, gen)
     q, s, z = quantise(w, bits, group, sym, gidx, torch.float16)
-    stored = (z - 1) & ((1 << bits) - 1)  # GPTQ (v1) stores zero - 1
+    stored = (z - 1) & ((1 << bits) - 1)  # GPTQ (v1) stores zero - 1, a zero of 0 wrapping to 2^bits - 1
     t = {"qweight": pack_along(q.T, bits, 0), "qzeros": pack_along(stored.T, bits, 1), "scales": s.T.contiguous(),
          "g_idx": gidx.int()}
-    return t, reference(q, s, z, gidx)
+    return t, reference(q, s, stored + 1, gidx)  # GPTQ's kernels subtract stored + 1
 
 
 def _gidx(k: int, group: int, act: bool, gen: torch.Generator | None) -> torch.Tensor:
