@@ -24,9 +24,18 @@ docs/configuration.md describes every setting."""
 MODEL_HELP = "model folder or preset (default: the demo model)"
 
 
+def _quantization_flag(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    from ferryman.quant.hf_quant import QUANTIZATIONS
+
+    g.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="format of dummy weights (--load-format dummy): fp8 (128x128 blocks), nvfp4, ...; a "
+                        "checkpoint's own quantization_config is used as it is")
+
+
 def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> None:
     """The flags `ferryman plan` shares with the engine commands (they size the memory plan)."""
     g.add_argument("--dtype", default="auto", help="compute dtype: auto (the checkpoint's), float32, bfloat16, float16")
+    _quantization_flag(g)
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 32768)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help="sequences decoded together" if max_num_seqs else
@@ -104,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Print a model's architecture and sizes without loading its weights.",
                           formatter_class=HelpFormatter)
     info.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    _quantization_flag(info)
     _add_plan(sub)
     add_serve(sub, MODEL_HELP, _engine_flags)
     add_bench(sub)
@@ -200,7 +210,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from ferryman.weights.build import resolve_dtype, resolve_hf_config
 
     ecfg = engine_config(a)
-    cfg = model_config(resolve_hf_config(ecfg.model, "dummy")[0])
+    cfg = model_config(resolve_hf_config(ecfg.model, "dummy", ecfg.quantization)[0])
     plan = engine_plan(ecfg, cfg, resolve_dtype(ecfg.dtype, cfg), ecfg.torch_device(), ecfg.context_len(cfg))
     print(describe_plan(plan))
     return 0
@@ -212,7 +222,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     from ferryman.llm import default_model
 
-    hf, folder = resolve_hf_config(a.model or default_model(), "dummy")
+    hf, folder = resolve_hf_config(a.model or default_model(), "dummy", a.quantization)
     s = summarize(hf)
     c = s.cfg
     gib = 2**30

@@ -86,7 +86,14 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # e.g. "mxfp4"
+    """A checkpoint's quantisation, read from `quantization_config` (quant/hf_quant.py)."""
+
+    method: str  # quantization_config.quant_method: "mxfp4", "fp8", "compressed-tensors", "modelopt", ...
+    format: str = ""  # the routed experts' ExpertFormat name ("": the method's name, as "mxfp4")
+    # how one quantised Linear's tensors look in the files (quant/linear_layouts.py); "": the
+    # architecture lists them itself (gpt-oss's mxfp4 experts)
+    linear: str = ""
+    ignore: tuple[str, ...] = ()  # modules left unquantised: exact module names or "re:" patterns (re.match)
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,9 @@ class ModelConfig:
 
     @property
     def expert_format(self) -> str:
-        return self.quant.method if self.quant is not None else "dense"
+        if self.quant is None:
+            return "dense"
+        return self.quant.format or self.quant.method
 
     @property
     def dtype(self) -> torch.dtype:
@@ -332,6 +341,7 @@ class EngineConfig:
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | safetensors | dummy
+    quantization: str = "none"  # dummy weights' format: none | fp8 | nvfp4 ... (quant/hf_quant.py QUANTIZATIONS)
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
     max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick
@@ -362,6 +372,8 @@ class EngineConfig:
         if self.dtype != "auto":
             dtype_from_str(self.dtype)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if not isinstance(self.quantization, str) or not self.quantization:
+            raise ConfigError(f"quantization must be a format name such as fp8, got {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len", "kv_cache_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -51,7 +51,7 @@ class LLMEngine:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.ecfg = ecfg
         self.device = ecfg.torch_device()
-        self.cfg: ModelConfig = model_config(resolve_hf_config(ecfg.model, ecfg.load_format)[0])
+        self.cfg: ModelConfig = model_config(resolve_hf_config(ecfg.model, ecfg.load_format, ecfg.quantization)[0])
         self.max_model_len = ecfg.context_len(self.cfg)
         # budget split, resident vs offloaded experts, KV size (ferryman/planner.py); cap the GPU first
         enforce_budget(ecfg, self.device)
@@ -60,7 +60,7 @@ class LLMEngine:
         self.ecfg = ecfg = replace(ecfg, max_num_seqs=self.plan.request.max_num_seqs,
                                    max_num_batched_tokens=self.plan.request.max_num_batched_tokens)
         loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
-                             progress=ecfg.progress,
+                             quantization=ecfg.quantization, progress=ecfg.progress,
                              store_factory=store_factory(self.plan, self.device),
                              host_embedding=self.plan.host_embedding and self.device.type == "cuda")
         self.tokenizer = load_tokenizer(loaded.folder)

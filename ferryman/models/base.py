@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 import torch
 
-from ferryman.config import ModelConfig, QuantConfig, RopeConfig
+from ferryman.config import ModelConfig, RopeConfig
 from ferryman.errors import ConfigError
-from ferryman.quant.intq_schemes import INT_METHODS, int_expert_format, is_int_checkpoint
+from ferryman.quant.hf_quant import quant_from_hf
 
 Shape = tuple[int, ...]
 TensorSpec = tuple[Shape, torch.dtype]
@@ -38,7 +38,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class Architecture(ABC):
     model_type: str
-    quant_methods: tuple[str, ...] = ()
+    quant_methods: tuple[str, ...] = ()  # methods whose tensors this architecture lists itself (the rest: quant/hf_quant.py)
 
     @abstractmethod
     def parse_config(self, hf: dict[str, Any]) -> ModelConfig: ...
@@ -163,24 +163,6 @@ def rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
             merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         ),
     )
-
-
-def quant_from_hf(hf: dict[str, Any], supported: tuple[str, ...]) -> QuantConfig | None:
-    qc = hf.get("quantization_config")
-    if not qc:
-        return None
-    method = qc.get("quant_method", "?")
-    if method not in supported:
-        raise ConfigError(
-            f"unsupported quantization_config.quant_method {method!r} for "
-            f"{hf.get('model_type')} (supported: {', '.join(supported) or 'none'})"
-        )
-    if method in INT_METHODS:  # integer weights: the experts' format from the scheme (quant/intq_schemes.py)
-        if not is_int_checkpoint(qc):
-            raise ConfigError(f"unsupported compressed-tensors format {qc.get('format')!r} for {hf.get('model_type')} "
-                              f"(supported: pack-quantized)")
-        return QuantConfig(int_expert_format(qc))
-    return QuantConfig(method)
 
 
 def eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ import torch
 
 from ferryman.config import ModelConfig
 from ferryman.models.base import Architecture, Target, TensorSpec
-from ferryman.quant.intq_schemes import INT_METHODS
 
 
 class PerExpertArchitecture(Architecture):
@@ -19,7 +18,6 @@ class PerExpertArchitecture(Architecture):
     a dense MLP (`mlp.{gate_proj|up_proj|down_proj}.weight`)."""
 
     prefix = "mlp"
-    quant_methods = INT_METHODS  # packed integer experts, one tensor per expert and projection
     shared_name = "shared_experts"  # GLM, DeepSeek; Qwen's checkpoints say "shared_expert"
     leaves = ("gate_proj", "up_proj", "down_proj")  # the (gate, up, down) tensor names of an expert
 

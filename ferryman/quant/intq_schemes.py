@@ -23,7 +23,6 @@ from ferryman.errors import ConfigError
 from ferryman.quant.intq import IntParams
 from ferryman.quant.intq_layouts import PackedInt, from_awq, from_compressed_tensors, from_gptq
 
-INT_METHODS = ("compressed-tensors", "awq", "gptq")  # quant_method values whose weights may be integers
 CT_INT_FORMATS = ("pack-quantized",)
 # expert linears as the per-expert checkpoints name them: a config group applies to the routed experts
 # when its targets match these (compressed-tensors' "Linear" matches every linear)
@@ -83,18 +82,6 @@ def _matches(module: str, pattern: str, layout: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
     return pattern in ("Linear", module)
-
-
-def is_int_checkpoint(qc: dict[str, Any]) -> bool:
-    """Whether `quantization_config` describes integer weights this module reads."""
-    method = qc.get("quant_method")
-    if method in ("awq", "gptq"):
-        return True
-    if method != "compressed-tensors":
-        return False
-    fmts = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()
-                                 if isinstance(g, dict)}
-    return bool(fmts & set(CT_INT_FORMATS))
 
 
 def int_scheme(qc: dict[str, Any]) -> IntScheme:

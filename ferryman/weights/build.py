@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from ferryman.errors import ModelLoadError
 from ferryman.experts.store import ExpertStore
 from ferryman.models.registry import get_architecture, model_config, read_config_json
 from ferryman.models.transformer import MoETransformer
+from ferryman.quant.hf_quant import with_quantization
 from ferryman.weights.int_source import int_source
 from ferryman.weights.loader import load_weights
 from ferryman.weights.presets import PRESETS, get_preset, is_preset
@@ -26,21 +28,36 @@ class LoadedModel:
     folder: Path | None  # None for presets (no tokenizer files)
 
 
-def resolve_hf_config(model: str, load_format: str) -> tuple[dict, Path | None]:
+def resolve_hf_config(model: str, load_format: str, quantization: str | None = None) -> tuple[dict, Path | None]:
+    """(config.json dict, model folder or None for a preset); `quantization`: `--quantization`,
+    applied to dummy weights (quant/hf_quant.py `with_quantization`)."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
             raise ModelLoadError(f"{path} is not a folder; pass the model folder holding config.json")
-        return read_config_json(path), path
+        hf = with_modelopt_file(read_config_json(path), path)
+        return with_quantization(hf, quantization, load_format == "dummy"), path
     if is_preset(model):
         if load_format != "dummy":
             raise ModelLoadError(
                 f"{model!r} is a built-in preset without weights; add --load-format dummy "
                 f"to run it with random weights, or pass a model folder"
             )
-        return get_preset(model), None
+        return with_quantization(get_preset(model), quantization, True), None
     raise ModelLoadError(f"model folder {path} does not exist (and {model!r} is not a built-in preset: "
                          f"{', '.join(PRESETS)})")
+
+
+def with_modelopt_file(hf: dict, folder: Path) -> dict:
+    """A modelopt export keeps its quantisation in hf_quant_config.json when config.json lacks it."""
+    extra = folder / "hf_quant_config.json"
+    if hf.get("quantization_config") or not extra.exists():
+        return hf
+    try:
+        data = json.loads(extra.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{extra} is not valid JSON: {e}") from None
+    return {**hf, "quantization_config": {"quant_method": "modelopt", **data}}
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig) -> torch.dtype:
@@ -54,12 +71,13 @@ def build_model(
     load_format: str = "auto",
     seed: int = 0,
     progress: bool = False,
+    quantization: str | None = None,
     store_factory: Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore] | None = None,
     host_embedding: bool = False,
 ) -> LoadedModel:
     """store_factory: where routed experts live (experts/placement.py); default: on `device`.
     host_embedding: keep the token-embedding table in host RAM (an offloaded plan's choice)."""
-    hf, folder = resolve_hf_config(model, load_format)
+    hf, folder = resolve_hf_config(model, load_format, quantization)
     cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     torch_dtype = resolve_dtype(dtype, cfg)

@@ -17,14 +17,13 @@ from ferryman.errors import ConfigError, ModelLoadError, WeightError
 from ferryman.models.base import Architecture
 from ferryman.quant.intq import IntParams, parse_name
 from ferryman.quant.intq_layouts import PackedInt, random_packed
-from ferryman.quant.intq_schemes import IntScheme, int_scheme, is_int_checkpoint
+from ferryman.quant.intq_schemes import IntScheme, int_scheme
 from ferryman.weights.sources import Shape, TensorSource
 
 def int_source(source: TensorSource, hf: dict[str, Any], cfg: ModelConfig, arch: Architecture, dummy: bool,
                seed: int, device: torch.device) -> TensorSource:
     """`source` seen through the integer scheme of hf's quantization_config, when it has one."""
-    qc = hf.get("quantization_config") or {}
-    if not qc or not is_int_checkpoint(qc):
+    if cfg.quant is None or not cfg.quant.linear.startswith("int:"):  # quant/hf_quant.py read_int
         return source
 
     def is_expert(name: str) -> bool:
@@ -34,7 +33,7 @@ def int_source(source: TensorSource, hf: dict[str, Any], cfg: ModelConfig, arch:
     if dummy:
         return IntDummySource(source, parse_name(cfg.expert_format), is_expert, seed, device)
     try:
-        scheme = int_scheme(qc)
+        scheme = int_scheme(hf["quantization_config"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return IntQuantSource(source, scheme, is_expert)
