@@ -13,6 +13,12 @@ from ferryman.quant import Banks
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
 TRITON_FORMATS = ("dense", "mxfp4")  # the expert formats the MoE Triton kernels read
+TRITON_FAMILIES = ("int4", "int8")  # format families ("int4:g128:sym", ...) the decode kernel reads
+
+
+def decode_kernel_reads(fmt: str) -> bool:
+    """Whether the Triton decode kernel (layers/fused_moe_triton.py) reads experts of format `fmt`."""
+    return fmt in TRITON_FORMATS or fmt.split(":", 1)[0] in TRITON_FAMILIES
 
 
 def to_device(device: torch.device) -> Upload:
@@ -58,9 +64,15 @@ class KernelBank:
     b: torch.Tensor
     strides: tuple[int, int, int]
     has_bias: bool
+    # int formats (quant/intq.py): zero points and group indices (else the scales again, unread)
+    z: torch.Tensor | None = None
+    g: torch.Tensor | None = None
+    zg_strides: tuple[int, int] = (0, 0)
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
+    if fmt.split(":", 1)[0] in TRITON_FAMILIES:
+        return _int_kernel_bank(fmt, banks, proj, stand_in)
     w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     b = banks[f"{proj}_bias"] if has_bias else stand_in
@@ -69,6 +81,17 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
             raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
                              f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
     return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias)
+
+
+def _int_kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
+    base = kernel_bank("dense", {**banks, proj: banks[f"{proj}_qweight"]}, proj, stand_in)
+    s = banks[f"{proj}_scales"]
+    z, g = banks.get(f"{proj}_zeros", s), banks.get(f"{proj}_gidx", s)
+    for name, t in (("scales", s), ("zeros", z), ("gidx", g)):
+        if t.shape[0] > 0 and not t[0].is_contiguous():
+            raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels")
+    return KernelBank(base.w, s, base.b, (base.strides[0], s.stride(0), base.strides[2]), base.has_bias, z, g,
+                      (z.stride(0), g.stride(0)))
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
