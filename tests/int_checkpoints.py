@@ -112,6 +112,7 @@ def _gidx(k: int, group: int, act: bool, gen: torch.Generator | None) -> torch.T
 # layout name -> (quantization_config, writer of one linear)
 LAYOUTS = {
     "ct_int4_group_sym": ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "ignore": ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$"],
                            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                "group_size": 16}}}},
