@@ -74,10 +74,10 @@ def test_kv_write_and_attention_kernels_compile_for_sm90(cache: str) -> None:
     assert "ld.global" in ptx and "st.global" in ptx
 
 
-NO_INT = {"Z_STRIDE": 0, "G_STRIDE": 0, "INT_BITS": 0, "INT_GS": 0, "INT_GSTEP": 0, "INT_ASYM": 0, "INT_ACT": 0}
-# int formats at qwen3-30b-a3b shapes (H 2048, I 768): groups of 128, per channel, act-order
+# int formats at qwen3-30b-a3b shapes (H 2048, I 768): groups of 128, per channel, act-order, 64
+# (a group that does not fill a K step)
 INT_CASES = {"int4:g128:sym": (4, 128, 0, 0), "int4:g128:asym": (4, 128, 1, 0), "int8:ch:sym": (8, 0, 0, 0),
-             "int4:g128:asym:act": (4, 128, 1, 1)}
+             "int4:g128:asym:act": (4, 128, 1, 1), "int4:g64:sym": (4, 64, 0, 0)}
 
 
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "dense", *INT_CASES])
@@ -85,34 +85,31 @@ def test_moe_decode_kernels_compile_for_sm90(fmt_name: str) -> None:
     """The decode GEMVs with the default tiles, bf16 activations: gpt-oss-20b shapes (mxfp4, dense),
     qwen3-30b-a3b's for the int formats (their tile loader, quant/intq_triton.py)."""
     from ferryman.layers import fused_moe_triton as fmt
-    from ferryman.quant.intq_triton import gemv_constexprs
+    from ferryman.quant.intq import quant_code
 
     mxfp4 = fmt_name == "mxfp4"
-    ints: dict[str, dict] = {"w13": NO_INT, "w2": NO_INT}
+    q = {"QF": 0, "QA": 0, "QB": 0}
     h, i = (2048, 768) if fmt_name in INT_CASES else (2880, 2880)
     if fmt_name in INT_CASES:
         bits, group, asym, act = INT_CASES[fmt_name]
-        w, z, g = "*i32", "*u8", "*i32"
+        w, s, z, g = "*i32", "*fp32", "*u8", "*i32"
         w_stride, s_stride = 2 * i * h * bits // 32, 2 * i * (h // (group or h))
-        ints = {proj: {"Z_STRIDE": s_stride, "G_STRIDE": 2 * h, **gemv_constexprs(bits, group, act, asym, k, fmt.BLOCK_K)}
-                for proj, k in (("w13", h), ("w2", i))}
-        s = "*fp32"
+        q = quant_code(bits, group, bool(asym), bool(act))
     else:
         w = s = z = g = "*u8" if mxfp4 else "*bf16"
         w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
-    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K,
-              "S_STRIDE": s_stride, "H": h, "I": i}
-    sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "b_ptr": "*bf16", "h_ptr": "*bf16",
-             "alpha": "fp32", "limit": "fp32", "z_ptr": z, "g_ptr": g}
+    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, **q, "H": h, "I": i}
+    sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
+             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": z}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,
-                           {**common, "W_STRIDE": w_stride, "B_STRIDE": 2 * i, "TOPK": 4, "ACT": 1, **ints["w13"]},
-                           stage="ptx")
+                           {**common, "W_STRIDE": w_stride, "S_STRIDE": s_stride, "G_STRIDE": 2 * h,
+                            "Z_STRIDE": s_stride, "B_STRIDE": 2 * i, "TOPK": 4, "ACT": 1}, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
-    sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "b_ptr": "*bf16", "topk_w_ptr": "*fp32",
-            "y_ptr": "*fp32", "z_ptr": z, "g_ptr": g}
+    sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
+            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": z}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w2_kernel", sig2,
-                           {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "B_STRIDE": h,
-                            **ints["w2"]}, stage="ptx")
+                           {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "G_STRIDE": i,
+                            "Z_STRIDE": s_stride // 2, "B_STRIDE": h}, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
 
 

@@ -17,6 +17,7 @@ from ferryman.models.olmoe import Olmoe
 from ferryman.models.qwen3_5_moe import Qwen3_5Moe, Qwen3_5MoeText
 from ferryman.models.qwen3_moe import Qwen3Moe
 from ferryman.models.qwen3_next import Qwen3Next
+from ferryman.quant.base import get_format
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a for a in (DeepseekV3(), Glm4Moe(), GptOss(), KimiK2(), Mixtral(), Olmoe(), Qwen3Moe(), Qwen3Next(),
@@ -39,9 +40,15 @@ def model_config(source: str | Path | dict[str, Any]) -> ModelConfig:
     if not model_type:
         raise ConfigError("config.json has no 'model_type'")
     try:
-        return get_architecture(model_type).parse_config(hf)
+        cfg = get_architecture(model_type).parse_config(hf)
     except KeyError as e:
         raise ConfigError(f"config.json of a {model_type} model lacks the field {e.args[0]!r}") from None
+    if cfg.quant is not None and cfg.num_experts:  # the experts' format can hold these dims
+        try:
+            get_format(cfg.expert_format).bank_specs(1, cfg.hidden_size, cfg.moe_intermediate_size, False, cfg.dtype)
+        except ValueError as e:
+            raise ConfigError(f"quantization_config: {e}") from None
+    return cfg
 
 
 def read_config_json(source: str | Path) -> dict[str, Any]:

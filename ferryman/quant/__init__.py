@@ -9,3 +9,7 @@ from ferryman.quant.mxfp4 import Mxfp4Format, dequant_mxfp4, quantize_mxfp4, ran
 __all__ = ["Banks", "BankSpec", "DenseFormat", "ExpertFormat", "IntFormat", "Mxfp4Format", "dequant_mxfp4", "get_format",
            "known_formats", "quantize_mxfp4", "random_mxfp4", "register_family",
            "register_format"]
+from ferryman.quant.fp8 import Fp8Format  # noqa: E402  (registers the fp8 family)
+from ferryman.quant.nvfp4 import Nvfp4Format  # noqa: E402  (registers nvfp4, nvfp4-ct)
+
+__all__ += ["Fp8Format", "Nvfp4Format"]

@@ -76,6 +76,12 @@ def parse_name(name: str) -> IntParams:
     return IntParams(int(m.group(1)), 0 if m.group(3) else int(m.group(2)), m.group(4) == "sym", bool(m.group(5)))
 
 
+def quant_code(bits: int, group: int, asym: bool, act: bool) -> dict[str, int]:
+    """The decode kernel's QF / QA / QB constexprs of an int format (layers/moe_common.py quant_params):
+    QF 3, QA = bits | asym << 4 | act << 5, QB = the group size (0: one group per row)."""
+    return dict(QF=3, QA=bits | int(asym) << 4 | int(act) << 5, QB=group)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., K] (0 .. 2^bits - 1, K % (32/bits) == 0) -> int32 words [..., K / (32/bits)]:
     input k in word k // P at bits (k % P) * bits."""

@@ -97,15 +97,21 @@ def dequant_int_rows(bits: int, group: int, qweight: torch.Tensor, scales: torch
 
 @triton.jit
 def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BITS: tl.constexpr, GS: tl.constexpr, GSTEP: tl.constexpr,
-                 ASYM: tl.constexpr, ACT: tl.constexpr, PART_ROWS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, QA: tl.constexpr, GS: tl.constexpr, PART_ROWS: tl.constexpr):
     # rows: [R] weight rows of one expert; q_base -> words [rows, KDIM/P]; s_base/z_base -> [rows, NG]
-    # (NG = KDIM/GS; GS = 0: one group per row); g_base -> gidx [parts, KDIM] (ACT); x_row -> [KDIM].
-    # GSTEP > 0: each run of GSTEP inputs shares one group (scaled once per run); 0: per input.
+    # (NG = KDIM/GS; GS 0: one group per row); g_base -> gidx [parts, KDIM] (act), row r in part
+    # r // PART_ROWS; x_row -> [KDIM]. QA: bits | asym << 4 | act << 5 (quant_code).
+    # Without act and with GS 0 or a power of two, each run of GSTEP inputs shares one group: its
+    # code differences times x are summed, then scaled once; otherwise each input is scaled.
     # Returns [R] fp32 dot products.
+    BITS: tl.constexpr = QA % 16
+    ASYM: tl.constexpr = (QA // 16) % 2
+    ACT: tl.constexpr = QA // 32
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // P
     NG: tl.constexpr = KDIM // GS if GS > 0 else 1
+    RUN: tl.constexpr = (GS if GS < BLOCK_K else BLOCK_K) if GS > 0 and (GS & (GS - 1)) == 0 else 0
+    GSTEP: tl.constexpr = 0 if ACT else (BLOCK_K if GS == 0 else RUN)
     ZERO: tl.constexpr = 1 << (BITS - 1)
     offs_w = tl.arange(0, W)
     offs_k = tl.arange(0, BLOCK_K)
@@ -147,17 +153,3 @@ def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.co
                 z2 = ZERO
             acc += tl.sum((q - z2).to(tl.float32) * s2 * x[None, :], axis=1)
     return acc
-
-
-def gemv_constexprs(bits: int, group: int, act: bool, asym: bool, kdim: int, block_k: int) -> dict[str, int]:
-    """The tile loader's constexprs for one projection (K = kdim inputs)."""
-    pow2 = group > 0 and group & (group - 1) == 0
-    if act:
-        gstep = 0
-    elif group == 0:
-        gstep = block_k  # one group per row
-    elif pow2:
-        gstep = min(group, block_k)
-    else:
-        gstep = 0
-    return dict(INT_BITS=bits, INT_GS=group, INT_GSTEP=gstep, INT_ASYM=int(asym), INT_ACT=int(act))

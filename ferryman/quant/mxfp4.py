@@ -24,7 +24,7 @@ _E2M1_RMS = math.sqrt(sum(v * v for v in E2M1_VALUES) / 16)  # rms of a uniforml
 
 
 @lru_cache(maxsize=8)
-def _byte_pairs(device: torch.device) -> torch.Tensor:
+def e2m1_byte_pairs(device: torch.device) -> torch.Tensor:
     """fp32 (low nibble, high nibble) values of each byte [256, 2] on `device`."""
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)  # [16] value of each code
     return torch.stack((lut.repeat(16), lut.repeat_interleave(16)), dim=-1)
@@ -43,7 +43,7 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     if blocks.shape[-1] != BLOCK_BYTES or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"mxfp4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          f"(expected blocks = scales.shape + ({BLOCK_BYTES},))")
-    vals = _byte_pairs(blocks.device)[blocks.long()].flatten(-2)  # [..., G, 32] codes of 2j, 2j+1
+    vals = e2m1_byte_pairs(blocks.device)[blocks.long()].flatten(-2)  # [..., G, 32] codes of 2j, 2j+1
     # x 2^(s-127) as multiplies by finite powers of two, exact like ldexp: s = 255 (2^128 is not a
     # finite fp32) is 2^127 then x 2, so 0 stays 0 and only values that overflow become inf
     exp = scales.to(torch.float32).clamp(max=254.0) - 127.0
@@ -54,7 +54,7 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     return vals.to(dtype).flatten(-2)  # [..., G*32]
 
 
-def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(q: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code of each fp32 value (ties to the smaller magnitude, zero has no sign)."""
     mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=q.device)
     mag = torch.bucketize(q.abs(), mids, right=False)  # 0..7, |q| > 6 saturates to 6
@@ -71,7 +71,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w32.abs().amax(dim=-1)  # [..., G]
     exp = torch.floor(torch.log2(amax)) - _EMAX_ELEM + 127
     scales = torch.where(amax > 0, exp, torch.zeros_like(exp)).clamp(0, 254).to(torch.uint8)
-    codes = _e2m1_codes(torch.ldexp(w32, (127 - scales.to(torch.int32)).unsqueeze(-1)))  # [..., G, 32]
+    codes = e2m1_codes(torch.ldexp(w32, (127 - scales.to(torch.int32)).unsqueeze(-1)))  # [..., G, 32]
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., G, 16]
     return blocks.contiguous(), scales
 

@@ -18,6 +18,7 @@ from ferryman.quant.hf_quant import with_quantization
 from ferryman.weights.int_source import int_source
 from ferryman.weights.loader import load_weights
 from ferryman.weights.presets import PRESETS, get_preset, is_preset
+from ferryman.weights.quantised import quantised_linears
 from ferryman.weights.sources import DummySource, SafetensorsSource, TensorSource
 
 @dataclass
@@ -85,7 +86,13 @@ def build_model(
     store = (store_factory or ExpertStore)(cfg, torch_dtype, device)
     source: TensorSource
     if load_format == "dummy":
-        source = DummySource(arch.checkpoint_tensors(cfg), cfg.hidden_size, seed, device)
+        schema = arch.checkpoint_tensors(cfg)
+        quant = quantised_linears(arch, cfg, schema)
+        parts = None
+        if quant is not None:
+            schema = quant.schema
+            parts = lambda name: quant.random(name, seed, device) if name in quant.weight_of else None  # noqa: E731
+        source = DummySource(schema, cfg.hidden_size, seed, device, parts)
     else:
         assert folder is not None  # presets were rejected above without dummy weights
         source = SafetensorsSource(folder)

@@ -15,6 +15,7 @@ from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.experts.store import ExpertStore
 from ferryman.models.base import Architecture
+from ferryman.weights.quantised import QuantisedLinears, quantised_linears
 from ferryman.weights.sources import TensorSource
 
 
@@ -39,6 +40,9 @@ def load_weights(
 ) -> None:
     available = source.names()
     schema = arch.checkpoint_tensors_in(cfg, available)
+    quant = quantised_linears(arch, cfg, schema)
+    if quant is not None:  # each quantised Linear's weight is its layout's parts
+        schema = quant.schema
     missing = [n for n in schema if n not in available]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -48,6 +52,11 @@ def load_weights(
     with torch.no_grad(), _progress(progress) as bar:
         task = bar.add_task("load", total=len(schema))
         for name, (shape, _) in schema.items():
+            if quant is not None and name in quant.weight_of:
+                if quant.first_part(name):
+                    _load_quantised(quant, quant.weight_of[name], params, store, arch, cfg, source, written)
+                bar.advance(task)
+                continue
             actual = source.shape(name)
             if tuple(actual) != tuple(shape):
                 raise WeightError(name, source.file_of(name), expected=shape, actual=actual)
@@ -66,6 +75,23 @@ def load_weights(
     unfilled = [n for n in params if n not in written]
     if unfilled:
         raise WeightError(unfilled[0], source.file_of(unfilled[0]), reason="parameter got no checkpoint tensor")
+
+
+def _load_quantised(quant: QuantisedLinears, weight: str, params: dict[str, nn.Parameter], store: ExpertStore,
+                    arch: Architecture, cfg: ModelConfig, source: TensorSource, written: set[str]) -> None:
+    """One quantised Linear: a routed expert's parts into its banks, packed; any other weight
+    dequantised (fp32, as the formats' references compute it) into its parameter."""
+    file = source.file_of(next(iter(quant.parts[weight].values())))
+    target = arch.map_name(cfg, weight)
+    if target is None:
+        raise WeightError(weight, file, reason="no place in the model for this tensor")
+    parts = quant.read(weight, source)
+    if target.kind == "expert":
+        for bank_target, part_name, tensor in quant.expert_writes(weight, target, parts):
+            store.write(bank_target, tensor, part_name, source.file_of(part_name))
+        return
+    _write_param(params, target.name, target.rows, quant.dequant(weight, parts, torch.float32, file), weight, file)
+    written.add(target.name)
 
 
 def _write_param(

@@ -10,6 +10,7 @@ import json
 import math
 import zlib
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -103,8 +104,11 @@ class DummySource:
     the result does not depend on load order.
     """
 
-    def __init__(self, schema: dict[str, tuple[Shape, torch.dtype]], hidden: int, seed: int, device: torch.device) -> None:
+    def __init__(self, schema: dict[str, tuple[Shape, torch.dtype]], hidden: int, seed: int, device: torch.device,
+                 parts: Callable[[str], torch.Tensor | None] | None = None) -> None:
+        """parts: the values of a quantised Linear's part by name (None for other tensors)."""
         self.schema, self.hidden, self.seed, self.device = schema, hidden, seed, torch.device(device)
+        self.parts = parts
 
     def names(self) -> set[str]:
         return set(self.schema)
@@ -117,6 +121,9 @@ class DummySource:
 
     def get(self, name: str) -> torch.Tensor:
         shape, dtype = self.schema[name]
+        part = self.parts(name) if self.parts is not None else None
+        if part is not None:
+            return part
         g = torch.Generator(device=self.device)
         g.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
         kw = dict(generator=g, device=self.device)

@@ -1,0 +1,103 @@
+"""Triton kernels of the `fp8:*` formats: the dequantiser (prefill's batched path) reading the slot
+banks in place, and the decode GEMV's tile loader (layers/fused_moe_triton.py).
+
+e4m3 bytes are decoded from their bits (no fp8 pointer types, so the interpreter runs them too):
+exponent field e, mantissa m: e = 0 is m x 2^-9, else (8 + m) x 2^(e - 10), which is the fp32 with
+exponent field e + 120 and mantissa m << 20. The decoded value and the fp32 product are exactly
+what `dequant_fp8` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+Block = tuple[int, int] | None  # as quant/fp8.py: (bn, bk), None a scale per row
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    # b: int32 holding one e4m3 byte -> its fp32 value (exact; 0x7f / 0xff, e4m3's NaN, read as 480)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # 2^-9
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def fp8_rows_dot(w_base, s_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, CHANNEL: tl.constexpr):
+    # rows: [R] weight rows of one expert; w_base -> e4m3 bytes [rows, KDIM]; s_base -> fp32 scales
+    # [ceil(rows/BN), ceil(KDIM/BK)] (CHANNEL: [rows]); x_row -> [KDIM]. Tiles of BK inputs share
+    # one scale per row (BK: the block's width, a power of two). Returns [R] fp32 dot products.
+    SK: tl.constexpr = (KDIM + BK - 1) // BK
+    offs_k = tl.arange(0, BK)
+    acc = tl.zeros([NROWS], dtype=tl.float32)
+    for k0 in range(0, KDIM, BK):
+        k = k0 + offs_k
+        kmask = k < KDIM
+        w = tl.load(w_base + rows[:, None] * KDIM + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
+        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+        part = tl.sum(e4m3_to_f32(w.to(tl.int32)) * xv[None, :], axis=1)  # [R]
+        if CHANNEL:
+            acc += part
+        else:
+            s = tl.load(s_base + (rows // BN) * SK + k0 // BK, mask=rmask, other=0.0)
+            acc += part * s
+    if CHANNEL:
+        acc *= tl.load(s_base + rows, mask=rmask, other=0.0)
+    return acc
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, idx_ptr, out_ptr, slot0, q_stride, s_stride, n_elem,
+                    OUT: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    CHANNEL: tl.constexpr, HAS_IDX: tl.constexpr, CHUNK: tl.constexpr):
+    # program (p, r): elements p*CHUNK .. +CHUNK of expert slot idx[r] (or slot0 + r) -> output row r
+    r = tl.program_id(1)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + r).to(tl.int64)
+    else:
+        slot = slot0 + r.to(tl.int64)
+    i = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = i < n_elem
+    row, col = i // K, i % K
+    q = tl.load(q_ptr + slot * q_stride + i, mask=mask, other=0).to(tl.int32)
+    if CHANNEL:
+        s = tl.load(s_ptr + slot * s_stride + row, mask=mask, other=0.0)
+    else:
+        SK: tl.constexpr = (K + BK - 1) // BK
+        s = tl.load(s_ptr + slot * s_stride + (row // BN) * SK + col // BK, mask=mask, other=0.0)
+    tl.store(out_ptr + r.to(tl.int64) * n_elem + i, (e4m3_to_f32(q) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+CHUNK = 1024
+
+
+def dequant_fp8_rows(q: torch.Tensor, s: torch.Tensor, idx: torch.Tensor | slice, block: Block,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Experts `idx` of banks q [E, out, k] e4m3 + s [E, *scale_grid] fp32 -> [n, out, k] in `dtype`,
+    read in place (one launch). idx: a step-1 slice or a 1-D int tensor on the banks' device."""
+    e, out, k = q.shape
+    grid = (out,) if block is None else (-(-out // block[0]), -(-k // block[1]))
+    if tuple(s.shape[1:]) != grid or s.dtype != torch.float32:
+        raise ValueError(f"fp8 scales {tuple(s.shape)} {s.dtype} do not match weights {tuple(q.shape)} (block {block})")
+    if not (q.shape[0] == 0 or (q[0].is_contiguous() and s[0].is_contiguous())):
+        q, s = q.contiguous(), s.contiguous()
+    if isinstance(idx, slice):
+        start, stop, step = idx.indices(e)
+        if step != 1:
+            raise ValueError("fp8 rows: a slice of experts must have step 1")
+        n, slot0, index = max(0, stop - start), start, None
+    else:
+        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    result = torch.empty((n, out, k), dtype=dtype, device=q.device)
+    if n and out * k:
+        bn, bk = block if block is not None else (1, 1)
+        grid = (triton.cdiv(out * k, CHUNK), n)
+        _dequant_kernel[grid](q.view(torch.uint8), s, index if index is not None else s, result, slot0,
+                              q.stride(0), s.stride(0), out * k, OUT=out, K=k, BN=bn, BK=bk,
+                              CHANNEL=block is None, HAS_IDX=index is not None, CHUNK=CHUNK)
+    return result
