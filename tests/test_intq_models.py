@@ -24,15 +24,21 @@ def tiny_src(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return request.param, folder
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_tokens_match_transformers_on_dequantised_weights(tiny_src, layout: str, tmp_path: Path) -> None:
+CASES = [pytest.param(layout, "cpu", id=layout) for layout in LAYOUTS] + [
+    pytest.param(layout, "cuda", id=f"{layout}-cuda", marks=pytest.mark.gpu)  # the Triton kernels: decode, prefill
+    for layout in ("ct_int4_asym", "ct_int8_channel", "gptq_desc_act")]
+
+
+@pytest.mark.parametrize("layout, device", CASES)
+def test_greedy_tokens_match_transformers_on_dequantised_weights(tiny_src, layout: str, device: str,
+                                                                  tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     arch, src = tiny_src
     write_int_checkpoint(src, layout, tmp_path / "packed", tmp_path / "ref")
     ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32,
                                                attn_implementation="eager").eval()
-    llm = LLM(str(tmp_path / "packed"), device="cpu", dtype="float32")
+    llm = LLM(str(tmp_path / "packed"), device=device, dtype="float32")
     fmt = llm.engine.cfg.expert_format
     assert fmt.startswith(("int4:", "int8:")), fmt
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

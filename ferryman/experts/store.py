@@ -80,15 +80,19 @@ class ExpertStore:
         if not isinstance(fmt, IntFormat) or packed.params != fmt.params:
             raise WeightError(source_name, file, reason=f"packed as {packed.params.name}, but the routed experts "
                                                         f"of this model are {fmt.name} (a layer holds one format)")
-        if target.expert is None or target.transpose or target.name not in ("w13", "w2"):
-            raise WeightError(source_name, file, reason="packed integer weights are read per expert and projection")
         banks = self.banks[target.layer]
-        _, hidden, inter = fmt.dims(banks)
+        num, hidden, inter = fmt.dims(banks)
+        stacked = packed.qweight.dim() == 3  # all experts at once (dummy weights of fused-expert models)
+        if target.name not in ("w13", "w2") or (target.expert is None) != stacked or \
+                (stacked and packed.qweight.shape[0] != num):
+            raise WeightError(source_name, file, reason="packed integer weights are read per expert and projection")
         rows = target.rows or (0, hidden if target.name == "w2" else 2 * inter)
         want = (rows[1] - rows[0], hidden if target.name == "w13" else inter)
         if tuple(packed.shape) != want:
             raise WeightError(source_name, file, expected=want, actual=packed.shape)
-        fmt.write_linear(banks, target.name, target.expert, target.rows, packed.qweight, packed.scales, packed.zeros,
+        # a packed linear is always [out, K] (target.transpose describes the unquantised tensor)
+        expert = slice(None) if target.expert is None else target.expert
+        fmt.write_linear(banks, target.name, expert, target.rows, packed.qweight, packed.scales, packed.zeros,
                          packed.gidx)
 
     def nbytes(self) -> int:

@@ -210,17 +210,19 @@ QUANTIZATIONS = ("none", *DUMMY_CONFIGS)  # the choices of EngineConfig.quantiza
 
 
 def with_quantization(hf: dict[str, Any], quantization: str | None, dummy: bool) -> dict[str, Any]:
-    """hf with `--quantization` applied: a dummy model without its own quantization_config takes
-    the named one; a checkpoint's own config wins when it is the same format, and a different one is
-    a ConfigError (weights are not quantised at load)."""
+    """hf with `--quantization` applied: dummy weights take the named one (over a preset's own, as
+    gpt-oss's mxfp4); a checkpoint's own config wins when it is the same format, and a different one
+    is a ConfigError (weights are not quantised at load)."""
     if quantization in (None, "none"):
         return hf
     if quantization not in DUMMY_CONFIGS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     wanted = quant_from_hf({"quantization_config": DUMMY_CONFIGS[quantization], "model_type": hf.get("model_type")})
     own = quant_from_hf(hf, ("mxfp4",)) if hf.get("quantization_config") else None
-    if own is not None:
-        if wanted is not None and (own.linear or own.method).split(":")[0] == wanted.linear.split(":")[0]:
+    same = own is not None and wanted is not None and \
+        (own.linear or own.method).split(":")[0] == wanted.linear.split(":")[0]
+    if own is not None and (same or not dummy):  # dummy weights take the named format over a preset's own
+        if same:
             return hf
         raise ConfigError(f"--quantization {quantization} conflicts with the model's own quantization_config "
                           f"({own.method}, experts in {own.format or own.method}); leave it out or pick that one")

@@ -202,10 +202,11 @@ class IntFormat(ExpertFormat):
         return dequant_int(codes, scales[idx], zsel, self.input_groups(banks, proj, idx, out, k), p.bits, dtype)
 
 
-    def write_linear(self, banks: Banks, proj: str, expert: int, rows: tuple[int, int] | None, qweight: torch.Tensor,
+    def write_linear(self, banks: Banks, proj: str, expert: int | slice, rows: tuple[int, int] | None, qweight: torch.Tensor,
                      scales: torch.Tensor, zeros: torch.Tensor | None, gidx: torch.Tensor | None) -> None:
         """One checkpoint linear of expert `expert` (canonical [out, ...] tensors, quant/intq_layouts.py
-        `PackedInt`) into rows `rows` of its banks (w13: gate rows [0, I), up rows [I, 2I))."""
+        `PackedInt`) into rows `rows` of its banks (w13: gate rows [0, I), up rows [I, 2I)); expert a
+        slice: a stack of every expert's linear."""
         check_proj(proj)
         r0, r1 = rows if rows is not None else (0, self.bank(banks, f"{proj}_qweight").shape[1])
         parts = [("qweight", qweight), ("scales", scales)] + ([] if self.params.sym else [("zeros", zeros)])
@@ -213,7 +214,7 @@ class IntFormat(ExpertFormat):
             self.bank(banks, f"{proj}_{name}")[expert, r0:r1].copy_(t)
         if self.params.act:
             part = r0 // (r1 - r0)  # w13: 0 = gate rows, 1 = up rows
-            self.bank(banks, f"{proj}_gidx")[expert, part].copy_(gidx)
+            self.bank(banks, f"{proj}_gidx")[expert, part].copy_(gidx)  # [K] ([E, K] for a stack)
 
 
 def _factory(name: str) -> ExpertFormat:

@@ -43,7 +43,8 @@ class PackedInt:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qweight.shape[0], self.qweight.shape[1] * self.params.per_word
+        """(out, K) of the linear (of each one, for a stack [E, out, ...] of all experts)."""
+        return self.qweight.shape[-2], self.qweight.shape[-1] * self.params.per_word
 
     def dequant(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[out, K] in `dtype` (dense layers are dequantised at load)."""
@@ -169,17 +170,22 @@ def from_gptq(params: IntParams, prefix: str, get: Get, names: set[str], zeros_m
 
 
 def random_packed(params: IntParams, out: int, k: int, generator: torch.Generator | None = None,
-                  device: torch.device | str = "cpu") -> PackedInt:
-    """A valid random linear [out, K] (dummy weights): uniform codes, values of std ~ 1/sqrt(K)."""
+                  device: torch.device | str = "cpu", lead: tuple[int, ...] = ()) -> PackedInt:
+    """A valid random linear [out, K] (dummy weights), or a stack [*lead, out, K] of them: uniform
+    codes, values of std ~ 1/sqrt(K)."""
     params.check_k(k, "input dim")
     gdev = generator.device if generator is not None else torch.device(device)
     g = params.groups(k)
-    q = torch.randint(-2**31, 2**31, (out, k // params.per_word), generator=generator, device=gdev, dtype=torch.int32)
-    jitter = torch.randint(-1, 2, (out, g), generator=generator, device=gdev).float()
+    q = torch.randint(-2**31, 2**31, (*lead, out, k // params.per_word), generator=generator, device=gdev,
+                      dtype=torch.int32)
+    jitter = torch.randint(-1, 2, (*lead, out, g), generator=generator, device=gdev).float()
     s = torch.exp2(jitter) / (CODE_RMS[params.bits] * math.sqrt(k))
     mid = 1 << (params.bits - 1)
-    z = None if params.sym else torch.randint(mid - 1, mid + 2, (out, g), generator=generator, device=gdev,
+    z = None if params.sym else torch.randint(mid - 1, mid + 2, (*lead, out, g), generator=generator, device=gdev,
                                               dtype=torch.uint8)
-    gidx = random_gidx(k, params.group, generator, gdev) if params.act else None
+    gidx = None
+    if params.act:
+        gidx = torch.stack([random_gidx(k, params.group, generator, gdev) for _ in range(math.prod(lead))])
+        gidx = gidx.view(*lead, k)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return PackedInt(params, to(q), to(s), to(z), to(gidx))

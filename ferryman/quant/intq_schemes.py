@@ -112,6 +112,8 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     for name, weights in (
         ("int4", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}),
         ("int8", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}),
+        # groups of 32, as MXFP4's blocks: models whose dims are no multiple of 128 (gpt-oss: 2880)
+        ("int4-g32", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}),
     )
 }
 

@@ -26,12 +26,16 @@ def int_source(source: TensorSource, hf: dict[str, Any], cfg: ModelConfig, arch:
     if cfg.quant is None or not cfg.quant.linear.startswith("int:"):  # quant/hf_quant.py read_int
         return source
 
-    def is_expert(name: str) -> bool:
+    def is_expert(name: str) -> bool:  # a routed expert's weight (not its bias)
         target = arch.map_name(cfg, name)
-        return target is not None and target.kind == "expert"
+        return target is not None and target.kind == "expert" and target.name in ("w13", "w2")
+
+    def transposed(name: str) -> bool:  # stored [in, out]
+        target = arch.map_name(cfg, name)
+        return target is not None and target.transpose
 
     if dummy:
-        return IntDummySource(source, parse_name(cfg.expert_format), is_expert, seed, device)
+        return IntDummySource(source, parse_name(cfg.expert_format), is_expert, transposed, seed, device)
     try:
         scheme = int_scheme(hf["quantization_config"])
     except ValueError as e:
@@ -97,9 +101,10 @@ class IntDummySource:
     """Dummy weights whose routed experts are random packed linears of `params` (generated packed:
     nothing is quantised), everything else from the plain dummy source."""
 
-    def __init__(self, inner: TensorSource, params: IntParams, is_expert: IsExpert, seed: int,
+    def __init__(self, inner: TensorSource, params: IntParams, is_expert: IsExpert, transposed: IsExpert, seed: int,
                  device: torch.device) -> None:
         self.inner, self.params, self.is_expert, self.seed, self.device = inner, params, is_expert, seed, device
+        self.transposed = transposed
 
     def names(self) -> set[str]:
         return self.inner.names()
@@ -113,8 +118,10 @@ class IntDummySource:
     def get(self, name: str) -> torch.Tensor | PackedInt:
         if not self.is_expert(name):
             return self.inner.get(name)
-        out, k = self.inner.shape(name)
+        *lead, out, k = self.inner.shape(name)  # [out, K], or all experts [E, out, K] (gpt-oss: [E, K, out])
+        if self.transposed(name):
+            out, k = k, out
         g = torch.Generator(device=self.device)
         g.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        return random_packed(self.params, out, k, g, self.device)
+        return random_packed(self.params, out, k, g, self.device, tuple(lead))
 
