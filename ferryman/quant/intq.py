@@ -122,7 +122,8 @@ def random_gidx(k: int, group: int, generator: torch.Generator | None, device: t
     return gidx
 
 
-CODE_RMS = {4: math.sqrt(sum(v * v for v in range(-8, 8)) / 16), 8: math.sqrt(sum(v * v for v in range(-128, 128)) / 256)}
+# rms of (code - zero) over uniformly random codes
+CODE_RMS = {b: math.sqrt(sum(v * v for v in range(-(1 << (b - 1)), 1 << (b - 1))) / (1 << b)) for b in (4, 8)}
 
 
 class IntFormat(ExpertFormat):
@@ -201,9 +202,9 @@ class IntFormat(ExpertFormat):
         zsel = None if zeros is None else zeros[idx]
         return dequant_int(codes, scales[idx], zsel, self.input_groups(banks, proj, idx, out, k), p.bits, dtype)
 
-
-    def write_linear(self, banks: Banks, proj: str, expert: int | slice, rows: tuple[int, int] | None, qweight: torch.Tensor,
-                     scales: torch.Tensor, zeros: torch.Tensor | None, gidx: torch.Tensor | None) -> None:
+    def write_linear(self, banks: Banks, proj: str, expert: int | slice, rows: tuple[int, int] | None,
+                     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     gidx: torch.Tensor | None) -> None:
         """One checkpoint linear of expert `expert` (canonical [out, ...] tensors, quant/intq_layouts.py
         `PackedInt`) into rows `rows` of its banks (w13: gate rows [0, I), up rows [I, 2I)); expert a
         slice: a stack of every expert's linear."""
