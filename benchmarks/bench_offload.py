@@ -2,6 +2,7 @@
 
     python benchmarks/bench_offload.py                       # the three GPU targets below
     python benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --decode-tokens 128
+    python benchmarks/bench_offload.py --target qwen3-30b-a3b:8GiB:fp8     # dummy experts in FP8 (or nvfp4)
     python benchmarks/bench_offload.py --target demo:cpu --device cpu --expert-cache 10%   # smoke test
 
 Targets (dummy weights of the real shapes, one request at a time, greedy):
@@ -89,12 +90,13 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
     return {"ttft_s": out.metrics.ttft_s, "decode_tok_s": out.metrics.decode_tokens_per_s, **delta}
 
 
-def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
+def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str = "none") -> dict:
     demo = model == "demo"
     kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=a.eager,
               max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
     if not demo:
         kw["load_format"] = "dummy"
+        kw["quantization"] = quantization
     if budget != "cpu":
         kw["gpu_memory"] = budget
     if a.expert_cache:
@@ -137,7 +139,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace) -> dict:
     wasted = max(0, dec.get("prefetch_fetched", 0) - dec.get("prefetch_hits", 0)) * slot_bytes / decode_steps
     needed_per_token = moved_per_token - wasted  # the copies of wrong guesses left out
     row = {
-        "model": model, "layers": cfg.num_layers, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
+        "model": model, "experts": cfg.expert_format, "layers": cfg.num_layers, "budget": budget, "strategy": eng.plan.strategy, "load_s": load_s,
         "slots": experts.get("slots"), "cache_fraction": experts.get("slots", total_experts) / total_experts,
         "link_gb_s": bw / 1e9, "decode_tok_s": dec["decode_tok_s"],
         "decode_ms_per_layer": 1e3 / dec["decode_tok_s"] / cfg.num_layers if dec["decode_tok_s"] else None,
@@ -195,7 +197,9 @@ def fmt(v: object) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", action="append", default=None, help="MODEL:BUDGET (repeatable; 'demo:cpu')")
+    ap.add_argument("--target", action="append", default=None,
+                    help="MODEL:BUDGET[:QUANTIZATION] (repeatable; 'demo:cpu'; QUANTIZATION: fp8, nvfp4, ... for "
+                         "dummy experts in that format)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--decode-tokens", type=int, default=256)
@@ -219,10 +223,11 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for target in a.target or TARGETS:
-        model, _, budget = target.partition(":")
-        rows.append(run_target(model, budget or "cpu", a))
+        model, _, rest = target.partition(":")
+        budget, _, quantization = rest.partition(":")
+        rows.append(run_target(model, budget or "cpu", a, quantization or "none"))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = ["model", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
+    cols = ["model", "experts", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
             "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
