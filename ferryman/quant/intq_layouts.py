@@ -86,7 +86,8 @@ def _act_gidx(params: IntParams, g_idx: torch.Tensor | None, k: int, groups: int
                              f"{int(g_idx.max())}")
         return g_idx.to(torch.int32)
     if not torch.equal(g_idx.to(torch.int32), _trivial_gidx(params, k, g_idx.device)):
-        raise ValueError(f"{name}: inputs are not in group order (act-order) but the config says desc_act false")
+        raise ValueError(f"{name}: inputs are not in group order (act-order) but the scheme keeps no group "
+                     f"index (desc_act / actorder)")
     return None
 
 
