@@ -92,8 +92,12 @@ def test_readers_pick_formats() -> None:
                                                 "weights": {"num_bits": 4, "type": "float", "group_size": 16}}}}})
     assert ct is not None and ct.format == "nvfp4-ct" and is_ignored("model.layers.3.mlp.gate", ct.ignore)
     assert not is_ignored("model.layers.3.mlp.gate_proj", ct.ignore)
-    fp8 = quant_from_hf({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["self_attn"]}})
-    assert fp8 is not None and is_ignored("model.layers.0.self_attn.q_proj", fp8.ignore)
+    # transformers' should_convert_module: a prefix up to a module boundary, or a suffix
+    fp8 = quant_from_hf({"quantization_config": {"quant_method": "fp8",
+                                                 "modules_to_not_convert": ["model.layers.1", "mlp.gate"]}})
+    assert fp8 is not None and is_ignored("model.layers.1.self_attn.q_proj", fp8.ignore)
+    assert not is_ignored("model.layers.11.self_attn.q_proj", fp8.ignore)
+    assert is_ignored("model.layers.3.mlp.gate", fp8.ignore) and not is_ignored("model.layers.3.mlp.gate_proj", fp8.ignore)
 
 
 @pytest.mark.parametrize("qc,match", [

@@ -121,10 +121,10 @@ def _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE
                                   NROWS, BLOCK_K)
     elif QF == 1:
         acc = fp8_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM, NROWS,
-                           max(QA, 1), QB if QB > 0 else BLOCK_K, QB == 0)
+                           QA, QB, BLOCK_K)
     elif QF == 2:
         acc = nvfp4_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, g_ptr + slot * G_STRIDE, rows, rmask,
-                             x_row, KDIM, NROWS, PART_ROWS, QA == 1, 16)
+                             x_row, KDIM, NROWS, PART_ROWS, QA, 16)
     elif QF == 3:
         acc = int_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, z_ptr + slot * Z_STRIDE,
                            g_ptr + slot * G_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K, QA, QB, PART_ROWS)

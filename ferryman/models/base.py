@@ -38,7 +38,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 class Architecture(ABC):
     model_type: str
-    quant_methods: tuple[str, ...] = ()  # methods whose tensors this architecture lists itself (the rest: quant/hf_quant.py)
+    # quantisation methods whose tensors this architecture lists itself (the others: quant/hf_quant.py)
+    quant_methods: tuple[str, ...] = ()
 
     @abstractmethod
     def parse_config(self, hf: dict[str, Any]) -> ModelConfig: ...

@@ -28,25 +28,27 @@ def e4m3_to_f32(b):
 
 @triton.jit
 def fp8_rows_dot(w_base, s_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, CHANNEL: tl.constexpr):
+                 BN: tl.constexpr, BK: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows: [R] weight rows of one expert; w_base -> e4m3 bytes [rows, KDIM]; s_base -> fp32 scales
-    # [ceil(rows/BN), ceil(KDIM/BK)] (CHANNEL: [rows]); x_row -> [KDIM]. Tiles of BK inputs share
-    # one scale per row (BK: the block's width, a power of two). Returns [R] fp32 dot products.
-    SK: tl.constexpr = (KDIM + BK - 1) // BK
-    offs_k = tl.arange(0, BK)
+    # [ceil(rows/BN), ceil(KDIM/BK)], or with BK = 0 one per row [rows]; x_row -> [KDIM]. Blocks:
+    # tiles of BK inputs (a power of two) share one scale per row; per row: tiles of BLOCK_K.
+    # Returns [R] fp32 dot products.
+    TILE: tl.constexpr = BLOCK_K if BK == 0 else BK
+    SK: tl.constexpr = (KDIM + TILE - 1) // TILE
+    offs_k = tl.arange(0, TILE)
     acc = tl.zeros([NROWS], dtype=tl.float32)
-    for k0 in range(0, KDIM, BK):
+    for k0 in range(0, KDIM, TILE):
         k = k0 + offs_k
         kmask = k < KDIM
         w = tl.load(w_base + rows[:, None] * KDIM + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
         xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
         part = tl.sum(e4m3_to_f32(w.to(tl.int32)) * xv[None, :], axis=1)  # [R]
-        if CHANNEL:
+        if BK == 0:
             acc += part
         else:
-            s = tl.load(s_base + (rows // BN) * SK + k0 // BK, mask=rmask, other=0.0)
+            s = tl.load(s_base + (rows // BN) * SK + k0 // TILE, mask=rmask, other=0.0)
             acc += part * s
-    if CHANNEL:
+    if BK == 0:
         acc *= tl.load(s_base + rows, mask=rmask, other=0.0)
     return acc
 

@@ -56,9 +56,14 @@ def ignore_exact_or_re(entries: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(str(e) for e in entries or ())
 
 
-def ignore_substrings(entries: Iterable[str] | None) -> tuple[str, ...]:
-    """transformers' modules_to_not_convert: a module is skipped when its name contains an entry."""
-    return tuple("re:.*" + re.escape(str(e)) for e in entries or ())
+def ignore_transformers(entries: Iterable[str] | None) -> tuple[str, ...]:
+    """transformers' modules_to_not_convert (`should_convert_module`): an entry matches a module
+    name as a regex from its start up to a module boundary ("mlp.gate" is not "mlp.gate_proj"), or
+    as a suffix of it."""
+    out: list[str] = []
+    for e in entries or ():
+        out += [rf"re:(?:{e})(?:(?<=\.)|(?=\.|$))", "re:.*" + re.escape(str(e)) + "$"]
+    return tuple(out)
 
 
 def ignore_globs(entries: Iterable[str] | None) -> tuple[str, ...]:
@@ -84,7 +89,7 @@ def read_fp8(qc: dict[str, Any]) -> QuantConfig:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ConfigError(f"quantization_config.fmt {fmt!r}: only e4m3 FP8 weights are supported")
-    ignore = ignore_substrings(qc.get("modules_to_not_convert"))
+    ignore = ignore_transformers(qc.get("modules_to_not_convert"))
     block = qc.get("weight_block_size")
     if block is None:
         return QuantConfig("fp8", "fp8:channel", "fp8:tensor:weight_scale_inv", ignore)

@@ -29,9 +29,9 @@ def e2m1_to_f32(code):
 
 @triton.jit
 def group_factor(s_byte, g, DIVIDE: tl.constexpr):
-    # e4m3 group scale (int32 byte) and global scale -> the group's fp32 factor
+    # e4m3 group scale (int32 byte) and global scale -> the group's fp32 factor (DIVIDE 1: s / g)
     s = e4m3_to_f32(s_byte)
-    if DIVIDE:
+    if DIVIDE == 1:
         return tl.math.div_rn(s, g)
     return s * g
 

@@ -83,13 +83,15 @@ class QuantisedLinears:
         except ValueError as e:
             raise WeightError(weight, file, reason=str(e)) from None
 
-    def expert_writes(self, weight: str, target: Target, parts: dict[str, torch.Tensor]) -> list[tuple[Target, str, torch.Tensor]]:
+    def expert_writes(self, weight: str, target: Target,
+                      parts: dict[str, torch.Tensor]) -> list[tuple[Target, str, torch.Tensor]]:
         """(bank target, part name, tensor) for each part of a routed expert's weight."""
         out_rows = self.logical[weight][0][0]
         writes = []
         for suffix, t in parts.items():
             bp = self.layout.expert_part(suffix, t, target.rows, out_rows)
-            writes.append((replace(target, name=target.name + bp.suffix, rows=bp.rows), self.parts[weight][suffix], bp.tensor))
+            bank = replace(target, name=target.name + bp.suffix, rows=bp.rows)
+            writes.append((bank, self.parts[weight][suffix], bp.tensor))
         return writes
 
     def random(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
