@@ -121,7 +121,8 @@ LAYOUTS = {
                          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                              "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}},
                         lambda w, g: ct_tensors(w, 8, 0, True)),
-    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm"},
+    "awq": ({"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True, "version": "gemm",
+             "modules_to_not_convert": ["mlp.gate", "block_sparse_moe.gate"]},
             lambda w, g: awq_tensors(w, 16)),
     "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": True},
              lambda w, g: gptq_tensors(w, 4, 16, True, False)),

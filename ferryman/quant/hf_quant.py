@@ -149,7 +149,7 @@ def read_int(qc: dict[str, Any]) -> QuantConfig:
     if method == "compressed-tensors":
         ignore = ignore_exact_or_re(qc.get("ignore"))
     else:
-        ignore = ignore_substrings(qc.get("modules_to_not_convert"))
+        ignore = ignore_transformers(qc.get("modules_to_not_convert"))
     return QuantConfig(method, int_expert_format(qc), f"int:{layout}", ignore)
 
 

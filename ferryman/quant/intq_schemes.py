@@ -4,7 +4,7 @@ with which bits / groups / zero points, in which checkpoint layout (quant/intq_l
     compressed-tensors  format "pack-quantized"; config_groups {targets, weights {num_bits, type "int",
                         symmetric, strategy "group"|"channel", group_size, actorder}}; ignore (names or
                         "re:" patterns, matched from the start as compressed-tensors does)
-    awq                 bits 4, group_size, zero_point true, version "gemm"; modules_to_not_convert
+    awq                 bits 4, group_size, zero_point true, version "gemm" (every linear stored packed is one)
     gptq                bits 4|8, group_size (-1: channel), sym, desc_act, checkpoint_format
                         "gptq" (zeros stored minus one) | "gptq_v2"
 Every unknown or unsupported field value is a ValueError naming the field.
@@ -77,8 +77,8 @@ class IntScheme:
 
 
 def _matches(module: str, pattern: str, layout: str) -> bool:
-    if layout != "compressed-tensors":  # AWQ/GPTQ modules_to_not_convert: substrings of the name
-        return pattern in module
+    if layout != "compressed-tensors":  # AWQ/GPTQ: one scheme for every packed linear
+        return True
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
     return pattern in ("Linear", module)
@@ -181,7 +181,9 @@ def _awq(qc: dict[str, Any]) -> IntScheme:
         raise ValueError("quantization_config.zero_point false: AWQ GEMM weights without zero points are not supported")
     bits = _bits(qc.get("bits", qc.get("w_bit")), (4,), "bits")
     group = _group(qc.get("group_size", qc.get("q_group_size")), "group_size")
-    return IntScheme("awq", ((("",), IntParams(bits, group, False)),), tuple(qc.get("modules_to_not_convert") or ()))
+    # AWQ and GPTQ pack every linear with one scheme: the tensors say which are packed, so
+    # modules_to_not_convert (whose matching differs between their tools) is not consulted
+    return IntScheme("awq", ((("",), IntParams(bits, group, False)),))
 
 
 def _gptq(qc: dict[str, Any]) -> IntScheme:
@@ -191,5 +193,4 @@ def _gptq(qc: dict[str, Any]) -> IntScheme:
     bits = _bits(qc.get("bits"), (4, 8), "bits")
     group = _group(qc.get("group_size"), "group_size")
     params = IntParams(bits, group, bool(qc.get("sym", True)), bool(qc.get("desc_act")) and group > 0)
-    return IntScheme("gptq", ((("",), params),), tuple(qc.get("modules_to_not_convert") or ()),
-                     zeros_minus_one=fmt == "gptq")
+    return IntScheme("gptq", ((("",), params),), zeros_minus_one=fmt == "gptq")
