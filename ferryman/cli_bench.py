@@ -96,6 +96,8 @@ def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
                          description=BW_DESCRIPTION, formatter_class=RawHelpFormatter)
     b.add_argument("model", nargs="?", metavar="MODEL", help="model folder or preset (default: the demo model)")
     b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    b.add_argument("--quantization", default="none",
+                   help="the experts' format for a preset measured as dummy weights (as `run --quantization`)")
     b.add_argument("--output", metavar="PATH",
                    help="calibration file (default: ~/.cache/ferryman/calibration-<fingerprint>.json)")
     b.add_argument("--reps", type=int, default=10, help="timed repetitions per figure (the median is kept)")
@@ -115,7 +117,7 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
 
     if a.reps < 1 or a.read_mib < 1 or a.pool_mib < 1:
         raise ConfigError("--reps, --read-mib and --pool-mib must be >= 1")
-    cfg = model_config(resolve_hf_config(a.model or default_model(), "dummy")[0])
+    cfg = model_config(resolve_hf_config(a.model or default_model(), "dummy", a.quantization)[0])
     if cfg.num_experts == 0:
         raise ConfigError("this model has no routed experts: nothing to measure")
     dtype = resolve_dtype(a.dtype, cfg)

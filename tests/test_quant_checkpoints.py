@@ -143,6 +143,33 @@ def test_an_unquantised_expert_among_fp8_ones_names_the_tensor(tiny_folders, tmp
         LLM(str(q), device="cpu", dtype="float32")
 
 
+def test_layers_a_release_left_unquantised_load_as_they_are(tiny_folders, tmp_path: Path) -> None:
+    """A Linear stored without its scales (a release's `targets` left it out) is read as a plain weight;
+    a routed expert so stored among fp8 ones is an error naming it."""
+    q, ref_folder = _quantised(tiny_folders, tmp_path, "qwen3_moe", "ct_fp8_channel")
+    plain = load_file(str(next(ref_folder.glob("*.safetensors"))))
+    name = "model.layers.1.self_attn.o_proj.weight"
+
+    def unquantise(t: dict) -> None:
+        t[name] = plain[name]
+        del t[name.replace("weight", "weight_scale")]
+
+    _rewrite(q, unquantise)
+    ref = AutoModelForCausalLM.from_pretrained(ref_folder, attn_implementation="eager", dtype=torch.float32).eval()
+    out = LLM(str(q), device="cpu", dtype="float32").generate(
+        prompt_token_ids=PROMPTS[:1], params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(ref, PROMPTS[0], 8)
+    expert = "model.layers.2.mlp.experts.4.gate_proj.weight"
+
+    def unquantise_expert(t: dict) -> None:
+        t[expert] = plain[expert]
+        del t[expert.replace("weight", "weight_scale")]
+
+    _rewrite(q, unquantise_expert)
+    with pytest.raises(WeightError, match=r"experts\.4\.gate_proj\.weight.*stored without weight_scale"):
+        LLM(str(q), device="cpu", dtype="float32")
+
+
 def test_an_ignore_list_naming_an_expert_is_refused(tiny_folders, tmp_path: Path) -> None:
     q, _ = _quantised(tiny_folders, tmp_path, "qwen3_moe", "ct_nvfp4")
     cfg = json.loads((q / "config.json").read_text())

@@ -167,8 +167,8 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
                 act: MoEActivation, cfg: GroupedConfig = GroupedConfig()) -> torch.Tensor:
     """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
-    if fmt not in TRITON_FORMATS:
-        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {TRITON_FORMATS}")
+    if fmt not in TRITON_FORMATS or fmt not in ("dense", "mxfp4"):  # fp8 / nvfp4 prefill: the batched path
+        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have dense, mxfp4")
     num_slots, hidden, inter = get_format(fmt).dims(banks)
     check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape

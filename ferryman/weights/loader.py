@@ -16,7 +16,7 @@ from ferryman.errors import WeightError
 from ferryman.experts.store import ExpertStore
 from ferryman.models.base import Architecture
 from ferryman.weights.quantised import QuantisedLinears, quantised_linears
-from ferryman.weights.sources import TensorSource
+from ferryman.weights.sources import DummySource, TensorSource
 
 
 def _progress(enabled: bool) -> Progress:
@@ -40,7 +40,7 @@ def load_weights(
 ) -> None:
     available = source.names()
     schema = arch.checkpoint_tensors_in(cfg, available)
-    quant = quantised_linears(arch, cfg, schema)
+    quant = quantised_linears(arch, cfg, schema, None if isinstance(source, DummySource) else available)
     if quant is not None:  # each quantised Linear's weight is its layout's parts
         schema = quant.schema
     missing = [n for n in schema if n not in available]

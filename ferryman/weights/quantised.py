@@ -25,7 +25,11 @@ from ferryman.weights.sources import TensorSource
 class QuantisedLinears:
     """The quantised schema of one checkpoint and the reading of its Linears."""
 
-    def __init__(self, arch: Architecture, cfg: ModelConfig, schema: dict[str, TensorSpec]) -> None:
+    def __init__(self, arch: Architecture, cfg: ModelConfig, schema: dict[str, TensorSpec],
+                 available: set[str] | None = None) -> None:
+        """available: the checkpoint's tensor names. A Linear other than a routed expert is then
+        quantised where the files hold its scales (releases leave layers out by `targets`, `ignore`
+        or exclude lists in dialects of their own); without them (dummy weights): unless ignored."""
         assert cfg.quant is not None and cfg.quant.linear
         self.arch, self.cfg = arch, cfg
         self.layout: LinearLayout = linear_layout(cfg.quant.linear)
@@ -34,10 +38,11 @@ class QuantisedLinears:
         self.weight_of: dict[str, str] = {}  # part name -> weight name
         self.logical: dict[str, TensorSpec] = {}  # weight name -> its [out, k] and model dtype
         for name, (shape, dt) in schema.items():
-            if not is_linear_weight(name, shape) or self._ignored(name):
+            module = name[: -len("weight")]  # "...gate_proj."
+            if not is_linear_weight(name, shape) or self._ignored(name) or not self._stored_quantised(
+                    name, module, shape, available):
                 self.schema[name] = (shape, dt)
                 continue
-            module = name[: -len("weight")]  # "...gate_proj."
             self.logical[name] = (shape, dt)
             self.parts[name] = {}
             for suffix, spec in self.layout.parts(*shape).items():
@@ -55,6 +60,19 @@ class QuantisedLinears:
                               f"unquantised while its layer's experts are {self.layout.expert_format}: a layer "
                               f"holds one expert format")
         return True
+
+    def _stored_quantised(self, name: str, module: str, shape: tuple[int, ...], available: set[str] | None) -> bool:
+        if available is None:
+            return True
+        scales = [module + s for s in self.layout.parts(*shape) if s != "weight"]
+        if all(s in available for s in scales):
+            return True
+        target = self.arch.map_name(self.cfg, name)
+        if target is not None and target.kind == "expert" and name in available:
+            raise WeightError(name, "the checkpoint", reason=f"stored without {scales[0].rsplit('.', 1)[1]} while "
+                              f"the experts are {self.layout.expert_format}: a layer holds one expert format")
+        # a routed expert's missing parts are reported missing; any other Linear is a plain weight
+        return target is not None and target.kind == "expert"
 
     def first_part(self, name: str) -> bool:
         """Whether `name` is the first part of its weight (where the loader reads the whole weight)."""
@@ -104,8 +122,9 @@ class QuantisedLinears:
         return self.layout.random_part(suffix, shape, self.logical[weight][0][1], g, device)
 
 
-def quantised_linears(arch: Architecture, cfg: ModelConfig, schema: dict[str, TensorSpec]) -> QuantisedLinears | None:
+def quantised_linears(arch: Architecture, cfg: ModelConfig, schema: dict[str, TensorSpec],
+                      available: set[str] | None = None) -> QuantisedLinears | None:
     """The checkpoint's quantised Linears, or None when it stores none (unquantised, or mxfp4)."""
     if cfg.quant is None or not cfg.quant.linear or cfg.quant.linear.startswith("int:"):
         return None  # integer checkpoints are read through weights/int_source.py
-    return QuantisedLinears(arch, cfg, schema)
+    return QuantisedLinears(arch, cfg, schema, available)
