@@ -74,25 +74,55 @@ def test_kv_write_and_attention_kernels_compile_for_sm90(cache: str) -> None:
     assert "ld.global" in ptx and "st.global" in ptx
 
 
-@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "dense"])
-def test_moe_decode_kernels_compile_for_sm90(mxfp4: bool) -> None:
-    """The decode GEMVs at gpt-oss-20b shapes with the default tiles, bf16 activations."""
-    from ferryman.layers import fused_moe_triton as fmt
+# int formats at qwen3-30b-a3b shapes (H 2048, I 768): groups of 128, per channel, act-order, 64
+# (a group that does not fill a K step)
+INT_CASES = {"int4:g128:sym": (4, 128, 0, 0), "int4:g128:asym": (4, 128, 1, 0), "int8:ch:sym": (8, 0, 0, 0),
+             "int4:g128:asym:act": (4, 128, 1, 1), "int4:g64:sym": (4, 64, 0, 0)}
 
-    w = "*u8" if mxfp4 else "*bf16"
-    w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
-    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K,
-              "S_STRIDE": s_stride, "H": 2880, "I": 2880}
-    sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": w, "b_ptr": "*bf16", "h_ptr": "*bf16",
-             "alpha": "fp32", "limit": "fp32"}
+
+@pytest.mark.parametrize("fmt_name", ["mxfp4", "dense", *INT_CASES])
+def test_moe_decode_kernels_compile_for_sm90(fmt_name: str) -> None:
+    """The decode GEMVs with the default tiles, bf16 activations: gpt-oss-20b shapes (mxfp4, dense),
+    qwen3-30b-a3b's for the int formats (their tile loader, quant/intq_triton.py)."""
+    from ferryman.layers import fused_moe_triton as fmt
+    from ferryman.quant.intq import quant_code
+
+    mxfp4 = fmt_name == "mxfp4"
+    q = {"QF": 0, "QA": 0, "QB": 0}
+    h, i = (2048, 768) if fmt_name in INT_CASES else (2880, 2880)
+    if fmt_name in INT_CASES:
+        bits, group, asym, act = INT_CASES[fmt_name]
+        w, s, z, g = "*i32", "*fp32", "*u8", "*i32"
+        w_stride, s_stride = 2 * i * h * bits // 32, 2 * i * (h // (group or h))
+        q = quant_code(bits, group, bool(asym), bool(act))
+    else:
+        w = s = z = g = "*u8" if mxfp4 else "*bf16"
+        w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
+    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, **q, "H": h, "I": i}
+    sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
+             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": z}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,
-                           {**common, "W_STRIDE": w_stride, "B_STRIDE": 5760, "TOPK": 4, "ACT": 1}, stage="ptx")
+                           {**common, "W_STRIDE": w_stride, "S_STRIDE": s_stride, "G_STRIDE": 2 * h,
+                            "Z_STRIDE": s_stride, "B_STRIDE": 2 * i, "TOPK": 4, "ACT": 1}, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
-    sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": w, "b_ptr": "*bf16", "topk_w_ptr": "*fp32",
-            "y_ptr": "*fp32"}
+    sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
+            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": z}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w2_kernel", sig2,
-                           {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "B_STRIDE": 2880},
-                           stage="ptx")
+                           {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "G_STRIDE": i,
+                            "Z_STRIDE": s_stride // 2, "B_STRIDE": h}, stage="ptx")
+    assert "ld.global" in ptx and "st.global" in ptx
+
+
+@pytest.mark.parametrize("fmt_name", list(INT_CASES))
+def test_int_dequant_kernel_compiles_for_sm90(fmt_name: str) -> None:
+    """The int dequantiser of the batched prefill path (quant/intq_triton.py), read by row index."""
+    bits, group, asym, act = INT_CASES[fmt_name]
+    sig = {"q_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8" if asym else "*fp32", "g_ptr": "*i32" if act else "*fp32",
+           "idx_ptr": "*i64", "out_ptr": "*bf16", "slot0": "i64", "q_stride": "i64", "s_stride": "i64",
+           "z_stride": "i64", "g_stride": "i64"}
+    cx = {"OUT": 1536, "K": 2048, "NG": 2048 // (group or 2048), "GS": group or 2048, "PART_ROWS": 768, "BITS": bits,
+          "ASYM": asym, "ACT": act, "HAS_IDX": 1, "BLOCK_R": 16, "BLOCK_K": 256}
+    ptx = _compile_or_skip("ferryman.quant.intq_triton:_dequant_kernel", sig, cx, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
 
 

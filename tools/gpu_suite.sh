@@ -23,6 +23,11 @@
 #                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
 #                limits (decode_vs_link, decode_vs_needed); about 4 minutes (QUANTS="fp8 nvfp4" in a second
 #                call if the budget runs out)
+#   int4         the int4/int8 kernel GPU tests (tests/test_intq*.py), then qwen3-30b-a3b at 8 GiB with dummy int4
+#                experts (groups of 128): decode at 1 user, TTFT of a 4k prompt, link limits (beside the quant
+#                stage's bf16 / fp8 / nvfp4 rows; QUANTS=int4 runs it there too); about 3 minutes
+#   int4oss      gpt-oss-120b at 16 GiB with int4 experts in groups of 32 (2880 is no multiple of 128): decode,
+#                beside offload120's MXFP4 figure; about 3 minutes
 #   serve16      `ferryman serve gpt-oss-20b` at 8 GiB (16 sequences, 1536 tokens), then `ferryman bench
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   split        `ferryman serve gpt-oss-20b` at 8 GiB for 32 sequences of 8192 tokens (KV and expert slots
@@ -179,6 +184,10 @@ for s in ${@:-tests}; do
                  for q in ${QUANTS:-none fp8 nvfp4}; do
                    offload "quant_$q" "qwen3-30b-a3b:8GiB:$q" 100 "$ROOT" --decode-tokens 128 --prefill-prompt 0
                  done ;;
+    int4)        stage int4_tests 100 "${PYTEST[@]}" tests/test_intq.py tests/test_intq_models.py
+                 offload int4_qwen qwen3-30b-a3b:8GiB:int4 100 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
+    int4oss)     offload int4_oss120 gpt-oss-120b:16GiB:int4-g32 180 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
+                   --prefill-prompt 0 ;;
     serve16)     serve16 serve16 8130 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;

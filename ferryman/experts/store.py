@@ -15,6 +15,8 @@ import torch
 from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.quant.base import BankSpec, get_format
+from ferryman.quant.intq import IntFormat
+from ferryman.quant.intq_layouts import PackedInt
 
 
 class BankTarget(Protocol):
@@ -51,8 +53,11 @@ class ExpertStore:
         """The banks of one layer (experts/host_store.py lays them out expert-major instead)."""
         return {n: torch.empty(s.shape, dtype=s.dtype, device=self.device) for n, s in specs.items()}
 
-    def write(self, target: BankTarget, tensor: torch.Tensor, source_name: str, file: str) -> None:
-        """Copy one checkpoint tensor into the bank slice named by `target`."""
+    def write(self, target: BankTarget, tensor: torch.Tensor | PackedInt, source_name: str, file: str) -> None:
+        """Copy one checkpoint tensor (or a packed integer linear) into the bank slice named by `target`."""
+        if isinstance(tensor, PackedInt):
+            self._write_packed(target, tensor, source_name, file)
+            return
         bank = self.banks[target.layer][target.name]
         dst = bank if target.expert is None else bank[target.expert]
         if target.rows is not None:
@@ -68,6 +73,27 @@ class ExpertStore:
                 dst[e].copy_(src[e])
             return
         dst.copy_(src)
+
+    def _write_packed(self, target: BankTarget, packed: PackedInt, source_name: str, file: str) -> None:
+        """One expert's linear in the canonical int layout (quant/intq.py) into its rows of the banks."""
+        fmt = self.format
+        if not isinstance(fmt, IntFormat) or packed.params != fmt.params:
+            raise WeightError(source_name, file, reason=f"packed as {packed.params.name}, but the routed experts "
+                                                        f"of this model are {fmt.name} (a layer holds one format)")
+        banks = self.banks[target.layer]
+        num, hidden, inter = fmt.dims(banks)
+        stacked = packed.qweight.dim() == 3  # all experts at once (dummy weights of fused-expert models)
+        if target.name not in ("w13", "w2") or (target.expert is None) != stacked or \
+                (stacked and packed.qweight.shape[0] != num):
+            raise WeightError(source_name, file, reason="packed integer weights are read per expert and projection")
+        rows = target.rows or (0, hidden if target.name == "w2" else 2 * inter)
+        want = (rows[1] - rows[0], hidden if target.name == "w13" else inter)
+        if tuple(packed.shape) != want:
+            raise WeightError(source_name, file, expected=want, actual=packed.shape)
+        # a packed linear is always [out, K] (target.transpose describes the unquantised tensor)
+        expert = slice(None) if target.expert is None else target.expert
+        fmt.write_linear(banks, target.name, expert, target.rows, packed.qweight, packed.scales, packed.zeros,
+                         packed.gidx)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for b in self.banks.values() for t in b.values())

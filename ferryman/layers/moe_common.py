@@ -10,10 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from ferryman.quant import Banks
+from ferryman.quant.intq import parse_name, quant_code
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
 # the expert formats the MoE Triton kernels read (fp8 blocks: any whose width is a power of two >= 16)
 TRITON_FORMATS = ("dense", "mxfp4", "fp8:128x128", "fp8:channel", "nvfp4", "nvfp4-ct")
+TRITON_FAMILIES = ("int4", "int8")  # format families ("int4:g128:sym", ...) the decode kernel reads
+
+
+def decode_kernel_reads(fmt: str) -> bool:
+    """Whether the Triton decode kernel (layers/fused_moe_triton.py) reads experts of format `fmt`."""
+    return fmt in TRITON_FORMATS or fmt.partition(":")[0] in TRITON_FAMILIES
 
 
 def to_device(device: torch.device) -> Upload:
@@ -61,38 +68,48 @@ class KernelBank:
     has_bias: bool
     g: torch.Tensor | None = None  # nvfp4: global scales [slots, parts] (else the weights again, unread)
     g_stride: int = 0
+    z: torch.Tensor | None = None  # int asym: zero points [slots, out, groups] (else the weights again, unread)
+    z_stride: int = 0
 
 
 def quant_params(fmt: str) -> dict[str, int]:
     """The decode kernels' QF / QA / QB constexprs of a format: 1 = fp8 (QA x QB blocks, QB 0 a
-    scale per row), 2 = nvfp4 (QA 1: the global scale divides), 0 = dense or mxfp4."""
+    scale per row), 2 = nvfp4 (QA 1: the global scale divides), 3 = int (QA: bits, zero points, group
+    indices; QB the group size), 0 = dense or mxfp4."""
     family, _, param = fmt.partition(":")
     if family == "fp8":
         bn, bk = (1, 0) if param == "channel" else (int(v) for v in param.split("x"))
         return dict(QF=1, QA=bn, QB=bk)
     if family in ("nvfp4", "nvfp4-ct"):
         return dict(QF=2, QA=int(family == "nvfp4-ct"), QB=0)
+    if family in TRITON_FAMILIES:  # QF 3: int (quant/intq_triton.py quant_code)
+        p = parse_name(fmt)
+        return quant_code(p.bits, p.group, not p.sym, p.act)
     return dict(QF=0, QA=0, QB=0)
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
-    g = None
+    g = z = None
     if fmt == "mxfp4":
         w, s = banks[f"{proj}_blocks"], banks[f"{proj}_scales"]
     elif fmt.startswith("fp8:"):  # e4m3 bytes as uint8: the kernel decodes their bits
         w, s = banks[proj].view(torch.uint8), banks[f"{proj}_scale"]
     elif fmt.startswith("nvfp4"):
         w, s, g = banks[f"{proj}_packed"], banks[f"{proj}_scale"].view(torch.uint8), banks[f"{proj}_gscale"]
+    elif fmt.partition(":")[0] in TRITON_FAMILIES:  # int codes, scales, zeros (asym), group indices (act)
+        w, s = banks[f"{proj}_qweight"], banks[f"{proj}_scales"]
+        g, z = banks.get(f"{proj}_gidx"), banks.get(f"{proj}_zeros")
     else:
         w, s = banks[proj], banks[proj]
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     b = banks[f"{proj}_bias"] if has_bias else stand_in
-    for name, t in (("weights", w), ("scales", s), ("bias", b)):
-        if t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
+    for name, t in (("weights", w), ("scales", s), ("bias", b), ("global scales / group indices", g), ("zeros", z)):
+        if t is not None and t is not stand_in and t.shape[0] > 0 and not t[0].is_contiguous():
             raise ValueError(f"{fmt} {proj} {name}: each expert's slice must be contiguous for the Triton kernels, "
                              f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
     return KernelBank(w, s, b, (w.stride(0), s.stride(0), b.stride(0) if has_bias else 0), has_bias,
-                      w if g is None else g, 0 if g is None else g.stride(0))
+                      w if g is None else g, 0 if g is None else g.stride(0), w if z is None else z,
+                      0 if z is None else z.stride(0))
 
 
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from ferryman.config import ModelConfig
 from ferryman.models.registry import get_architecture, model_config
+from ferryman.quant.base import get_format
 from ferryman.quant.hf_quant import is_ignored
 from ferryman.quant.linear_layouts import is_linear_weight, linear_layout
 
@@ -31,7 +32,8 @@ def summarize(hf: dict[str, Any]) -> ModelSummary:
     cfg = model_config(hf)
     arch = get_architecture(cfg.model_type)
     params, nbytes = {True: 0, False: 0}, {True: 0, False: 0}  # keyed by "is a routed expert"
-    layout = linear_layout(cfg.quant.linear) if cfg.quant is not None and cfg.quant.linear else None
+    int_ckpt = cfg.quant is not None and cfg.quant.linear.startswith("int:")  # packed by weights/int_source.py
+    layout = linear_layout(cfg.quant.linear) if cfg.quant is not None and cfg.quant.linear and not int_ckpt else None
     for name, (shape, dtype) in arch.checkpoint_tensors(cfg).items():
         numel = math.prod(shape)
         target = arch.map_name(cfg, name)
@@ -42,6 +44,10 @@ def summarize(hf: dict[str, Any]) -> ModelSummary:
         # a quantised Linear: its parts as stored (routed experts stay so; other layers are dequantised at load)
         nbytes[expert] += (sum(math.prod(s) * d.itemsize for s, d in layout.parts(*shape).values())
                            if quantised and layout is not None else numel * dtype.itemsize)
+    if int_ckpt:  # routed experts as their int banks hold them
+        per_expert = get_format(cfg.expert_format).expert_bytes(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                                cfg.expert_bias, cfg.dtype)
+        nbytes[True] = per_expert * len(cfg.moe_layers) * cfg.num_experts
     active_experts = params[True] * cfg.top_k // cfg.num_experts if cfg.num_experts else 0
     return ModelSummary(
         cfg=cfg,

@@ -18,6 +18,8 @@ from typing import Any
 
 from ferryman.config import QuantConfig
 from ferryman.errors import ConfigError
+from ferryman.quant.intq_schemes import DUMMY_CONFIGS as INT_DUMMY_CONFIGS
+from ferryman.quant.intq_schemes import int_expert_format
 
 Reader = Callable[[dict[str, Any]], QuantConfig]
 
@@ -138,6 +140,19 @@ def read_modelopt_fp8(qc: dict[str, Any]) -> QuantConfig:
     return QuantConfig("modelopt", "fp8:channel", "fp8:tensor:weight_scale", ignore)
 
 
+def read_int(qc: dict[str, Any]) -> QuantConfig:
+    """Integer weight-only checkpoints (compressed-tensors pack-quantized, AWQ GEMM, GPTQ): experts in
+    the canonical int format (quant/intq.py); the scheme per Linear is read again at load
+    (weights/int_source.py, quant/intq_schemes.py)."""
+    method = str(qc.get("quant_method"))
+    layout = {"compressed-tensors": "ct"}.get(method, method)
+    if method == "compressed-tensors":
+        ignore = ignore_exact_or_re(qc.get("ignore"))
+    else:
+        ignore = ignore_transformers(qc.get("modules_to_not_convert"))
+    return QuantConfig(method, int_expert_format(qc), f"int:{layout}", ignore)
+
+
 def ct_weights(qc: dict[str, Any]) -> dict[str, Any]:
     """The `weights` args of a compressed-tensors config: one set shared by every config group."""
     groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
@@ -163,6 +178,9 @@ READERS: dict[tuple[str, str], Reader] = {
     ("compressed-tensors", "nvfp4-pack-quantized"): read_ct_nvfp4,
     ("modelopt", "NVFP4"): read_modelopt_nvfp4,
     ("modelopt", "FP8"): read_modelopt_fp8,
+    ("compressed-tensors", "pack-quantized"): read_int,
+    ("awq", ""): read_int,
+    ("gptq", ""): read_int,
 }
 
 
@@ -191,22 +209,25 @@ def quant_from_hf(hf: dict[str, Any], native: tuple[str, ...] = ()) -> QuantConf
 DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
     "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    **INT_DUMMY_CONFIGS,  # int4 (W4A16, groups of 128, symmetric), int8 (W8A16, per channel)
 }
 QUANTIZATIONS = ("none", *DUMMY_CONFIGS)  # the choices of EngineConfig.quantization
 
 
 def with_quantization(hf: dict[str, Any], quantization: str | None, dummy: bool) -> dict[str, Any]:
-    """hf with `--quantization` applied: a dummy model without its own quantization_config takes
-    the named one; a checkpoint's own config wins when it is the same format, and a different one is
-    a ConfigError (weights are not quantised at load)."""
+    """hf with `--quantization` applied: dummy weights take the named one (over a preset's own, as
+    gpt-oss's mxfp4); a checkpoint's own config wins when it is the same format, and a different one
+    is a ConfigError (weights are not quantised at load)."""
     if quantization in (None, "none"):
         return hf
     if quantization not in DUMMY_CONFIGS:
         raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     wanted = quant_from_hf({"quantization_config": DUMMY_CONFIGS[quantization], "model_type": hf.get("model_type")})
     own = quant_from_hf(hf, ("mxfp4",)) if hf.get("quantization_config") else None
-    if own is not None:
-        if wanted is not None and (own.linear or own.method).split(":")[0] == wanted.linear.split(":")[0]:
+    same = own is not None and wanted is not None and \
+        (own.linear or own.method).split(":")[0] == wanted.linear.split(":")[0]
+    if own is not None and (same or not dummy):  # dummy weights take the named format over a preset's own
+        if same:
             return hf
         raise ConfigError(f"--quantization {quantization} conflicts with the model's own quantization_config "
                           f"({own.method}, experts in {own.format or own.method}); leave it out or pick that one")

@@ -15,6 +15,7 @@ from ferryman.experts.store import ExpertStore
 from ferryman.models.registry import get_architecture, model_config, read_config_json
 from ferryman.models.transformer import MoETransformer
 from ferryman.quant.hf_quant import with_quantization
+from ferryman.weights.int_source import int_source
 from ferryman.weights.loader import load_weights
 from ferryman.weights.presets import PRESETS, get_preset, is_preset
 from ferryman.weights.quantised import quantised_linears
@@ -95,6 +96,7 @@ def build_model(
     else:
         assert folder is not None  # presets were rejected above without dummy weights
         source = SafetensorsSource(folder)
+    source = int_source(source, hf, cfg, arch, load_format == "dummy", seed, device)
     load_weights(net, store, arch, cfg, source, progress=progress)
     return LoadedModel(cfg, net.eval(), store, folder)
 

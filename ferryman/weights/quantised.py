@@ -125,6 +125,6 @@ class QuantisedLinears:
 def quantised_linears(arch: Architecture, cfg: ModelConfig, schema: dict[str, TensorSpec],
                       available: set[str] | None = None) -> QuantisedLinears | None:
     """The checkpoint's quantised Linears, or None when it stores none (unquantised, or mxfp4)."""
-    if cfg.quant is None or not cfg.quant.linear:
-        return None
+    if cfg.quant is None or not cfg.quant.linear or cfg.quant.linear.startswith("int:"):
+        return None  # integer checkpoints are read through weights/int_source.py
     return QuantisedLinears(arch, cfg, schema, available)

@@ -1,0 +1,155 @@
+"""Triton kernels of the int expert formats (quant/intq.py): the dequantiser of the batched prefill
+path, reading the slot banks in place, and the decode GEMV's tile loader (`int_rows_dot`, called from
+layers/fused_moe_triton.py), which reads the packed words directly.
+
+Both compute what `IntFormat.dequant` defines: (code - zero) x scale in fp32; the dequantiser then
+rounds once to the output dtype, exactly as the reference. The GEMV sums code differences times x
+per group and scales each group's sum once (or, with a group index per input, scales per input).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _codes(words, BITS: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
+    # words [R, W] int32 -> codes [R, W * 32/BITS] int32: input k = w*P + j at bits j*BITS of word w
+    P: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, P) * BITS
+    codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(codes, [R, W * P])
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, idx_ptr, out_ptr, slot0, q_stride, s_stride, z_stride, g_stride,
+                    OUT: tl.constexpr, K: tl.constexpr, NG: tl.constexpr, GS: tl.constexpr, PART_ROWS: tl.constexpr,
+                    BITS: tl.constexpr, ASYM: tl.constexpr, ACT: tl.constexpr, HAS_IDX: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (i, r, j): rows i*BLOCK_R.., inputs j*BLOCK_K.. of bank row idx[r] (HAS_IDX) or slot0 + r
+    r = tl.program_id(1)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + r).to(tl.int64)
+    else:
+        slot = slot0 + r.to(tl.int64)
+    P: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // P
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < OUT
+    wi = tl.program_id(2) * W + tl.arange(0, W)
+    m = rmask[:, None] & (wi < K // P)[None, :]
+    words = tl.load(q_ptr + slot * q_stride + rows[:, None] * (K // P) + wi[None, :], mask=m, other=0)
+    q = _codes(words, BITS, BLOCK_R, W)  # [R, BK]
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mk = rmask[:, None] & (k < K)[None, :]
+    if ACT:
+        grp = tl.load(g_ptr + slot * g_stride + (rows // PART_ROWS)[:, None] * K + k[None, :], mask=mk, other=0)
+    else:
+        grp = (k // GS)[None, :] + tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.int32)
+    s = tl.load(s_ptr + slot * s_stride + rows[:, None] * NG + grp, mask=mk, other=0.0)
+    if ASYM:
+        z = tl.load(z_ptr + slot * z_stride + rows[:, None] * NG + grp, mask=mk, other=0).to(tl.int32)
+    else:
+        z = 1 << (BITS - 1)
+    val = (q - z).to(tl.float32) * s
+    dst = out_ptr + (r.to(tl.int64) * OUT + rows[:, None]) * K + k[None, :]
+    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=mk)
+
+
+def _rows_contiguous(t: torch.Tensor | None) -> bool:
+    return t is None or (t[0].is_contiguous() if t.shape[0] else True)
+
+
+def dequant_int_rows(bits: int, group: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     gidx: torch.Tensor | None, idx: torch.Tensor | slice, dtype: torch.dtype,
+                     block_r: int = 16, block_k: int = 256) -> torch.Tensor:
+    """Experts `idx` of banks qweight [E, out, K/P], scales [E, out, G], zeros (asym) [E, out, G],
+    gidx (act) [E, parts, K] -> [n, out, K] in `dtype`, read in place (one launch). idx: a step-1
+    slice or a 1-D int tensor on the banks' device."""
+    banks = [qweight, scales, zeros, gidx]
+    if not all(_rows_contiguous(t) for t in banks) or (isinstance(idx, slice) and idx.step not in (None, 1)):
+        banks = [None if t is None else t[idx].contiguous() for t in banks]
+        qweight, scales, zeros, gidx = banks
+        idx = slice(0, qweight.shape[0])
+    e, out, words = qweight.shape
+    k = words * (32 // bits)
+    if isinstance(idx, slice):
+        start, stop, _ = idx.indices(e)
+        n, slot0, index = max(0, stop - start), start, None
+    else:
+        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    res = torch.empty((n, out, k), dtype=dtype, device=qweight.device)
+    if n == 0 or out == 0:
+        return res
+    stand_in = scales
+    z, g = (zeros if zeros is not None else stand_in), (gidx if gidx is not None else stand_in)
+    grid = (triton.cdiv(out, block_r), n, triton.cdiv(k, block_k))
+    _dequant_kernel[grid](qweight, scales, z, g, index if index is not None else qweight, res, slot0,
+                          qweight.stride(0), scales.stride(0), z.stride(0), g.stride(0),
+                          OUT=out, K=k, NG=scales.shape[2], GS=group or k,
+                          PART_ROWS=out // gidx.shape[1] if gidx is not None else out, BITS=bits,
+                          ASYM=zeros is not None, ACT=gidx is not None, HAS_IDX=index is not None,
+                          BLOCK_R=block_r, BLOCK_K=block_k)
+    return res
+
+
+@triton.jit
+def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr,
+                 BLOCK_K: tl.constexpr, QA: tl.constexpr, GS: tl.constexpr, PART_ROWS: tl.constexpr):
+    # rows: [R] weight rows of one expert; q_base -> words [rows, KDIM/P]; s_base/z_base -> [rows, NG]
+    # (NG = KDIM/GS; GS 0: one group per row); g_base -> gidx [parts, KDIM] (act), row r in part
+    # r // PART_ROWS; x_row -> [KDIM]. QA: bits | asym << 4 | act << 5 (quant_code).
+    # Without act and with GS 0 or a power of two, each run of GSTEP inputs shares one group: its
+    # code differences times x are summed, then scaled once; otherwise each input is scaled.
+    # Returns [R] fp32 dot products.
+    BITS: tl.constexpr = QA % 16
+    ASYM: tl.constexpr = (QA // 16) % 2
+    ACT: tl.constexpr = QA // 32
+    P: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // P
+    NG: tl.constexpr = KDIM // GS if GS > 0 else 1
+    RUN: tl.constexpr = (GS if GS < BLOCK_K else BLOCK_K) if GS > 0 and (GS & (GS - 1)) == 0 else 0
+    GSTEP: tl.constexpr = 0 if ACT else (BLOCK_K if GS == 0 else RUN)
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    offs_w = tl.arange(0, W)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([NROWS], dtype=tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        wi = k0 // P + offs_w
+        words = tl.load(q_base + rows[:, None] * (KDIM // P) + wi[None, :],
+                        mask=rmask[:, None] & (wi < KDIM // P)[None, :], other=0)
+        q = _codes(words, BITS, NROWS, W)  # [R, BK]
+        k = k0 + offs_k
+        kmask = k < KDIM
+        x = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)  # [BK], 0 past KDIM
+        if GSTEP > 0:
+            NS: tl.constexpr = BLOCK_K // GSTEP
+            j = tl.arange(0, NS)
+            if GS > 0:
+                grp = tl.minimum((k0 + j * GSTEP) // GS, NG - 1)  # [NS]
+            else:
+                grp = j * 0
+            m2 = rmask[:, None] & ((k0 + j * GSTEP) < KDIM)[None, :]
+            s = tl.load(s_base + rows[:, None] * NG + grp[None, :], mask=m2, other=0.0)  # [R, NS]
+            if ASYM:
+                z = tl.load(z_base + rows[:, None] * NG + grp[None, :], mask=m2, other=0).to(tl.int32)
+            else:
+                z = tl.zeros([NROWS, NS], dtype=tl.int32) + ZERO
+            d = tl.reshape(q, [NROWS, NS, GSTEP]) - z[:, :, None]
+            part = tl.sum(d.to(tl.float32) * tl.reshape(x, [NS, GSTEP])[None, :, :], axis=2)  # [R, NS]
+            acc += tl.sum(part * s, axis=1)
+        else:
+            mk = rmask[:, None] & kmask[None, :]
+            if ACT:
+                grp2 = tl.load(g_base + (rows // PART_ROWS)[:, None] * KDIM + k[None, :], mask=mk, other=0)
+            else:
+                grp2 = (k // GS)[None, :] + tl.zeros([NROWS, BLOCK_K], dtype=tl.int32)
+            s2 = tl.load(s_base + rows[:, None] * NG + grp2, mask=mk, other=0.0)
+            if ASYM:
+                z2 = tl.load(z_base + rows[:, None] * NG + grp2, mask=mk, other=0).to(tl.int32)
+            else:
+                z2 = ZERO
+            acc += tl.sum((q - z2).to(tl.float32) * s2 * x[None, :], axis=1)
+    return acc
