@@ -44,9 +44,11 @@ def main() -> None:
     ap.add_argument("--tail-tokens", type=int, default=64)
     ap.add_argument("--gpu-memory", default=None, help="VRAM budget, e.g. 16GiB (default: the plan's)")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers of MODEL")
+    ap.add_argument("--quantization", default="none",
+                    help="expert format of dummy weights, e.g. int4 or fp8 (default: %(default)s, the model's own)")
     a = ap.parse_args()
     kw = dict(device=a.device, load_format=a.load_format, max_model_len=a.prefix_tokens + a.tail_tokens + 16,
-              max_num_seqs=1, gpu_memory=a.gpu_memory)
+              max_num_seqs=1, gpu_memory=a.gpu_memory, quantization=a.quantization)
     source = fewer_layers(a.model, a.layers) if a.layers else a.model
     warm_llm = LLM(source, **kw)
     g = torch.Generator().manual_seed(0)

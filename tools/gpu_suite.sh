@@ -196,7 +196,8 @@ for s in ${@:-tests}; do
                      --prefill-prompt 0
                  done ;;
     hybridprefix) stage hybrid_prefix 240 python3 benchmarks/bench_prefix_cache.py --model qwen3-next-80b-a3b \
-                   --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 ;;
+                   --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 \
+                   --quantization "${HYBRID_QUANT:-none}" ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
     compare)     compare ;;
