@@ -28,6 +28,10 @@
 #                RAM whole; decode time per layer compares with offload120's
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
+#   strategies   `ferryman bench bw gpt-oss-20b --json` (each CPU kernel's GB/s beside the host read
+#                bandwidth), then gpt-oss-20b at 8 GiB for each moe_strategy (offload, hybrid, layers,
+#                auto): one sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~4 min
+#   strategies8  the same strategies decoding 8 sequences together (bench_batch_decode); ~3 min
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -151,6 +155,16 @@ for s in ${@:-tests}; do
                    --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
+    strategies)  stage bench_bw 100 python3 -m ferryman bench bw gpt-oss-20b --reps 3 \
+                   --output "$OUT/calibration.json" --json "$OUT/bench_bw.json"
+                 for m in offload hybrid layers auto; do
+                   stage "strategy_$m" 75 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB \
+                     --moe-strategy "$m" --decode-tokens 128 --prefill-prompt 0 --json "$OUT/strategy_$m.json"
+                 done ;;
+    strategies8) for m in offload hybrid layers auto; do
+                   stage "strategy8_$m" 60 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB \
+                     --seqs 8 --strategy "$m" --modes early --reps 1 --tokens 48 --json "$OUT/strategy8_$m.json"
+                 done ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac

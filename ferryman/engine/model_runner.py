@@ -55,7 +55,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
         # resident experts, or a slot cache of a host store (experts/placement.py); expert_options:
-        # offload_backend's (cpu_experts, calibration, decode_prefetch)
+        # offload_backend's (strategy, calibration, decode_prefetch)
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
                                     **(expert_options or {}))
         for block in self.model.moe_blocks():
@@ -141,7 +141,7 @@ class ModelRunner:
 
     def rebind_experts(self, **options: Any) -> OffloadExperts:
         """Replace the offloaded experts by a fresh backend (same store and slot count) built with
-        `options` (offload_backend's: policy, prefetch, decode_prefetch, cpu_experts, ...); returns it."""
+        `options` (offload_backend's: policy, prefetch, decode_prefetch, strategy, ...); returns it."""
         old = self.experts
         if not isinstance(old, OffloadExperts):
             raise ValueError("rebind_experts needs an engine whose experts are offloaded")

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration, sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
-from ferryman.config import CPU_EXPERTS
 from ferryman.layers.fused_moe import MoEActivation
 
 if TYPE_CHECKING:
@@ -40,6 +39,9 @@ MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks st
 OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
 RELAX_PER_STEP = 0.02  # per engine step, the share of the way back to the calibrated CPU rate
 MIN_CPU = 2  # a layer step computes misses on the CPU only if the split gives it at least this many
+SPLIT_MODES = ("off", "auto", "on")  # moe_strategy offload | auto | hybrid (experts/placement.py)
+FALLBACK_SHARE = 0.8  # auto: the split stops when the CPU runs below this share of its predicted rate
+FALLBACK_JOBS = 64  # ... judged after this many CPU jobs
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -76,7 +78,7 @@ class HybridDecision:
 
     def describe(self) -> str:
         q = self.link / (self.link + self.cpu) if self.link + self.cpu > 0 else 1.0
-        return (f"cpu_experts={self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
+        return (f"split {self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
                 f"link {self.link:,.0f} experts/s, CPU {self.cpu:,.0f} experts/s (+{self.slope:.2f} per extra token), "
                 f"fetch share at 1 token {q:.2f}; "
                 f"rates {self.source}")
@@ -106,8 +108,8 @@ def slope_of(cal: Calibration) -> float:
 
 
 def decide(mode: str, r_link: float, r_cpu: float, source: str, slope: float = 0.0) -> HybridDecision:
-    if mode not in CPU_EXPERTS:
-        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"the split mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     if mode == "off":
         return HybridDecision(mode, False, r_link, r_cpu, source, "off", slope)
     if mode == "on":
@@ -213,6 +215,19 @@ class HybridSplit:
             return
         self.cpu_rate += OBSERVE_WEIGHT * (units / seconds - self.cpu_rate)
         self.observed += 1
+        self._fall_back()
+
+    def _fall_back(self) -> None:
+        """auto: stop splitting (plain offload from then on) once the CPU, after FALLBACK_JOBS jobs,
+        runs more than 1 - FALLBACK_SHARE below the rate the split was predicted with: the split's
+        balance is then wrong, and with a CPU that slow the link alone is not slower."""
+        d = self.decision
+        if d.mode != "auto" or not d.enabled or self.observed < FALLBACK_JOBS:
+            return
+        if self.cpu_rate < FALLBACK_SHARE * d.cpu:
+            self.decision = replace(d, enabled=False, reason=f"fell back to offload: the CPU ran "
+                                    f"{self.cpu_rate:,.0f} experts/s, under {FALLBACK_SHARE} x the predicted {d.cpu:,.0f}")
+            log.warning("moe_strategy auto: %s", self.decision.reason)
 
     def advance(self) -> None:
         """A new engine step: age the reuse history, and draw the CPU rate back toward the
@@ -232,12 +247,12 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
                 calibration: str | Path | None = None) -> HybridSplit | None:
     """None for "off"; else the split with rates from the calibration file for this model's experts
     on this machine, or measured now in a few hundred ms on the engine's own store and slots."""
-    if mode not in CPU_EXPERTS:
-        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"the split mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     if mode == "off":
         return None
     if mode == "auto" and cache.device.type != "cuda":
-        log.info("cpu_experts=auto: hybrid off (the device is the CPU: its slots and the host store share one memory)")
+        log.info("moe_strategy auto: no split (the device is the CPU: its slots and the host store share one memory)")
         return None
     key = expert_key(cache.store.cfg, cache.store.dtype)
     cal, why = load_matching(key, Path(calibration) if calibration is not None else None)
