@@ -97,3 +97,24 @@ def test_demo_model_strategies_equal_resident(name: str, tmp_path: Path) -> None
     llm = LLM(**_strategies(tmp_path, demo_config())[name], **kw)
     assert greedy_ids(llm, ids, 24) == greedy_ids(resident, ids, 24)
     assert llm.stats()["moe_strategy"] == "offload"  # the memory plan's: host RAM + slots
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_ends_both_paths_within_one_expert(seed: int) -> None:
+    """The split's cost model on synthetic rates: fetching F misses (F / r_link) and computing the
+    others on the CPU (their summed costs) end within one expert's time of each other, unless every
+    miss goes one way (then moving one more would make that side end later)."""
+    from ferryman.experts.hybrid import split_costs
+
+    gen = torch.Generator().manual_seed(seed)
+    r_link = float(torch.randint(500, 5000, (1,), generator=gen))
+    costs = [float(c) for c in torch.rand(int(torch.randint(1, 40, (1,), generator=gen)), generator=gen) * 2e-3 + 1e-4]
+    f = split_costs(costs, r_link)
+    link, cpu = f / r_link, sum(costs[f:])
+    one = max(1.0 / r_link, max(costs))
+    if 0 < f < len(costs):
+        assert abs(link - cpu) <= one + 1e-12, (f, link, cpu, one)
+    elif f == 0:
+        assert cpu <= 1.0 / r_link + 1e-12  # fetching the first would end later than the CPU's all
+    else:
+        assert link <= costs[-1] + 1e-12  # computing the last on the CPU would end no sooner
