@@ -19,7 +19,7 @@ from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
 from triton_interp import set_read_once, use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler to build the CPU kernel")
-ISAS = ["avx512", "avx2", "portable"]
+ISAS = ["avx512bf16", "avx512", "avx2", "portable"]
 TOKENS = [1, 2, 7, 32]
 
 
@@ -61,6 +61,19 @@ def test_dense_matches_matmul(dtype: torch.dtype, k: int, tokens: int, isa: str)
     want = x.double() @ w.double().T
     got = cpu_kernel.matmul(x, w, fmt="dense", isa=isa)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_times_bf16_matches_matmul(tokens: int, isa: str) -> None:
+    """bf16 weights times bf16 activations (vdpbf16ps where the CPU has AVX512-BF16, else the
+    portable loop): the float64 product of the same bf16 values."""
+    gen = torch.Generator().manual_seed(tokens)
+    w = torch.randn(24, 2880, generator=gen).bfloat16()
+    x = torch.randn(tokens, 2880, generator=gen).bfloat16().float()
+    got = cpu_kernel.matmul(x, w, fmt="dense", isa=isa, x_bf16=True)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel

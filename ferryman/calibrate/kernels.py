@@ -40,7 +40,7 @@ def kernel_rates(cfg: ModelConfig, act: MoEActivation, read_gbps: float, reps: i
         n = max(k + 1, -(-pool_bytes // eb))
         banks = form.random_banks(n, hidden, inter, cfg.expert_bias, dtype, torch.Generator().manual_seed(0))
         for t in tokens:
-            seconds = _job_seconds(banks, fmt, k, t, act, reps)
+            seconds = _job_seconds(banks, fmt, k, t, act, reps, dtype)
             gbps = k * eb / seconds / 1e9
             rows.append({"kernel": label, "tokens": t, "experts_per_s": k / seconds, "gbps": gbps,
                          "of_host_read": gbps / read_gbps if read_gbps > 0 else None, "expert_bytes": eb})
@@ -49,11 +49,13 @@ def kernel_rates(cfg: ModelConfig, act: MoEActivation, read_gbps: float, reps: i
 
 
 def _job_seconds(banks: dict[str, torch.Tensor], fmt: str, k: int, tokens: int, act: MoEActivation,
-                 reps: int) -> float:
-    """Median seconds of one layer job: `tokens` tokens each routed to the same k distinct experts."""
+                 reps: int, dtype: torch.dtype) -> float:
+    """Median seconds of one layer job: `tokens` tokens (activations in `dtype`, as an engine of that
+    dtype has them: bf16 x bf16 takes vdpbf16ps where the CPU has it) each routed to the same k
+    distinct experts."""
     num = next(iter(banks.values())).shape[0]
     cycle = ExpertCycle(1, num, k)
-    x = torch.randn(tokens, get_format(fmt).dims(banks)[1], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(tokens, get_format(fmt).dims(banks)[1], generator=torch.Generator().manual_seed(1)).to(dtype)
     w = [1.0 / k] * tokens
     bias: dict = {}
 

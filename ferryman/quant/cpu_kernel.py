@@ -34,10 +34,21 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_experts.c"
 # tried in order: the first that builds is used (no OpenMP: one thread)
 FLAG_SETS = (("-O3", "-fopenmp"), ("-O3",))
-ISAS = {"avx512": 2, "avx2": 1, "portable": 0}  # at most this instruction set (the CPU's own decides)
+# at most this instruction set (the CPU's own decides); avx512bf16 adds vdpbf16ps for bf16 x bf16
+ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1, "portable": 0}
 # (format name, bank dtype or None for any) -> the C kernel's format code
 KERNEL_FORMATS = {("mxfp4", None): 0, ("dense", torch.bfloat16): 1, ("dense", torch.float32): 2,
                   ("dense", torch.float16): 3}
+BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX512-BF16's dot product
+
+
+def product_code(fmt: str, dtype: torch.dtype, x_dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int | None:
+    """The kernel's code for experts of `fmt` (weight bank `dtype`) times activations of `x_dtype`:
+    bf16 x bf16 goes through vdpbf16ps where the CPU has it (rounding bf16 values to bf16 is exact),
+    else as format_code says."""
+    if (fmt, dtype, x_dtype) == ("dense", torch.bfloat16, torch.bfloat16) and isa_name(lib) == "avx512bf16":
+        return BF16_TIMES_BF16
+    return format_code(fmt, dtype)
 
 
 def format_code(fmt: str, dtype: torch.dtype) -> int | None:
@@ -125,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def isa_name(lib: ctypes.CDLL | None = None) -> str:
-    """The instruction set the kernel runs here: avx512, avx2 or portable ("none": not built)."""
+    """The instruction set the kernel runs here: avx512bf16, avx512, avx2 or portable ("none": not built)."""
     lib = lib or (_library() if envs.CPU_KERNEL else None)
     if lib is None:
         return "none"
@@ -152,10 +163,11 @@ def need_library(lib: ctypes.CDLL | None) -> ctypes.CDLL:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, fmt: str = "mxfp4",
-           isa: str = "avx512", lib: ctypes.CDLL | None = None) -> torch.Tensor:
+           isa: str = "avx512bf16", lib: ctypes.CDLL | None = None, x_bf16: bool = False) -> torch.Tensor:
     """x [T, K] fp32 @ W^T -> [T, N] fp32. mxfp4: w = blocks [N, K/32, 16] uint8, scales [N, K/32];
-    dense: w = [N, K] bf16/fp32/fp16. isa: the most the kernel may use (tests compare them)."""
-    code = format_code(fmt, w.dtype)
+    dense: w = [N, K] bf16/fp32/fp16. isa: the most the kernel may use (tests compare them);
+    x_bf16: bf16 weights times x's values as bf16 (BF16_TIMES_BF16, x must hold bf16 values)."""
+    code = BF16_TIMES_BF16 if x_bf16 and (fmt, w.dtype) == ("dense", torch.bfloat16) else format_code(fmt, w.dtype)
     if code is None:
         raise ValueError(f"matmul: no CPU kernel for {fmt} weights of {w.dtype}")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from ferryman.quant.cpu_kernel import ACTIVATIONS, ISAS, Pairs, need_library, format_code, threads
+from ferryman.quant.cpu_kernel import ACTIVATIONS, ISAS, Pairs, format_code, need_library, product_code, threads
 
 # format -> (w13 weights, w13 scales, w2 weights, w2 scales); the weights' leading dims are [E, rows]
 BANKS = {"mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "dense": ("w13", None, "w2", None)}
@@ -39,7 +39,7 @@ class LayerJob:
         if fmt not in BANKS or format_code(fmt, banks[BANKS[fmt][0]].dtype) is None:
             raise ValueError(f"LayerJob: no CPU kernel for {fmt} experts")
         self.lib = need_library(None)
-        self.code = format_code(fmt, banks[BANKS[fmt][0]].dtype)
+        self.code = product_code(fmt, banks[BANKS[fmt][0]].dtype, x.dtype, self.lib)
         self.x = x.float().contiguous()  # [T, H]
         hidden, self.inter = layer_dims(fmt, banks)
         if self.x.dim() != 2 or self.x.shape[1] != hidden:
@@ -79,7 +79,7 @@ class LayerJob:
             self.keep.append(t)
         return t.data_ptr()
 
-    def run(self, isa: str = "avx512") -> torch.Tensor:
+    def run(self, isa: str = "avx512bf16") -> torch.Tensor:
         """The [T, H] fp32 sum of the experts' weighted outputs. isa: the most the kernel may use
         (tests compare the instruction sets)."""
         out = torch.zeros_like(self.x)

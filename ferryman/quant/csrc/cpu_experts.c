@@ -6,6 +6,8 @@
  *   1 bf16   W = [N, K] bfloat16
  *   2 f32    W = [N, K] float32
  *   3 f16    W = [N, K] float16
+ *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
+ *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -37,8 +39,8 @@
 #define TILE 8        /* tokens per pass over a row */
 #define MAX_GROUPS 4096 /* K <= 131072 for the per-row scale table */
 
-enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, N_FORMATS };
-enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, N_FORMATS };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, N_ISAS };
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -76,6 +78,16 @@ static void prep_mxfp4(const float *x, float *xp, int64_t K) {
 }
 
 static void prep_plain(const float *x, float *xp, int64_t K) { memcpy(xp, x, sizeof(float) * (size_t)K); }
+
+/* bf16x: x's values (bf16 ones, held in fp32) as bf16, in the first 2K bytes of the token's row */
+static void prep_bf16(const float *x, float *xp, int64_t K) {
+    uint16_t *out = (uint16_t *)xp;
+    for (int64_t k = 0; k < K; k++) {
+        uint32_t b;
+        memcpy(&b, x + k, 4);
+        out[k] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16); /* round to nearest even (exact on bf16 values) */
+    }
+}
 
 /* ---- row decoders: y[t * ys + n] += W[n, k0:k1] . xp[t, k0:k1] for n in [n0, n1), t < nt -------
  * k0, k1: multiples of SPAN, or k1 = K (MXFP4's groups after the last whole span go with the last
@@ -146,6 +158,20 @@ DENSE_PORTABLE(bf16_portable, uint16_t, bf16_scalar)
 DENSE_PORTABLE(f32_portable, float, f32_scalar)
 DENSE_PORTABLE(f16_portable, uint16_t, half_float)
 
+static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                                int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    (void)s;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = (const uint16_t *)w + n * K;
+        float acc[TILE] = {0};
+        for (int64_t k = k0; k < k1; k++) {
+            float v = bf16_scalar(row[k]);
+            for (int t = 0; t < nt; t++) acc[t] += v * bf16_scalar(((const uint16_t *)(xp + t * K))[k]);
+        }
+        for (int t = 0; t < nt; t++) y[t * ys + n] += acc[t];
+    }
+}
+
 #ifdef FM_X86
 #include "cpu_experts_x86.h"
 #else
@@ -157,6 +183,7 @@ DENSE_PORTABLE(f16_portable, uint16_t, half_float)
 #define rows_bf16_avx2 rows_bf16_portable
 #define rows_f32_avx2 rows_f32_portable
 #define rows_f16_avx2 rows_f16_portable
+#define rows_bf16x_avx512bf16 rows_bf16x_portable
 static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 
@@ -164,7 +191,7 @@ typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
     void (*prep)(const float *x, float *xp, int64_t K);
     int64_t k_multiple;              /* K must be a multiple of this */
-    rows_fn rows[3];                 /* by ISA_* */
+    rows_fn rows[N_ISAS];            /* by ISA_* */
 } format_t;
 
 static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
@@ -172,10 +199,15 @@ static int64_t two_byte_row(int64_t K) { return 2 * K; }
 static int64_t four_byte_row(int64_t K) { return 4 * K; }
 
 static const format_t FORMATS[N_FORMATS] = {
-    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK, {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512}},
-    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512}},
-    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512}},
-    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512}},
+    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
+                   {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512}},
+    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512}},
+    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512}},
+    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512}},
+    /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
+     * portable loop keeps the format exact everywhere */
+    [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
+                   {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16}},
 };
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */
@@ -185,7 +217,7 @@ static int pick_isa(int limit) {
     return ISA_PORTABLE;
 }
 
-int ferryman_cpu_isa(void) { return pick_isa(ISA_AVX512); }
+int ferryman_cpu_isa(void) { return pick_isa(ISA_AVX512BF16); }
 
 int ferryman_cpu_has_openmp(void) {
 #ifdef _OPENMP

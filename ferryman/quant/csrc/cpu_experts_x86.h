@@ -3,6 +3,7 @@
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
+#define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 #define INLINE512 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,fma")))
 #define INLINE256 static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
@@ -11,6 +12,7 @@ static int cpu_has(int isa) {
     if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                                   __builtin_cpu_supports("avx512vl");
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX512BF16) return cpu_has(ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
     return 1;
 }
 
@@ -255,3 +257,27 @@ INLINE256 __m256 f16_load8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu
 DENSE256(bf16_avx2, uint16_t, bf16_load8, bf16_scalar)
 DENSE256(f32_avx2, float, f32_load8, f32_scalar)
 DENSE256(f16_avx2, uint16_t, f16_load8, half_float)
+
+/* ---- AVX512-BF16 (compiled everywhere, run only where CPUID reports it) -------------------------- */
+/* bf16 weights times bf16 activations: one vdpbf16ps multiplies 32 pairs and adds them in pairs into
+ * 16 fp32 lanes; up to 4 tokens per pass, a row's chunk at a time */
+TBF16 static void rows_bf16x_avx512bf16(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                                        int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    (void)s;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = (const uint16_t *)w + n * K;
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            int m = nt - t0 < 4 ? nt - t0 : 4;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t k = k0; k < k1; k += 32) {
+                __mmask32 mk = k1 - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k1 - k)) - 1);
+                __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, row + k);
+                for (int t = 0; t < m; t++) {
+                    const uint16_t *xt = (const uint16_t *)(xp + (t0 + t) * K);
+                    acc[t] = _mm512_dpbf16_ps(acc[t], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, xt + k));
+                }
+            }
+            for (int t = 0; t < m; t++) y[(t0 + t) * ys + n] += _mm512_reduce_add_ps(acc[t]);
+        }
+    }
+}
