@@ -172,7 +172,8 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
     assert seconds > 0 and torch.equal(threaded.result(threaded.submit(2, x, ids, w, on_cpu))[0], part)
     rest = fused_moe("dense", store.banks[2], x, ids, w.masked_fill(torch.isin(ids, torch.tensor(on_cpu)), 0), act)
     whole = fused_moe("dense", store.banks[2], x, ids, w, act)
-    assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
+    # the CPU's part is the C kernel's (fp32, its own summation order): within fp32 rounding
+    assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-5)
     assert inline.stats()["cpu_computed"] == 3 and inline.stats()["cpu_pairs"] == 5
 
 

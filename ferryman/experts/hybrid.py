@@ -8,8 +8,9 @@ fetch F of them and compute the M - F others on the CPU at the same time, F mini
     max(F / r_link, sum of the CPU's costs)        (both sides finish together)
 
 An expert with n tokens costs the CPU (1 + slope * (n - 1)) / r_cpu (`units`). A split that would
-give the CPU fewer than MIN_CPU misses fetches them all (each CPU job costs a copy of x to the host
-and a hand-off). The fetched ones are the misses used most recently and most often
+give the CPU fewer than MIN_CPU misses fetches them all; each CPU job also costs CPU_JOB_SECONDS once
+(a copy of x to the host, a hand-off, the kernel's threads waking), so one miss goes to the CPU only
+when that leaves both sides ending sooner. The fetched ones are the misses used most recently and most often
 (`ReuseHistory`): fetching is what puts them in the cache; the others are computed, not cached.
 
 It applies to decode-sized steps only (at most MAX_SPLIT_TOKENS tokens, not a streaming prefill
@@ -38,7 +39,11 @@ MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
 MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
 OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
 RELAX_PER_STEP = 0.02  # per engine step, the share of the way back to the calibrated CPU rate
-MIN_CPU = 2  # a layer step computes misses on the CPU only if the split gives it at least this many
+MIN_CPU = 1  # a layer step computes misses on the CPU only if the split gives it at least this many
+# what a CPU job costs beside its experts: x copied to the host, the hand-off to the worker, the
+# kernel's threads waking, the [T, H] part copied back; the split counts it once per layer step, so
+# a lone miss goes to the CPU only when the CPU alone beats the link by this much
+CPU_JOB_SECONDS = 1e-4
 SPLIT_MODES = ("off", "auto", "on")  # moe_strategy offload | auto | hybrid (experts/placement.py)
 FALLBACK_SHARE = 0.8  # auto: the split stops when the CPU runs below this share of its predicted rate
 FALLBACK_JOBS = 64  # ... judged after this many CPU jobs
@@ -54,15 +59,16 @@ def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
     return split_costs([1.0 / r_cpu] * misses, r_link)
 
 
-def split_costs(costs: list[float], r_link: float) -> int:
+def split_costs(costs: list[float], r_link: float, job_seconds: float = 0.0) -> int:
     """F: fetch the first F misses (at r_link experts/s) while the CPU computes the others, miss i
-    costing it costs[i] seconds, so that the later of the two ends first; a tie goes to fetching."""
+    costing it costs[i] seconds and the job `job_seconds` once, so that the later of the two ends
+    first; a tie goes to fetching."""
     if r_link <= 0:
         return 0
     # tail[f]: the CPU's time when the first f are fetched
     tail = [0.0] * (len(costs) + 1)
     for i in range(len(costs) - 1, -1, -1):
-        tail[i] = tail[i + 1] + costs[i]
+        tail[i] = tail[i + 1] + costs[i] + (job_seconds if i == len(costs) - 1 else 0.0)
     return min(range(len(costs) + 1), key=lambda f: (max(f / r_link, tail[f]), -f))
 
 
@@ -175,7 +181,8 @@ class HybridSplit:
         if self.cpu_rate <= 0:
             f = len(misses)
         else:
-            f = split_costs([self.units([e], tokens) / self.cpu_rate for e in ranked], self.decision.link)
+            f = split_costs([self.units([e], tokens) / self.cpu_rate for e in ranked], self.decision.link,
+                            CPU_JOB_SECONDS)
         if len(misses) - f < self.min_cpu:  # too few to pay for the CPU job's fixed cost: fetch them
             f = len(misses)
         f = min(max(f, min(device_min, len(misses))), max(0, room))
@@ -192,7 +199,8 @@ class HybridSplit:
         the layer before computes; the layer's own split then shares what is left with the CPU, so
         the CPU keeps work and the link keeps busy through the gap between layers."""
         ranked = self._ranked(layer, misses)
-        f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link)
+        f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link,
+                                                               CPU_JOB_SECONDS)
         if len(misses) - f < self.min_cpu:  # the layer's split would fetch these too (`split`)
             f = len(misses)
         return sorted(ranked[:f])
