@@ -53,6 +53,7 @@ class Defaults:
     """The engine's own settings that modes override, read once before the first mode."""
 
     margin: float | None  # the cache policy's admission margin (lrfu)
+    split_by_mode: bool = True  # modes turn the hybrid split on (+cpu) and off; False: --strategy decides
 
     @staticmethod
     def of(llm: LLM) -> "Defaults":
@@ -76,7 +77,7 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     hybrid = getattr(experts, "hybrid", None)
     if "cpu" in mode and hybrid is None:
         raise SystemExit(f"mode {mode!r} needs the engine started with the hybrid split (--modes lists a cpu mode)")
-    if hybrid is not None:
+    if hybrid is not None and defaults.split_by_mode:  # --strategy: the engine's own choice stands
         hybrid.decision = dataclasses.replace(hybrid.decision, enabled="cpu" in mode)
 
 
@@ -186,7 +187,7 @@ def main() -> None:
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
     gen = torch.Generator().manual_seed(0)
     rand = lambda: torch.randint(1, eng.cfg.vocab_size, (a.prompt,), generator=gen).tolist()  # noqa: E731
-    defaults = Defaults.of(llm)
+    defaults = dataclasses.replace(Defaults.of(llm), split_by_mode=a.strategy is None)
     set_mode(llm, modes[0], defaults)
     run(llm, [rand() for _ in range(a.seqs)], 8, bw)  # warm-up: compiles, graph captures
     print(f"{model} at {budget}: {eng.stats()['experts'].get('slots')} slots, {a.seqs} sequences x {a.tokens} tokens "

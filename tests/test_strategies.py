@@ -118,3 +118,23 @@ def test_split_ends_both_paths_within_one_expert(seed: int) -> None:
         assert cpu <= 1.0 / r_link + 1e-12  # fetching the first would end later than the CPU's all
     else:
         assert link <= costs[-1] + 1e-12  # computing the last on the CPU would end no sooner
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hybrid", "cpu", "layers"])
+def test_cuda_strategies_equal_resident(name: str, tmp_path: Path) -> None:
+    """On CUDA the CPU's layers and misses run in the worker thread beside the device (the
+    per-layer decode graphs wait for the CPU's part); fp32, so the tokens are the resident ones."""
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=32)
+    resident = LLM(**kw)
+    ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
+    opts = _strategies(tmp_path, demo_config())[name]
+    if name == "hybrid":  # on CUDA the split reads the link's rate from h2d
+        import dataclasses
+
+        cal = calibration_of(demo_config(), torch.float32, 1000.0, 1000.0)
+        save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")
+    llm = LLM(**opts, **kw)
+    assert llm.engine.runner.experts.cpu.pool is not None
+    assert greedy_ids(llm, ids, 24) == greedy_ids(resident, ids, 24)
+    assert llm.stats()["experts"]["cpu_computed"] > 0
