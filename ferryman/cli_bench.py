@@ -91,7 +91,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 BW_DESCRIPTION = """\
-Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts splits by:
+Measure, for MODEL's own experts (shape, format, dtype), the rates the hybrid split (--moe-strategy hybrid, auto) uses:
   (a) host memory read bandwidth
   (b) copies of one expert: pinned host -> device (with CUDA), and host -> host
   (c) CPU expert compute on the hybrid's own path: 1 token x top-k experts, then 4 tokens per expert

@@ -141,11 +141,13 @@ class ModelRunner:
 
     def rebind_experts(self, **options: Any) -> OffloadExperts:
         """Replace the offloaded experts by a fresh backend (same store and slot count) built with
-        `options` (offload_backend's: policy, prefetch, decode_prefetch, strategy, ...); returns it."""
+        `options` (offload_backend's: policy, prefetch, decode_prefetch, strategy, ...; the CPU's
+        layers stay the old backend's unless given); returns it."""
         old = self.experts
         if not isinstance(old, OffloadExperts):
             raise ValueError("rebind_experts needs an engine whose experts are offloaded")
         store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
+        options.setdefault("cpu_layers", len(old.cpu_layers))
         if device.type == "cuda":  # copies into the old pool may still be in flight
             torch.cuda.synchronize(device)
         if isinstance(self.graphs, SegmentedDecode):  # its MoE graphs hold the old backend
