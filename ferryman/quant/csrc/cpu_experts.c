@@ -20,6 +20,12 @@
  * __builtin_cpu_supports): AVX-512 (F+BW), AVX2+FMA, or the portable loop; each vector function
  * carries its own target attribute, so the library builds without -march flags and runs anywhere.
  * Loaded with ctypes by ferryman/quant/cpu_kernel.py, which builds it at first use.
+ *
+ * A new format (int4 groups, FP8 blocks, GGUF Q4_K / Q6_K / Q8_0, ...): a `rows_*` decoder (the
+ * portable one at least; vector ones per ISA where they pay), a `prep_*` if its activations want
+ * another order, `row_bytes`, one entry in FORMATS; then its code in cpu_kernel.py KERNEL_FORMATS
+ * and its bank names in cpu_layer.py BANKS. Weights and scales arrive as two pointers per expert
+ * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
  */
 #include <stdint.h>
 #include <stdlib.h>
