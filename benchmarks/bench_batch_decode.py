@@ -17,8 +17,9 @@ engine (set beside a served run, this separates the engine from the server aroun
 Modes switch inside one engine, in turn (off, early, off, early, ...), so the A/B shares the
 machine's state: `off` and `early` set the decode prefetch (OffloadConfig.decode_prefetch: the
 next layer's router on this layer's MoE input, with the engine's guess widths); `cpu` and
-`early+cpu` also turn on the hybrid split (the engine is then started with --cpu-experts on;
-`off`/`early` switch it off); `+noadm` turns the cache policy's admission control off (lrfu
+`early+cpu` also turn on the hybrid split (the engine is then started with --moe-strategy hybrid;
+`off`/`early` switch it off); --strategy starts the engine with another moe_strategy (layers, cpu,
+auto: then only `off`/`early` apply); `+noadm` turns the cache policy's admission control off (lrfu
 admit_margin None, experts/policies.py).
 """
 
@@ -52,6 +53,7 @@ class Defaults:
     """The engine's own settings that modes override, read once before the first mode."""
 
     margin: float | None  # the cache policy's admission margin (lrfu)
+    split_by_mode: bool = True  # modes turn the hybrid split on (+cpu) and off; False: --strategy decides
 
     @staticmethod
     def of(llm: LLM) -> "Defaults":
@@ -75,7 +77,7 @@ def set_mode(llm: LLM, mode: str, defaults: Defaults) -> None:
     hybrid = getattr(experts, "hybrid", None)
     if "cpu" in mode and hybrid is None:
         raise SystemExit(f"mode {mode!r} needs the engine started with the hybrid split (--modes lists a cpu mode)")
-    if hybrid is not None:
+    if hybrid is not None and defaults.split_by_mode:  # --strategy: the engine's own choice stands
         hybrid.decision = dataclasses.replace(hybrid.decision, enabled="cpu" in mode)
 
 
@@ -165,6 +167,8 @@ def main() -> None:
     ap.add_argument("--closed-loop", type=int, default=0, metavar="ROUNDS",
                     help="each of --seqs users sends ROUNDS requests back to back, as `ferryman bench serve` "
                          "does (prefills mixed in; tok/s over the whole run and mean TTFT); 0: decode only")
+    ap.add_argument("--strategy", default=None,
+                    help="the engine's moe_strategy (default: hybrid when --modes lists a cpu mode, else offload)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -177,13 +181,13 @@ def main() -> None:
     if model != "demo":
         kw["load_format"] = "dummy"
     llm = LLM(None if model == "demo" else model, max_num_seqs=a.seqs, max_model_len=a.max_model_len,
-              moe_strategy="offload", cpu_experts="on" if hybrid else "off", progress=False, **kw)
+              moe_strategy=a.strategy or ("hybrid" if hybrid else "offload"), progress=False, **kw)
 
     eng = llm.engine
     bw = link_bandwidth(eng.plan.slot_bytes, eng.device)
     gen = torch.Generator().manual_seed(0)
     rand = lambda: torch.randint(1, eng.cfg.vocab_size, (a.prompt,), generator=gen).tolist()  # noqa: E731
-    defaults = Defaults.of(llm)
+    defaults = dataclasses.replace(Defaults.of(llm), split_by_mode=a.strategy is None)
     set_mode(llm, modes[0], defaults)
     run(llm, [rand() for _ in range(a.seqs)], 8, bw)  # warm-up: compiles, graph captures
     print(f"{model} at {budget}: {eng.stats()['experts'].get('slots')} slots, {a.seqs} sequences x {a.tokens} tokens "

@@ -1,4 +1,4 @@
-"""CPU MXFP4 expert products: the C kernel (quant/mxfp4_cpu.py) against the torch path it replaces
+"""CPU MXFP4 expert products: the C kernel (quant/cpu_kernel.py) against the torch path it replaces
 (dequantise to the activation dtype, then a matmul), on gpt-oss expert shapes.
 
     python benchmarks/bench_cpu_mxfp4.py [--tokens 1,2,4,8] [--threads 0,8] [--pool-mib 512]
@@ -19,7 +19,7 @@ import time
 import torch
 
 from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
-from ferryman.quant import mxfp4_cpu
+from ferryman.quant import cpu_kernel
 
 
 def _experts(n: int, hidden: int, inter: int) -> list[tuple[torch.Tensor, ...]]:
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="passes over the pool")
     a = ap.parse_args()
     default_threads = torch.get_num_threads()
-    if not mxfp4_cpu.available():
+    if not cpu_kernel.available():
         raise SystemExit("the CPU MXFP4 kernel is unavailable here (see the warning above)")
     per_expert = 3 * a.hidden * a.inter * 17 // 32  # blocks + scales bytes of w13 and w2
     pool = _experts(max(2, (a.pool_mib << 20) // per_expert), a.hidden, a.inter)
@@ -61,8 +61,8 @@ def main() -> None:
 
         def kernel_pass() -> None:
             for b13, s13, b2, s2 in pool:
-                mxfp4_cpu.mxfp4_matmul(x, b13, s13)
-                mxfp4_cpu.mxfp4_matmul(h, b2, s2)
+                cpu_kernel.matmul(x, b13, s13)
+                cpu_kernel.matmul(h, b2, s2)
 
         def torch_pass() -> None:
             for b13, s13, b2, s2 in pool[:4]:

@@ -102,8 +102,6 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         kw["gpu_memory"] = budget
     if a.expert_cache:
         kw["expert_cache"] = a.expert_cache
-    if a.cpu_experts != "off":
-        kw["cpu_experts"] = a.cpu_experts
     if a.no_decode_prefetch:
         kw["decode_prefetch"] = False
     source = fewer_layers(model, a.layers) if a.layers and not demo else model
@@ -154,7 +152,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "chunk": chunk,
         "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
-        "cpu_experts": a.cpu_experts, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
+        "moe_strategy": a.moe_strategy, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
         "hybrid": experts.get("hybrid"),
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
@@ -214,14 +212,13 @@ def main() -> None:
     ap.add_argument("--ttft-prompt", type=int, default=4096, help="prompt tokens of the TTFT run (0: skip)")
     ap.add_argument("--prefill-prompt", type=int, default=8192, help="prompt tokens of the prefill run (0: skip)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (the per-layer graphs of offload decode)")
-    ap.add_argument("--moe-strategy", default="auto", choices=["auto", "resident", "offload"])
+    ap.add_argument("--moe-strategy", default="auto",
+                    help="auto | resident | offload | hybrid | cpu | layers[:N] (docs/configuration.md)")
     ap.add_argument("--expert-cache", default=None, help="override the plan's slot count (10%%, 0.1, 64)")
     ap.add_argument("--policy", default=None, choices=["lru", "lrfu"])
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
     ap.add_argument("--no-decode-prefetch", action="store_true",
                     help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
-    ap.add_argument("--cpu-experts", default="off", choices=["off", "auto", "on"],
-                    help="compute part of the decode misses on the CPU (experts/hybrid.py)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the first N layers (models bigger than the machine's RAM; the table says N)")
     ap.add_argument("--json", type=Path, default=None)

@@ -8,10 +8,19 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, size
+from ferryman.cli_bench import (
+    HelpFormatter,
+    Parser,
+    RawHelpFormatter,
+    add_bench,
+    cmd_bench,
+    existing_file,
+    size,
+    strategy,
+)
 from ferryman.cli_ctl import add_ctl, cmd_ctl
 from ferryman.cli_serve import add_serve, cmd_serve
-from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
+from ferryman.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
 
@@ -51,9 +60,12 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--gpu-memory", metavar="SIZE", type=size,
                    help="cap on everything ferryman allocates on the GPU, e.g. 16GiB (default: the free memory "
                         "less 10%% of the total; see `ferryman plan`)")
-    g.add_argument("--moe-strategy", default="auto", choices=STRATEGIES,
-                   help="routed experts all on the device, or in host RAM with a device cache (auto: resident "
-                        "if they fit)")
+    g.add_argument("--moe-strategy", default="auto", type=strategy, metavar="STRATEGY",
+                   help="where routed experts live and compute: resident (all on the device), offload (host RAM, "
+                        "a device cache, misses over the link), hybrid (misses split between the link and the "
+                        "CPU by measured rates), cpu (every expert on the CPU), layers[:N] (the first N MoE "
+                        "layers on the CPU, the rest resident; N fills the budget when not given), auto "
+                        "(resident if they fit, else hybrid when the rates say it pays, else offload)")
     g.add_argument("--expert-cache", metavar="N",
                    help="device expert cache: a share of all experts (10%%, 0.1) or a slot count "
                         "(default: what the plan leaves)")
@@ -73,12 +85,9 @@ def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -
     _plan_flags(g, max_num_seqs)
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     g.add_argument("--seed-weights", dest="seed", type=int, default=0, help="seed of dummy weights")
-    g.add_argument("--cpu-experts", default="off", choices=CPU_EXPERTS,
-                   help="offloaded experts: compute some misses on the CPU while others are fetched, split by "
-                        "the rates `ferryman bench bw` measured (else a quick measurement at start). auto: when "
-                        "the CPU reaches 1/4 of the link's rate. docs/benchmarks.md has the trade-off")
     g.add_argument("--calibration", metavar="PATH", type=existing_file,
-                   help="rates file for --cpu-experts (default: the one `ferryman bench bw` writes for the model)")
+                   help="rates file of the hybrid split (default: the one `ferryman bench bw` writes for the model; "
+                        "else a quick measurement at start)")
     g.add_argument("--no-decode-prefetch", dest="decode_prefetch", action="store_false",
                    help="offloaded experts: do not copy the next layer's guessed experts ahead in decode steps "
                         "(default: copy them)")

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from ferryman.config import parse_bytes
+from ferryman.config import parse_bytes, parse_strategy
 from ferryman.errors import ConfigError, FerrymanError
 
 
@@ -38,6 +38,15 @@ def size(text: str) -> str:
     """A --gpu-memory style size: the text is kept (the config parses it), a bare number refused."""
     try:
         parse_bytes(text, name="")
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def strategy(text: str) -> str:
+    """A --moe-strategy value: one of config.STRATEGIES, or layers:N."""
+    try:
+        parse_strategy(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -82,17 +91,21 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 BW_DESCRIPTION = """\
-Measure, for MODEL's own experts (shape, format, dtype), the rates --cpu-experts splits by:
+Measure, for MODEL's own experts (shape, format, dtype), the rates the hybrid split (--moe-strategy hybrid, auto) uses:
   (a) host memory read bandwidth
   (b) copies of one expert: pinned host -> device (with CUDA), and host -> host
   (c) CPU expert compute on the hybrid's own path: 1 token x top-k experts, then 4 tokens per expert
   (d) with CUDA, the link and the CPU compute at the same time (they share host memory)
+  (e) each CPU expert kernel (MXFP4, bf16, fp16, fp32) at 1, 8 and 32 tokens per expert, in GB/s
+      and as a share of (a)
 Each figure is the median of --reps repetitions. Writes a JSON file keyed by the expert geometry and
-the machine; the engine reads it when the expert geometry, machine and thread count match."""
+the machine; the engine reads it when the expert geometry, machine and thread count match (the
+hybrid split, --moe-strategy auto|hybrid). --json prints every figure as one JSON object on stdout (--json PATH: into PATH).
+No GPU is needed: without one the link is skipped."""
 
 
 def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
-    b = kinds.add_parser("bw", help="measure host, link and CPU expert rates for --cpu-experts",
+    b = kinds.add_parser("bw", help="measure host, link and CPU expert rates (the hybrid split's) and each CPU kernel",
                          description=BW_DESCRIPTION, formatter_class=RawHelpFormatter)
     b.add_argument("model", nargs="?", metavar="MODEL", help="model folder or preset (default: the demo model)")
     b.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
@@ -104,10 +117,18 @@ def _add_bench_bw(kinds: argparse._SubParsersAction) -> None:
     b.add_argument("--read-mib", type=int, default=1024, help="buffer size of the host read measurement")
     b.add_argument("--pool-mib", type=int, default=256,
                    help="bytes of distinct experts cycled through, larger than the CPU caches")
+    b.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="the figures as one JSON object, on stdout (the progress lines then go to stderr) or "
+                        "into PATH (default: not written)")
 
 
 def cmd_bench_bw(a: argparse.Namespace) -> int:
+    import json
+    import sys
+
     from ferryman.calibrate.bandwidth import MiB, run_bench
+    from ferryman.calibrate.kernels import kernel_rates
+    from ferryman.quant import cpu_kernel
     from ferryman.calibrate.calibration import default_path, expert_key
     from ferryman.engine.model_runner import expert_activation
     from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
@@ -122,13 +143,32 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
         raise ConfigError("this model has no routed experts: nothing to measure")
     dtype = resolve_dtype(a.dtype, cfg)
     path = Path(a.output) if a.output else default_path(expert_key(cfg, dtype))
-    cal = run_bench(cfg, dtype, expert_activation(cfg), path, a.reps, a.read_mib * MiB, a.pool_mib * MiB,
-                    log=lambda s: print(s, flush=True))
+    out = sys.stderr if a.json == "-" else sys.stdout
+
+    def log(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    act = expert_activation(cfg)
+    cal = run_bench(cfg, dtype, act, path, a.reps, a.read_mib * MiB, a.pool_mib * MiB, log=log)
     r_link, r_cpu, which = rates(cal, cal.h2d is not None)
     link = "link" if cal.h2d is not None else "host copy (no CUDA)"
-    print(f"split: {link} {r_link:,.0f} experts/s, CPU {r_cpu:,.0f} experts/s ({which}); of 8 misses fetch "
-          f"{split_fetch(8, r_link, r_cpu)}; --cpu-experts auto would "
-          f"{'use' if r_cpu >= MIN_CPU_SHARE * r_link else 'not use'} the CPU")
+    log(f"split: {link} {r_link:,.0f} experts/s, CPU {r_cpu:,.0f} experts/s ({which}); of 8 misses fetch "
+        f"{split_fetch(8, r_link, r_cpu)}; --moe-strategy auto would "
+        f"{'split misses with' if r_cpu >= MIN_CPU_SHARE * r_link else 'not use'} the CPU")
+    log(f"(e) CPU expert kernels ({cpu_kernel.isa_name()}, {cpu_kernel.threads()} threads), top-{cfg.top_k} "
+        f"experts per job ...")
+    kernels = kernel_rates(cfg, act, cal.host_read_gbps or 0.0, a.reps, a.pool_mib * MiB)
+    for row in kernels:
+        log(f"    {row['kernel']:5s} {row['tokens']:2d} tokens: {row['experts_per_s']:8,.0f} experts/s, "
+            f"{row['gbps']:6.1f} GB/s ({row['of_host_read']:.2f} of host read)")
+    if a.json:
+        text = json.dumps({"calibration": cal.to_json(), "path": str(path), "host_read_gbps": cal.host_read_gbps,
+                           "cpu_kernel": {"isa": cpu_kernel.isa_name(), "threads": cpu_kernel.threads()},
+                           "cpu_kernels": kernels}, indent=2)
+        if a.json == "-":
+            print(text)
+        else:
+            Path(a.json).write_text(text + "\n")
     return 0
 
 

@@ -300,10 +300,23 @@ def parse_expert_cache(value: str | int | float) -> float | int:
     raise ConfigError(f"expert_cache must be a fraction in (0, 1], a percentage or a slot count >= 1, got {value!r}")
 
 
-STRATEGIES = ("auto", "resident", "offload")
+# where routed experts live and compute (docs/configuration.md); "layers:N" names N explicitly
+STRATEGIES = ("auto", "resident", "offload", "hybrid", "cpu", "layers")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
-CPU_EXPERTS = ("off", "auto", "on")
+
+
+def parse_strategy(value: str) -> tuple[str, int | None]:
+    """(strategy, N) of a moe_strategy: one of STRATEGIES, or "layers:N" (the first N MoE layers'
+    experts on the CPU, N >= 0); N is None unless given."""
+    name, sep, count = value.partition(":")
+    if name not in STRATEGIES or (sep and name != "layers"):
+        raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)} or layers:N, got {value!r}")
+    if not sep:
+        return name, None
+    if not count.isdigit():
+        raise ConfigError(f"moe_strategy layers:N needs a whole number N >= 0, got {value!r}")
+    return name, int(count)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -316,15 +329,14 @@ class OffloadConfig:
     """What a user may choose about routed experts (docs/configuration.md has each field's flag)."""
 
     gpu_memory: str | int | None = None  # device budget, e.g. "16GiB" (a string needs a unit; an int is bytes)
-    moe_strategy: str = "auto"  # auto (resident if every expert fits) | resident | offload
+    # auto | resident | offload | hybrid | cpu | layers[:N] (docs/configuration.md, experts/placement.py)
+    moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None  # a share ("10%", 0.1) or a slot count; None: the plan's rest
-    cpu_experts: str = "off"  # off | auto | on: misses computed on the CPU (experts/hybrid.py)
     calibration: str | None = None  # rates file of `ferryman bench bw` (None: the cache folder's)
     decode_prefetch: bool = True  # copy the next layer's guessed experts ahead in decode steps
 
     def __post_init__(self) -> None:
-        _check_choice("moe_strategy", self.moe_strategy, STRATEGIES)
-        _check_choice("cpu_experts", self.cpu_experts, CPU_EXPERTS)
+        parse_strategy(self.moe_strategy)
         if self.gpu_memory is not None:
             parse_bytes(self.gpu_memory)
         if self.expert_cache is not None:
@@ -358,15 +370,14 @@ class EngineConfig:
     gpu_memory: str | int | None = None
     moe_strategy: str = "auto"
     expert_cache: str | float | int | None = None
-    cpu_experts: str = "off"
     calibration: str | None = None
     decode_prefetch: bool = True
 
     @cached_property
     def offload(self) -> OffloadConfig:
         """The routed-expert fields as one OffloadConfig (built, so validated, once)."""
-        return OffloadConfig(self.gpu_memory, self.moe_strategy, self.expert_cache, self.cpu_experts,
-                             self.calibration, self.decode_prefetch)
+        return OffloadConfig(self.gpu_memory, self.moe_strategy, self.expert_cache, self.calibration,
+                             self.decode_prefetch)
 
     def __post_init__(self) -> None:
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):

@@ -37,9 +37,11 @@ def describe_plan(plan: MemoryPlan) -> str:
         ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"),
         ("experts", f"{g(plan.expert_cache_bytes)}  {plan.expert_slots} of {r.total_experts} "
                     f"({plan.expert_slots / max(1, r.total_experts):.1%}) on the device"),
-        ("strategy", plan.strategy),
+        ("strategy", plan.strategy + (f"; the first {plan.cpu_layers} of {len(r.cfg.moe_layers)} MoE layers' experts "
+                                      "computed on the CPU" if plan.cpu_layers else "")
+                     + (f" ({r.strategy})" if r.strategy not in ("auto", plan.strategy) else "")),
     ]
-    if plan.strategy == "offload":
+    if plan.strategy == "offload" and not plan.cpu_layers:  # cpu, layers: no miss crosses the link
         rows.append(("decode link", _link_estimate(plan)))
         if (hint := _fp8_kv_hint(plan)) is not None:
             rows.append(("hint", hint))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConfig
+from ferryman.config import DEFAULT_CONTEXT_CAP, GiB, MiB, ModelConfig, parse_strategy
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
@@ -224,6 +224,7 @@ class MemoryPlan:
         if self.pages is None or self.kv_tokens is None:
             return 0
         return self.expert_slots + self.pages.pages_for_tokens(self.kv_tokens, self.request.block_size)
+    cpu_layers: int = 0  # the first MoE layers whose experts the CPU computes (strategies cpu, layers)
 
     @property
     def checkpoint_host_bytes(self) -> int:
@@ -273,8 +274,7 @@ def plan_memory(req: PlanRequest) -> MemoryPlan:
 
 def _plan_memory(req: PlanRequest) -> MemoryPlan:
     assert req.max_num_batched_tokens is not None  # plan_memory resolves it
-    if req.strategy not in STRATEGIES:
-        raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {req.strategy!r}")
+    parse_strategy(req.strategy)  # ConfigError naming the choices
     cfg, total = req.cfg, req.total_experts
     weights = non_expert_bytes(cfg, req.dtype)
     act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
@@ -287,7 +287,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     strategy = _strategy(req, all_fit=rest >= total * per_slot)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
-    if strategy == "offload":
+    if strategy == "offload" and parse_strategy(req.strategy)[0] not in ("cpu", "layers"):
         return _shared_plan(req, weights, act, per_slot, rest + floor_tokens * per_token, host)
     if strategy == "resident":
         slots = total
@@ -295,6 +295,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
         slots = expert_slots(req.expert_cache, total)
     else:
         slots = min(total, max(0, rest) // max(1, per_slot))
+    slots, cpu_layers = cpu_split(req, slots)
     need_slots = total if strategy == "resident" else min(total, max(slots, cfg.top_k))
     if rest < need_slots * per_slot:
         _refuse(req, weights, act, floor_tokens, per_token, need_slots, per_slot, rest)
@@ -303,7 +304,8 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
     kv_bytes = kv_tokens * per_token + req.window_kv_bytes
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes)
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes,
+                      cpu_layers=cpu_layers)
 
 
 def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int) -> MemoryPlan:
@@ -366,20 +368,50 @@ def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
 
 
 def _strategy(req: PlanRequest, all_fit: bool) -> str:
-    """The asked strategy; for auto, offload when an expert cache is asked for or not every expert fits."""
-    if req.strategy != "auto":
-        return req.strategy
-    return "offload" if req.expert_cache is not None or not all_fit else "resident"
+    """Where the experts' memory lives: resident, or offload (host RAM + device slots: every strategy
+    but resident, and auto when an expert cache is asked for or not every expert fits)."""
+    name = parse_strategy(req.strategy)[0]
+    if name == "resident":
+        return "resident"
+    if name == "auto":
+        return "offload" if req.expert_cache is not None or not all_fit else "resident"
+    return "offload"
+
+
+def cpu_split(req: PlanRequest, slots: int) -> tuple[int, int]:
+    """(device slots, MoE layers computed on the CPU) for the strategies that compute whole layers
+    on the CPU. cpu: every layer, the device keeps top_k slots (the kernel's floor). layers:N: the
+    first N layers, the others' experts all in slots; layers: N fills what the plan gives the
+    experts with whole layers (llama.cpp's --n-cpu-moe)."""
+    name, n = parse_strategy(req.strategy)
+    layers, per_layer = len(req.cfg.moe_layers), req.cfg.num_experts
+    if name == "cpu":
+        return min(slots, req.cfg.top_k) if slots else req.cfg.top_k, layers
+    if name != "layers":
+        return slots, 0
+    if n is None:
+        n = layers - min(layers, slots // max(1, per_layer))
+    if n > layers:
+        raise ConfigError(f"moe_strategy layers:{n}: the model has {layers} MoE layers")
+    return max(req.cfg.top_k, (layers - n) * per_layer), n
 
 
 def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> MemoryPlan:
     strategy = _strategy(req, all_fit=True)
-    if strategy == "offload" and req.expert_cache is None:
-        raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
-    slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
+    name = parse_strategy(req.strategy)[0]
+    if name in ("offload", "hybrid") and req.expert_cache is None:
+        raise ConfigError(f"moe_strategy '{name}' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
+    if strategy == "resident":
+        slots = req.total_experts
+    else:
+        slots = req.total_experts if req.expert_cache is None else expert_slots(req.expert_cache, req.total_experts)
+    slots, cpu_layers = cpu_split(req, slots)
     host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" else None
-    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo)
+    # the shared region serves plans whose layers all use slots (cpu and layers keep a fixed split)
+    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" and not cpu_layers \
+        else None
+    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo,
+                      cpu_layers)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,

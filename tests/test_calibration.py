@@ -70,6 +70,33 @@ def test_bench_bw_on_cpu_prints_measured_numbers(tmp_path: Path, capsys: pytest.
     assert "keyed by the expert geometry and" in capsys.readouterr().out
 
 
+def test_bench_bw_json_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`bench bw --json`: one JSON object on stdout (progress on stderr): the calibration, the host
+    read bandwidth and each CPU kernel's GB/s at 1, 8 and 32 tokens beside it."""
+    import json
+
+    from ferryman.calibrate.kernels import KERNEL_TOKENS, KERNELS
+    from ferryman.cli import main
+    from ferryman.quant import cpu_kernel
+
+    out = tmp_path / "cal.json"
+    assert main(["bench", "bw", "--json", "--output", str(out), "--reps", "3", "--read-mib", "16",
+                 "--pool-mib", "8"]) == 0
+    captured = capsys.readouterr()
+    got = json.loads(captured.out)
+    assert "host read:" in captured.err and got["path"] == str(out) and got["calibration"]["h2d"] is None
+    read = got["host_read_gbps"]
+    assert read > 0 and got["cpu_kernel"]["isa"] == cpu_kernel.isa_name()
+    if not cpu_kernel.available():
+        assert got["cpu_kernels"] == []
+        return
+    rows = {(r["kernel"], r["tokens"]): r for r in got["cpu_kernels"]}
+    assert sorted(rows) == sorted((k[0], t) for k in KERNELS for t in KERNEL_TOKENS)
+    for r in rows.values():
+        assert r["gbps"] > 0 and r["of_host_read"] == pytest.approx(r["gbps"] / read)
+        assert r["gbps"] == pytest.approx(r["experts_per_s"] * r["expert_bytes"] / 1e9)
+
+
 def test_expert_cycle_walks_every_expert_of_every_pool() -> None:
     from ferryman.calibrate.bandwidth import ExpertCycle
 

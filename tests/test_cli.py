@@ -65,7 +65,7 @@ def test_help_shows_defaults_and_no_environment(capsys: pytest.CaptureFixture) -
         texts[cmd] = capsys.readouterr().out
     run = " ".join(texts["run"].split())  # argparse wraps lines
     assert "--max-tokens MAX_TOKENS tokens to generate at most (default: 128)" in run
-    assert "--moe-strategy {auto,resident,offload}" in run and "(default: auto)" in run
+    assert "--moe-strategy STRATEGY where routed experts live" in run and "else offload) (default: auto)" in run
     assert "sequences decoded together (default: 1)" in run  # run plans for one prompt
     assert "--no-decode-prefetch" in run and "not measured" not in run
     assert "(default: 32, or under --gpu-memory" in " ".join(texts["serve"].split())

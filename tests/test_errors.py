@@ -62,8 +62,9 @@ def test_hierarchy(err: Exception, bases: tuple[type, ...]) -> None:
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(moe_strategy="hybrid"), "moe_strategy"),
-        (dict(cpu_experts="maybe"), "cpu_experts"),
+        (dict(moe_strategy="hybrids"), "moe_strategy"),
+        (dict(moe_strategy="layers:x"), "moe_strategy"),
+        (dict(moe_strategy="cpu:2"), "moe_strategy"),
         (dict(gpu_memory="lots"), "gpu_memory"),
         (dict(expert_cache="150%"), "expert_cache"),
         (dict(load_format="gguf"), "load_format"),
@@ -84,7 +85,8 @@ def test_engine_config_names_the_bad_field(kwargs: dict, field: str) -> None:
 def test_offload_settings_reach_the_offload_config() -> None:
     from ferryman.config import EngineConfig, OffloadConfig
 
-    ecfg = EngineConfig(model="m", gpu_memory="8GiB", expert_cache=64, cpu_experts="auto", decode_prefetch=False)
-    assert ecfg.offload == OffloadConfig(gpu_memory="8GiB", expert_cache=64, cpu_experts="auto", decode_prefetch=False)
+    ecfg = EngineConfig(model="m", gpu_memory="8GiB", expert_cache=64, moe_strategy="layers:3", decode_prefetch=False)
+    assert ecfg.offload == OffloadConfig(gpu_memory="8GiB", expert_cache=64, moe_strategy="layers:3",
+                                         decode_prefetch=False)
     with pytest.raises(ConfigError, match="moe_strategy"):
         OffloadConfig(moe_strategy="sometimes")

@@ -1,6 +1,6 @@
 """The hybrid split (experts/hybrid.py), the CPU expert path (experts/cpu_compute.py) and the
 calibration file (calibrate/): split sizes against a brute-force search, greedy tokens with a 10%
-cache and cpu_experts="on" equal to the resident engine's (which test_hf_parity checks against
+cache and moe_strategy="hybrid" equal to the resident engine's (which test_hf_parity checks against
 transformers) on the tiny models of every architecture and on the demo model."""
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def test_decide_auto_threshold_and_modes() -> None:
     assert decide("on", 100.0, 0.0, "test").enabled and not decide("off", 1.0, 1e9, "test").enabled
     text = decide("auto", 4000.0, 1000.0, "measured together").describe()
     assert "4,000 experts/s" in text and "1,000 experts/s" in text and "fetch share at 1 token 0.80" in text
-    with pytest.raises(ValueError, match="cpu_experts"):
+    with pytest.raises(ValueError, match="split mode"):
         decide("sometimes", 1.0, 1.0, "test")
-    with pytest.raises(ConfigError, match="cpu_experts"):
-        LLM(device="cpu", cpu_experts="yes")
+    with pytest.raises(ConfigError, match="moe_strategy"):
+        LLM(device="cpu", moe_strategy="yes")
 
 
 def test_split_costs_matches_brute_force_and_weighs_tokens() -> None:
@@ -172,7 +172,8 @@ def test_cpu_experts_part_plus_the_rest_is_the_whole_layer() -> None:
     assert seconds > 0 and torch.equal(threaded.result(threaded.submit(2, x, ids, w, on_cpu))[0], part)
     rest = fused_moe("dense", store.banks[2], x, ids, w.masked_fill(torch.isin(ids, torch.tensor(on_cpu)), 0), act)
     whole = fused_moe("dense", store.banks[2], x, ids, w, act)
-    assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-6)
+    # the CPU's part is the C kernel's (fp32, its own summation order): within fp32 rounding
+    assert torch.allclose(part + rest, whole, rtol=1e-5, atol=1e-5)
     assert inline.stats()["cpu_computed"] == 3 and inline.stats()["cpu_pairs"] == 5
 
 
@@ -188,7 +189,7 @@ def test_tiny_models_hybrid_10pct_equals_resident(tiny: tuple[str, Path], rates:
     save(calibration_of(cfg, torch.float32, *rates), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=2, enforce_eager=True)
     want = greedy_ids(LLM(str(folder), **kw), PROMPTS, 16)
-    hybrid = LLM(str(folder), moe_strategy="offload", expert_cache="10%", cpu_experts="on",
+    hybrid = LLM(str(folder), moe_strategy="hybrid", expert_cache="10%",
                  calibration=str(path), **kw)
     assert greedy_ids(hybrid, PROMPTS, 16) == want, f"{arch}: hybrid greedy tokens differ from resident"
     st = hybrid.stats()["experts"]
@@ -219,7 +220,7 @@ def test_demo_model_hybrid_with_early_prefetch_equals_resident(tmp_path: Path) -
     save(calibration_of(cfg, torch.float32, 1000.0, 1000.0), path)
     kw = dict(device="cpu", dtype="float32", max_num_batched_tokens=32, max_num_seqs=4)
     want = greedy_ids(LLM(**kw), PROMPTS, 12)
-    llm = LLM(moe_strategy="offload", expert_cache="10%", cpu_experts="on", calibration=str(path), **kw)
+    llm = LLM(moe_strategy="hybrid", expert_cache="10%", calibration=str(path), **kw)
     shares = count_calls(llm.engine.runner.experts.hybrid, "link_share")
     assert greedy_ids(llm, PROMPTS, 12) == want
     st = llm.stats()["experts"]
@@ -232,7 +233,7 @@ def test_auto_is_off_on_a_cpu_device(tmp_path: Path) -> None:
     cfg = demo_config()
     path = tmp_path / "cal.json"
     save(calibration_of(cfg, torch.float32, 1000.0, 4000.0), path)
-    llm = LLM(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="10%", cpu_experts="auto",
+    llm = LLM(device="cpu", dtype="float32", moe_strategy="auto", expert_cache="10%",
               calibration=str(path))
     greedy_ids(llm, [[5, 6, 7]], 4)
     st = llm.stats()["experts"]
@@ -251,7 +252,7 @@ def test_demo_model_hybrid_measured_at_start_equals_resident(dtype: str, cpu_thr
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in prompts]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-    backend = hybrid.engine.runner.rebind_experts(cpu_experts="on", calibration=str(tmp_path / "none.json"),
+    backend = hybrid.engine.runner.rebind_experts(strategy="hybrid", calibration=str(tmp_path / "none.json"),
                              cpu_thread=cpu_thread)
     assert (backend.cpu.pool is not None) == cpu_thread
     assert greedy_ids(hybrid, ids, 40) == greedy_ids(resident, ids, 40)
@@ -271,7 +272,7 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "class Stack:\n    def")]
     want = greedy_ids(resident, ids, 32)
-    quick = LLM(moe_strategy="offload", expert_cache=24, cpu_experts="on", calibration=str(tmp_path / "n.json"), **kw)
+    quick = LLM(moe_strategy="hybrid", expert_cache=24, calibration=str(tmp_path / "n.json"), **kw)
     assert quick.engine.runner.experts.cpu.pool is not None
     assert greedy_ids(quick, ids, 32) == want
     h = quick.stats()["experts"]["hybrid"]
@@ -285,7 +286,7 @@ def test_cuda_hybrid_overlaps_and_equals_resident(tmp_path: Path) -> None:
     fixed = tmp_path / "fixed.json"
     cal = calibration_of(demo_config(), torch.float32, 1000.0, 1000.0)
     save(dataclasses.replace(cal, h2d=cal.host_copy), fixed)  # on CUDA the split reads h2d
-    hybrid = LLM(moe_strategy="offload", expert_cache=24, cpu_experts="on", calibration=str(fixed), **kw)
+    hybrid = LLM(moe_strategy="hybrid", expert_cache=24, calibration=str(fixed), **kw)
     assert hybrid.engine.runner.experts.cpu.pool is not None
     assert greedy_ids(hybrid, ids, 32) == want
     st = hybrid.stats()["experts"]
@@ -304,7 +305,7 @@ def test_demo_model_bf16_hybrid_with_fixed_rates_equals_resident(cpu_thread: boo
     resident = LLM(**kw)
     ids = [resident.encode(p) for p in ("def quicksort(xs):", "    for i in range(")]
     hybrid = LLM(moe_strategy="offload", expert_cache="10%", **kw)
-    hybrid.engine.runner.rebind_experts(cpu_experts="on", calibration=str(path), cpu_thread=cpu_thread)
+    hybrid.engine.runner.rebind_experts(strategy="hybrid", calibration=str(path), cpu_thread=cpu_thread)
     # bf16 logits of magnitude 8-32 are 0.0625-0.125 apart: a tie is within about one such step
     agree_but_near_ties(greedy_with_top2(hybrid, ids, 32), greedy_with_top2(resident, ids, 32), tie=0.15)
     assert hybrid.stats()["experts"]["cpu_computed"] > 0
@@ -325,7 +326,7 @@ def _hybrid_segments(folder: Path, tmp_path: Path, device: str, rates: tuple[flo
     save(dataclasses.replace(cal, h2d=cal.host_copy), tmp_path / "cal.json")  # on CUDA the split reads h2d
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
     want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS[:3], 12)
-    llm = LLM(str(folder), moe_strategy="offload", expert_cache="25%", cpu_experts="on",
+    llm = LLM(str(folder), moe_strategy="hybrid", expert_cache="25%",
               calibration=str(tmp_path / "cal.json"), max_num_seqs=4, enforce_eager=device == "cpu", **kw)
     runner = llm.engine.runner
     if device == "cpu":

@@ -3,7 +3,7 @@
     python tools/diag_cpu_link.py [--seconds 2]
 
 CPU side: gpt-oss-shaped MXFP4 experts in pinned host memory, one token each, through (a) one C
-kernel call per expert (quant/mxfp4_cpu.py LayerJob: Python only around the call) and (b)
+kernel call per expert (quant/cpu_layer.py LayerJob: Python only around the call) and (b)
 fused_moe (torch ops around the kernel). Link side: the same experts copied host -> device on a side
 stream from a second thread, synchronising every 8 copies. Each is timed alone, then together.
 """
@@ -19,7 +19,7 @@ import torch
 
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import get_format
-from ferryman.quant.mxfp4_cpu import LayerJob
+from ferryman.quant.cpu_layer import LayerJob
 
 
 def main() -> None:

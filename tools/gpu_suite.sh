@@ -41,6 +41,12 @@
 #                RAM whole; decode time per layer compares with offload120's
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
+#   strategies   the CPU kernel's tests on this CPU (AVX512-BF16 runs only here), then
+#                `ferryman bench bw gpt-oss-20b --json` (each CPU kernel's GB/s beside the host read
+#                bandwidth), then gpt-oss-20b at 8 GiB with moe_strategy offload and hybrid: one
+#                sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~5 min
+#   strategies2  the same with layers (N filling the budget), auto and cpu; ~5 min
+#   strategies8  offload, hybrid, layers and auto decoding 8 sequences together (bench_batch_decode); ~4 min
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -130,6 +136,11 @@ split() {  # split PORT: gpt-oss-20b at 8 GiB, one server for 32 sequences of 81
     --stats "$OUT/split_stats.json"
 }
 
+strategy() {  # strategy NAME: bench_offload of gpt-oss-20b at 8 GiB with --moe-strategy NAME
+  stage "strategy_$1" 120 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --moe-strategy "$1" \
+    --decode-tokens 128 --prefill-prompt 0 --json "$OUT/strategy_$1.json"
+}
+
 table() {  # table NEW.json OLD.json: the headline figures of both runs side by side
   python3 - "$1" "$2" <<'EOF'
 import json, sys
@@ -200,6 +211,16 @@ for s in ${@:-tests}; do
                    --quantization "${HYBRID_QUANT:-none}" ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
+    strategies)  stage cpu_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py \
+                   -k "avx512bf16 or layer_job"
+                 stage bench_bw 100 python3 -m ferryman bench bw gpt-oss-20b --reps 3 \
+                   --output "$OUT/calibration.json" --json "$OUT/bench_bw.json"
+                 strategy offload; strategy hybrid ;;
+    strategies2) strategy layers; strategy auto; strategy cpu ;;
+    strategies8) for m in offload hybrid layers auto; do
+                   stage "strategy8_$m" 60 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB \
+                     --seqs 8 --strategy "$m" --modes early --reps 1 --tokens 48 --json "$OUT/strategy8_$m.json"
+                 done ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac

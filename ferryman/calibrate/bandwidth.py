@@ -114,22 +114,24 @@ def rows_copy_rep(rows: list[torch.Tensor], dst: torch.Tensor, k: int) -> Rep:
 def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation, dtype: torch.dtype,
                     tokens: int = 1) -> Rep:
     """`tokens` tokens, each routed to the same top_k distinct experts of `banks`, on the CPU, the
-    way the hybrid split computes them (experts/cpu_compute.py: MXFP4 through one kernel call, else
-    fused_moe). Each rep computes top_k experts."""
-    from ferryman.quant import mxfp4_cpu
+    way the hybrid split computes them (experts/cpu_compute.py: a format the C kernel covers in one
+    kernel call, else fused_moe). Each rep computes top_k experts."""
+    from ferryman.quant.cpu_kernel import available, pairs_of
+    from ferryman.quant.cpu_layer import BANKS, LayerJob
 
-    num, hidden, _ = get_format(fmt).dims(banks[0])
+    form = get_format(fmt)
+    num, hidden, _ = form.dims(banks[0])
     cycle = ExpertCycle(len(banks), num, top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [T, H]
     w = torch.full((tokens, top_k), 1.0 / top_k)  # [T, K]
     bias: dict = {}  # the hybrid keeps the kernel's fp32 bias rows between steps too
+    kernel = fmt in BANKS and available(fmt, banks[0][BANKS[fmt][0]].dtype)
 
     def rep() -> None:
         pool, ids = cycle.next()
         ids_t = torch.tensor([ids] * tokens)  # [T, K]
-        if fmt == "mxfp4" and mxfp4_cpu.available():  # the hybrid's path: one kernel call per layer
-            pairs = mxfp4_cpu.pairs_of(ids_t, w)
-            mxfp4_cpu.LayerJob(x, banks[pool], pool, pairs, act.kind, act.alpha, act.limit, bias).run()
+        if kernel:  # the hybrid's path: one kernel call per layer
+            LayerJob(x, banks[pool], pool, pairs_of(ids_t, w), act.kind, act.alpha, act.limit, bias, fmt).run()
         else:
             fused_moe(fmt, banks[pool], x, ids_t, w, act)
 

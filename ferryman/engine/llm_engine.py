@@ -98,7 +98,7 @@ class LLMEngine:
         graphs = not ecfg.enforce_eager
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
-                                  expert_options=dict(cpu_experts=ecfg.offload.cpu_experts,
+                                  expert_options=dict(strategy=ecfg.offload.moe_strategy,
                                                       calibration=ecfg.offload.calibration,
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,

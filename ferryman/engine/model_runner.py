@@ -57,7 +57,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = next(self.model.parameters()).dtype
         # resident experts, or a slot cache of a host store (experts/placement.py); expert_options:
-        # offload_backend's (cpu_experts, calibration, decode_prefetch)
+        # offload_backend's (strategy, calibration, decode_prefetch)
         # region: KV blocks and expert slots in one buffer (kvcache/shared_region.py), the experts'
         # slots are its pages, the first plan.expert_slots of them active at first
         self.region = region
@@ -150,13 +150,15 @@ class ModelRunner:
 
     def rebind_experts(self, **options: Any) -> OffloadExperts:
         """Replace the offloaded experts by a fresh backend (same store and slot count) built with
-        `options` (offload_backend's: policy, prefetch, decode_prefetch, cpu_experts, ...); returns it."""
+        `options` (offload_backend's: policy, prefetch, decode_prefetch, strategy, ...; the CPU's
+        layers stay the old backend's unless given); returns it."""
         old = self.experts
         if not isinstance(old, OffloadExperts):
             raise ValueError("rebind_experts needs an engine whose experts are offloaded")
         store, slots, device, act = old.cache.store, old.cache.table.num_slots, old.cache.device, old.act
         if old.cache.shared_rows is not None:  # the same pages of the shared region stay slots
             options = dict(options, rows=old.cache.shared_rows, active=old.cache.active_slots())
+        options.setdefault("cpu_layers", len(old.cpu_layers))
         if device.type == "cuda":  # copies into the old pool may still be in flight
             torch.cuda.synchronize(device)
         if isinstance(self.graphs, SegmentedDecode):  # its MoE graphs hold the old backend

@@ -10,7 +10,7 @@ ones. The MoE kernel itself is a graph too when the batch fits the Triton decode
 backend carries the layer's plan out up to the kernel (`OffloadExperts.prepare_decode`: the sync,
 lookup, fetches), its slot ids go into a static buffer, the layer's MoE graph replays, and
 `finish_step` starts the guesses' copies.
-A hybrid split (--cpu-experts) zeroes the weights of the CPU's pairs in `w` before the replay and
+A hybrid split (--moe-strategy hybrid) zeroes the weights of the CPU's pairs in `w` before the replay and
 adds the CPU's part to x after it. Steps that need the eager MoE (rounds, a backend rebound after
 capture) run it between the segments.
 

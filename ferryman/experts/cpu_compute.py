@@ -2,9 +2,9 @@
 
 `CPUExperts.submit` takes the (token, k) pairs of one MoE layer routed to a given set of experts
 (misses left in host memory), copies x and the routing weights to the host once for the layer,
-and computes them from the host store's banks: MXFP4 experts in one call of the C kernel
-(quant/mxfp4_cpu.py `LayerJob`: OpenMP threads, no torch op in the worker), other formats through
-`fused_moe` (torch's CPU kernels). The result is a [T, H] partial output in host memory, to be added to
+and computes them from the host store's banks: a format the C kernel covers (MXFP4, dense bf16 /
+fp32 / fp16) in one call (quant/cpu_layer.py `LayerJob`: OpenMP threads, no torch op in the worker),
+other formats through `fused_moe` (torch's CPU kernels). The result is a [T, H] partial output in host memory, to be added to
 the device's part. On CUDA it runs in one worker thread while the calling thread issues the
 device's fetches and kernels (torch releases the GIL inside its kernels); on the CPU device it
 runs inline (there is nothing to overlap with).
@@ -22,7 +22,8 @@ import torch
 
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
-from ferryman.quant import mxfp4_cpu
+from ferryman.quant import cpu_kernel
+from ferryman.quant.cpu_layer import BANKS, LayerJob
 
 
 class CPUExperts:
@@ -38,7 +39,10 @@ class CPUExperts:
         self.pairs = 0  # (token, k) pairs computed
         self.seconds = 0.0  # time computing, on the worker
         self.wait_seconds = 0.0  # time the caller waited for a result
-        self.bias: dict[tuple[int, int, str], torch.Tensor] = {}  # fp32 bias rows for the MXFP4 kernel
+        self.bias: dict[tuple[int, int, str], torch.Tensor] = {}  # fp32 bias rows for the C kernel
+        first = next(iter(store.banks.values()), {})
+        self.kernel = self.fmt in BANKS and BANKS[self.fmt][0] in first and \
+            cpu_kernel.available(self.fmt, first[BANKS[self.fmt][0]].dtype)
 
     def submit(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
                experts: list[int]) -> Future:
@@ -46,12 +50,12 @@ class CPUExperts:
         x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
         start = time.perf_counter()  # the job's latency counts its copies, preparation and hand-off
         x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
-        if self.fmt == "mxfp4" and mxfp4_cpu.available():
-            # MXFP4: the whole layer in one kernel call, its arguments prepared here, so the worker
-            # runs no torch op (beside the link's driver thread, torch ops there ran ~3x slower)
-            pairs = mxfp4_cpu.pairs_of(host_ids, w_host, experts)
-            job = mxfp4_cpu.LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
-                                     self.act.limit, self.bias)
+        if self.kernel:
+            # the whole layer in one kernel call, its arguments prepared here, so the worker runs no
+            # torch op (beside the link's driver thread, torch ops there ran ~3x slower)
+            pairs = cpu_kernel.pairs_of(host_ids, w_host, experts)
+            job = LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
+                           self.act.limit, self.bias, self.fmt)
             self.pairs += int(job.tokens.numel())
             run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts), start)
         else:

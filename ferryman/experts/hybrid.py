@@ -8,8 +8,9 @@ fetch F of them and compute the M - F others on the CPU at the same time, F mini
     max(F / r_link, sum of the CPU's costs)        (both sides finish together)
 
 An expert with n tokens costs the CPU (1 + slope * (n - 1)) / r_cpu (`units`). A split that would
-give the CPU fewer than MIN_CPU misses fetches them all (each CPU job costs a copy of x to the host
-and a hand-off). The fetched ones are the misses used most recently and most often
+give the CPU fewer than MIN_CPU misses fetches them all; each CPU job also costs CPU_JOB_SECONDS once
+(a copy of x to the host, a hand-off, the kernel's threads waking), so one miss goes to the CPU only
+when that leaves both sides ending sooner. The fetched ones are the misses used most recently and most often
 (`ReuseHistory`): fetching is what puts them in the cache; the others are computed, not cached.
 
 It applies to decode-sized steps only (at most MAX_SPLIT_TOKENS tokens, not a streaming prefill
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration, sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
-from ferryman.config import CPU_EXPERTS
 from ferryman.layers.fused_moe import MoEActivation
 
 if TYPE_CHECKING:
@@ -39,7 +39,14 @@ MIN_CPU_SHARE = 0.25  # auto: hybrid only if r_cpu >= 0.25 x r_link
 MAX_SPLIT_TOKENS = 16  # steps with more tokens are not split (prefill chunks stream whole experts)
 OBSERVE_WEIGHT = 0.05  # each finished CPU job's weight in the rate the split uses
 RELAX_PER_STEP = 0.02  # per engine step, the share of the way back to the calibrated CPU rate
-MIN_CPU = 2  # a layer step computes misses on the CPU only if the split gives it at least this many
+MIN_CPU = 1  # a layer step computes misses on the CPU only if the split gives it at least this many
+# what a CPU job costs beside its experts: x copied to the host, the hand-off to the worker, the
+# kernel's threads waking, the [T, H] part copied back; the split counts it once per layer step, so
+# a lone miss goes to the CPU only when the CPU alone beats the link by this much
+CPU_JOB_SECONDS = 1e-4
+SPLIT_MODES = ("off", "auto", "on")  # moe_strategy offload | auto | hybrid (experts/placement.py)
+FALLBACK_SHARE = 0.8  # auto: the split stops when the CPU runs below this share of its predicted rate
+FALLBACK_JOBS = 64  # ... judged after this many CPU jobs
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -52,15 +59,16 @@ def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
     return split_costs([1.0 / r_cpu] * misses, r_link)
 
 
-def split_costs(costs: list[float], r_link: float) -> int:
+def split_costs(costs: list[float], r_link: float, job_seconds: float = 0.0) -> int:
     """F: fetch the first F misses (at r_link experts/s) while the CPU computes the others, miss i
-    costing it costs[i] seconds, so that the later of the two ends first; a tie goes to fetching."""
+    costing it costs[i] seconds and the job `job_seconds` once, so that the later of the two ends
+    first; a tie goes to fetching."""
     if r_link <= 0:
         return 0
     # tail[f]: the CPU's time when the first f are fetched
     tail = [0.0] * (len(costs) + 1)
     for i in range(len(costs) - 1, -1, -1):
-        tail[i] = tail[i + 1] + costs[i]
+        tail[i] = tail[i + 1] + costs[i] + (job_seconds if i == len(costs) - 1 else 0.0)
     return min(range(len(costs) + 1), key=lambda f: (max(f / r_link, tail[f]), -f))
 
 
@@ -76,7 +84,7 @@ class HybridDecision:
 
     def describe(self) -> str:
         q = self.link / (self.link + self.cpu) if self.link + self.cpu > 0 else 1.0
-        return (f"cpu_experts={self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
+        return (f"split {self.mode}: hybrid {'on' if self.enabled else 'off'} ({self.reason}); "
                 f"link {self.link:,.0f} experts/s, CPU {self.cpu:,.0f} experts/s (+{self.slope:.2f} per extra token), "
                 f"fetch share at 1 token {q:.2f}; "
                 f"rates {self.source}")
@@ -106,8 +114,8 @@ def slope_of(cal: Calibration) -> float:
 
 
 def decide(mode: str, r_link: float, r_cpu: float, source: str, slope: float = 0.0) -> HybridDecision:
-    if mode not in CPU_EXPERTS:
-        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"the split mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     if mode == "off":
         return HybridDecision(mode, False, r_link, r_cpu, source, "off", slope)
     if mode == "on":
@@ -173,7 +181,8 @@ class HybridSplit:
         if self.cpu_rate <= 0:
             f = len(misses)
         else:
-            f = split_costs([self.units([e], tokens) / self.cpu_rate for e in ranked], self.decision.link)
+            f = split_costs([self.units([e], tokens) / self.cpu_rate for e in ranked], self.decision.link,
+                            CPU_JOB_SECONDS)
         if len(misses) - f < self.min_cpu:  # too few to pay for the CPU job's fixed cost: fetch them
             f = len(misses)
         f = min(max(f, min(device_min, len(misses))), max(0, room))
@@ -190,7 +199,8 @@ class HybridSplit:
         the layer before computes; the layer's own split then shares what is left with the CPU, so
         the CPU keeps work and the link keeps busy through the gap between layers."""
         ranked = self._ranked(layer, misses)
-        f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link)
+        f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link,
+                                                               CPU_JOB_SECONDS)
         if len(misses) - f < self.min_cpu:  # the layer's split would fetch these too (`split`)
             f = len(misses)
         return sorted(ranked[:f])
@@ -213,6 +223,19 @@ class HybridSplit:
             return
         self.cpu_rate += OBSERVE_WEIGHT * (units / seconds - self.cpu_rate)
         self.observed += 1
+        self._fall_back()
+
+    def _fall_back(self) -> None:
+        """auto: stop splitting (plain offload from then on) once the CPU, after FALLBACK_JOBS jobs,
+        runs more than 1 - FALLBACK_SHARE below the rate the split was predicted with: the split's
+        balance is then wrong, and with a CPU that slow the link alone is not slower."""
+        d = self.decision
+        if d.mode != "auto" or not d.enabled or self.observed < FALLBACK_JOBS:
+            return
+        if self.cpu_rate < FALLBACK_SHARE * d.cpu:
+            self.decision = replace(d, enabled=False, reason=f"fell back to offload: the CPU ran "
+                                    f"{self.cpu_rate:,.0f} experts/s, under {FALLBACK_SHARE} x the predicted {d.cpu:,.0f}")
+            log.warning("moe_strategy auto: %s", self.decision.reason)
 
     def advance(self) -> None:
         """A new engine step: age the reuse history, and draw the CPU rate back toward the
@@ -232,12 +255,12 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
                 calibration: str | Path | None = None) -> HybridSplit | None:
     """None for "off"; else the split with rates from the calibration file for this model's experts
     on this machine, or measured now in a few hundred ms on the engine's own store and slots."""
-    if mode not in CPU_EXPERTS:
-        raise ValueError(f"cpu_experts must be one of {', '.join(CPU_EXPERTS)}, got {mode!r}")
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"the split mode must be one of {', '.join(SPLIT_MODES)}, got {mode!r}")
     if mode == "off":
         return None
     if mode == "auto" and cache.device.type != "cuda":
-        log.info("cpu_experts=auto: hybrid off (the device is the CPU: its slots and the host store share one memory)")
+        log.info("moe_strategy auto: no split (the device is the CPU: its slots and the host store share one memory)")
         return None
     key = expert_key(cache.store.cfg, cache.store.dtype)
     cal, why = load_matching(key, Path(calibration) if calibration is not None else None)

@@ -60,10 +60,12 @@ class LayerStep:
 
 class OffloadExperts:
     def __init__(self, cache: ExpertCache, act: MoEActivation, guesser: NextLayerGuesser | None = None,
-                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None) -> None:
+                 hybrid: HybridSplit | None = None, cpu_thread: bool | None = None,
+                 cpu_layers: frozenset[int] = frozenset()) -> None:
         self.cache, self.act, self.guesser, self.hybrid = cache, act, guesser, hybrid
+        self.cpu_layers = cpu_layers  # MoE layers whose experts the CPU computes, all of them (cpu, layers)
         self.cpu: CPUExperts | None = None
-        if hybrid is not None and hybrid.decision.enabled:  # cpu_thread None: a worker on CUDA only
+        if hybrid is not None and hybrid.decision.enabled or cpu_layers:  # cpu_thread None: a worker on CUDA only
             threaded = cache.device.type == "cuda" if cpu_thread is None else cpu_thread
             self.cpu = CPUExperts(cache.store, act, threaded)
         self.fmt = cache.store.format.name
@@ -96,7 +98,7 @@ class OffloadExperts:
         """What `forward` does for a decode-sized step, up to the kernel. The caller runs fused_moe
         on the slot ids with the pairs `cpu.off` zeroed (in a CUDA graph), calls `finish_step`, then
         adds `cpu_part`. None when the step needs the eager path (more pairs than free slots)."""
-        if topk_ids.numel() > self.cache.available():
+        if layer not in self.cpu_layers and topk_ids.numel() > self.cache.available():
             return None
         plan, host_ids = self.route(layer, x, topk_ids, False)
         return self.start(plan, x, host_ids, topk_w)
@@ -105,6 +107,9 @@ class OffloadExperts:
               streaming: bool) -> tuple[LayerPlan, torch.Tensor]:
         """The layer's plan, and topk_ids on the host, read back with the layer's one sync."""
         rows, g = x.shape[0], self.guesser
+        if layer in self.cpu_layers:  # the CPU computes every pair; nothing is guessed or cached
+            used, _, host_ids = host_ids_of(topk_ids, [])
+            return make_plan(layer, rows, streaming, used, (), self.cache.available(), used, []), host_ids
         proposals = g.propose(layer, x, streaming) if g is not None else []
         used, guessed, host_ids = host_ids_of(topk_ids, [p[2] for p in proposals])
         if used and not 0 <= used[0] <= used[-1] < self.num_experts:  # used: ascending

@@ -3,6 +3,14 @@
     resident: `ExpertStore` on the device, expert id == slot (`ResidentExperts`), any format
     offload:  `HostExpertStore` in pinned host memory + `ExpertCache` slots on the device
               (`OffloadExperts`), the CPU standing in for the device on machines without one
+
+The strategies (`moe_strategy`) on top of the offloaded store:
+    offload   misses copied over the link
+    hybrid    misses split between the link and the CPU per layer step (experts/hybrid.py)
+    cpu       every layer's experts computed on the CPU
+    layers:N  the first N MoE layers' experts computed on the CPU, the others' all in slots
+    auto      resident when every expert fits, else the split when the measured rates say it pays
+              (and falls back to offload when it runs below its prediction)
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ferryman.config import EngineConfig, ModelConfig, kv_dtype, parse_bytes, parse_expert_cache
+from ferryman.config import EngineConfig, ModelConfig, kv_dtype, parse_bytes, parse_expert_cache, parse_strategy
 from ferryman.envs import envs
 from ferryman.errors import ConfigError
 from ferryman.experts.host_store import HostExpertStore
@@ -108,26 +116,27 @@ def make_backend(store: ExpertStore, model: torch.nn.Module, device: torch.devic
     from ferryman.experts.resident import ResidentExperts
 
     if not isinstance(store, HostExpertStore):
-        if options.get("cpu_experts", "off") != "off":
-            log.info("cpu_experts=%s has no effect: every expert is resident on the device", options["cpu_experts"])
         return ResidentExperts(store, act)
     if plan is None:
         raise ValueError("a host expert store needs a memory plan (its slot count)")
     rows = options.get("rows")  # a shared region: every page has a slot id, plan.expert_slots active
-    return offload_backend(store, model, device, plan.expert_slots if rows is None else rows.shape[0], act, **options)
+    return offload_backend(store, model, device, plan.expert_slots if rows is None else rows.shape[0], act,
+                           cpu_layers=plan.cpu_layers, **options)
 
 
 def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torch.device, slots: int,
                     act: MoEActivation, policy: str | None = None,
-                    prefetch: bool = True, cpu_experts: str = "off", calibration: str | None = None,
-                    cpu_thread: bool | None = None, decode_prefetch: bool = True,
+                    prefetch: bool = True, strategy: str = "offload", calibration: str | None = None,
+                    cpu_thread: bool | None = None, decode_prefetch: bool = True, cpu_layers: int = 0,
                     rows: torch.Tensor | None = None, active: list[int] | None = None) -> Any:
     """policy: lru | lrfu (default policies.DEFAULT_POLICY); prefetch: next-layer guesses and prefill streaming;
     decode_prefetch: guesses acted on in decode steps too (OffloadConfig.decode_prefetch);
-    cpu_experts: off | auto | on, misses computed on the CPU (experts/hybrid.py) with rates from the
-    `calibration` file (default: the model's file in ~/.cache/ferryman) or measured at start;
-    cpu_thread: the CPU part in a worker thread (default: on CUDA); rows, active: the slot rows of a
-    region shared with the KV cache and the slot ids the cache holds at first (kvcache/shared_region.py)."""
+    strategy: the moe_strategy (module docstring); hybrid and auto split misses with the CPU
+    (experts/hybrid.py) by rates from the `calibration` file (default: the model's file in
+    ~/.cache/ferryman) or measured at start; cpu_layers: the first MoE layers computed on the CPU
+    (the plan's, for cpu and layers); cpu_thread: the CPU part in a worker thread (default: on CUDA);
+    rows, active: the slot rows of a region shared with the KV cache and the slot ids the cache holds
+    at first (kvcache/shared_region.py)."""
     from ferryman.experts.gpu_cache import ExpertCache
     from ferryman.experts.guesses import NextLayerGuesser
     from ferryman.experts.hybrid import make_hybrid
@@ -136,6 +145,12 @@ def offload_backend(store: HostExpertStore, model: torch.nn.Module, device: torc
 
     cache = ExpertCache(store, slots, device, make_policy(policy) if policy else make_policy(), rows=rows, active=active)
     gates = {block.layer: block.gate.choice_scores for block in model.moe_blocks()}
-    hybrid = make_hybrid(cpu_experts, cache, act, calibration)  # before any expert is cached
-    guesser = NextLayerGuesser(gates, store.cfg.top_k, decode=decode_prefetch) if prefetch else None
-    return OffloadExperts(cache, act, guesser, hybrid, cpu_thread)
+    name = parse_strategy(strategy)[0]
+    split = {"hybrid": "on", "auto": "auto"}.get(name, "off")
+    hybrid = make_hybrid(split, cache, act, calibration)  # before any expert is cached
+    on_cpu = frozenset(store.cfg.moe_layers[:cpu_layers])
+    guesser = None
+    if prefetch and len(on_cpu) < len(store.cfg.moe_layers):  # the CPU's layers are never guessed for
+        guesser = NextLayerGuesser({k: v for k, v in gates.items() if k not in on_cpu}, store.cfg.top_k,
+                                   decode=decode_prefetch)
+    return OffloadExperts(cache, act, guesser, hybrid, cpu_thread, on_cpu)

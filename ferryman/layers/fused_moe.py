@@ -6,7 +6,7 @@
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
 the path: on CUDA the Triton decode GEMVs (T*K <= DECODE_MAX_PAIRS, fused_moe_triton.py), else
 `prefill_path`'s grouped GEMM (grouped_moe_triton.py) or padded batched GEMMs (batched_moe.py); on
-the CPU the C kernel for MXFP4 (quant/mxfp4_cpu.py), a gathered batch for few pairs of small
+the CPU the C kernel for MXFP4 (quant/cpu_kernel.py), a gathered batch for few pairs of small
 experts, else the torch reference (moe_reference.py). FERRYMAN_KERNELS: layers/backend.py.
 """
 
@@ -76,7 +76,8 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                act: MoEActivation, host_ids: torch.Tensor | None, num_slots: int) -> torch.Tensor:
     if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
-        from ferryman.quant.mxfp4_cpu import LayerJob, pairs_of
+        from ferryman.quant.cpu_kernel import pairs_of
+        from ferryman.quant.cpu_layer import LayerJob
 
         check_slot_range(topk_ids.reshape(-1), num_slots)
         return LayerJob(x, banks, 0, pairs_of(topk_ids, topk_w), act.kind, act.alpha, act.limit).run().to(x.dtype)
@@ -109,6 +110,6 @@ def _cpu_kernel(form: ExpertFormat, x: torch.Tensor) -> bool:
     once, where the torch path dequantises the expert first."""
     if form.name != "mxfp4" or x.device.type != "cpu":
         return False
-    from ferryman.quant.mxfp4_cpu import available
+    from ferryman.quant.cpu_kernel import available
 
     return available()

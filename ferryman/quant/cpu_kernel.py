@@ -1,0 +1,213 @@
+"""Routed experts multiplied on the CPU straight from their packed bytes: `LayerJob` (several experts
+of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part, the `cpu` and `layers`
+strategies) and `matmul` (one product x @ W^T: tests and benchmarks).
+
+The C kernel (csrc/cpu_experts.c) has one row decoder per format (`KERNEL_FORMATS`: MXFP4, and dense
+bf16 / fp32 / fp16 banks) and one OpenMP region per layer, rows of all the layer's experts split
+between the threads. It picks AVX-512, AVX2 or its portable loop at run time from CPUID, so one
+build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
+by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
+one warning saying why, and callers keep the torch path. FERRYMAN_CPU_KERNEL=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ferryman.envs import envs
+
+log = logging.getLogger("ferryman.quant")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "cpu_experts.c"
+# tried in order: the first that builds is used (no OpenMP: one thread)
+FLAG_SETS = (("-O3", "-fopenmp"), ("-O3",))
+# at most this instruction set (the CPU's own decides); avx512bf16 adds vdpbf16ps for bf16 x bf16
+ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1, "portable": 0}
+# (format name, bank dtype or None for any) -> the C kernel's format code
+KERNEL_FORMATS = {("mxfp4", None): 0, ("dense", torch.bfloat16): 1, ("dense", torch.float32): 2,
+                  ("dense", torch.float16): 3}
+BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX512-BF16's dot product
+
+
+def product_code(fmt: str, dtype: torch.dtype, x_dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int | None:
+    """The kernel's code for experts of `fmt` (weight bank `dtype`) times activations of `x_dtype`:
+    bf16 x bf16 goes through vdpbf16ps where the CPU has it (rounding bf16 values to bf16 is exact),
+    else as format_code says."""
+    if (fmt, dtype, x_dtype) == ("dense", torch.bfloat16, torch.bfloat16) and isa_name(lib) == "avx512bf16":
+        return BF16_TIMES_BF16
+    return format_code(fmt, dtype)
+
+
+def format_code(fmt: str, dtype: torch.dtype) -> int | None:
+    """The C kernel's code for experts of format `fmt` whose weight bank has `dtype` (None: not covered)."""
+    return KERNEL_FORMATS.get((fmt, None), KERNEL_FORMATS.get((fmt, dtype)))
+
+
+def cache_dir() -> Path:
+    if envs.CACHE_DIR:
+        return Path(envs.CACHE_DIR)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ferryman"
+
+
+def _sources() -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(CSRC.glob("cpu_experts*")))
+
+
+def _compile(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
+    """Build the library at `out` (atomically); None on success, else the compiler's complaint."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)}: {e}"
+    if done.returncode != 0:
+        os.unlink(tmp)
+        return f"{' '.join(cmd)}: {done.stderr.strip()[-400:]}"
+    os.replace(tmp, out)  # concurrent builders each write their own file; the last rename wins
+    return None
+
+
+def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
+    key = hashlib.sha256(_sources() + repr((cc, flags, platform.machine(), platform.node())).encode())
+    return cache_dir() / f"cpu_experts-{key.hexdigest()[:16]}.so"
+
+
+def build(openmp: bool = True) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, how it was built or why not). openmp False: the one-thread build."""
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        return None, f"no C compiler ({cc!r} is not on PATH; set CC)"
+    errors = []
+    for flags in FLAG_SETS:
+        if not openmp and "-fopenmp" in flags:
+            continue
+        path = _library_path(cc, flags)
+        error = None if path.exists() else _compile(cc, flags, path)
+        if error is None:
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib, f"{cc} {' '.join(flags)}"
+        errors.append(error)
+    return None, "the build failed: " + " | ".join(errors)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    pp = ctypes.POINTER(ctypes.c_void_p)
+    lib.ferryman_cpu_matmul.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, c_int, c_int]
+    lib.ferryman_cpu_matmul.restype = c_int
+    lib.ferryman_cpu_experts.argtypes = [c_int, ptr, i64, i64, i64, i64, pp, pp, pp, pp, pp, pp, ptr, ptr, ptr,
+                                         c_int, c_float, c_float, ptr, c_int, c_int]
+    lib.ferryman_cpu_experts.restype = c_int
+    lib.ferryman_cpu_isa.restype = c_int
+    lib.ferryman_cpu_has_openmp.restype = c_int
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib, how = build()
+    except OSError as e:  # an unwritable cache directory, a library that does not load
+        lib, how = None, f"{type(e).__name__}: {e}"
+    if lib is None:
+        log.warning("CPU expert kernel unavailable (%s): experts on the CPU use the slower torch path", how)
+    else:
+        log.info("CPU expert kernel built (%s; %s, OpenMP %s)", how, isa_name(lib),
+                 "yes" if lib.ferryman_cpu_has_openmp() else "no")
+    return lib
+
+
+def isa_name(lib: ctypes.CDLL | None = None) -> str:
+    """The instruction set the kernel runs here: avx512bf16, avx512, avx2 or portable ("none": not built)."""
+    lib = lib or (_library() if envs.CPU_KERNEL else None)
+    if lib is None:
+        return "none"
+    return {v: k for k, v in ISAS.items()}[lib.ferryman_cpu_isa()]
+
+
+def available(fmt: str = "mxfp4", dtype: torch.dtype = torch.uint8) -> bool:
+    """Whether experts of format `fmt` (weight bank dtype `dtype`) on the CPU go through the C kernel."""
+    return format_code(fmt, dtype) is not None and envs.CPU_KERNEL and _library() is not None
+
+
+def threads() -> int:
+    """torch's thread count, less one when this process drives a GPU: its thread needs a core, and
+    one preempted OpenMP thread stalls the whole product."""
+    n = torch.get_num_threads()
+    return n - 1 if n > 2 and torch.cuda.is_initialized() else n
+
+
+def need_library(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("the CPU expert kernel is unavailable (see the warning logged when it was built)")
+    return lib
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, fmt: str = "mxfp4",
+           isa: str = "avx512bf16", lib: ctypes.CDLL | None = None, x_bf16: bool = False) -> torch.Tensor:
+    """x [T, K] fp32 @ W^T -> [T, N] fp32. mxfp4: w = blocks [N, K/32, 16] uint8, scales [N, K/32];
+    dense: w = [N, K] bf16/fp32/fp16. isa: the most the kernel may use (tests compare them);
+    x_bf16: bf16 weights times x's values as bf16 (BF16_TIMES_BF16, x must hold bf16 values)."""
+    code = BF16_TIMES_BF16 if x_bf16 and (fmt, w.dtype) == ("dense", torch.bfloat16) else format_code(fmt, w.dtype)
+    if code is None:
+        raise ValueError(f"matmul: no CPU kernel for {fmt} weights of {w.dtype}")
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"matmul: x must be a float32 [T, K] host tensor, got {tuple(x.shape)} {x.dtype} {x.device}")
+    k = w.shape[1] * 32 if fmt == "mxfp4" else w.shape[1]
+    if fmt == "mxfp4":
+        _check_mxfp4(w, scales, "matmul")
+    if x.shape[1] != k:
+        raise ValueError(f"matmul: x has K={x.shape[1]} inputs, the weights {k}")
+    x, w = x.contiguous(), w.contiguous()
+    s = scales.contiguous() if scales is not None else None
+    y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [T, N]
+    rc = need_library(lib).ferryman_cpu_matmul(code, x.data_ptr(), x.shape[0], k, w.data_ptr(),
+                                                s.data_ptr() if s is not None else None, w.shape[0], y.data_ptr(),
+                                                threads(), ISAS[isa])
+    if rc != 0:
+        raise MemoryError(f"matmul: the kernel failed (code {rc}) on x {tuple(x.shape)}, W {tuple(w.shape)}")
+    return y
+
+
+def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor | None, who: str) -> None:
+    if blocks.dim() != 3 or blocks.shape[-1] != 16 or blocks.dtype != torch.uint8:
+        raise ValueError(f"{who}: blocks must be uint8 [N, K/32, 16], got {tuple(blocks.shape)} {blocks.dtype}")
+    if scales is None or scales.shape != blocks.shape[:2] or scales.dtype != torch.uint8:
+        got = None if scales is None else (tuple(scales.shape), scales.dtype)
+        raise ValueError(f"{who}: scales must be uint8 {tuple(blocks.shape[:2])}, got {got}")
+
+
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+Pairs = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, routing weights)
+
+
+def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = None) -> Pairs:
+    """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids).
+    ids, w: [T, K] on the host."""
+    out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
+    for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
+        for e, wt in zip(row, weights):
+            if experts is None or e in out:
+                tokens, ws = out.setdefault(e, ([], []))
+                tokens.append(t)
+                ws.append(wt)
+    return out

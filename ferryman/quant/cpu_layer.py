@@ -1,0 +1,94 @@
+"""One MoE layer's experts on the CPU in one call of the C kernel (quant/cpu_kernel.py): `LayerJob`.
+
+A format the kernel covers names its banks here (`BANKS`: weights, and scales or None, of w13 and w2)
+and its row decoder in csrc/cpu_experts.c (`KERNEL_FORMATS` in cpu_kernel.py gives its code).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import torch
+
+from ferryman.quant.cpu_kernel import ACTIVATIONS, ISAS, Pairs, format_code, need_library, product_code, threads
+
+# format -> (w13 weights, w13 scales, w2 weights, w2 scales); the weights' leading dims are [E, rows]
+BANKS = {"mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "dense": ("w13", None, "w2", None)}
+
+
+def layer_dims(fmt: str, banks: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(hidden H, FFN width I) of a layer's banks in format `fmt`."""
+    w13 = banks[BANKS[fmt][0]]
+    hidden = w13.shape[2] * 32 if fmt == "mxfp4" else w13.shape[2]
+    return hidden, w13.shape[1] // 2
+
+
+class LayerJob:
+    """Several experts of one layer, each on its own tokens, weighted and summed in fp32 (the math of
+    fused_moe) in one kernel call, `run`, which holds no Python lock while it computes; the arguments
+    are prepared here, on the caller's thread. x: [T, H]; pairs: `pairs_of`; fmt: the banks' format;
+    bias: fp32 copies of the bias rows by (layer, expert, bank), kept by a caller that runs the same
+    layers again (None: converted for this job only)."""
+
+    def __init__(self, x: torch.Tensor, banks: dict[str, torch.Tensor], layer: int, pairs: Pairs, kind: str,
+                 alpha: float, limit: float, bias: dict[tuple[int, int, str], torch.Tensor] | None = None,
+                 fmt: str = "mxfp4") -> None:
+        if kind not in ACTIVATIONS:
+            raise ValueError(f"LayerJob: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
+        if fmt not in BANKS or format_code(fmt, banks[BANKS[fmt][0]].dtype) is None:
+            raise ValueError(f"LayerJob: no CPU kernel for {fmt} experts")
+        self.lib = need_library(None)
+        self.code = product_code(fmt, banks[BANKS[fmt][0]].dtype, x.dtype, self.lib)
+        self.x = x.float().contiguous()  # [T, H]
+        hidden, self.inter = layer_dims(fmt, banks)
+        if self.x.dim() != 2 or self.x.shape[1] != hidden:
+            raise ValueError(f"LayerJob: x {tuple(x.shape)} does not match the experts' hidden size {hidden}")
+        w2 = banks[BANKS[fmt][2]]
+        if w2.shape[1] != hidden or layer_dims(fmt, {BANKS[fmt][0]: w2})[0] != self.inter:
+            raise ValueError(f"LayerJob: {BANKS[fmt][2]} {tuple(w2.shape)} does not match hidden {hidden} and "
+                             f"FFN {self.inter}")
+        bias = {} if bias is None else bias
+        experts = sorted(pairs)
+        self.n = len(experts)
+        self.keep: list[torch.Tensor] = []  # what the pointers below point into, alive until run
+        names = ("w13", "s13", "w2", "s2", "b13", "b2")
+        self.arrays = {name: (ctypes.c_void_p * max(1, self.n))() for name in names}
+        for i, e in enumerate(experts):
+            for name, bank in zip(names[:4], BANKS[fmt]):
+                if bank is not None:
+                    self.arrays[name][i] = self._pointer(banks[bank][e])
+            for name, bank in (("b13", "w13_bias"), ("b2", "w2_bias")):
+                if bank in banks:
+                    if (layer, e, bank) not in bias:
+                        bias[(layer, e, bank)] = banks[bank][e].float().contiguous()
+                    self.keep.append(bias[(layer, e, bank)])  # the caller's dict may be this call's only
+                    self.arrays[name][i] = self._pointer(self.keep[-1])
+        self.offsets = torch.tensor([0, *itertools.accumulate(len(pairs[e][0]) for e in experts)], dtype=torch.int64)
+        self.tokens = torch.tensor([t for e in experts for t in pairs[e][0]], dtype=torch.int64)
+        self.weights = torch.tensor([w for e in experts for w in pairs[e][1]], dtype=torch.float32)
+        self.kind, self.alpha, self.limit = ACTIVATIONS[kind], alpha, limit
+        self.threads = threads()
+
+    def _pointer(self, t: torch.Tensor) -> int:
+        """Address of t's data, copied first if it is not one contiguous block on the host."""
+        if t.device.type != "cpu":
+            raise ValueError(f"LayerJob: expert banks must be in host memory, got {t.device}")
+        if not t.is_contiguous():
+            t = t.contiguous()
+            self.keep.append(t)
+        return t.data_ptr()
+
+    def run(self, isa: str = "avx512bf16") -> torch.Tensor:
+        """The [T, H] fp32 sum of the experts' weighted outputs. isa: the most the kernel may use
+        (tests compare the instruction sets)."""
+        out = torch.zeros_like(self.x)
+        a = self.arrays
+        rc = self.lib.ferryman_cpu_experts(
+            self.code, self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter, self.n, a["w13"], a["s13"],
+            a["b13"], a["w2"], a["s2"], a["b2"], self.offsets.data_ptr(), self.tokens.data_ptr(),
+            self.weights.data_ptr(), self.kind, self.alpha, self.limit, out.data_ptr(), self.threads, ISAS[isa])
+        if rc != 0:
+            raise RuntimeError(f"CPU experts kernel failed (code {rc}: -1 out of memory or bad sizes, -2 a token "
+                               "out of range)")
+        return out

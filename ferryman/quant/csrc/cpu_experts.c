@@ -1,0 +1,236 @@
+/* Routed experts on the CPU, straight from their packed bytes: y[t, n] = sum_k x[t, k] * W[n, k].
+ *
+ * One format = one row decoder (`rows_*`: a range of rows of W times nt prepared tokens) and one
+ * activation preparation (`prep_*`), listed in FORMATS below. Formats:
+ *   0 mxfp4  W = blocks [N, K/32, 16] (byte j: element 2j low nibble, 2j+1 high) + e8m0 scales [N, K/32]
+ *   1 bf16   W = [N, K] bfloat16
+ *   2 f32    W = [N, K] float32
+ *   3 f16    W = [N, K] float16
+ *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
+ *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
+ * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
+ * 255 takes the per-group path that multiplies like the torch reference).
+ *
+ * `ferryman_cpu_experts` computes a whole MoE layer's job (several experts, each on its own tokens)
+ * in ONE OpenMP region: the gate/up rows of all its experts are split evenly between the threads,
+ * then the activation, then the down rows of all experts, then the weighted sum per output column,
+ * with a barrier between phases (four per layer, not four per expert).
+ *
+ * Instruction sets are chosen at run time from what the CPU reports (CPUID through
+ * __builtin_cpu_supports): AVX-512 (F+BW), AVX2+FMA, or the portable loop; each vector function
+ * carries its own target attribute, so the library builds without -march flags and runs anywhere.
+ * Loaded with ctypes by ferryman/quant/cpu_kernel.py, which builds it at first use.
+ *
+ * A new format (int4 groups, FP8 blocks, GGUF Q4_K / Q6_K / Q8_0, ...): a `rows_*` decoder (the
+ * portable one at least; vector ones per ISA where they pay), a `prep_*` if its activations want
+ * another order, `row_bytes`, one entry in FORMATS; then its code in cpu_kernel.py KERNEL_FORMATS
+ * and its bank names in cpu_layer.py BANKS. Weights and scales arrive as two pointers per expert
+ * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#define FM_X86 1
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define BLOCK_BYTES 16
+#define SPAN 128      /* MXFP4 weights of one 64-byte vector load (4 groups) */
+#define TILE 8        /* tokens per pass over a row */
+#define MAX_GROUPS 4096 /* K <= 131072 for the per-row scale table */
+
+enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, N_FORMATS };
+enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, N_ISAS };
+
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float bits_float(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+/* 2^(s-127) for s < 255 and 2^127 for s = 255 (the caller doubles once more) */
+static inline float scale_of(uint8_t s) {
+    return bits_float(s == 0 ? 0x00400000u : (uint32_t)(s == 255 ? 254 : s) << 23);
+}
+
+static inline float half_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    if (e == 0x1F) return bits_float(sign | 0x7F800000u | (m << 13));
+    if (e != 0) return bits_float(sign | ((e + 112) << 23) | (m << 13));
+    float v = (float)m * 5.9604644775390625e-08f; /* 2^-24 */
+    return sign ? -v : v;
+}
+
+/* ---- activations prepared per format -------------------------------------------------------- */
+/* mxfp4: K/SPAN spans, each as 8 vectors of 16: vector v = 2*k + nib holds, in lane d, element
+ * 2*(4d + k) + nib of the span (the order the 64-byte decoder produces); the remaining groups as
+ * [16 even, 16 odd] (the per-group decoder's order). Other formats: x as it is. */
+static void prep_mxfp4(const float *x, float *xp, int64_t K) {
+    int64_t spans = K / SPAN;
+    for (int64_t s = 0; s < spans; s++)
+        for (int v = 0; v < 8; v++)
+            for (int d = 0; d < 16; d++)
+                xp[s * SPAN + v * 16 + d] = x[s * SPAN + 2 * (4 * d + v / 2) + v % 2];
+    for (int64_t g = spans * SPAN / BLOCK; g < K / BLOCK; g++)
+        for (int j = 0; j < BLOCK_BYTES; j++) {
+            xp[g * BLOCK + j] = x[g * BLOCK + 2 * j];
+            xp[g * BLOCK + BLOCK_BYTES + j] = x[g * BLOCK + 2 * j + 1];
+        }
+}
+
+static void prep_plain(const float *x, float *xp, int64_t K) { memcpy(xp, x, sizeof(float) * (size_t)K); }
+
+/* bf16x: x's values (bf16 ones, held in fp32) as bf16, in the first 2K bytes of the token's row */
+static void prep_bf16(const float *x, float *xp, int64_t K) {
+    uint16_t *out = (uint16_t *)xp;
+    for (int64_t k = 0; k < K; k++) {
+        uint32_t b;
+        memcpy(&b, x + k, 4);
+        out[k] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16); /* round to nearest even (exact on bf16 values) */
+    }
+}
+
+/* ---- row decoders: y[t * ys + n] += W[n, k0:k1] . xp[t, k0:k1] for n in [n0, n1), t < nt -------
+ * k0, k1: multiples of SPAN, or k1 = K (MXFP4's groups after the last whole span go with the last
+ * chunk). Chunks keep a tile of tokens' activations in L1 while the rows stream by. */
+typedef void (*rows_fn)(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                        int64_t k1, const float *xp, int nt, float *y, int64_t ys);
+
+/* whether groups [g0, g1) of an MXFP4 row hold a scale of 0 or 255 (exact only through the
+ * per-group path) */
+static int extreme_scales(const uint8_t *scl, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++)
+        if (scl[g] == 0 || scl[g] == 255) return 1;
+    return 0;
+}
+
+static void mxfp4_group_portable(const uint8_t *blk, uint8_t s, const float *xg, int64_t K, int nt, float *acc) {
+    float sc = scale_of(s), extra = s == 255 ? 2.0f : 1.0f;
+    for (int j = 0; j < BLOCK_BYTES; j++) {
+        float even = E2M1[blk[j] & 0xF] * sc * extra, odd = E2M1[blk[j] >> 4] * sc * extra;
+        for (int t = 0; t < nt; t++) acc[t] += even * xg[t * K + j] + odd * xg[t * K + BLOCK_BYTES + j];
+    }
+}
+
+/* the portable loop; also every chunk with extreme scales, where it multiplies as the reference does */
+static void rows_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                                int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
+        float acc[TILE] = {0};
+        for (int64_t sp = k0 / SPAN; sp < sp1; sp++) /* a span's x is in the 64-byte decoder's order */
+            for (int g = 0; g < 4; g++) {
+                float sc = scale_of(scl[sp * 4 + g]), extra = scl[sp * 4 + g] == 255 ? 2.0f : 1.0f;
+                for (int b = 0; b < BLOCK_BYTES; b++) {
+                    int byte = g * BLOCK_BYTES + b, d = byte / 4, k = byte % 4;
+                    uint8_t code = blk[sp * 64 + byte];
+                    float even = E2M1[code & 0xF] * sc * extra, odd = E2M1[code >> 4] * sc * extra;
+                    const float *xs = xp + sp * SPAN;
+                    for (int t = 0; t < nt; t++)
+                        acc[t] += even * xs[t * K + (2 * k) * 16 + d] + odd * xs[t * K + (2 * k + 1) * 16 + d];
+                }
+            }
+        if (k1 == K)
+            for (int64_t g = spans * 4; g < G; g++)
+                mxfp4_group_portable(blk + g * BLOCK_BYTES, scl[g], xp + g * BLOCK, K, nt, acc);
+        for (int t = 0; t < nt; t++) y[t * ys + n] += acc[t];
+    }
+}
+
+#define DENSE_PORTABLE(NAME, TYPE, SCALAR)                                                              \
+    static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,     \
+                            int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {    \
+        (void)s;                                                                                        \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            const TYPE *row = (const TYPE *)w + n * K;                                                  \
+            float acc[TILE] = {0};                                                                      \
+            for (int64_t k = k0; k < k1; k++) {                                                         \
+                float v = SCALAR(row[k]);                                                               \
+                for (int t = 0; t < nt; t++) acc[t] += v * xp[t * K + k];                               \
+            }                                                                                           \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += acc[t];                                       \
+        }                                                                                               \
+    }
+
+static inline float bf16_scalar(uint16_t v) { return bits_float((uint32_t)v << 16); }
+static inline float f32_scalar(float v) { return v; }
+DENSE_PORTABLE(bf16_portable, uint16_t, bf16_scalar)
+DENSE_PORTABLE(f32_portable, float, f32_scalar)
+DENSE_PORTABLE(f16_portable, uint16_t, half_float)
+
+static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                                int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    (void)s;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = (const uint16_t *)w + n * K;
+        float acc[TILE] = {0};
+        for (int64_t k = k0; k < k1; k++) {
+            float v = bf16_scalar(row[k]);
+            for (int t = 0; t < nt; t++) acc[t] += v * bf16_scalar(((const uint16_t *)(xp + t * K))[k]);
+        }
+        for (int t = 0; t < nt; t++) y[t * ys + n] += acc[t];
+    }
+}
+
+#ifdef FM_X86
+#include "cpu_experts_x86.h"
+#else
+#define rows_mxfp4_avx512 rows_mxfp4_portable
+#define rows_bf16_avx512 rows_bf16_portable
+#define rows_f32_avx512 rows_f32_portable
+#define rows_f16_avx512 rows_f16_portable
+#define rows_mxfp4_avx2 rows_mxfp4_portable
+#define rows_bf16_avx2 rows_bf16_portable
+#define rows_f32_avx2 rows_f32_portable
+#define rows_f16_avx2 rows_f16_portable
+#define rows_bf16x_avx512bf16 rows_bf16x_portable
+static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
+#endif
+
+typedef struct {
+    int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
+    void (*prep)(const float *x, float *xp, int64_t K);
+    int64_t k_multiple;              /* K must be a multiple of this */
+    rows_fn rows[N_ISAS];            /* by ISA_* */
+} format_t;
+
+static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
+static int64_t two_byte_row(int64_t K) { return 2 * K; }
+static int64_t four_byte_row(int64_t K) { return 4 * K; }
+
+static const format_t FORMATS[N_FORMATS] = {
+    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
+                   {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512}},
+    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512}},
+    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512}},
+    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512}},
+    /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
+     * portable loop keeps the format exact everywhere */
+    [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
+                   {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16}},
+};
+
+/* the best instruction set at most `limit` that this CPU runs (and this build holds) */
+static int pick_isa(int limit) {
+    for (int isa = limit; isa > ISA_PORTABLE; isa--)
+        if (cpu_has(isa)) return isa;
+    return ISA_PORTABLE;
+}
+
+int ferryman_cpu_isa(void) { return pick_isa(ISA_AVX512BF16); }
+
+int ferryman_cpu_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#include "cpu_experts_layer.h"

@@ -1,0 +1,218 @@
+/* The entries of cpu_experts.c: one layer's experts in one OpenMP region, and one product. */
+
+#define ROW_BLOCK 16 /* rows per pass: they stay in L2 while each tile of tokens goes over them */
+#define L1_X_BYTES 24576 /* the activations' share of L1: a tile's chunk of K holds at most this */
+
+/* rows [n0, n1) of one matrix for T prepared tokens (xp: [T, K]) into y ([T, ys]), which this zeroes
+ * first: per block of rows, per tile of tokens, per chunk of K (the tile's chunk of x fits L1; a
+ * whole row when it fits: each chunk ends in a horizontal sum per row and token). */
+static void run_rows(rows_fn rows, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                     const float *xp, int64_t T, float *y, int64_t ys) {
+    for (int64_t t = 0; t < T; t++) memset(y + t * ys + n0, 0, sizeof(float) * (size_t)(n1 - n0));
+    for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
+        int64_t ne = nb + ROW_BLOCK < n1 ? nb + ROW_BLOCK : n1;
+        for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+            int nt = (int)(T - t0 < TILE ? T - t0 : TILE);
+            int64_t chunk = L1_X_BYTES / (nt * (int64_t)sizeof(float)) / SPAN * SPAN;
+            chunk = chunk >= K ? K : chunk < SPAN ? SPAN : chunk;
+            for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+                /* the last chunk takes what is left, so MXFP4's groups after the last span go with it */
+                int64_t k1 = k0 + 2 * chunk > K ? K : k0 + chunk;
+                rows(w, s, K, nb, ne, k0, k1, xp + t0 * K, nt, y + t0 * ys, ys);
+                if (k1 == K) break;
+            }
+        }
+    }
+}
+
+/* The matrices of one phase: expert e's W (w[e], s[e]) is [N, K]; its tokens are rows
+ * offsets[e]..offsets[e+1] of xp [P, K] and of y [P, N]. */
+typedef struct {
+    rows_fn rows;
+    const uint8_t *const *w, *const *s;
+    int64_t n_experts, N, K;
+    const int64_t *offsets;
+    const float *xp;
+    float *y;
+} phase_t;
+
+/* cost of one row of expert e: its bytes are read once (worth ~4 tokens' arithmetic), then one
+ * unit per token */
+static double row_cost(const phase_t *p, int64_t e) { return 4.0 + (double)(p->offsets[e + 1] - p->offsets[e]); }
+
+/* the global row (e * N + n) at cost position c of the phase (cum: [n_experts + 1] prefix costs) */
+static int64_t row_at(const phase_t *p, const double *cum, double c) {
+    int64_t e = 0;
+    while (e < p->n_experts && cum[e + 1] <= c) e++;
+    if (e == p->n_experts) return e * p->N;
+    int64_t n = (int64_t)((c - cum[e]) / row_cost(p, e));
+    return e * p->N + (n < p->N ? n : p->N);
+}
+
+/* Thread tid's share of the phase: an equal share of the cost of all rows of all experts (a
+ * contiguous range of global rows, so each thread streams its rows in order). */
+static void phase_rows(const phase_t *p, const double *cum, int tid, int nth) {
+    int64_t lo = row_at(p, cum, cum[p->n_experts] * tid / nth);
+    int64_t hi = tid == nth - 1 ? p->n_experts * p->N : row_at(p, cum, cum[p->n_experts] * (tid + 1) / nth);
+    while (lo < hi) {
+        int64_t e = lo / p->N, n0 = lo % p->N, n1 = hi - e * p->N < p->N ? hi - e * p->N : p->N;
+        int64_t t0 = p->offsets[e], T = p->offsets[e + 1] - t0;
+        if (T > 0) run_rows(p->rows, p->w[e], p->s ? p->s[e] : NULL, p->K, n0, n1, p->xp + t0 * p->K, T,
+                            p->y + t0 * p->N, p->N);
+        lo = e * p->N + n1;
+    }
+}
+
+static void prefix_costs(const phase_t *p, double *cum) {
+    cum[0] = 0.0;
+    for (int64_t e = 0; e < p->n_experts; e++) cum[e + 1] = cum[e] + row_cost(p, e) * (double)p->N;
+}
+
+static inline float sigmoidf(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+/* h[i] = act(gu + b13) for i in [i0, i1): kind 0 silu (gate = first I, up = last I); kind 1
+ * swiglu_oai (gate = even, up = odd, clamped by limit) */
+static void activate(const float *g, const float *b13, int64_t I, int64_t i0, int64_t i1, int kind, float alpha,
+                     float limit, float *h) {
+    for (int64_t i = i0; i < i1; i++) {
+        if (kind == 0) {
+            float a = g[i] + (b13 ? b13[i] : 0.0f), b = g[I + i] + (b13 ? b13[I + i] : 0.0f);
+            h[i] = a * sigmoidf(a) * b;
+        } else {
+            float a = g[2 * i] + (b13 ? b13[2 * i] : 0.0f), b = g[2 * i + 1] + (b13 ? b13[2 * i + 1] : 0.0f);
+            a = a < limit ? a : limit;
+            b = b < -limit ? -limit : (b > limit ? limit : b);
+            h[i] = (b + 1.0f) * (a * sigmoidf(a * alpha));
+        }
+    }
+}
+
+/* Scratch memory of the calling thread, grown on demand and kept: a fresh malloc of a few hundred
+ * KiB per call is an mmap, whose first touch page-faults and whose munmap shoots down the TLBs of
+ * every OpenMP thread. */
+static void *scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (bytes > cap) {
+        free(buf);
+        buf = malloc(bytes);
+        cap = buf == NULL ? 0 : bytes;
+    }
+    return buf;
+}
+
+static int threads_of(int threads) {
+#ifdef _OPENMP
+    return threads > 0 ? threads : omp_get_max_threads();
+#else
+    (void)threads;
+    return 1;
+#endif
+}
+
+/* Several experts of one layer, each on its own tokens, summed into out [T, H] (fp32, accumulated
+ * in ascending pair order):
+ *   out[tokens[p]] += weights[p] * (W2_e act(W13_e x[tokens[p]] + b13_e) + b2_e)
+ * for p in [offsets[e], offsets[e+1]). w13[e]/w2[e] (+ s13[e]/s2[e] scales for MXFP4) are expert e's
+ * banks in the format `fmt`; b13/b2 entries fp32 or NULL. isa_limit: 2 AVX-512, 1 AVX2, 0 portable
+ * (at most; the CPU's own set decides). Returns 0, -1 out of memory or bad sizes, -2 a token out of
+ * range, -3 an unknown format. One call per layer; its caller holds no Python lock meanwhile. */
+int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t I, int64_t n_experts,
+                         const uint8_t *const *w13, const uint8_t *const *s13, const float *const *b13,
+                         const uint8_t *const *w2, const uint8_t *const *s2, const float *const *b2,
+                         const int64_t *offsets, const int64_t *tokens, const float *weights, int kind,
+                         float alpha, float limit, float *out, int threads, int isa_limit) {
+    if (fmt < 0 || fmt >= N_FORMATS) return -3;
+    const format_t *f = &FORMATS[fmt];
+    if (H % f->k_multiple || I % f->k_multiple || T < 0 || n_experts < 0) return -1;
+    int64_t P = offsets[n_experts];
+    for (int64_t p = 0; p < P; p++)
+        if (tokens[p] < 0 || tokens[p] >= T) return -2;
+    if (P == 0) return 0;
+    size_t floats = (size_t)P * (size_t)(H + 2 * I + I + I + H);
+    char *mem = scratch(sizeof(float) * floats + sizeof(int64_t) * (size_t)P + sizeof(double) * 2 * (size_t)(n_experts + 1));
+    if (mem == NULL) return -1;
+    float *xp = (float *)mem, *gu = xp + P * H, *h = gu + P * 2 * I, *hp = h + P * I, *y = hp + P * I;
+    int64_t *expert_of = (int64_t *)(y + P * H);
+    double *cum13 = (double *)(expert_of + P), *cum2 = cum13 + n_experts + 1;
+    for (int64_t e = 0; e < n_experts; e++)
+        for (int64_t p = offsets[e]; p < offsets[e + 1]; p++) expert_of[p] = e;
+    rows_fn rows = f->rows[pick_isa(isa_limit)];
+    phase_t up = {rows, w13, s13, n_experts, 2 * I, H, offsets, xp, gu};
+    phase_t down = {rows, w2, s2, n_experts, H, I, offsets, hp, y};
+    prefix_costs(&up, cum13);
+    prefix_costs(&down, cum2);
+    const int64_t chunks = (I + SPAN - 1) / SPAN; /* activation items per pair: SPAN-aligned, as prep wants */
+    int nth = threads_of(threads);
+    (void)nth;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+#endif
+    {
+#ifdef _OPENMP
+        int tid = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        int tid = 0, n = 1;
+#endif
+        for (int64_t p = tid; p < P; p += n) f->prep(x + tokens[p] * H, xp + p * H, H);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        phase_rows(&up, cum13, tid, n);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        for (int64_t item = tid; item < P * chunks; item += n) {
+            int64_t p = item / chunks, i0 = (item % chunks) * SPAN, i1 = i0 + SPAN < I ? i0 + SPAN : I;
+            activate(gu + p * 2 * I, b13[expert_of[p]], I, i0, i1, kind, alpha, limit, h + p * I);
+        }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        for (int64_t p = tid; p < P; p += n) f->prep(h + p * I, hp + p * I, I);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        phase_rows(&down, cum2, tid, n);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        int64_t c0 = H * tid / n, c1 = H * (tid + 1) / n; /* this thread's output columns */
+        for (int64_t p = 0; p < P; p++) {
+            const float *yp = y + p * H, *bias = b2[expert_of[p]];
+            float *o = out + tokens[p] * H, wp = weights[p];
+            for (int64_t c = c0; c < c1; c++) o[c] += wp * (yp[c] + (bias ? bias[c] : 0.0f));
+        }
+    }
+    return 0;
+}
+
+/* y [T, N] = x [T, K] @ W^T for one matrix W of format fmt (w, s as in ferryman_cpu_experts).
+ * Returns 0, -1 bad sizes or out of memory, -3 an unknown format. */
+int ferryman_cpu_matmul(int fmt, const float *x, int64_t T, int64_t K, const uint8_t *w, const uint8_t *s,
+                        int64_t N, float *y, int threads, int isa_limit) {
+    if (fmt < 0 || fmt >= N_FORMATS) return -3;
+    const format_t *f = &FORMATS[fmt];
+    if (K % f->k_multiple || T < 0 || N < 0) return -1;
+    if (T == 0) return 0;
+    float *xp = scratch(sizeof(float) * (size_t)(T * K));
+    if (xp == NULL) return -1;
+    for (int64_t t = 0; t < T; t++) f->prep(x + t * K, xp + t * K, K);
+    int64_t offsets[2] = {0, T};
+    const uint8_t *ws[1] = {w}, *ss[1] = {s};
+    phase_t ph = {f->rows[pick_isa(isa_limit)], ws, ss, 1, N, K, offsets, xp, y};
+    double cum[2];
+    prefix_costs(&ph, cum);
+    int nth = threads_of(threads);
+    (void)nth;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+    phase_rows(&ph, cum, omp_get_thread_num(), omp_get_num_threads());
+#else
+    phase_rows(&ph, cum, 0, 1);
+#endif
+    return 0;
+}
+
+/* bytes of one row of W in format fmt (-1: unknown format) */
+int64_t ferryman_cpu_row_bytes(int fmt, int64_t K) { return fmt < 0 || fmt >= N_FORMATS ? -1 : FORMATS[fmt].row_bytes(K); }

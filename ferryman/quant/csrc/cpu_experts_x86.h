@@ -1,0 +1,283 @@
+/* x86 row decoders of cpu_experts.c: AVX-512 (F+BW) and AVX2+FMA, each function compiled for its
+ * own target (attributes), called only where the CPU reports the instruction set (cpu_has). */
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+#define T256 __attribute__((target("avx2,fma,f16c")))
+#define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define INLINE512 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,fma")))
+#define INLINE256 static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+static int cpu_has(int isa) {
+    __builtin_cpu_init();
+    if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                  __builtin_cpu_supports("avx512vl");
+    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_AVX512BF16) return cpu_has(ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+    return 1;
+}
+
+/* ---- AVX-512 ---------------------------------------------------------------------------------- */
+/* One MXFP4 row (no extreme scales; sc: its scales as floats) times nt tokens -> out[nt].
+ * A span (64 bytes, 4 groups) is one load; dword lane d holds bytes 4d..4d+3, and vpermps reads the
+ * low 4 bits of each lane, so shifting the lanes by 4j puts nibble j of every lane under the table:
+ * 8 permutes decode 128 weights, no byte widening. Per token the span's 8 products are summed
+ * unscaled, then multiplied by the per-lane scales (lanes 4g..4g+3: group g). Invariant: callers
+ * pass nt as a literal (mx512_row below), so the token loops unroll into registers. */
+INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp, int64_t K, int64_t G,
+                            int64_t k0, int64_t k1, const int nt, float *out) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m512i rep4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
+    for (int64_t sp = k0 / SPAN; sp < sp1; sp++) {
+        _mm_prefetch((const char *)(blk + sp * 64 + 1024), _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512((const void *)(blk + sp * 64));
+        __m512 scv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(sc + sp * 4)));
+        __m512 wv[8];
+        wv[0] = _mm512_permutexvar_ps(v, lut);
+        wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+        wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+        wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+        wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+        wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+        wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+        wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+            const float *xs = xp + t * K + sp * SPAN;
+            __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));
+            __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));
+            a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);
+            b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);
+            a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);
+            b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);
+            a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);
+            b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);
+            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);
+        }
+    }
+    const __m512i low = _mm512_set1_epi32(0xF);
+    for (int64_t g = k1 == K ? spans * 4 : G; g < G; g++) { /* the groups after the last whole span */
+        __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + g * BLOCK_BYTES)));
+        __m512 lut_s = _mm512_mul_ps(lut, _mm512_set1_ps(sc[g]));
+        __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut_s);
+        __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut_s);
+        for (int t = 0; t < nt; t++) {
+            const float *xg = xp + t * K + g * BLOCK;
+            acc[t] = _mm512_fmadd_ps(even, _mm512_loadu_ps(xg), acc[t]);
+            acc[t] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xg + BLOCK_BYTES), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+T512 static void mx512_row(const uint8_t *blk, const float *sc, const float *xp, int64_t K, int64_t G, int64_t k0,
+                           int64_t k1, int nt, float *out) {
+    switch (nt) {
+    case 1: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 1, out); break;
+    case 2: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 2, out); break;
+    case 3: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 3, out); break;
+    case 4: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 4, out); break;
+    case 5: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 5, out); break;
+    case 6: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 6, out); break;
+    case 7: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 7, out); break;
+    default: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 8, out); break;
+    }
+}
+
+/* scl[g0:g1] as floats 2^(s-127) into sc[g0:g1]; 0 when a scale is 0 or 255 (the row's chunk then
+ * takes the per-group path), else 1 */
+INLINE512 int mx512_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc) {
+    __mmask16 bad = 0;
+    for (int64_t g = g0; g < g1; g += 16) {
+        __mmask16 m = g1 - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (g1 - g)) - 1);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, scl + g));
+        bad |= _mm512_mask_cmpeq_epi32_mask(m, v, _mm512_setzero_si512()) |
+               _mm512_mask_cmpeq_epi32_mask(m, v, _mm512_set1_epi32(255));
+        _mm512_mask_storeu_ps(sc + g, m, _mm512_castsi512_ps(_mm512_slli_epi32(v, 23)));
+    }
+    return bad == 0;
+}
+
+T512 static void rows_mxfp4_avx512(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                                   int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;
+    float sc[MAX_GROUPS], out[TILE];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
+        if (G > MAX_GROUPS || !mx512_scales(scl, g0, g1, sc)) {
+            rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);
+            continue;
+        }
+        mx512_row(blk, sc, xp, K, G, k0, k1, nt, out);
+        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
+    }
+}
+
+/* dense rows: `load16` turns 16 weights at a pointer into fp32; with a few tokens two accumulator
+ * sets take alternate vectors, so no FMA waits on the one before it */
+#define DENSE512(NAME, TYPE, LOAD16, LOADM)                                                              \
+    INLINE512 void NAME##_nt(const TYPE *row, const float *xp, int64_t K, int64_t k0, int64_t k1,       \
+                             const int nt, float *out) {                                                \
+        __m512 a0[TILE], a1[TILE];                                                                      \
+        for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();                               \
+        int64_t k = k0;                                                                                 \
+        for (; k + 32 <= k1; k += 32) {                                                                  \
+            _mm_prefetch((const char *)(row + k) + 1024, _MM_HINT_T0);                                  \
+            __m512 w0 = LOAD16(row + k), w1 = LOAD16(row + k + 16);                                     \
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {                                    \
+                a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + t * K + k), a0[t]);                    \
+                a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + t * K + k + 16), a1[t]);               \
+            }                                                                                           \
+        }                                                                                               \
+        for (; k < k1; k += 16) {                                                                       \
+            __mmask16 m = k1 - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k1 - k)) - 1);         \
+            __m512 w0 = LOADM(m, row + k);                                                              \
+            for (int t = 0; t < nt; t++)                                                                \
+                a0[t] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(m, xp + t * K + k), a0[t]);           \
+        }                                                                                               \
+        for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));        \
+    }                                                                                                   \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
+                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) { \
+        (void)s;                                                                                        \
+        float out[TILE];                                                                                \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            const TYPE *row = (const TYPE *)w + n * K;                                                  \
+            switch (nt) {                                                                               \
+            case 1: NAME##_nt(row, xp, K, k0, k1, 1, out); break;                                               \
+            case 2: NAME##_nt(row, xp, K, k0, k1, 2, out); break;                                               \
+            case 3: NAME##_nt(row, xp, K, k0, k1, 3, out); break;                                               \
+            case 4: NAME##_nt(row, xp, K, k0, k1, 4, out); break;                                               \
+            case 5: NAME##_nt(row, xp, K, k0, k1, 5, out); break;                                               \
+            case 6: NAME##_nt(row, xp, K, k0, k1, 6, out); break;                                               \
+            case 7: NAME##_nt(row, xp, K, k0, k1, 7, out); break;                                               \
+            default: NAME##_nt(row, xp, K, k0, k1, 8, out); break;                                              \
+            }                                                                                           \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
+        }                                                                                               \
+    }
+
+INLINE512 __m512 bf16_load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+INLINE512 __m512 bf16_loadm(__mmask16 m, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+INLINE512 __m512 f32_load16(const float *p) { return _mm512_loadu_ps(p); }
+INLINE512 __m512 f32_loadm(__mmask16 m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+INLINE512 __m512 f16_load16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE512 __m512 f16_loadm(__mmask16 m, const uint16_t *p) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+
+DENSE512(bf16_avx512, uint16_t, bf16_load16, bf16_loadm)
+DENSE512(f32_avx512, float, f32_load16, f32_loadm)
+DENSE512(f16_avx512, uint16_t, f16_load16, f16_loadm)
+
+/* ---- AVX2 ------------------------------------------------------------------------------------- */
+/* The MXFP4 span as two 32-byte halves (lanes d = 0..7, then 8..15); vpermps reads 3 bits, so the
+ * table holds magnitudes and bit 3 of the nibble becomes the sign bit. Tail groups: portable loop. */
+T256 static void mx256_row(const uint8_t *blk, const uint8_t *scl, const float *sc, const float *xp, int64_t K,
+                           int64_t G, int64_t k0, int64_t k1, int nt, float *out) {
+    const __m256 mag = _mm256_loadu_ps(E2M1);
+    const __m256i eight = _mm256_set1_epi32(8);
+    float acc_s[TILE] = {0};
+    __m256 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    const int64_t spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
+    for (int64_t sp = k0 / SPAN; sp < sp1; sp++)
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + sp * 64 + h * 32));
+            const float *s2 = sc + sp * 4 + h * 2;
+            __m256 scv = _mm256_set_m128(_mm_set1_ps(s2[1]), _mm_set1_ps(s2[0]));
+            for (int j = 0; j < 8; j++) {
+                __m256i nib = _mm256_srlv_epi32(v, _mm256_set1_epi32(4 * j));
+                __m256 wv = _mm256_permutevar8x32_ps(mag, nib);
+                wv = _mm256_xor_ps(wv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(nib, eight), 28)));
+                wv = _mm256_mul_ps(wv, scv);
+                for (int t = 0; t < nt; t++)
+                    acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + t * K + sp * SPAN + j * 16 + h * 8), acc[t]);
+            }
+        }
+    for (int64_t g = k1 == K ? spans * 4 : G; g < G; g++)
+        mxfp4_group_portable(blk + g * BLOCK_BYTES, scl[g], xp + g * BLOCK, K, nt, acc_s);
+    for (int t = 0; t < nt; t++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[t]);
+        out[t] = acc_s[t] + lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    }
+}
+
+T256 static void rows_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;
+    float sc[MAX_GROUPS], out[TILE];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
+        if (G > MAX_GROUPS || extreme_scales(scl, g0, g1)) {
+            rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);
+            continue;
+        }
+        for (int64_t g = g0; g < g1; g++) sc[g] = bits_float((uint32_t)scl[g] << 23);
+        mx256_row(blk, scl, sc, xp, K, G, k0, k1, nt, out);
+        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
+    }
+}
+
+#define DENSE256(NAME, TYPE, LOAD8, SCALAR)                                                              \
+    T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
+                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) { \
+        (void)s;                                                                                        \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            const TYPE *row = (const TYPE *)w + n * K;                                                  \
+            __m256 acc[TILE];                                                                           \
+            float tail[TILE] = {0};                                                                     \
+            for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();                                  \
+            int64_t k = k0;                                                                             \
+            for (; k + 8 <= k1; k += 8) {                                                                \
+                __m256 wv = LOAD8(row + k);                                                             \
+                for (int t = 0; t < nt; t++) acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + t * K + k), acc[t]); \
+            }                                                                                           \
+            for (; k < k1; k++)                                                                         \
+                for (int t = 0; t < nt; t++) tail[t] += SCALAR(row[k]) * xp[t * K + k];                 \
+            for (int t = 0; t < nt; t++) {                                                              \
+                float lanes[8];                                                                         \
+                _mm256_storeu_ps(lanes, acc[t]);                                                        \
+                y[t * ys + n] += tail[t] + lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + \
+                                lanes[6] + lanes[7];                                                    \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+INLINE256 __m256 bf16_load8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+INLINE256 __m256 f32_load8(const float *p) { return _mm256_loadu_ps(p); }
+INLINE256 __m256 f16_load8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+DENSE256(bf16_avx2, uint16_t, bf16_load8, bf16_scalar)
+DENSE256(f32_avx2, float, f32_load8, f32_scalar)
+DENSE256(f16_avx2, uint16_t, f16_load8, half_float)
+
+/* ---- AVX512-BF16 (compiled everywhere, run only where CPUID reports it) -------------------------- */
+/* bf16 weights times bf16 activations: one vdpbf16ps multiplies 32 pairs and adds them in pairs into
+ * 16 fp32 lanes; up to 4 tokens per pass, a row's chunk at a time */
+TBF16 static void rows_bf16x_avx512bf16(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                                        int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+    (void)s;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint16_t *row = (const uint16_t *)w + n * K;
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            int m = nt - t0 < 4 ? nt - t0 : 4;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t k = k0; k < k1; k += 32) {
+                __mmask32 mk = k1 - k >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << (k1 - k)) - 1);
+                __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mk, row + k);
+                for (int t = 0; t < m; t++) {
+                    const uint16_t *xt = (const uint16_t *)(xp + (t0 + t) * K);
+                    acc[t] = _mm512_dpbf16_ps(acc[t], wv, (__m512bh)_mm512_maskz_loadu_epi16(mk, xt + k));
+                }
+            }
+            for (int t = 0; t < m; t++) y[(t0 + t) * ys + n] += _mm512_reduce_add_ps(acc[t]);
+        }
+    }
+}
