@@ -40,14 +40,16 @@ def test_parse_strategy() -> None:
 
 def test_layers_fills_the_budget_with_whole_layers() -> None:
     """layers without N: the experts' share of the budget as whole layers on the device (what
-    offload would give its cache, rounded down to layers), the first N = the rest on the CPU."""
+    offload would give its cache at start, rounded down to layers: offload's shared region rounds
+    to pages, so one layer more or less), the first N = the rest on the CPU."""
     cfg, offload = _plan("offload", "8GiB")
     _, layers = _plan("layers", "8GiB")
     per_layer = cfg.num_experts
-    on_device = offload.expert_slots // per_layer
+    on_device = layers.expert_slots // per_layer
     assert layers.strategy == "offload" and layers.expert_slots == on_device * per_layer
+    assert abs(on_device - offload.expert_slots // per_layer) <= 1
     assert layers.cpu_layers == len(cfg.moe_layers) - on_device > 0
-    assert layers.kv_tokens >= offload.kv_tokens  # what the partial layer would have held goes to KV
+    assert layers.kv_tokens >= layers.request.kv_floor_tokens  # the partial layer's bytes go to KV
 
 
 def test_layers_n_and_cpu_plans() -> None:
