@@ -10,7 +10,8 @@ from typing import Any
 
 from ferryman.cli_bench import HelpFormatter, Parser, RawHelpFormatter, add_bench, cmd_bench, existing_file, size
 from ferryman.cli_serve import add_serve, cmd_serve
-from ferryman.config import CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, STRATEGIES, EngineConfig, ModelConfig
+from ferryman.config import (CPU_EXPERTS, KV_CACHE_DTYPES, LOAD_FORMATS, PREFILL_MODES, STRATEGIES, EngineConfig,
+                             ModelConfig)
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
 
@@ -47,6 +48,10 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--expert-cache", metavar="N",
                    help="device expert cache: a share of all experts (10%%, 0.1) or a slot count "
                         "(default: what the plan leaves)")
+    g.add_argument("--prefill-mode", default="auto", choices=PREFILL_MODES,
+                   help="prompts longer than a step: layer (each layer in all its chunks, each uncached expert "
+                        "crosses the link once per prompt), chunk (each chunk through every layer); auto: layer "
+                        "when experts are offloaded and the prompt's hidden states fit")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

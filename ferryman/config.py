@@ -292,6 +292,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 
 STRATEGIES = ("auto", "resident", "offload")
+PREFILL_MODES = ("auto", "layer", "chunk")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 CPU_EXPERTS = ("off", "auto", "on")
@@ -349,6 +350,7 @@ class EngineConfig:
     cpu_experts: str = "off"
     calibration: str | None = None
     decode_prefetch: bool = True
+    prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner.prefill_plan)
 
     @cached_property
     def offload(self) -> OffloadConfig:
@@ -369,6 +371,7 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at start
         _ = self.offload  # builds, so validates, the routed-expert fields
+        _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
 
     def context_len(self, cfg: ModelConfig) -> int:
         """max_model_len, or the model's context capped at DEFAULT_CONTEXT_CAP; ConfigError past the model's."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, STRATEGIES, GiB, MiB, ModelConfig
+from ferryman.config import DEFAULT_CONTEXT_CAP, PREFILL_MODES, STRATEGIES, GiB, MiB, ModelConfig
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
@@ -146,6 +146,7 @@ class PlanRequest:
     expert_cache: float | int | None = None
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
     kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
+    prefill_mode: str = "auto"  # auto | layer | chunk: how prompts longer than a step run (`prefill_plan`)
 
     @property
     def kv_per_token(self) -> int:
@@ -195,6 +196,9 @@ class MemoryPlan:
     expert_slots: int  # == total experts when resident
     host_embedding_bytes: int = 0  # the token-embedding table kept in host RAM (offload), not in weights_bytes
     state_bytes: int = 0  # the linear-attention state pool (hybrid models), on the device
+    # layer-major prefill (engine/layer_prefill.py): the most prompt tokens one job holds (0: chunk-major
+    # only); their hidden states wait between layers on the device, counted in activation_bytes
+    prefill_job_tokens: int = 0
 
     @property
     def checkpoint_host_bytes(self) -> int:
@@ -229,7 +233,11 @@ OFFLOAD_CHUNK = 4096
 def plan_memory(req: PlanRequest) -> MemoryPlan:
     """Split `req.budget`; ConfigError if it cannot hold the floor (the message says how much is missing).
     With max_num_batched_tokens None: DEFAULT_CHUNK, then OFFLOAD_CHUNK if the experts are offloaded
-    and the longer chunk's activations still leave a plan."""
+    and the longer chunk's activations still leave a plan. Then the prefill mode (`prefill_plan`)."""
+    return prefill_plan(_plan_chunk(req))
+
+
+def _plan_chunk(req: PlanRequest) -> MemoryPlan:
     if req.max_num_batched_tokens is not None:
         return _plan_memory(req)
     plan = _plan_memory(replace(req, max_num_batched_tokens=DEFAULT_CHUNK))
@@ -242,16 +250,54 @@ def plan_memory(req: PlanRequest) -> MemoryPlan:
     return longer if longer.strategy == "offload" else plan
 
 
-def _plan_memory(req: PlanRequest) -> MemoryPlan:
+def layer_major_applies(cfg: ModelConfig) -> bool:
+    """Layer-major prefill keeps causal order within a layer through paged KV; a linear-attention
+    layer's state and its prefix checkpoints (taken after a chunk's last layer) need chunk-major."""
+    return not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+
+
+def prefill_job_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Device bytes of a layer-major job's hidden states between layers: the stream and the
+    residual, [tokens, H] each (engine/layer_prefill.py)."""
+    return 2 * tokens * cfg.hidden_size * dtype.itemsize
+
+
+def prefill_plan(plan: MemoryPlan) -> MemoryPlan:
+    """How prompts longer than one step are computed.
+
+    chunk-major (today's path): each chunk passes every layer, so an offloaded model streams about
+    every uncached expert once per chunk. layer-major: a job of up to max_model_len tokens passes
+    each layer in all its chunks while that layer's experts are pinned, so each crosses the link
+    once per job. auto: layer-major for offloaded experts when the job's hidden states fit beside the
+    plan (else chunk-major); resident experts never cross the link, so they keep chunk-major (smaller
+    activations, decodes between whole chunks)."""
+    req = plan.request
+    if req.prefill_mode not in PREFILL_MODES:
+        raise ConfigError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {req.prefill_mode!r}")
+    wanted = req.prefill_mode == "layer" or (req.prefill_mode == "auto" and plan.strategy == "offload")
+    if not wanted or not layer_major_applies(req.cfg):
+        return plan
+    job = _round_up(req.max_model_len, req.block_size)
+    try:
+        layered = _plan_memory(req, job)
+    except ConfigError:
+        if req.prefill_mode == "layer":
+            raise
+        return plan
+    return layered if layered.strategy == plan.strategy else plan
+
+
+def _plan_memory(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
     assert req.max_num_batched_tokens is not None  # plan_memory resolves it
     if req.strategy not in STRATEGIES:
         raise ConfigError(f"moe_strategy must be one of {', '.join(STRATEGIES)}, got {req.strategy!r}")
     cfg, total = req.cfg, req.total_experts
     weights = non_expert_bytes(cfg, req.dtype)
     act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
+    act += prefill_job_bytes(cfg, req.dtype, job_tokens)
     per_slot = slot_bytes(cfg, req.dtype) if total else 0
     if req.budget is None:
-        return _unlimited_plan(req, weights, act, per_slot)
+        return _unlimited_plan(req, weights, act, per_slot, job_tokens)
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes - req.state_bytes
@@ -272,7 +318,8 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
     kv_bytes = kv_tokens * per_token + req.window_kv_bytes
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes)
+    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes,
+                      job_tokens)
 
 
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
@@ -308,13 +355,14 @@ def _strategy(req: PlanRequest, all_fit: bool) -> str:
     return "offload" if req.expert_cache is not None or not all_fit else "resident"
 
 
-def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> MemoryPlan:
+def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int, job_tokens: int = 0) -> MemoryPlan:
     strategy = _strategy(req, all_fit=True)
     if strategy == "offload" and req.expert_cache is None:
         raise ConfigError("moe_strategy 'offload' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
     slots = req.total_experts if strategy == "resident" else expert_slots(req.expert_cache, req.total_experts)
     host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes)
+    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes,
+                      job_tokens)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,

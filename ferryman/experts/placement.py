@@ -50,7 +50,8 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     kernels = envs.KERNELS if triton_available() else "torch"  # the machine's, resolved here: the plan is pure
     req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
-                      off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels)
+                      off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels,
+                      ecfg.prefill_mode)
     return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
 
 
