@@ -178,3 +178,25 @@ def test_a_bad_mode_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="prefill_mode must be one of auto, layer, chunk"):
         EngineConfig(model="x", prefill_mode="rows")
+
+
+def test_the_planner_chooses_the_mode() -> None:
+    """Offloaded: layer-major with the job's hidden states in the plan; chunk when asked, or when
+    those states do not fit beside the floor (auto); `layer` then refuses with the shortfall."""
+    from ferryman.errors import ConfigError
+    from ferryman.planner import PlanRequest, plan_memory, prefill_job_bytes
+    from tiny_models import preset_config
+
+    cfg = preset_config("gpt-oss-20b")
+    req = PlanRequest(cfg, torch.bfloat16, 8 << 30, 32768, max_num_seqs=2)
+    layered, chunked = plan_memory(req), plan_memory(PlanRequest(**{**req.__dict__, "prefill_mode": "chunk"}))
+    assert layered.prefill_job_tokens == 32768 and chunked.prefill_job_tokens == 0
+    job = prefill_job_bytes(cfg, torch.bfloat16, 32768)
+    assert layered.activation_bytes - chunked.activation_bytes == job == 2 * 32768 * cfg.hidden_size * 2
+    assert chunked.expert_slots - layered.expert_slots in (job // chunked.slot_bytes, job // chunked.slot_bytes + 1)
+    # a budget with room for the floor and the experts' minimum but not for the job's states
+    tight = chunked.total_bytes - (chunked.expert_slots - cfg.top_k) * chunked.slot_bytes + job // 2
+    auto = plan_memory(PlanRequest(**{**req.__dict__, "budget": tight}))
+    assert auto.strategy == "offload" and auto.prefill_job_tokens == 0
+    with pytest.raises(ConfigError, match="cannot hold the floor"):
+        plan_memory(PlanRequest(**{**req.__dict__, "budget": tight, "prefill_mode": "layer"}))
