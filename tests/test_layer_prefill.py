@@ -109,8 +109,9 @@ def test_the_demo_model_gives_the_same_tokens() -> None:
 
 
 def _fetched(eng: LLMEngine) -> dict[int, int]:
-    c = eng.runner.experts.cache.counters
-    return {layer: c.misses.get(layer, 0) + c.prefetch_fetched.get(layer, 0) for layer in eng.runner.experts.cache.moe_index}
+    cache = eng.runner.experts.cache
+    c = cache.counters
+    return {layer: c.misses.get(layer, 0) + c.prefetch_fetched.get(layer, 0) for layer in cache.moe_index}
 
 
 @pytest.mark.parametrize("length, factor", [(3 * CHUNK, 1.5), (CHUNK + 3, 1.2)])
@@ -157,7 +158,8 @@ def test_an_abort_during_the_job_returns_blocks_after_it(tiny_folder) -> None:  
     assert eng.pop_output(first).finish_reason == "abort"
     assert len(eng.pop_output(second).token_ids) == 3
     assert eng.scheduler.pool.usage == 0.0
-    assert all(eng.scheduler.window_pool.blocks[b].ref_count == 0 for b in range(1, eng.scheduler.window_pool.num_blocks))
+    window = eng.scheduler.window_pool
+    assert all(window.blocks[b].ref_count == 0 for b in range(1, window.num_blocks))
 
 
 def test_hybrid_models_keep_chunk_major(tiny_folder) -> None:  # noqa: ANN001

@@ -21,10 +21,17 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ferryman.engine.sequence import Sequence, SequenceStatus
-from ferryman.kvcache.block_pool import cdiv
+from ferryman.kvcache.block_pool import BlockPool, cdiv
+from ferryman.kvcache.state_pool import StatePool
+from ferryman.kvcache.window_pool import WindowBlockPool
+
+if TYPE_CHECKING:  # scheduler.py imports this file
+    from ferryman.engine.scheduler import SchedulerConfig, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -97,7 +104,18 @@ def layers_per_step(num_layers: int, chunk: int, job_tokens: int) -> int:
 class JobScheduling:
     """The Scheduler's job admission and bookkeeping (a mixin: engine/scheduler.py owns the state)."""
 
-    def _start_job(self, out) -> None:  # noqa: ANN001 - SchedulerOutput (scheduler.py imports this file)
+    config: SchedulerConfig
+    pool: BlockPool
+    window_pool: WindowBlockPool | None
+    state_pool: StatePool | None
+    waiting: deque[Sequence]
+    running: list[Sequence]
+    job: PrefillJob | None
+
+    def _match(self, seq: Sequence) -> list[list[int]]: ...  # Scheduler's
+    def free_blocks(self, seq: Sequence) -> None: ...  # Scheduler's
+
+    def _start_job(self, out: SchedulerOutput) -> None:
         """Take the head of the queue and those behind it as a job when the head is longer than a step."""
         cfg = self.config
         if not cfg.prefill_job_tokens or not self.waiting or self.state_pool is not None:
@@ -151,7 +169,7 @@ class JobScheduling:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
 
-    def _advance_job(self, out) -> list[JobPiece]:  # noqa: ANN001 - SchedulerOutput
+    def _advance_job(self, out: SchedulerOutput) -> list[JobPiece]:
         """This step's share of the running job; the pieces that sample when it is done, else []."""
         job = self.job
         if job is None:
