@@ -202,3 +202,26 @@ def test_the_planner_chooses_the_mode() -> None:
     assert auto.strategy == "offload" and auto.prefill_job_tokens == 0
     with pytest.raises(ConfigError, match="cannot hold the floor"):
         plan_memory(PlanRequest(**{**req.__dict__, "budget": tight, "prefill_mode": "layer"}))
+
+
+def test_the_window_ring_and_its_fold() -> None:
+    """A job's window layers cycle through a ring of blocks (exact ids); at its end the table is what
+    chunk-major prefill leaves (the last window, NULL before it) and the rest of the ring is free."""
+    from ferryman.engine.prefill_job import ring_blocks
+    from ferryman.engine.sequence import Sequence
+    from ferryman.kvcache.window_pool import NULL_BLOCK, WindowBlockPool, ring_table
+
+    pool = WindowBlockPool(num_blocks=20, block_size=4, window=4)
+    seq = Sequence(list(range(5, 35)), SamplingParams())  # 30 tokens, 8 blocks
+    ring = min(ring_blocks(4, 8, 4), 8)  # chunks of 8 tokens: cdiv(8 + 4, 4) + 2
+    assert ring == 5
+    pool.grow(seq, ring * 4)
+    assert seq.window_table == [1, 2, 3, 4, 5]
+    # positions 16..23 see from position 13 (block 3) on; block 5 wraps onto the ring's first
+    assert ring_table(seq.window_table, 4, 4, 0, ring, 16, 24) == [NULL_BLOCK] * 3 + [4, 5, 1]
+    pool.fold_ring(seq, 0, ring, 30)
+    assert seq.window_table == [NULL_BLOCK] * 6 + [2, 3]  # blocks 6 and 7 sit in ring slots 1 and 2
+    assert sorted(b for b in range(1, 6) if pool.blocks[b].ref_count == 0) == [1, 4, 5]
+    seq.num_computed_tokens = 30
+    pool.release_stale(seq)  # nothing more to release: the fold left what it would
+    assert seq.window_table == [NULL_BLOCK] * 6 + [2, 3]
