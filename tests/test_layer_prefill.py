@@ -225,3 +225,37 @@ def test_the_window_ring_and_its_fold() -> None:
     seq.num_computed_tokens = 30
     pool.release_stale(seq)  # nothing more to release: the fold left what it would
     assert seq.window_table == [NULL_BLOCK] * 6 + [2, 3]
+
+
+def test_the_scheduler_runs_a_job_beside_decodes() -> None:
+    """Exact steps: a 100-token prompt beside a decoding sequence runs max(1, 4 x 32 // 100) = 1 layer
+    per step, samples on the 4th, then decodes; alone, a prompt runs every layer in one step."""
+    from ferryman.engine.scheduler import Scheduler, SchedulerConfig
+    from ferryman.engine.sequence import Sequence
+
+    sched = Scheduler(SchedulerConfig(max_model_len=256, num_blocks=64, max_num_batched_tokens=32, num_layers=4,
+                                      prefill_job_tokens=256))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    user, long = Sequence(list(range(5, 10)), params), Sequence(list(range(5, 105)), params)
+    sched.add(user)
+    sched.update(sched.schedule(), {user.seq_id: 1})  # the user's prompt: one chunk, chunk-major
+    sched.add(long)
+    layers = []
+    for step in range(4):
+        out = sched.schedule()
+        assert [s.seq for s in out.scheduled] == [user] and out.scheduled[0].is_decode
+        layers.append(out.job_layers)
+        if step == 0:
+            assert [[(p.start_pos, p.num_tokens) for p in c] for c in out.job_started.chunks] == \
+                [[(0, 32)], [(32, 32)], [(64, 32)], [(96, 4)]]
+            assert len(long.block_table) == 7 and sched.running == [user]  # all its blocks, outside running
+        assert [(s.seq, s.num_tokens, s.sample) for s in out.job_finished] == ([(long, 100, True)] if step == 3 else [])
+        sched.update(out, {s.seq.seq_id: 2 for s in [*out.job_finished, *out.scheduled] if s.sample})
+    assert layers == [1, 1, 1, 1] and sched.job is None
+    assert sched.running == [user, long] and long.num_computed_tokens == 100 and long.output_token_ids == [2]
+    alone = Sequence(list(range(200, 270)), params)  # no cached prefix: all 70 tokens to compute
+    sched.finish(user.seq_id, "abort")
+    sched.finish(long.seq_id, "abort")
+    sched.add(alone)
+    out = sched.schedule()
+    assert out.job_layers == 4 and out.job_finished[0].seq is alone and not out.scheduled
