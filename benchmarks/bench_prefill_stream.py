@@ -45,7 +45,7 @@ def moved_per_chunk(llm: LLM, prompt: list[int], chunk: int) -> float:
 
 def run(name: str, model: str | None, cache: str, chunk: int, vocab: int, **kw: object) -> None:
     llm = LLM(model, device="cpu", moe_strategy="offload", expert_cache=cache, max_num_batched_tokens=chunk,
-              enforce_eager=True, **kw)
+              enforce_eager=True, prefill_mode="chunk", **kw)
     cfg = llm.engine.cfg
     total, slots = len(cfg.moe_layers) * cfg.num_experts, llm.stats()["experts"]["slots"]
     gen = torch.Generator().manual_seed(0)

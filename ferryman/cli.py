@@ -20,7 +20,7 @@ from ferryman.cli_bench import (
 )
 from ferryman.cli_ctl import add_ctl, cmd_ctl
 from ferryman.cli_serve import add_serve, cmd_serve
-from ferryman.config import KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig, ModelConfig
+from ferryman.config import KV_CACHE_DTYPES, LOAD_FORMATS, PREFILL_MODES, EngineConfig, ModelConfig
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
 
@@ -75,6 +75,10 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--kv-reserve-tokens", type=int, metavar="N",
                    help="offloaded experts: free KV tokens kept when idle KV pages become expert slots "
                         "(default: one step's tokens); `ferryman ctl` changes both live")
+    g.add_argument("--prefill-mode", default="auto", choices=PREFILL_MODES,
+                   help="prompts longer than a step: layer (each layer in all its chunks, each uncached expert "
+                        "crosses the link once per prompt), chunk (each chunk through every layer); auto: layer "
+                        "when experts are offloaded and the prompt's hidden states fit")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

@@ -302,6 +302,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 # where routed experts live and compute (docs/configuration.md); "layers:N" names N explicitly
 STRATEGIES = ("auto", "resident", "offload", "hybrid", "cpu", "layers")
+PREFILL_MODES = ("auto", "layer", "chunk")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 
@@ -372,6 +373,7 @@ class EngineConfig:
     expert_cache: str | float | int | None = None
     calibration: str | None = None
     decode_prefetch: bool = True
+    prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner.prefill_plan)
 
     @cached_property
     def offload(self) -> OffloadConfig:
@@ -395,6 +397,7 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at start
         _ = self.offload  # builds, so validates, the routed-expert fields
+        _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
 
     def context_len(self, cfg: ModelConfig) -> int:
         """max_model_len, or the model's context capped at DEFAULT_CONTEXT_CAP; ConfigError past the model's."""

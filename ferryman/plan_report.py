@@ -34,7 +34,9 @@ def describe_plan(plan: MemoryPlan) -> str:
         ("kv cache", f"{g(plan.kv_bytes)}  {kv}; {r.max_num_seqs} seqs x {r.max_model_len} context"),
         *([("state", f"{g(plan.state_bytes)}  linear-attention state, {r.max_num_seqs} slots; prefix-cache "
                      f"checkpoints {plan.checkpoint_host_bytes / GiB:.2f} GiB in host RAM")] if plan.state_bytes else []),
-        ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"),
+        ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"
+                        + (f"; layer-major prefill of up to {plan.prefill_job_tokens} tokens"
+                           if plan.prefill_job_tokens else "; chunk-major prefill")),
         ("experts", f"{g(plan.expert_cache_bytes)}  {plan.expert_slots} of {r.total_experts} "
                     f"({plan.expert_slots / max(1, r.total_experts):.1%}) on the device"),
         ("strategy", plan.strategy + (f"; the first {plan.cpu_layers} of {len(r.cfg.moe_layers)} MoE layers' experts "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, GiB, MiB, ModelConfig, parse_strategy
+from ferryman.config import DEFAULT_CONTEXT_CAP, PREFILL_MODES, GiB, MiB, ModelConfig, parse_strategy
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
@@ -152,6 +152,7 @@ class PlanRequest:
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
     kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
     min_expert_slots: int | None = None  # an offloaded plan's slot floor (None: top_k)
+    prefill_mode: str = "auto"  # auto | layer | chunk: how prompts longer than a step run (`prefill_plan`)
 
     @property
     def kv_per_token(self) -> int:
@@ -225,6 +226,9 @@ class MemoryPlan:
             return 0
         return self.expert_slots + self.pages.pages_for_tokens(self.kv_tokens, self.request.block_size)
     cpu_layers: int = 0  # the first MoE layers whose experts the CPU computes (strategies cpu, layers)
+    # layer-major prefill (engine/layer_prefill.py): the most prompt tokens one job holds (0: chunk-major
+    # only); their hidden states wait between layers on the device, counted in activation_bytes
+    prefill_job_tokens: int = 0
 
     @property
     def checkpoint_host_bytes(self) -> int:
@@ -259,7 +263,11 @@ OFFLOAD_CHUNK = 4096
 def plan_memory(req: PlanRequest) -> MemoryPlan:
     """Split `req.budget`; ConfigError if it cannot hold the floor (the message says how much is missing).
     With max_num_batched_tokens None: DEFAULT_CHUNK, then OFFLOAD_CHUNK if the experts are offloaded
-    and the longer chunk's activations still leave a plan."""
+    and the longer chunk's activations still leave a plan. Then the prefill mode (`prefill_plan`)."""
+    return prefill_plan(_plan_chunk(req))
+
+
+def _plan_chunk(req: PlanRequest) -> MemoryPlan:
     if req.max_num_batched_tokens is not None:
         return _plan_memory(req)
     plan = _plan_memory(replace(req, max_num_batched_tokens=DEFAULT_CHUNK))
@@ -272,15 +280,53 @@ def plan_memory(req: PlanRequest) -> MemoryPlan:
     return longer if longer.strategy == "offload" else plan
 
 
-def _plan_memory(req: PlanRequest) -> MemoryPlan:
+def layer_major_applies(cfg: ModelConfig) -> bool:
+    """Layer-major prefill keeps causal order within a layer through paged KV; a linear-attention
+    layer's state and its prefix checkpoints (taken after a chunk's last layer) need chunk-major."""
+    return not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+
+
+def prefill_job_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Device bytes of a layer-major job's hidden states between layers: the stream and the
+    residual, [tokens, H] each (engine/layer_prefill.py)."""
+    return 2 * tokens * cfg.hidden_size * dtype.itemsize
+
+
+def prefill_plan(plan: MemoryPlan) -> MemoryPlan:
+    """How prompts longer than one step are computed.
+
+    chunk-major (today's path): each chunk passes every layer, so an offloaded model streams about
+    every uncached expert once per chunk. layer-major: a job of up to max_model_len tokens passes
+    each layer in all its chunks while that layer's experts are pinned, so each crosses the link
+    once per job. auto: layer-major for offloaded experts when the job's hidden states fit beside the
+    plan (else chunk-major); resident experts never cross the link, so they keep chunk-major (smaller
+    activations, decodes between whole chunks)."""
+    req = plan.request
+    if req.prefill_mode not in PREFILL_MODES:
+        raise ConfigError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {req.prefill_mode!r}")
+    wanted = req.prefill_mode == "layer" or (req.prefill_mode == "auto" and plan.strategy == "offload")
+    if not wanted or not layer_major_applies(req.cfg):
+        return plan
+    job = _round_up(req.max_model_len, req.block_size)
+    try:
+        layered = _plan_memory(req, job)
+    except ConfigError:
+        if req.prefill_mode == "layer":
+            raise
+        return plan
+    return layered if layered.strategy == plan.strategy else plan
+
+
+def _plan_memory(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
     assert req.max_num_batched_tokens is not None  # plan_memory resolves it
     parse_strategy(req.strategy)  # ConfigError naming the choices
     cfg, total = req.cfg, req.total_experts
     weights = non_expert_bytes(cfg, req.dtype)
     act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
+    act += prefill_job_bytes(cfg, req.dtype, job_tokens)
     per_slot = slot_bytes(cfg, req.dtype) if total else 0
     if req.budget is None:
-        return _unlimited_plan(req, weights, act, per_slot)
+        return _unlimited_plan(req, weights, act, per_slot, job_tokens)
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes - req.state_bytes
@@ -288,7 +334,7 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
     if strategy == "offload" and parse_strategy(req.strategy)[0] not in ("cpu", "layers"):
-        return _shared_plan(req, weights, act, per_slot, rest + floor_tokens * per_token, host)
+        return _shared_plan(req, weights, act, per_slot, rest + floor_tokens * per_token, host, job_tokens)
     if strategy == "resident":
         slots = total
     elif req.expert_cache is not None:
@@ -305,10 +351,11 @@ def _plan_memory(req: PlanRequest) -> MemoryPlan:
     kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
     kv_bytes = kv_tokens * per_token + req.window_kv_bytes
     return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes,
-                      cpu_layers=cpu_layers)
+                      cpu_layers=cpu_layers, prefill_job_tokens=job_tokens)
 
 
-def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int) -> MemoryPlan:
+def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int,
+                 job_tokens: int = 0) -> MemoryPlan:
     """Offload under a budget: `region` bytes (what weights, activations, the window and state pools
     leave) in pages; the KV cache starts at its floor (one max_model_len sequence), the experts take
     the other pages up to every expert, or `expert_cache`'s count."""
@@ -331,7 +378,8 @@ def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region
     kv_pages = min(pages - slots, max(kv_floor, wanted))
     kv_tokens = kv_pages * geo.blocks_per_page * req.block_size
     kv_bytes = kv_pages * geo.page_bytes + req.window_kv_bytes
-    return MemoryPlan(req, "offload", weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes, geo)
+    return MemoryPlan(req, "offload", weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes, geo,
+                      prefill_job_tokens=job_tokens)
 
 
 # Concurrencies tried when max_num_seqs is left to the planner, largest first.
@@ -396,7 +444,7 @@ def cpu_split(req: PlanRequest, slots: int) -> tuple[int, int]:
     return max(req.cfg.top_k, (layers - n) * per_layer), n
 
 
-def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> MemoryPlan:
+def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int, job_tokens: int = 0) -> MemoryPlan:
     strategy = _strategy(req, all_fit=True)
     name = parse_strategy(req.strategy)[0]
     if name in ("offload", "hybrid") and req.expert_cache is None:
@@ -411,7 +459,7 @@ def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int) -> 
     geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" and not cpu_layers \
         else None
     return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo,
-                      cpu_layers)
+                      cpu_layers, prefill_job_tokens=job_tokens)
 
 
 def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,

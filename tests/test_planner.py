@@ -25,6 +25,7 @@ from ferryman.planner import (
     non_expert_params,
     plan_auto_seqs,
     plan_memory,
+    prefill_job_bytes,
     slot_bytes,
 )
 from ferryman.weights.presets import get_preset
@@ -106,7 +107,10 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     assert plan.kv_tokens == kv_pages * 23 * 16 >= 32768 and plan.request.window_blocks == 276
     assert plan.kv_bytes == kv_pages * plan.pages.page_bytes + 276 * 16 * 18 * 2048
     assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
-    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1)
+    # + the hidden states of a layer-major prefill of up to max_model_len tokens (planner.prefill_plan)
+    assert plan.prefill_job_tokens == 32768
+    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1) + \
+        prefill_job_bytes(cfg, torch.bfloat16, 32768)
     assert plan.total_bytes <= req.budget < plan.total_bytes + plan.pages.page_bytes
     assert 0.10 < plan.expert_slots / req.total_experts < 0.20
     text = describe_plan(plan)
@@ -231,7 +235,7 @@ def test_budget_drives_the_engine_with_the_cpu_as_device() -> None:
     cfg = model_config(DEMO_MODEL)
     dtype, seqs, ctx = torch.float32, 2, 256
     fixed = (non_expert_bytes(cfg, dtype) + seqs * ctx * kv_bytes_per_token(cfg, dtype)
-             + activation_bytes(cfg, dtype, 64, seqs))
+             + activation_bytes(cfg, dtype, 64, seqs) + prefill_job_bytes(cfg, dtype, ctx))
     budget = fixed + 40 * slot_bytes(cfg, dtype) + 100  # room for 40 of the 320 experts
     kw = dict(device="cpu", dtype="float32", max_num_seqs=seqs, max_model_len=ctx, max_num_batched_tokens=64)
     llm = LLM(gpu_memory=budget, **kw)

@@ -2,7 +2,8 @@
 near-uniform routing (random weights) every chunk touches every expert; once the cache is full,
 what a chunk streams in must cycle through a window of slots, so the experts cached from one chunk
 to the next stay and each chunk moves only the rest. Without it, LRFU on a cyclic scan flushes
-the whole cache every chunk."""
+the whole cache every chunk. These tests run chunk-major prefill (`prefill_mode="chunk"`); the
+layer-major default streams each expert once per prompt (tests/test_layer_prefill.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def uniform_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_chunks_keep_what_fits_beside_the_stream_window(uniform_model: str) -> None:
     chunk, total = 1024, LAYERS * EXPERTS
     llm = LLM(uniform_model, load_format="dummy", device="cpu", moe_strategy="offload", expert_cache="50%",
-              max_num_batched_tokens=chunk, enforce_eager=True)
+              max_num_batched_tokens=chunk, enforce_eager=True, prefill_mode="chunk")
     slots = llm.stats()["experts"]["slots"]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (2 * chunk,), generator=gen).tolist() for _ in range(3)]
@@ -49,7 +50,7 @@ def test_every_layer_streams_the_same_share(uniform_model: str) -> None:
     left the link idle while they computed)."""
     chunk = 1024
     llm = LLM(uniform_model, load_format="dummy", device="cpu", moe_strategy="offload", expert_cache="50%",
-              max_num_batched_tokens=chunk, enforce_eager=True)
+              max_num_batched_tokens=chunk, enforce_eager=True, prefill_mode="chunk")
     cache = llm.engine.runner.experts.cache
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 1000, (2 * chunk,), generator=gen).tolist() for _ in range(2)]
@@ -72,7 +73,7 @@ def test_a_chunks_inputs_go_through_the_transfer(uniform_model: str) -> None:
     kw = dict(load_format="dummy", device="cpu", max_num_batched_tokens=256, enforce_eager=True)
     prompt = [list(range(7, 7 + 300))]
     want = greedy_ids(LLM(uniform_model, **kw), prompt, 4)
-    llm = LLM(uniform_model, moe_strategy="offload", expert_cache="30%", **kw)
+    llm = LLM(uniform_model, moe_strategy="offload", expert_cache="30%", prefill_mode="chunk", **kw)
     transfer = llm.engine.runner.experts.cache.transfer
     shapes: list[tuple[int, ...]] = []
     plain = transfer.upload
@@ -104,7 +105,7 @@ def test_a_chunk_streams_the_next_layer_ahead(uniform_model: str) -> None:
     runs, and tokens stay the same."""
     chunk = 1024
     llm = LLM(uniform_model, load_format="dummy", device="cpu", moe_strategy="offload", expert_cache="30%",
-              max_num_batched_tokens=chunk, enforce_eager=True)
+              max_num_batched_tokens=chunk, enforce_eager=True, prefill_mode="chunk")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 1000, (2 * chunk,), generator=gen).tolist() for _ in range(3)]
     _fetched_per_chunk(llm, prompts[0], chunk)  # cold cache

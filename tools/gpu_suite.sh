@@ -34,6 +34,10 @@
 #                share the budget, engine/memory_split.py): `ferryman plan`'s predictions, `ferryman bench
 #                serve` at 1, 4 and 32 users (1024 in / 128 out), one 8k-token conversation, `ferryman ctl`,
 #                then bench_split.py: predictions beside the measurement and the targets (about 4 minutes)
+#   longprompt   `ferryman serve` with default settings (layer-major prefill): gpt-oss-20b at 8 GiB, TTFT at
+#                4,170 / 16k / 32k tokens and the token gap of a decoding user while a 32k prompt is
+#                prefilled (benchmarks/bench_long_prompt.py); then gpt-oss-120b at 16 GiB, TTFT at 32k
+#                (its dummy weights take 1-2 minutes to build: ~5 minutes in all)
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
@@ -162,6 +166,22 @@ for k in KEYS:
 EOF
 }
 
+longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL: bench_long_prompt through a default server
+  local name=$1 port=$2
+  have 120 || { echo "=== $name skipped: the suite budget is spent"; return; }
+  python3 -m ferryman serve "$3" --load-format dummy --gpu-memory "$4" --port "$port" --log-level warning \
+    > "$OUT/${name}_server.log" 2>&1 &
+  local srv=$!
+  for _ in $(seq 1 240); do
+    curl -sf "127.0.0.1:$port/health" >/dev/null && break
+    kill -0 "$srv" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return; }
+    sleep 1
+  done
+  stage "$name" 180 python3 benchmarks/bench_long_prompt.py "http://127.0.0.1:$port" --lengths "$5" \
+    --stall-prompt "$6" --json "$OUT/$name.json"
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+}
+
 compare() {  # each stage of $COMPARE on this tree, then on $OLD
   local old=${OLD:?compare needs OLD=path of the older tree}
   old=$(cd "$old" && pwd) || exit 2
@@ -200,6 +220,8 @@ for s in ${@:-tests}; do
     int4oss)     offload int4_oss120 gpt-oss-120b:16GiB:int4-g32 180 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
                    --prefill-prompt 0 ;;
     serve16)     serve16 serve16 8130 ;;
+    longprompt)  longprompt longprompt20 8150 gpt-oss-20b 8GiB 4170,16384,32000 32000
+                 longprompt longprompt120 8151 gpt-oss-120b 16GiB 32000 0 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;
     families)    for t in glm-4.5-air:12 qwen3-next-80b-a3b:12 deepseek-v3:5; do

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.engine.scheduler import ScheduledSeq, SchedulerOutput
 from ferryman.layers.attn_metadata import StateMetadata
 from ferryman.layers.paged_attention import AttnMetadata
 
@@ -31,9 +31,14 @@ def _padded(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
-def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, window_kv: bool = False) -> StepInputs:
+def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, window_kv: bool = False,
+                   window_tables: dict[int, list[int]] | None = None) -> StepInputs:
     """window_kv: the sliding-window layers have a pool of their own (kvcache/window_pool.py); their
-    tables and slots go in the metadata's window_* fields."""
+    tables and slots go in the metadata's window_* fields. window_tables: seq_id -> the window table
+    to use instead of the sequence's (a layer-major job's ring, engine/layer_prefill.py)."""
+    def window_table(s: ScheduledSeq) -> list[int]:
+        return s.seq.window_table if window_tables is None else window_tables[s.seq.seq_id]
+
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -49,7 +54,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, 
         positions.extend(range(start, start + n))
         slots.extend(_slots(table, start, n, block_size))
         if window_kv:
-            window_slots.extend(_slots(s.seq.window_table, start, n, block_size))
+            window_slots.extend(_slots(window_table(s), start, n, block_size))
         qsl.append(qsl[-1] + n)
         seq_lens.append(start + n)
         tables.append(table)
@@ -72,7 +77,7 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, 
         fresh = [s.start_pos == 0 for s in out.scheduled]
         meta.state = StateMetadata(t(slots, torch.int64), t(fresh, torch.bool), qsl, slots, fresh)
     if window_kv:
-        meta.window_block_tables = t(_padded([s.seq.window_table for s in out.scheduled]), torch.int32)
+        meta.window_block_tables = t(_padded([window_table(s) for s in out.scheduled]), torch.int32)
         meta.window_slot_mapping = t(window_slots, torch.int64)
     host_ids = torch.tensor(ids, dtype=torch.int64)  # fresh: the async copy stages it at once
     return StepInputs(host_ids.to(device, non_blocking=True), t(positions, torch.int64), meta,

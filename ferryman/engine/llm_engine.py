@@ -92,6 +92,8 @@ class LLMEngine:
                 num_state_slots=num_state_slots,
                 num_state_checkpoints=num_checkpoints,
                 blocks_per_page=region.geometry.blocks_per_page if region is not None else 1,
+                num_layers=self.cfg.num_layers,
+                prefill_job_tokens=self.plan.prefill_job_tokens,
             ),
             eos_token_ids=eos,
         )
@@ -115,6 +117,9 @@ class LLMEngine:
         self.slow_steps = 0  # steps over SLOW_STEP_S
         self.slowest_step: dict = {}  # the slowest step: seconds, sequences, tokens, prefill tokens
         self.warming_up = False  # engine/warm_up.py runs: its slow steps (compiles) are expected
+        # layer-major prefill (engine/prefill_job.py): jobs, their steps, and the longest step that ran
+        # job layers beside decodes (what a decoding user waits for one token, at most)
+        self.prefill_jobs = {"jobs": 0, "steps": 0, "decode_steps": 0, "max_decode_stall_s": 0.0}
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_blocks(self, dtype: torch.dtype) -> int:
@@ -219,6 +224,7 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
         self._note_slow(out, prefill, time.perf_counter() - started)
+        self._note_job(out, time.perf_counter() - started)
         self.scheduler.update(out, sampled.token_ids)
         if self.split is not None:  # idle KV pages become expert slots, between steps
             self.split.rebalance()
@@ -254,6 +260,16 @@ class LLMEngine:
                     "slow step %d: %.2f s for %d sequences, %d tokens (%d prefill)", shape["step"], seconds,
                     shape["sequences"], shape["tokens"], prefill)
 
+    def _note_job(self, out: SchedulerOutput, seconds: float) -> None:
+        if not out.job_layers:
+            return
+        jobs = self.prefill_jobs
+        jobs["jobs"] += out.job_started is not None
+        jobs["steps"] += 1
+        if any(s.is_decode for s in out.scheduled):
+            jobs["decode_steps"] += 1
+            jobs["max_decode_stall_s"] = max(jobs["max_decode_stall_s"], round(seconds, 4))
+
     def _finalize(self, req: _Request, reason: str) -> None:
         seq, out = req.seq, req.output
         out.token_ids = list(seq.output_token_ids)
@@ -281,6 +297,8 @@ class LLMEngine:
             guesser.reset_grades()
         self.scheduler.reset_prefix_cache()
         self.num_steps = self.num_generated = self.slow_steps = 0
+        self.prefill_jobs = dict.fromkeys(self.prefill_jobs, 0)
+        self.prefill_jobs["max_decode_stall_s"] = 0.0
         self.slowest_step = {}
 
     @torch.inference_mode()
@@ -341,6 +359,8 @@ class LLMEngine:
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
+            "prefill_mode": "layer" if self.plan.prefill_job_tokens else "chunk",
+            "prefill_jobs": dict(self.prefill_jobs),
             "experts": self.expert_stats(block),
             "memory_split": self.split.snapshot() if self.split is not None else {},  # memory_split() has more
             **self.memory_stats(),

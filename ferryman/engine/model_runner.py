@@ -14,15 +14,18 @@ import torch
 from ferryman.config import ModelConfig
 from ferryman.engine.cuda_graph import DecodeGraphs
 from ferryman.engine.inputs import StepInputs, prepare_inputs
+from ferryman.engine.layer_prefill import LayerPrefill, job_inputs
 from ferryman.engine.outputs import SamplerOutput
 from ferryman.engine.sampler import Sampler
 from ferryman.engine.scheduler import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
+from ferryman.engine.sequence import Sequence
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
 from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CheckpointStore
 from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
+from ferryman.kvcache.window_pool import window_split
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
 from ferryman.planner import MemoryPlan
 from ferryman.weights.build import LoadedModel
@@ -84,6 +87,7 @@ class ModelRunner:
         self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)
                                            for layer in self.model.linear_layers()]) if num_state_checkpoints else None
         self.sampler = Sampler()
+        self.job: LayerPrefill | None = None  # the layer-major prefill in progress
         self.graphs: DecodeGraphs | SegmentedDecode | None = None
         if use_cuda_graphs and device.type == "cuda" and self.model.linear_layers():
             log.info("decode of a hybrid (linear-attention) model runs without CUDA graphs")
@@ -118,18 +122,45 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:
-        """Run the step; returns the tokens (and logprobs) of the sequences that sample."""
-        inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
-        if self.checkpoints is not None and out.state_restores:
-            self.checkpoints.restore(out.state_restores)
-        self.experts.begin_step()
-        logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
-        self.experts.end_step()
-        if self.checkpoints is not None and out.state_saves:
-            self.checkpoints.save(out.state_saves)
-        if not inputs.sample_seq_ids:
+        """Run the step: a layer-major job's layers first (engine/layer_prefill.py), then the scheduled
+        sequences; returns the tokens (and logprobs) of the sequences that sample."""
+        logits, seqs = self._run_job(out)
+        if out.scheduled:
+            inputs = prepare_inputs(out, self.block_size, self.device, self.window_kv)
+            if self.checkpoints is not None and out.state_restores:
+                self.checkpoints.restore(out.state_restores)
+            self.experts.begin_step()
+            step_logits = self.compute_logits(inputs, decode_only=out.is_decode_only)
+            self.experts.end_step()
+            if self.checkpoints is not None and out.state_saves:
+                self.checkpoints.save(out.state_saves)
+            if inputs.sample_seq_ids:
+                logits = step_logits if logits is None else torch.cat([logits, step_logits])
+                seqs += [s.seq for s in out.scheduled if s.sample]
+        if not seqs:
             return SamplerOutput()
-        return self.sampler.sample(logits, [s.seq for s in out.scheduled if s.sample])
+        return self.sampler.sample(logits, seqs)
+
+    def _run_job(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """This step's layers of the layer-major job; when it is done, the logits [B_j, V] of its
+        sequences that sample (those still unfinished) and those sequences."""
+        if out.job_started is not None:
+            window = window_split(self.cfg) if self.window_kv else None
+            self.job = LayerPrefill(self.model, self.experts,
+                                    job_inputs(out.job_started, self.block_size, self.device, window))
+        if not out.job_layers:
+            return None, []
+        assert self.job is not None  # the scheduler started it
+        self.experts.begin_step()
+        self.job.advance(out.job_layers)
+        self.experts.end_step()
+        if not self.job.done:
+            return None, []
+        logits, seq_ids = self.job.logits()
+        self.job = None
+        row = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+        seqs = [s.seq for s in out.job_finished]
+        return logits[[row[s.seq_id] for s in seqs]], seqs
 
     @torch.inference_mode()
     def score(self, inputs: StepInputs) -> torch.Tensor:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ferryman.engine.prefill_job import JobScheduling, PrefillJob
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
 from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_position
@@ -42,6 +43,8 @@ class SchedulerConfig:
     num_state_slots: int = 0  # linear-attention state slots (kvcache/state_pool.py); 0: no such layers
     num_state_checkpoints: int = 0  # their prefix-cache checkpoints (kvcache/state_checkpoints.py)
     blocks_per_page: int = 1  # main-pool blocks per page of a region shared with the experts
+    num_layers: int = 1  # decoder layers (a layer-major job's steps count them)
+    prefill_job_tokens: int = 0  # tokens of one layer-major prefill job (engine/prefill_job.py); 0: chunk-major
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -92,10 +95,16 @@ class SchedulerOutput:
     # forward, and (state slot, checkpoint) copies to run after it.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # Layer-major prefill (engine/prefill_job.py): the job started this step (the runner builds its
+    # inputs), how many of its layers run this step (after the job's previous ones, before the
+    # scheduled sequences), and, on its last step, its sequences, which sample like scheduled ones.
+    job_started: PrefillJob | None = None
+    job_layers: int = 0
+    job_finished: list[ScheduledSeq] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.job_layers
 
     @property
     def is_decode_only(self) -> bool:
@@ -103,7 +112,7 @@ class SchedulerOutput:
         return all(s.num_tokens == 1 for s in self.scheduled)
 
 
-class Scheduler:
+class Scheduler(JobScheduling):
     def __init__(self, config: SchedulerConfig, eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -122,6 +131,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         # Invariant: running is in admission order (the last one is preempted first).
         self.running: list[Sequence] = []
+        self.job: PrefillJob | None = None  # the layer-major prefill running (engine/prefill_job.py)
         self.num_preemptions = 0
 
     # ---- queue management --------------------------------------------------------------------
@@ -136,7 +146,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.job)
 
     def finish(self, seq_id: int, reason: FinishReason) -> Sequence | None:
         """Finish a waiting or running sequence now (stop string seen, client gone, ...).
@@ -147,7 +157,10 @@ class Scheduler:
                     queue.remove(seq)
                     self._finish(seq, reason)
                     return seq
-        return None
+        seq = self._abort_in_job(seq_id)  # its blocks go back when the job ends
+        if seq is not None:
+            seq.mark_finished(reason)
+        return seq
 
     def free_blocks(self, seq: Sequence) -> None:
         for pool in self.pools:
@@ -164,8 +177,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            budget = self._schedule_waiting(out, budget)
+        if self.job is None and not out.preempted:
+            self._start_job(out)
+            if self.job is None:  # no admission beside a job: its prompts go first (FCFS)
+                budget = self._schedule_waiting(out, budget)
+        out.job_finished = [ScheduledSeq(p.seq, p.num_tokens, p.start_pos, True) for p in self._advance_job(out)
+                            if not p.seq.is_finished]  # aborted while the job ran: no sample
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 
@@ -293,7 +310,9 @@ class Scheduler:
         Must run before the next schedule(). Returns the sequences that finished in this step."""
         now = time.monotonic()
         finished = []
-        for s in output.scheduled:
+        if self.job is not None and self.job.done:
+            self._finish_job()
+        for s in [*output.job_finished, *output.scheduled]:
             seq = s.seq
             if seq.is_finished:
                 continue  # aborted while the step ran; its blocks are already free
@@ -334,7 +353,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         return {
-            "num_running": len(self.running),
+            "num_running": len(self.running) + (len(self.job.members) if self.job is not None else 0),
             "num_waiting": len(self.waiting),
             "kv_usage": self.pool.usage,
             "prefix_hit_rate": self.pool.prefix_hit_rate,

@@ -15,6 +15,7 @@ as fit, each round a `fused_moe` over its (token, k) pairs, summed into the outp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -92,6 +93,32 @@ class OffloadExperts:
             self.issue_prefetches(plan)
             return out
         return self._compute(x, topk_w, self.start(plan, x, host_ids, topk_w))
+
+    def forward_chunks(self, layer: int, x: torch.Tensor, bounds: list[tuple[int, int]],
+                       routed: list[tuple[torch.Tensor, torch.Tensor]],
+                       emit: Callable[[int, torch.Tensor], None]) -> None:
+        """A layer-major prefill's layer (engine/layer_prefill.py): x [T, H] holds every chunk's rows,
+        chunk c at rows bounds[c] routed to routed[c] = (expert ids, weights) [T_c, K]. One plan and
+        one acquire cover the union, so each uncached expert is copied once for all chunks; then one
+        kernel per chunk, on exactly the rows and weights chunk-major prefill gives it, each output
+        handed to emit(c, [T_c, H]) once its kernel is issued (emit may overwrite x's rows of c).
+        The next layers' copies start with the first kernel's inputs, as a streaming chunk's do."""
+        ids, w = torch.cat([r[0] for r in routed]), torch.cat([r[1] for r in routed])  # [T, K]
+        plan, host_ids = self.route(layer, x, ids, True)
+        if plan.rounds or plan.cpu:  # more experts than free slots: chunk by chunk, in rounds
+            for c, (a, b) in enumerate(bounds):
+                emit(c, self.forward(layer, x[a:b], *routed[c]))
+            return
+        step = self.start(plan, x, host_ids, w)
+        assert step.slot_ids is not None  # no CPU part: a streaming plan never splits
+        upload = self._upload(True)
+        for c, (a, b) in enumerate(bounds):
+            early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
+            host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
+            emit(c, fused_moe(self.fmt, self.cache.banks, x[a:b], step.slot_ids[a:b], routed[c][1], self.act,
+                              host_ids=host, inputs_issued=early, upload=upload))
+        self.finish_step(replace(step, prefetched=True))
+        self.cache.demote_fetched(layer)
 
     def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_w: torch.Tensor) -> LayerStep | None:

@@ -61,6 +61,19 @@ def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_
     return window_pool_need(window, block_size, max_num_seqs, max_num_batched_tokens) + retain
 
 
+def ring_table(table: list[int], window: int, block_size: int, first: int, ring: int, start: int,
+               end: int) -> list[int]:
+    """The window table a layer-major job (engine/prefill_job.py) uses for positions [start, end):
+    logical blocks from `first` on map onto the `ring` blocks `table` holds there, block b to ring
+    slot (b - first) % ring; blocks before the window of `start` are NULL_BLOCK.
+
+    Invariant: ring >= the blocks a chunk reads or writes (its window and its own), so within one
+    layer a chunk never overwrites what a later query of that layer reads."""
+    lo = max(0, start - window + 1) // block_size  # WindowBlockPool.first_needed
+    blocks = [table[b] if b < first else table[first + (b - first) % ring] for b in range(cdiv(end, block_size))]
+    return [NULL_BLOCK] * min(lo, len(blocks)) + blocks[lo:]
+
+
 class WindowBlockPool(BlockPool):
     """The window layers' blocks: a BlockPool whose tables drop what fell out of the window."""
 
@@ -112,6 +125,17 @@ class WindowBlockPool(BlockPool):
         seq.window_table.extend(prefix_blocks)
         self._num_registered[seq.seq_id] = len(prefix_blocks)
         self._released[seq.seq_id] = lo
+
+    def fold_ring(self, seq: Sequence, first: int, ring: int, end: int) -> None:
+        """A layer-major job computed positions up to `end` through the ring: the table becomes what
+        `release_stale` leaves after a chunk-major prefill of them (the last window, NULL before it),
+        and ring blocks outside it go back to the pool. Call before `cache_full_blocks`."""
+        final = ring_table(seq.window_table, self.window, self.block_size, first, ring, end, end)
+        keep = set(final)
+        for block_id in set(seq.window_table[self._released.get(seq.seq_id, 0):]) - keep:
+            self._release(block_id)
+        seq.window_table[:] = final
+        self._released[seq.seq_id] = final.count(NULL_BLOCK)
 
     def free(self, seq: Sequence) -> None:
         super().free(seq)
