@@ -201,7 +201,7 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
 
 for s in ${@:-tests}; do
   case "$s" in
-    tests)       stage gpu_tests 240 "${PYTEST[@]}" --durations=15 --deselect "$BIG_GROUPED" tests/ ;;
+    tests)       stage gpu_tests "${TESTS_LIMIT:-240}" "${PYTEST[@]}" --durations=15 --deselect "$BIG_GROUPED" tests/ ;;
     grouped)     stage gpu_grouped 120 "${PYTEST[@]}" "$BIG_GROUPED" ;;
     resident)    stage resident_decode 150 python3 benchmarks/bench_decode.py --model gpt-oss-20b --load-format dummy \
                    --tokens 256
