@@ -144,6 +144,9 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate)
     norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w)
     shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x @ gate)
+    # the routed experts' format per layer ("" for dense layers) when layers differ (GGUF files mix
+    # block types, e.g. Q4_K_M's Q6_K ffn_down in some layers); empty: expert_format everywhere
+    expert_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -197,7 +200,12 @@ class ModelConfig:
 
     @property
     def expert_format(self) -> str:
+        """The routed experts' format (with per-layer formats: the most common one)."""
         return self.quant.method if self.quant is not None else "dense"
+
+    def expert_format_of(self, layer: int) -> str:
+        """The format of one MoE layer's routed experts."""
+        return self.expert_formats[layer] if self.expert_formats else self.expert_format
 
     @property
     def dtype(self) -> torch.dtype:
@@ -292,7 +300,7 @@ def parse_expert_cache(value: str | int | float) -> float | int:
 
 
 STRATEGIES = ("auto", "resident", "offload")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 CPU_EXPERTS = ("off", "auto", "on")
 
@@ -331,7 +339,8 @@ class EngineConfig:
     model: str
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto | safetensors | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    config_folder: str | None = None  # a GGUF model's config.json / tokenizer from this HF folder instead of its metadata
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
     max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick

@@ -46,7 +46,7 @@ class CPUExperts:
         x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
         start = time.perf_counter()  # the job's latency counts its copies, preparation and hand-off
         x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
-        if self.fmt == "mxfp4" and mxfp4_cpu.available():
+        if self.store.formats[layer].name == "mxfp4" and mxfp4_cpu.available():
             # MXFP4: the whole layer in one kernel call, its arguments prepared here, so the worker
             # runs no torch op (beside the link's driver thread, torch ops there ran ~3x slower)
             pairs = mxfp4_cpu.pairs_of(host_ids, w_host, experts)
@@ -91,7 +91,8 @@ class CPUExperts:
         # per token in ascending expert order: the order fused_moe's reference accumulates in
         order = torch.argsort(tok * self.num_experts + eid)
         tok, kk, eid = tok[order], kk[order], eid[order]
-        y = fused_moe(self.fmt, self.store.banks[layer], x[tok], eid[:, None], w[tok, kk][:, None], self.act)
+        y = fused_moe(self.store.formats[layer].name, self.store.banks[layer], x[tok], eid[:, None], w[tok, kk][:, None],
+                      self.act)
         self.pairs += int(tok.numel())
         return torch.zeros_like(x).index_add_(0, tok, y)  # [T, H]
 

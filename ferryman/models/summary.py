@@ -13,6 +13,7 @@ from typing import Any
 
 from ferryman.config import ModelConfig
 from ferryman.models.registry import get_architecture, model_config
+from ferryman.quant.base import get_format
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class ModelSummary:
     bytes_per_expert: int  # one expert of one layer, all its banks
 
 
-def summarize(hf: dict[str, Any]) -> ModelSummary:
-    cfg = model_config(hf)
+def summarize(hf: dict[str, Any] | ModelConfig) -> ModelSummary:
+    """Sizes of the model of a config.json dict, or of a ModelConfig (a GGUF file's)."""
+    cfg = hf if isinstance(hf, ModelConfig) else model_config(hf)
     arch = get_architecture(cfg.model_type)
     params, nbytes = {True: 0, False: 0}, {True: 0, False: 0}  # keyed by "is a routed expert"
     for name, (shape, dtype) in arch.checkpoint_tensors(cfg).items():
@@ -36,6 +38,9 @@ def summarize(hf: dict[str, Any]) -> ModelSummary:
         params[expert] += 0 if name.endswith("_scales") else numel * (2 if name.endswith("_blocks") else 1)
         nbytes[expert] += numel * dtype.itemsize
     active_experts = params[True] * cfg.top_k // cfg.num_experts if cfg.num_experts else 0
+    if cfg.expert_formats or cfg.expert_format.startswith("gguf:"):  # packed blocks the schema does not list
+        nbytes[True] = sum(cfg.num_experts * get_format(cfg.expert_format_of(i)).expert_bytes(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, cfg.dtype) for i in cfg.moe_layers)
     return ModelSummary(
         cfg=cfg,
         total_params=params[True] + params[False],

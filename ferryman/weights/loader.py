@@ -58,7 +58,7 @@ def load_weights(
             if target.kind == "expert":
                 store.write(target, tensor, name, source.file_of(name))
             else:
-                _write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
+                write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
                 written.add(target.name)
             bar.advance(task)
     if cfg.tie_word_embeddings:
@@ -68,7 +68,7 @@ def load_weights(
         raise WeightError(unfilled[0], source.file_of(unfilled[0]), reason="parameter got no checkpoint tensor")
 
 
-def _write_param(
+def write_param(
     params: dict[str, nn.Parameter],
     pname: str,
     rows: tuple[int, int] | None,

@@ -1,0 +1,155 @@
+"""Fill a `MoETransformer` and an `ExpertStore` from a GGUF model.
+
+Dense tensors (attention, norms, embeddings, router, dense and shared MLPs) are dequantised with
+gguf-py to fp32, then cast to the model dtype by the parameter copy, and placed through the
+architecture's own `map_name` (their llama.cpp names translated in weights/gguf_names.py). Routed
+experts keep their blocks: each layer's `ffn_{gate,up,down}_exps` bytes are copied once, straight
+from the memory map, into the store's banks in the layer's format (`ModelConfig.expert_format_of`):
+`gguf:*` banks take the rows as they are, MXFP4 is repacked losslessly into ferryman's `mxfp4`, float
+experts become `dense` banks. After a tensor is copied its pages are dropped from the mapping, so
+the process holds about one copy of the model at the end (the page cache keeps the file).
+
+Invariant: after `load_gguf_weights` returns, every parameter and every expert bank slice has been
+written from the file; anything missing or mis-shaped raised a WeightError naming the tensor first.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+
+from ferryman.config import ModelConfig
+from ferryman.errors import WeightError
+from ferryman.experts.store import ExpertStore
+from ferryman.models.base import Architecture
+from ferryman.weights.gguf_file import GGUFModel
+from ferryman.weights.gguf_names import EXPERTS, hf_name, unpermute_rope
+from ferryman.weights.loader import write_param
+
+PROJ = ("gate", "up", "down")
+
+
+def as_torch(arr: np.ndarray) -> torch.Tensor:
+    """A torch view of a (read-only, memory-mapped) numpy array; never written through."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": the view is only read
+        return torch.from_numpy(arr)
+
+
+def dequantized(g: GGUFModel, name: str) -> torch.Tensor:
+    """A tensor of any supported type -> fp32 in torch order ([rows, cols] for a matrix)."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    t = g.tensors[name]
+    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return as_torch(np.asarray(t.data)).float()
+    return torch.from_numpy(dequantize(t.data, t.tensor_type))
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(TextColumn("[bold]loading GGUF"), BarColumn(), DownloadColumn(binary_units=True),
+                    TimeRemainingColumn(), disable=not enabled, transient=True)
+
+
+def load_gguf_weights(model: nn.Module, store: ExpertStore, arch: Architecture, cfg: ModelConfig, g: GGUFModel,
+                      progress: bool = False) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written: set[str] = set()
+    experts: set[tuple[int, str, str]] = set()  # (layer, gate|up|down, weight|bias) copied
+    with torch.no_grad(), _progress(progress) as bar:
+        task = bar.add_task("load", total=sum(int(t.n_bytes) for t in g.tensors.values()))
+        for name, t in g.tensors.items():
+            m = EXPERTS.match(name)
+            if m is not None and int(m.group(1)) in store.banks:
+                layer = int(m.group(1))
+                write_experts(store, cfg, g, name, layer, m.group(2), m.group(3))
+                experts.add((layer, m.group(2), m.group(3)))
+            else:
+                _write_dense(params, written, arch, cfg, g, name)
+            g.release(name)
+            bar.advance(task, int(t.n_bytes))
+    _check_complete(params, written, experts, cfg, g)
+
+
+def _write_dense(params: dict[str, nn.Parameter], written: set[str], arch: Architecture, cfg: ModelConfig,
+                 g: GGUFModel, name: str) -> None:
+    hf = hf_name(name, cfg.model_type)
+    target = arch.map_name(cfg, hf) if hf is not None else None
+    if target is None or target.kind != "param":
+        return  # a tensor ferryman has no use for (rope_freqs, multi-token-prediction layers, ...)
+    tensor = dequantized(g, name)
+    if g.arch == "llama" and hf is not None and hf.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
+        tensor = unpermute_rope(tensor, heads)
+    write_param(params, target.name, target.rows, tensor, name, g.file_of(name))
+    written.add(target.name)
+
+
+def _rows(proj: str, inter: int, interleaved: bool) -> slice:
+    """Rows of w13 holding gate or up: [0, I) / [I, 2I), or even / odd rows for gpt-oss's interleaved SwiGLU."""
+    if interleaved:
+        return slice(0 if proj == "gate" else 1, 2 * inter, 2)
+    return slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
+
+
+def write_experts(store: ExpertStore, cfg: ModelConfig, g: GGUFModel, name: str, layer: int, proj: str,
+                  kind: str) -> None:
+    """Copy one `ffn_{proj}_exps` tensor (all experts of `layer`) into the layer's banks."""
+    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    banks = store.banks[layer]
+    want = ((E, I, H) if proj != "down" else (E, H, I)) if kind == "weight" else ((E, I) if proj != "down" else (E, H))
+    if g.shape(name) != want:
+        raise WeightError(name, g.file_of(name), expected=want, actual=g.shape(name))
+    w = "w2" if proj == "down" else "w13"
+    rows = slice(None) if proj == "down" else _rows(proj, I, cfg.expert_act == "swiglu_oai")
+    if kind == "bias":
+        if f"{w}_bias" not in banks:
+            raise WeightError(name, g.file_of(name), reason="expert biases in a model without them")
+        banks[f"{w}_bias"][:, rows].copy_(dequantized(g, name))
+        return
+    fmt = cfg.expert_format_of(layer)
+    if fmt == "dense":
+        banks[w][:, rows].copy_(dequantized(g, name))
+    elif fmt == "mxfp4":
+        blocks, scales = mxfp4_from_ggml(as_torch(g.raw(name)))
+        banks[f"{w}_blocks"][:, rows].copy_(blocks)
+        banks[f"{w}_scales"][:, rows].copy_(scales)
+    else:  # gguf:<w13>:<w2>: the rows of blocks as the file holds them
+        dst = banks[f"{w}_q"][:, rows]
+        src = as_torch(g.raw(name))
+        if tuple(src.shape) != tuple(dst.shape):
+            raise WeightError(name, g.file_of(name), expected=dst.shape, actual=src.shape,
+                              reason=f"block bytes do not fit the {fmt} bank")
+        dst.copy_(src)
+
+
+def mxfp4_from_ggml(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml MXFP4 rows [..., G*17] -> ferryman mxfp4 (blocks [..., G, 16], scales [..., G]), lossless.
+
+    A ggml block is 1 e8m0 byte then 16 bytes whose low nibbles are elements 0..15 and high nibbles
+    16..31; ferryman's byte j holds elements 2j (low) and 2j+1 (high). Codes and the exponent mean
+    the same in both (ggml's doubled e2m1 table times 2^(e-128) = e2m1 x 2^(e-127))."""
+    blk = raw.unflatten(-1, (-1, 17))  # [..., G, 17]
+    scales, qs = blk[..., 0], blk[..., 1:]
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., G, 32] in element order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+
+
+def _check_complete(params: dict[str, nn.Parameter], written: set[str], experts: set[tuple[int, str, str]],
+                    cfg: ModelConfig, g: GGUFModel) -> None:
+    if cfg.tie_word_embeddings:
+        written.add("lm_head.weight")
+    unfilled = [n for n in params if n not in written]
+    if unfilled:
+        raise WeightError(unfilled[0], str(g.path), reason="parameter got no GGUF tensor "
+                          f"({len(unfilled)} missing; is this file of the architecture its metadata names?)")
+    kinds = ("weight", "bias") if cfg.expert_bias else ("weight",)
+    for layer in cfg.moe_layers:
+        for proj in PROJ:
+            for kind in kinds:
+                if (layer, proj, kind) not in experts:
+                    raise WeightError(f"blk.{layer}.ffn_{proj}_exps.{kind}", str(g.path), reason="missing from the file")
