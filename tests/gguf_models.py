@@ -101,19 +101,30 @@ def _ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
     return torch.cat((scales.unsqueeze(-1), qs), dim=-1).flatten(-2).numpy()  # [..., G * 17]
 
 
-def _gpt_oss_experts(tensors: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> list[tuple[str, np.ndarray, T]]:
+def _gpt_oss_experts(tensors: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                     type_of: TypeOf) -> list[tuple[str, np.ndarray, T]]:
     """gpt-oss's fused, interleaved experts -> ffn_{gate,up}_exps (even / odd rows) and ffn_down_exps,
-    MXFP4 kept as is; the reference keeps the HF tensors."""
-    out = []
+    MXFP4 kept as is, or dequantised to a float type where `type_of` says (exact: the reference
+    keeps the HF tensors)."""
+    out: list[tuple[str, np.ndarray, T]] = []
+
+    def add(name: str, data: np.ndarray) -> None:
+        qtype = type_of(name, ())
+        if qtype in (T.F32, T.F16, T.BF16):
+            values = torch.from_numpy(np.array(dequantize(data, T.MXFP4), dtype=np.float32))
+            out.append((name, _quantised(values, qtype)[0], qtype))
+        else:
+            out.append((name, data, T.MXFP4))
+
     for name in [n for n in tensors if n.endswith("gate_up_proj_blocks")]:
         layer = int(name.split(".")[2])
         p = name.removesuffix("gate_up_proj_blocks")
         blocks, scales, bias = (tensors.pop(p + f"gate_up_proj_{s}") for s in ("blocks", "scales", "bias"))
         for i, proj in enumerate(("gate", "up")):
-            out.append((f"blk.{layer}.ffn_{proj}_exps.weight", _ggml_mxfp4(blocks[:, i::2], scales[:, i::2]), T.MXFP4))
+            add(f"blk.{layer}.ffn_{proj}_exps.weight", _ggml_mxfp4(blocks[:, i::2], scales[:, i::2]))
             out.append((f"blk.{layer}.ffn_{proj}_exps.bias", bias[:, i::2].float().numpy(), T.F32))
         down = [tensors.pop(p + f"down_proj_{s}") for s in ("blocks", "scales", "bias")]
-        out.append((f"blk.{layer}.ffn_down_exps.weight", _ggml_mxfp4(down[0], down[1]), T.MXFP4))
+        add(f"blk.{layer}.ffn_down_exps.weight", _ggml_mxfp4(down[0], down[1]))
         out.append((f"blk.{layer}.ffn_down_exps.bias", down[2].float().numpy(), T.F32))
         ref.update({p + f"gate_up_proj_{s}": t for s, t in zip(("blocks", "scales", "bias"), (blocks, scales, bias))})
         ref.update({p + f"down_proj_{s}": t for s, t in zip(("blocks", "scales", "bias"), down)})
@@ -157,7 +168,7 @@ def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, s
     if tokenizer is not None:
         tokenizer(w)
     ref: dict[str, torch.Tensor] = {}
-    packed = _gpt_oss_experts(tensors, ref) if arch == "gpt_oss" else []
+    packed = _gpt_oss_experts(tensors, ref, type_of) if arch == "gpt_oss" else []
     stacks = _experts(tensors)
     for name, t in stacks.items():
         data, deq = _quantised(t, type_of(name, tuple(t.shape)))
@@ -186,6 +197,25 @@ def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, s
 
 def _permute_back(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_tokenizer(w: GGUFWriter) -> None:
+    """A 256-token byte-level BPE vocabulary (GPT-2's byte alphabet, a few merges), token 10 ('\\n')
+    as end of sequence, and a chat template: what llama.cpp's converter writes for a BPE model."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())  # 256 printable stand-ins, in byte order
+    merges = ["h e", "l l", "l o"]
+    tokens = [t for t in alphabet if t not in ("he", "ll", "lo")][:253] + ["he", "ll", "lo"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(10)
+    w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 def write_reference(folder: Path, arch: str, ref: dict[str, torch.Tensor], out: Path) -> Path:
