@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ferryman.quant.base import Banks, BankSpec, ExpertFormat, check_proj, register_family
+from ferryman.quant.base import (Banks, BankSpec, ExpertFormat, check_proj, register_family,
+                                 triton_available)
 from ferryman.quant.gguf_blocks import GGUF_TYPES, block_size, check_type, dequant_rows, random_rows, row_bytes
 
 FAMILY = "gguf"
@@ -60,6 +61,13 @@ class GgufFormat(ExpertFormat):
         check_proj(proj)
         q = self.bank(banks, f"{proj}_q")  # [E, out, row_bytes]
         dtype = dtype or self.model_dtype(banks)
+        if q.is_cuda and triton_available():  # the same values in one launch, read in place
+            from ferryman.quant.gguf_triton import dequant_gguf_rows
+
+            if isinstance(idx, slice) and idx.step not in (None, 1):
+                idx = torch.arange(q.shape[0], device=q.device)[idx]
+            rows = idx if isinstance(idx, slice) else idx.to(q.device, non_blocking=True)
+            return dequant_gguf_rows(q, self.types[proj], rows, dtype)  # [n, out, in]
         return dequant_rows(q[idx], self.types[proj]).to(dtype)  # [n, out, in]
 
 
