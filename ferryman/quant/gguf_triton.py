@@ -213,3 +213,55 @@ def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dt
         _dequant_kernel[grid](q, index if index is not None else q, out, slot0, q.stride(0), per_slot,
                               K=k, RB=rb, T=type_code(gtype), BLOCK=block, HAS_IDX=index is not None)
     return out
+
+
+@triton.jit
+def _row_bytes(K: tl.constexpr, T: tl.constexpr):
+    # bytes of a row of K values of type T
+    if T == F32:
+        rb = K * 4
+    elif T == F16 or T == BF16:
+        rb = K * 2
+    elif T == Q8_0:
+        rb = K // 32 * 34
+    elif T == Q4_0 or T == IQ4_NL:
+        rb = K // 32 * 18
+    elif T == Q4_1:
+        rb = K // 32 * 20
+    elif T == Q5_0:
+        rb = K // 32 * 22
+    elif T == Q5_1:
+        rb = K // 32 * 24
+    elif T == MXFP4:
+        rb = K // 32 * 17
+    elif T == Q2_K:
+        rb = K // 256 * 84
+    elif T == Q3_K:
+        rb = K // 256 * 110
+    elif T == Q4_K:
+        rb = K // 256 * 144
+    elif T == Q5_K:
+        rb = K // 256 * 176
+    elif T == Q6_K:
+        rb = K // 256 * 210
+    else:  # IQ4_XS
+        rb = K // 256 * 136
+    return rb
+
+
+@triton.jit
+def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                  T: tl.constexpr):
+    """Decode GEMV tile loop: rows [R] of one expert's GGUF bank slice at uint8 pointer w_base
+    ([OUT, row_bytes], contiguous) dotted with x_row -> [KDIM] -> [R] fp32, the weights decoded
+    from their blocks in registers (fp32, exact)."""
+    row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
+    offs = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([NROWS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, KDIM, BLOCK_K):
+        k = k0 + offs
+        kmask = k < KDIM
+        w = gguf_values(row, k[None, :], rmask[:, None] & kmask[None, :], T)  # [R, BK]
+        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+        acc += w * xv[None, :]
+    return tl.sum(acc, axis=1)
