@@ -82,7 +82,7 @@ def test_moe_decode_kernels_compile_for_sm90(mxfp4: bool) -> None:
     w = "*u8" if mxfp4 else "*bf16"
     w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
     common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K,
-              "S_STRIDE": s_stride, "H": 2880, "I": 2880}
+              "S_STRIDE": s_stride, "H": 2880, "I": 2880, "GGUF": 0}
     sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": w, "b_ptr": "*bf16", "h_ptr": "*bf16",
              "alpha": "fp32", "limit": "fp32"}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,

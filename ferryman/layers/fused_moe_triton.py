@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import TRITON_FORMATS, kernel_bank
+from ferryman.layers.moe_common import TRITON_FORMATS, kernel_bank, triton_reads
 from ferryman.quant.base import Banks, get_format
+from ferryman.quant.gguf_triton import gguf_rows_dot, type_code
 
 BLOCK_N = 16  # output rows per program (kernel 1 loads 2x: gate and up)
 BLOCK_K = 512  # inputs per loop step; a multiple of 32 for mxfp4
@@ -104,11 +105,15 @@ def _dense_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
 
 @triton.jit
 def _rows_dot(w_ptr, s_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, rows, rmask, x_row,
-              KDIM: tl.constexpr, NROWS: tl.constexpr, MXFP4: tl.constexpr, BLOCK_K: tl.constexpr):
+              KDIM: tl.constexpr, NROWS: tl.constexpr, MXFP4: tl.constexpr, BLOCK_K: tl.constexpr,
+              GGUF: tl.constexpr):
     # expert `slot` of a bank [E, OUT, KDIM] (dense) or [E, OUT, KDIM/32, 16] + scales (mxfp4), each
     # expert contiguous, experts W_STRIDE / S_STRIDE elements apart (strided: the expert-major slot
     # pool; constexpr: a model has one or two layouts, and contiguous banks compile as their own)
-    if MXFP4:
+    # GGUF: the bank's ggml type code (quant/gguf_triton.py), rows of blocks [E, OUT, row_bytes] uint8
+    if GGUF != 0:
+        acc = gguf_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K // 2, GGUF)
+    elif MXFP4:
         acc = _mxfp4_rows_dot_fma(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM,
                                   NROWS, BLOCK_K)
     else:
@@ -120,7 +125,7 @@ def _rows_dot(w_ptr, s_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr
 def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
                     W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr,
                     I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
@@ -130,7 +135,8 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
     rows = tl.reshape(tl.join(gate_rows, up_rows), [2 * BLOCK_N])
     rmask = tl.reshape(tl.join(nmask, nmask), [2 * BLOCK_N])
     x_row = x_ptr + (pair // TOPK) * H
-    acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, x_row, H, 2 * BLOCK_N, MXFP4, BLOCK_K)
+    acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, x_row, H, 2 * BLOCK_N, MXFP4, BLOCK_K,
+                    GGUF)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     # round like the reference, which holds gate_up in the compute dtype
@@ -144,13 +150,13 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
 def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
                W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, H: tl.constexpr,
                I: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < H
     acc = _rows_dot(w_ptr, s_ptr, slot, W_STRIDE, S_STRIDE, rows, rmask, h_ptr + pair * I, I, BLOCK_N, MXFP4,
-                    BLOCK_K)
+                    BLOCK_K, GGUF)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     acc *= tl.load(topk_w_ptr + pair).to(tl.float32)
@@ -160,7 +166,7 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, topk_w_ptr, y_ptr,
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                      kind: str, alpha: float, limit: float) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
-    if fmt not in TRITON_FORMATS:
+    if not triton_reads(fmt):
         raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)}")
     _, hidden, inter = get_format(fmt).dims(banks)
     t, k = topk_ids.shape
@@ -171,11 +177,13 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides)) for p in (w13, w2))
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
+    # GGUF: the w13 and w2 types' codes, "gguf:<w13>:<w2>"; 0 for other formats
+    gguf_codes = [type_code(name) for name in fmt.split(":")[1:]] if fmt.startswith("gguf:") else [0, 0]
     common = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
         x, ids, w13.w, w13.s, w13.b, h, float(alpha), float(limit), **st13,
-        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
+        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], GGUF=gguf_codes[0], **common)
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, BLOCK_N))](
-        h, ids, w2.w, w2.s, w2.b, tw, y, **st2, H=hidden, I=inter, **common)
+        h, ids, w2.w, w2.s, w2.b, tw, y, **st2, H=hidden, I=inter, GGUF=gguf_codes[1], **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

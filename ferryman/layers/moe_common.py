@@ -13,6 +13,12 @@ from ferryman.quant import Banks
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
 TRITON_FORMATS = ("dense", "mxfp4")  # the expert formats the MoE Triton kernels read
+TRITON_FAMILIES = ("gguf",)  # and the parametrised ones ("family:params", quant/base.py)
+
+
+def triton_reads(fmt: str) -> bool:
+    """Whether the MoE Triton decode kernels read expert format `fmt`."""
+    return fmt in TRITON_FORMATS or fmt.split(":", 1)[0] in TRITON_FAMILIES
 
 
 def to_device(device: torch.device) -> Upload:
@@ -61,7 +67,10 @@ class KernelBank:
 
 
 def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> KernelBank:
-    w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
+    if fmt.startswith("gguf:"):  # one uint8 bank of blocks per projection
+        w = s = banks[f"{proj}_q"]
+    else:
+        w, s = (banks[f"{proj}_blocks"], banks[f"{proj}_scales"]) if fmt == "mxfp4" else (banks[proj], banks[proj])
     has_bias = "w13_bias" in banks and "w2_bias" in banks
     b = banks[f"{proj}_bias"] if has_bias else stand_in
     for name, t in (("weights", w), ("scales", s), ("bias", b)):
