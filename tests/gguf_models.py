@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,10 +78,17 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _quantised(w: torch.Tensor, qtype: T) -> tuple[np.ndarray, torch.Tensor]:
-    """(the bytes to write, the values a reader dequantises from them)."""
+def _quantised(w: torch.Tensor, qtype: T, name: str = "") -> tuple[np.ndarray, torch.Tensor]:
+    """(the bytes to write, the values a reader dequantises from them). Types gguf-py cannot
+    quantise (K-quants, IQ4) get valid random blocks of the same shape instead of `w`'s values."""
     data = w.detach().float().numpy()
-    q = data.astype(np.float16) if qtype == T.F16 else data if qtype == T.F32 else quantize(data, qtype)
+    try:
+        q = data.astype(np.float16) if qtype == T.F16 else data if qtype == T.F32 else quantize(data, qtype)
+    except NotImplementedError:
+        from ferryman.quant.gguf_blocks import random_rows
+
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        q = random_rows(qtype.name.lower(), tuple(w.shape), gen).numpy()
     return q, torch.from_numpy(np.array(dequantize(q, qtype), dtype=np.float32)).reshape(w.shape)
 
 
@@ -171,7 +179,7 @@ def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, s
     packed = _gpt_oss_experts(tensors, ref, type_of) if arch == "gpt_oss" else []
     stacks = _experts(tensors)
     for name, t in stacks.items():
-        data, deq = _quantised(t, type_of(name, tuple(t.shape)))
+        data, deq = _quantised(t, type_of(name, tuple(t.shape)), name)
         packed.append((name, data, type_of(name, tuple(t.shape))))
         layer, proj = int(name.split(".")[1]), name.split(".")[2][4:-5]
         leaf = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}.get(arch, {p: p + "_proj" for p in _PROJ.values()})
@@ -183,7 +191,7 @@ def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, s
         assert name is not None, hf_name
         heads = {"q_proj.weight": hf["num_attention_heads"], "k_proj.weight": hf["num_key_value_heads"]}
         perm = next((h for k, h in heads.items() if arch == "mixtral" and hf_name.endswith(k)), None)
-        data, deq = _quantised(_permute(t, perm) if perm else t, type_of(name, tuple(t.shape)))
+        data, deq = _quantised(_permute(t, perm) if perm else t, type_of(name, tuple(t.shape)), name)
         packed.append((name, data, type_of(name, tuple(t.shape))))
         ref[hf_name] = _permute_back(deq, perm) if perm else deq
     for name, data, qtype in packed:

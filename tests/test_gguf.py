@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ferryman import LLM, SamplingParams
 from ferryman.quant.mxfp4 import dequant_mxfp4
-from ferryman.weights.gguf_load import mxfp4_from_ggml
+from ferryman.quant.gguf_blocks import ggml_mxfp4_to_blocks_scales
 import tiny_models
 from gguf_models import mixed, write_gguf, write_reference
 from tiny_models import build_tiny, hf_greedy
@@ -87,7 +87,7 @@ def test_mxfp4_repack_is_bit_exact() -> None:
     raw = torch.randint(0, 256, (3, 5, 4 * 17), dtype=torch.uint8, generator=g)
     raw.view(3, 5, 4, 17)[..., 0] = torch.randint(100, 150, (3, 5, 4), dtype=torch.uint8, generator=g)
     want = torch.from_numpy(dequantize(raw.numpy(), T.MXFP4))  # [3, 5, 128]
-    blocks, scales = mxfp4_from_ggml(raw)
+    blocks, scales = ggml_mxfp4_to_blocks_scales(raw)
     assert torch.equal(dequant_mxfp4(blocks, scales, torch.float32), want)
 
 
@@ -138,3 +138,43 @@ def test_split_files_and_folder(tmp_path: Path) -> None:
     parts[-1].unlink()
     with pytest.raises(ModelLoadError, match=f"part {parts[-1].name} is missing"):
         LLM(str(parts[0]), device="cpu")
+
+
+def _k_mix(name: str, shape: tuple[int, ...]) -> T:
+    """A Q4_K_M-like mix: experts Q4_K with ffn_down Q6_K in layer 0 and Q5_K in layer 2 (a format per
+    layer); the other matrices in the remaining K and IQ types."""
+    if len(shape) == 1 or "ffn_gate_inp" in name:
+        return T.F32
+    if "_exps" in name:
+        return (T.Q6_K if name.startswith("blk.0.") else T.Q5_K) if "down" in name else T.Q4_K
+    table = {"attn_q.": T.Q2_K, "attn_k.": T.Q3_K, "attn_v.": T.IQ4_XS, "attn_output.": T.IQ4_NL,
+             "ffn_gate.": T.Q5_K, "ffn_up.": T.Q4_K, "ffn_down.": T.Q6_K, "token_embd": T.Q6_K}
+    return next((t for k, t in table.items() if k in name), T.Q8_0)
+
+
+@pytest.fixture
+def k_quant_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """qwen3moe 256 wide (K-quant blocks hold 256 values) in `_k_mix`: random valid blocks for the
+    types gguf-py cannot quantise; the reference holds what gguf-py dequantises from them."""
+    wide = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256)
+    monkeypatch.setitem(tiny_models.CONFIGS, "qwen3_moe", {**tiny_models.CONFIGS["qwen3_moe"], **wide})
+    build_tiny("qwen3_moe", tmp_path / "hf")
+    (tmp_path / "gguf").mkdir()
+    ref = write_gguf(tmp_path / "hf", "qwen3_moe", tmp_path / "gguf" / "m.gguf", _k_mix)
+    return tmp_path / "gguf" / "m.gguf", write_reference(tmp_path / "hf", "qwen3_moe", ref, tmp_path / "ref")
+
+
+def test_k_quants_match_transformers_and_offload(k_quant_model: tuple[Path, Path]) -> None:
+    path, ref = k_quant_model
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.engine.cfg.expert_formats == ("gguf:q4_k:q6_k", "", "gguf:q4_k:q5_k")
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, params=GREEDY)]
+    model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32, attn_implementation="eager").eval()
+    assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert _greedy(str(path), moe_strategy="offload", expert_cache=4) == got
+
+
+def test_iq4_nl_experts(tmp_path: Path) -> None:
+    path, ref = _build(tmp_path, "olmoe", T.IQ4_NL, T.Q8_0)
+    model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32, attn_implementation="eager").eval()
+    assert _greedy(str(path)) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]

@@ -26,6 +26,7 @@ from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.experts.store import ExpertStore
 from ferryman.models.base import Architecture
+from ferryman.quant.gguf_blocks import ggml_mxfp4_to_blocks_scales
 from ferryman.weights.gguf_file import GGUFModel
 from ferryman.weights.gguf_names import EXPERTS, hf_name, unpermute_rope
 from ferryman.weights.loader import write_param
@@ -115,7 +116,7 @@ def write_experts(store: ExpertStore, cfg: ModelConfig, g: GGUFModel, name: str,
     if fmt == "dense":
         banks[w][:, rows].copy_(dequantized(g, name))
     elif fmt == "mxfp4":
-        blocks, scales = mxfp4_from_ggml(as_torch(g.raw(name)))
+        blocks, scales = ggml_mxfp4_to_blocks_scales(as_torch(g.raw(name)))
         banks[f"{w}_blocks"][:, rows].copy_(blocks)
         banks[f"{w}_scales"][:, rows].copy_(scales)
     else:  # gguf:<w13>:<w2>: the rows of blocks as the file holds them
@@ -125,18 +126,6 @@ def write_experts(store: ExpertStore, cfg: ModelConfig, g: GGUFModel, name: str,
             raise WeightError(name, g.file_of(name), expected=dst.shape, actual=src.shape,
                               reason=f"block bytes do not fit the {fmt} bank")
         dst.copy_(src)
-
-
-def mxfp4_from_ggml(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ggml MXFP4 rows [..., G*17] -> ferryman mxfp4 (blocks [..., G, 16], scales [..., G]), lossless.
-
-    A ggml block is 1 e8m0 byte then 16 bytes whose low nibbles are elements 0..15 and high nibbles
-    16..31; ferryman's byte j holds elements 2j (low) and 2j+1 (high). Codes and the exponent mean
-    the same in both (ggml's doubled e2m1 table times 2^(e-128) = e2m1 x 2^(e-127))."""
-    blk = raw.unflatten(-1, (-1, 17))  # [..., G, 17]
-    scales, qs = blk[..., 0], blk[..., 1:]
-    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., G, 32] in element order
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
 
 
 def _check_complete(params: dict[str, nn.Parameter], written: set[str], experts: set[tuple[int, str, str]],
