@@ -165,16 +165,17 @@ def _metadata(w: GGUFWriter, hf: dict, arch: str, vocab: int) -> None:
 
 
 def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, split_tensors: int = 0,
-               tokenizer: Callable[[GGUFWriter], None] | None = None) -> dict[str, torch.Tensor]:
+               extra: Callable[[GGUFWriter], None] | None = None) -> dict[str, torch.Tensor]:
     """Write the tiny HF checkpoint in `folder` as a GGUF file at `path` (split every `split_tensors`
-    tensors when > 0); returns the HF-named tensors a reader of the file sees."""
+    tensors when > 0); `extra` adds metadata or tensors (`byte_tokenizer`). Returns the HF-named
+    tensors a reader of the file sees."""
     hf = json.loads((folder / "config.json").read_text())
     tensors = {k: v.float() if v.is_floating_point() else v for f in folder.glob("*.safetensors")
                for k, v in load_file(str(f)).items()}
     w = GGUFWriter(path, GGUF_ARCH[arch], split_max_tensors=split_tensors)
     _metadata(w, hf, arch, tensors["model.embed_tokens.weight"].shape[0])
-    if tokenizer is not None:
-        tokenizer(w)
+    if extra is not None:
+        extra(w)
     ref: dict[str, torch.Tensor] = {}
     packed = _gpt_oss_experts(tensors, ref, type_of) if arch == "gpt_oss" else []
     stacks = _experts(tensors)
