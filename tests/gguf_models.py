@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter, RopeScalingType, dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe", "gpt_oss": "gpt-oss", "glm4_moe": "glm4moe"}
 TypeOf = Callable[[str, tuple[int, ...]], T]
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -32,6 +32,10 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
     "mlp.gate.weight": "ffn_gate_inp.weight",
     "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.router.weight": "ffn_gate_inp.weight",
@@ -150,12 +154,20 @@ def _metadata(w: GGUFWriter, hf: dict, arch: str, vocab: int) -> None:
     w.add_value_length(hf["head_dim"])
     w.add_layer_norm_rms_eps(hf.get("rms_norm_eps", 1e-6))
     w.add_rope_freq_base(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    w.add_expert_count(hf.get("num_experts") or hf.get("num_local_experts"))
+    w.add_expert_count(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"))
     w.add_expert_used_count(hf["num_experts_per_tok"])
     w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
     w.add_vocab_size(vocab)
     if arch == "olmoe" and hf.get("clip_qkv"):
         w.add_clamp_kqv(hf["clip_qkv"])
+    if arch == "glm4_moe":  # as llama.cpp's Glm4MoeModel writes it
+        w.add_rope_dimension_count(int(hf["head_dim"] * hf.get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(hf["n_shared_experts"])
+        w.add_leading_dense_block_count(hf["first_k_dense_replace"])
+        w.add_expert_weights_scale(hf["routed_scaling_factor"])
+        w.add_expert_weights_norm(hf["norm_topk_prob"])
+        w.add_expert_group_count(hf["n_group"])
+        w.add_expert_group_used_count(hf["topk_group"])
     if arch == "gpt_oss":
         rope = hf["rope_parameters"]
         w.add_sliding_window(hf["sliding_window"])

@@ -36,6 +36,7 @@ CASES = [
     ("olmoe", T.BF16, T.Q5_0),
     ("olmoe", T.F32, T.Q4_1),
     ("gpt_oss", T.MXFP4, T.BF16),
+    ("glm4_moe", T.Q8_0, T.Q4_0),
 ]
 
 

@@ -50,7 +50,7 @@ def test_unknown_architecture_lists_supported(tmp_path: Path) -> None:
     w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 4, 8), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(UnsupportedModelError, match="architecture 'bert' is not one ferryman runs; supported: "
-                                                    "qwen3moe, llama, olmoe, gpt-oss"):
+                                                    "qwen3moe, llama, olmoe, gpt-oss, glm4moe"):
         LLM(str(path), device="cpu")
 
 

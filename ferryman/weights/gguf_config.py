@@ -22,7 +22,8 @@ from ferryman.quant.base import get_format
 from ferryman.weights.gguf_file import GGUFModel
 
 # GGUF architecture -> ferryman model_type ("llama" with experts is Mixtral's layout)
-GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "olmoe": "olmoe", "gpt-oss": "gpt_oss"}
+GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
+              "glm4moe": "glm4_moe"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -133,7 +134,25 @@ def _gpt_oss(g: GGUFModel, hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_ARCH_FIELDS = {"qwen3moe": _qwen3moe, "llama": _llama, "olmoe": _olmoe, "gpt-oss": _gpt_oss}
+def _glm4moe(g: GGUFModel, hf: dict[str, Any]) -> dict[str, Any]:
+    # sigmoid routing with a correction bias (exp_probs_b), shared experts, leading dense layers,
+    # partial rotary; the last nextn_predict_layers blocks are multi-token prediction (not loaded)
+    nextn = int(g.get("{arch}.nextn_predict_layers", 0))
+    rope_dim = g.get("{arch}.rope.dimension_count")
+    return dict(model_type="glm4_moe", num_hidden_layers=hf["num_hidden_layers"] - nextn,
+                num_nextn_predict_layers=nextn, n_routed_experts=hf["_experts"][0],
+                moe_intermediate_size=hf["_experts"][1], intermediate_size=int(g.get("{arch}.feed_forward_length", 0)),
+                n_shared_experts=int(g.get("{arch}.expert_shared_count", 1)),
+                first_k_dense_replace=int(g.get("{arch}.leading_dense_block_count", 1)),
+                routed_scaling_factor=float(g.get("{arch}.expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(g.get("{arch}.expert_weights_norm", True)),
+                n_group=int(g.get("{arch}.expert_group_count", 1) or 1),
+                topk_group=int(g.get("{arch}.expert_group_used_count", 1) or 1),
+                use_qk_norm=g.has("blk.0.attn_q_norm.weight"),
+                partial_rotary_factor=int(rope_dim) / hf["head_dim"] if rope_dim else 0.5)
+
+
+_ARCH_FIELDS = {"qwen3moe": _qwen3moe, "llama": _llama, "olmoe": _olmoe, "gpt-oss": _gpt_oss, "glm4moe": _glm4moe}
 
 
 def expert_format_of(g: GGUFModel, layer: int) -> str:
