@@ -172,7 +172,14 @@ def test_k_quants_match_transformers_and_offload(k_quant_model: tuple[Path, Path
     got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, params=GREEDY)]
     model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32, attn_implementation="eager").eval()
     assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
-    assert _greedy(str(path), moe_strategy="offload", expert_cache=4) == got
+    off = LLM(str(path), device="cpu", dtype="float32", moe_strategy="offload", expert_cache=4)
+    assert [o.token_ids for o in off.generate(prompt_token_ids=PROMPTS, params=GREEDY)] == got
+    # the planner counts each layer's packed bytes: a slot holds the widest layer's expert
+    from ferryman.planner import all_expert_bytes
+
+    flat = off.engine.runner.experts.cache.store.flat
+    assert off.engine.plan.slot_bytes == max(f.shape[1] for f in flat.values())
+    assert all_expert_bytes(llm.engine.cfg, torch.float32) == sum(f.numel() for f in flat.values())
 
 
 def test_iq4_nl_experts(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from ferryman.config import ModelConfig
 from ferryman.errors import WeightError
 from ferryman.experts.store import ExpertStore
 from ferryman.models.base import Architecture
-from ferryman.quant.gguf_blocks import ggml_mxfp4_to_blocks_scales
+from ferryman.quant.gguf_blocks import dequant_rows, ggml_mxfp4_to_blocks_scales, rows_from_numpy
 from ferryman.weights.gguf_file import GGUFModel
 from ferryman.weights.gguf_names import EXPERTS, hf_name, unpermute_rope
 from ferryman.weights.loader import write_param
@@ -41,14 +41,18 @@ def as_torch(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def dequantized(g: GGUFModel, name: str) -> torch.Tensor:
-    """A tensor of any supported type -> fp32 in torch order ([rows, cols] for a matrix)."""
-    from gguf import GGMLQuantizationType, dequantize
+CHUNK_ROWS = 8192  # rows dequantised at once: the fp32 temporaries stay small beside the result
 
-    t = g.tensors[name]
-    if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return as_torch(np.asarray(t.data)).float()
-    return torch.from_numpy(dequantize(t.data, t.tensor_type))
+
+def dequantized(g: GGUFModel, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor of any supported type -> `dtype`, in torch order ([rows, cols] for a matrix), through
+    quant/gguf_blocks.py's dequantiser (gguf-py's values bit for bit), a chunk of rows at a time."""
+    gtype = g.type_name(name).lower()
+    raw = rows_from_numpy(g.raw(name), gtype)  # [rows, row_bytes], the memory map
+    out = torch.empty((raw.shape[0], g.shape(name)[-1]), dtype=dtype)
+    for start in range(0, raw.shape[0], CHUNK_ROWS):
+        out[start : start + CHUNK_ROWS] = dequant_rows(raw[start : start + CHUNK_ROWS], gtype)
+    return out.reshape(g.shape(name))
 
 
 def _progress(enabled: bool) -> Progress:
@@ -82,7 +86,8 @@ def _write_dense(params: dict[str, nn.Parameter], written: set[str], arch: Archi
     target = arch.map_name(cfg, hf) if hf is not None else None
     if target is None or target.kind != "param":
         return  # a tensor ferryman has no use for (rope_freqs, multi-token-prediction layers, ...)
-    tensor = dequantized(g, name)
+    dst = params.get(target.name)
+    tensor = dequantized(g, name, dst.dtype if dst is not None else torch.float32)
     if g.arch == "llama" and hf is not None and hf.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
         tensor = unpermute_rope(tensor, heads)
@@ -110,11 +115,11 @@ def write_experts(store: ExpertStore, cfg: ModelConfig, g: GGUFModel, name: str,
     if kind == "bias":
         if f"{w}_bias" not in banks:
             raise WeightError(name, g.file_of(name), reason="expert biases in a model without them")
-        banks[f"{w}_bias"][:, rows].copy_(dequantized(g, name))
+        banks[f"{w}_bias"][:, rows].copy_(dequantized(g, name, banks[f"{w}_bias"].dtype))
         return
     fmt = cfg.expert_format_of(layer)
     if fmt == "dense":
-        banks[w][:, rows].copy_(dequantized(g, name))
+        banks[w][:, rows].copy_(dequantized(g, name, banks[w].dtype))
     elif fmt == "mxfp4":
         blocks, scales = ggml_mxfp4_to_blocks_scales(as_torch(g.raw(name)))
         banks[f"{w}_blocks"][:, rows].copy_(blocks)
