@@ -238,7 +238,8 @@ def cmd_info(a: argparse.Namespace) -> int:
                                                                 else ")")),
         ("hidden size", str(c.hidden_size)),
         ("attention", _attention_text(c)),
-        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {_formats_text(c)}"
+        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, "
+                    f"format {_formats_text(c)}"
                     + (f"; shared experts FFN {c.shared_intermediate_size} (resident)"
                        if c.shared_intermediate_size else "")),
         ("routing", _routing_text(c)),

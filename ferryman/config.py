@@ -144,8 +144,7 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate)
     norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w)
     shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x @ gate)
-    # the routed experts' format per layer ("" for dense layers) when layers differ (GGUF files mix
-    # block types, e.g. Q4_K_M's Q6_K ffn_down in some layers); empty: expert_format everywhere
+    # per layer ("" if dense) when layers differ (GGUF mixes, e.g. Q4_K_M); empty: expert_format everywhere
     expert_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -340,7 +339,7 @@ class EngineConfig:
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    config_folder: str | None = None  # a GGUF model's config.json / tokenizer from this HF folder instead of its metadata
+    config_folder: str | None = None  # GGUF: config.json / tokenizer from this HF folder, not the metadata
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
     max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick

@@ -254,7 +254,8 @@ def quick_calibration(store: Any, link_rep: Rep, k: int, device: torch.device, a
     `overlap_share` x the link (it only gets slower together, and a slow CPU kernel would hold the
     start for seconds)."""
     cfg, dtype = store.cfg, store.dtype
-    layers = [i for i in cfg.moe_layers if cfg.expert_format_of(i) == cfg.expert_format]  # mixed formats: the most common
+    # mixed formats (GGUF): the layers of the most common one
+    layers = [i for i in cfg.moe_layers if cfg.expert_format_of(i) == cfg.expert_format]
     key = expert_key(cfg, dtype)
     eb, row = key["expert_bytes"], key["row_bytes"]
     link = measure(link_rep, k, row, reps=50, budget_s=seconds)

@@ -91,8 +91,8 @@ class CPUExperts:
         # per token in ascending expert order: the order fused_moe's reference accumulates in
         order = torch.argsort(tok * self.num_experts + eid)
         tok, kk, eid = tok[order], kk[order], eid[order]
-        y = fused_moe(self.store.formats[layer].name, self.store.banks[layer], x[tok], eid[:, None], w[tok, kk][:, None],
-                      self.act)
+        y = fused_moe(self.store.formats[layer].name, self.store.banks[layer], x[tok], eid[:, None],
+                      w[tok, kk][:, None], self.act)
         self.pairs += int(tok.numel())
         return torch.zeros_like(x).index_add_(0, tok, y)  # [T, H]
 

@@ -146,4 +146,5 @@ def _check_complete(params: dict[str, nn.Parameter], written: set[str], experts:
         for proj in PROJ:
             for kind in kinds:
                 if (layer, proj, kind) not in experts:
-                    raise WeightError(f"blk.{layer}.ffn_{proj}_exps.{kind}", str(g.path), reason="missing from the file")
+                    raise WeightError(f"blk.{layer}.ffn_{proj}_exps.{kind}", str(g.path),
+                                      reason="missing from the file")
