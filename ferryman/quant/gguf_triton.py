@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ferryman.quant.gguf_blocks import BLOCK_SIZES, check_type
+from ferryman.quant.gguf_triton_gemv import kquant_rows_dot
 
 # type name -> the constexpr code the kernels branch on (0: not a GGUF bank)
 TYPE_CODES = {name: i + 1 for i, name in enumerate(BLOCK_SIZES)}
@@ -249,19 +250,29 @@ def _row_bytes(K: tl.constexpr, T: tl.constexpr):
     return rb
 
 
+CHUNK = 256  # values per decode step: one super-block, or 8 blocks of 32 (a whole number of any type's blocks)
+_CH = tl.constexpr(CHUNK)
+
+
 @triton.jit
-def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  T: tl.constexpr):
+def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr, T: tl.constexpr):
     """Decode GEMV tile loop: rows [R] of one expert's GGUF bank slice at uint8 pointer w_base
     ([OUT, row_bytes], contiguous) dotted with x_row -> [KDIM] -> [R] fp32, the weights decoded
-    from their blocks in registers (fp32, exact)."""
-    row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
-    offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([NROWS, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        k = k0 + offs
-        kmask = k < KDIM
-        w = gguf_values(row, k[None, :], rmask[:, None] & kmask[None, :], T)  # [R, BK]
-        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
-        acc += w * xv[None, :]
-    return tl.sum(acc, axis=1)
+    from their blocks in registers (fp32, exact). Each step reads one 256-value chunk of every row
+    from its own base pointer with constant in-chunk offsets, so the compiler sees the runs of
+    contiguous bytes (vector loads) and the per-block constants."""
+    if T == Q4_K or T == Q5_K:  # whole-word reads (quant/gguf_triton_gemv.py)
+        out = kquant_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS, T == Q5_K)
+    else:
+        row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
+        step = _row_bytes(_CH, T)  # bytes of one chunk
+        j = tl.arange(0, _CH)
+        acc = tl.zeros([NROWS, _CH], dtype=tl.float32)
+        for c in range(0, tl.cdiv(KDIM, _CH)):
+            k = c * _CH + j
+            kmask = k < KDIM
+            w = gguf_values(row + c * step, j[None, :], rmask[:, None] & kmask[None, :], T)  # [R, 256]
+            xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+            acc += w * xv[None, :]
+        out = tl.sum(acc, axis=1)
+    return out
