@@ -23,6 +23,8 @@
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   gguf         the GGUF kernel tests (dequantiser, decode GEMVs, batched prefill), then the decode
+#                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
 #                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
 #                RAM whole; decode time per layer compares with offload120's
@@ -151,6 +153,11 @@ for s in ${@:-tests}; do
                    --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
+    gguf)        stage gguf_tests 120 "${PYTEST[@]}" tests/test_gguf_triton.py
+                 for f in gguf:q4_k:q4_k gguf:q4_k:q6_k mxfp4; do
+                   stage "gguf_bench_${f//:/_}" 45 python3 benchmarks/bench_fused_moe.py --format "$f" --hidden 2048 \
+                     --inter 768 --experts 128 --topk 8 --act silu
+                 done ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac
