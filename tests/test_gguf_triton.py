@@ -27,7 +27,7 @@ for t in GGUF_TYPES:  # every byte value: random bytes, NaN/inf scales included
     k = 2 * bs if bs > 1 else 48
     q = torch.randint(0, 256, (4, 3, row_bytes(t, k)), generator=g, dtype=torch.uint8)
     for idx in (slice(1, 3), torch.tensor([3, 0, 3]), slice(2, 2)):
-        ours = dequant_gguf_rows(q, t, idx, torch.float32, block=128)
+        ours = dequant_gguf_rows(q, t, idx, torch.float32, rows_per_program=2)  # a ragged last program
         want = dequant_rows(q[idx], t)
         nan = want.isnan()
         assert ours.shape == want.shape and torch.equal(ours.isnan(), nan), t
@@ -43,7 +43,7 @@ for name in ("w13_q", "w2_q"):
     banks[name].copy_(src[name])
     assert not banks[name].is_contiguous()
     t = fmt.types[name[:-2]]
-    ours = dequant_gguf_rows(banks[name], t, torch.tensor([2, 1]), torch.float32, block=512)
+    ours = dequant_gguf_rows(banks[name], t, torch.tensor([2, 1]), torch.float32)
     assert torch.equal(ours, dequant_rows(src[name][[2, 1]], t)), name
 print("ok")
 """
@@ -69,10 +69,10 @@ def test_dequant_kernel_compiles_for_sm90_for_every_type() -> None:
     from ferryman.quant.gguf_triton import TYPE_CODES
 
     sig = {"q_ptr": "*u8", "idx_ptr": "*i64", "out_ptr": "*bf16", "slot0": "i64", "slot_stride": "i64",
-           "per_slot": "i64"}
+           "out_rows": "i32"}
     for code in TYPE_CODES.values():
         assert _compile("ferryman.quant.gguf_triton:_dequant_kernel", sig,
-                        {"K": 512, "RB": 512, "T": code, "BLOCK": 1024, "HAS_IDX": 1})
+                        {"K": 2048, "ROWS": 16, "T": code, "HAS_IDX": 1})
 
 
 _DECODE = """
