@@ -82,10 +82,10 @@ from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import get_format
 from ferryman.quant.layout import ExpertLayout
-e, t, k = 5, 2, 2
+e, t, k = 4, 2, 2
 out = []
 for seed, (fmt, kind, dtype, h, i) in enumerate([  # Q4_K_M, Q5_K_M, Q8_0 mixes; I not a multiple of BLOCK_N
-    ("gguf:q4_k:q6_k", "silu", torch.float32, 512, 256), ("gguf:q5_k:q8_0", "silu", torch.float16, 256, 288),
+    ("gguf:q4_k:q6_k", "silu", torch.float32, 256, 512), ("gguf:q5_k:q8_0", "silu", torch.float16, 256, 288),
     ("gguf:q8_0:q4_k", "swiglu_oai", torch.float32, 96, 256),
 ]):
     gen = torch.Generator().manual_seed(seed)

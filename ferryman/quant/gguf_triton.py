@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ferryman.quant.gguf_blocks import BLOCK_SIZES, check_type
-from ferryman.quant.gguf_triton_gemv import kquant_rows_dot
+from ferryman.quant.gguf_triton_gemv import kquant_rows_dot, q6k_rows_dot, q8_0_rows_dot
 
 # type name -> the constexpr code the kernels branch on (0: not a GGUF bank)
 TYPE_CODES = {name: i + 1 for i, name in enumerate(BLOCK_SIZES)}
@@ -269,6 +269,10 @@ def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.cons
     contiguous bytes (vector loads) and the per-block constants."""
     if T == Q4_K or T == Q5_K:  # whole-word reads (quant/gguf_triton_gemv.py)
         out = kquant_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS, T == Q5_K)
+    elif T == Q6_K:
+        out = q6k_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS)
+    elif T == Q8_0:
+        out = q8_0_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS)
     else:
         row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
         step = _row_bytes(_CH, T)  # bytes of one chunk

@@ -1,4 +1,4 @@
-"""Decode GEMV of Q4_K / Q5_K rows (the bulk of the Q4_K_M and Q5_K_M mixes) on whole words.
+"""Decode GEMV of Q4_K / Q5_K / Q6_K / Q8_0 rows (the Q4_K_M, Q5_K_M and Q8_0 mixes) on whole words.
 
 A 256-value super-block is d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of
 32, [Q5_K: 32 bytes of 5th bits,] then 128 bytes of nibbles: byte p of 32-byte chunk c holds
@@ -75,3 +75,68 @@ def kquant_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
     for sb in range(0, NSB):
         acc += _superblock_dot(row + sb * TS, rmask, x_row + sb * 256, FIVE, NROWS)
     return acc
+
+
+@triton.jit
+def _q6k_superblock_dot(blk, rmask, x_sb, NROWS: tl.constexpr):
+    # Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d; 2-byte aligned) as halfwords.
+    # Element j = 128c + 32s + 2p + e (c < 2, s < 4, p < 16, e < 2) is, with v = 16c + p: ql
+    # halfword 32c + 16(s%2) + p, byte e, nibble s//2; qh halfword v, byte e, bits 2s; scale j // 16.
+    v = tl.arange(0, 32)
+    m2 = rmask[:, None]
+    hp = blk.to(tl.pointer_type(tl.int16))
+    u0 = v + (v // 16) * 16
+    ql0 = tl.load(hp + u0[None, :], mask=m2, other=0).to(tl.int32)  # [R, 32] s = 0, 2
+    ql1 = tl.load(hp + 16 + u0[None, :], mask=m2, other=0).to(tl.int32)  # s = 1, 3
+    qh = tl.load(hp + 64 + v[None, :], mask=m2, other=0).to(tl.int32)
+    x_base = x_sb + (v // 16) * 128 + (v % 16) * 2  # [32]
+    g4 = tl.arange(0, 4)[None, :]
+    acc = tl.zeros([NROWS], dtype=tl.float32)
+    for s in tl.static_range(4):
+        ql = ql1 if s % 2 else ql0
+        part = tl.zeros([NROWS, 32], dtype=tl.float32)
+        for e in tl.static_range(2):
+            q = (((ql >> (8 * e + 4 * (s // 2))) & 15) | (((qh >> (8 * e + 2 * s)) & 3) << 4)) - 32
+            part += q.to(tl.float32) * tl.load(x_base + 32 * s + e).to(tl.float32)[None, :]
+        sums = tl.sum(tl.reshape(part, [NROWS, 4, 8]), axis=2)  # [R, 4]: groups g of 8 v, one scale each
+        sc = tl.load((blk + 192 + (g4 // 2) * 8 + 2 * s + g4 % 2).to(tl.pointer_type(tl.int8)), mask=m2, other=0)
+        acc += tl.sum(sc.to(tl.float32) * sums, axis=1)
+    d = tl.load((blk + 208).to(tl.pointer_type(tl.float16)), mask=m2, other=0.0).to(tl.float32)  # [R, 1]
+    return tl.reshape(d, [NROWS]) * acc
+
+
+@triton.jit
+def q6k_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr):
+    """rows [R] of one expert's Q6_K bank slice at uint8 w_base, dotted with x_row -> [KDIM] -> [R] fp32."""
+    NSB: tl.constexpr = KDIM // 256
+    row = w_base + rows.to(tl.int64)[:, None] * (NSB * 210)  # [R, 1]
+    acc = tl.zeros([NROWS], dtype=tl.float32)
+    for sb in range(0, NSB):
+        acc += _q6k_superblock_dot(row + sb * 210, rmask, x_row + sb * 256, NROWS)
+    return acc
+
+
+@triton.jit
+def q8_0_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr):
+    """rows [R] of one expert's Q8_0 bank slice (34-byte blocks: fp16 d, 32 int8) at uint8 w_base,
+    dotted with x_row -> [KDIM] (KDIM % 32 == 0) -> [R] fp32; 8 blocks a step, codes as halfwords."""
+    NB: tl.constexpr = KDIM // 32
+    row = w_base + rows.to(tl.int64)[:, None, None] * (NB * 34)  # [R, 1, 1]
+    b8 = tl.arange(0, 8)[None, :, None]
+    i16 = tl.arange(0, 16)[None, None, :]
+    acc = tl.zeros([NROWS, 8], dtype=tl.float32)
+    for b0 in range(0, NB, 8):
+        blk = b0 + b8  # [1, 8, 1]
+        m3 = rmask[:, None, None] & (blk < NB)
+        bp = row + blk * 34
+        hw = tl.load((bp + 2).to(tl.pointer_type(tl.int16)) + i16, mask=m3, other=0).to(tl.int32)  # [R, 8, 16]
+        lo = (hw << 24) >> 24  # int8 of byte 0 (element 2i), sign-extended
+        hi = (hw << 16) >> 24  # byte 1 (element 2i + 1)
+        xp = x_row + blk * 32 + 2 * i16  # [1, 8, 16]
+        xm = blk < NB
+        x0 = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+        x1 = tl.load(xp + 1, mask=xm, other=0.0).to(tl.float32)
+        dot = tl.sum(lo.to(tl.float32) * x0 + hi.to(tl.float32) * x1, axis=2)  # [R, 8]
+        d = tl.load(bp.to(tl.pointer_type(tl.float16)), mask=m3, other=0.0).to(tl.float32)  # [R, 8, 1]
+        acc += tl.reshape(d, [NROWS, 8]) * dot
+    return tl.sum(acc, axis=1)
