@@ -83,3 +83,25 @@ def test_mxfp4_mix(tmp_path: Path) -> None:
     assert types["blk.1.ffn_up_exps.weight"] == ("mxfp4", [64, 64, 8])
     assert types["blk.1.attn_q.weight"][0] == "q8_0" and types["output.weight"][0] == "q8_0"
     assert reader.fields["general.architecture"].contents() == "gpt-oss"
+
+
+def test_file_tensors_reach_the_formats_without_copies(tmp_path: Path) -> None:
+    """What a loader does with the file: rows of a memory-mapped tensor as a torch view, dequantised
+    as gguf-py does; a ggml MXFP4 expert tensor repacked losslessly into ferryman's `mxfp4`."""
+    import numpy as np
+
+    from ferryman.quant.gguf_blocks import ggml_mxfp4_to_blocks_scales, rows_from_numpy
+    from ferryman.quant.mxfp4 import dequant_mxfp4
+
+    cfg = {**COMMON, **CONFIGS["gpt_oss"], "model_type": "gpt_oss"}
+    reader = _write(tmp_path, cfg, "mxfp4")
+    tensors = {t.name: t for t in reader.tensors}
+    q = tensors["blk.0.attn_q.weight"]  # Q8_0 [64 rows of 64]
+    rows = rows_from_numpy(q.data, "q8_0")
+    assert rows.shape == (64, 68) and rows.data_ptr() == q.data.ctypes.data
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(q.data, q.tensor_type)))
+    assert torch.equal(dequant_rows(rows, "q8_0"), want)
+    up = tensors["blk.0.ffn_up_exps.weight"]  # MXFP4 [8 experts, 64 rows, 64]
+    blocks, scales = ggml_mxfp4_to_blocks_scales(rows_from_numpy(up.data, "mxfp4").view(8, 64, 34))
+    want = torch.from_numpy(np.array(gguf.quants.dequantize(up.data, up.tensor_type)))
+    assert torch.equal(dequant_mxfp4(blocks, scales, torch.float32), want.view(8, 64, 64))

@@ -88,7 +88,8 @@ def shapes_of(cfg: dict, layers: int | None) -> Shapes:
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = tuple(i for i in range(n) if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step)
     return Shapes(ARCHS[kind], h, n, nh, cfg.get("num_key_value_heads", nh), cfg.get("head_dim") or h // nh,
-                  experts, cfg["num_experts_per_tok"], cfg["num_hidden_layers"], inter, cfg.get("intermediate_size", inter), dense,
+                  experts, cfg["num_experts_per_tok"], cfg["num_hidden_layers"], inter,
+                  cfg.get("intermediate_size", inter), dense,
                   cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
 
 
@@ -128,7 +129,8 @@ def plan_tensors(s: Shapes, mix: str) -> list[TensorPlan]:
     out = [TensorPlan("token_embd.weight", (s.vocab, h), fit(matrix_type("token_embd", 0, s, mix), h))]
     for i in range(s.layers):
         def mat(role: str, shape: tuple[int, ...], name: str | None = None) -> None:
-            out.append(TensorPlan(f"blk.{i}.{name or role}.weight", shape, fit(matrix_type(role, i, s, mix), shape[-1])))
+            gtype = fit(matrix_type(role, i, s, mix), shape[-1])
+            out.append(TensorPlan(f"blk.{i}.{name or role}.weight", shape, gtype))
 
         def vec(name: str, n: int | tuple[int, ...]) -> None:
             out.append(TensorPlan(f"blk.{i}.{name}", n if isinstance(n, tuple) else (n,), "f32"))
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=None, help="only the first N layers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     cfg, folder = load_config(args.preset)
     s = shapes_of(cfg, args.layers)
     bos, eos = cfg.get("bos_token_id"), cfg.get("eos_token_id")

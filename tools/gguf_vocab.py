@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -31,7 +32,7 @@ class Vocab:
 
 def byte_chars() -> list[str]:
     """GPT-2's printable character of each byte value 0..255."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -92,12 +93,13 @@ def folder_vocab(folder: Path, vocab_size: int) -> Vocab | None:
     for text, i in added.items():
         tokens[i], types[i] = text, CONTROL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    cfg = json.loads((folder / "tokenizer_config.json").read_text()) if (folder / "tokenizer_config.json").is_file() else {}
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     bos, eos = added.get(cfg.get("bos_token") or ""), added.get(cfg.get("eos_token") or "")
     return Vocab(tokens, types, merges, bos, eos, cfg.get("chat_template") or CHATML)
 
 
-def write_vocab(writer: "object", vocab: Vocab) -> None:
+def write_vocab(writer: Any, vocab: Vocab) -> None:
     """The tokenizer keys of a gguf.GGUFWriter."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

@@ -110,7 +110,8 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
 def _crumbs(qs: torch.Tensor, n: int) -> torch.Tensor:
     """2-bit fields: bytes [N, n*32] -> int32 [N, n*128]; 32-byte chunk c, shift s -> values
     (c*4 + s/2)*32 .. +32 (ggml's order)."""
-    q = qs.to(torch.int32).reshape(qs.shape[0], n, 1, 32) >> torch.tensor([0, 2, 4, 6], device=qs.device).reshape(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], device=qs.device).reshape(1, 1, 4, 1)
+    q = qs.to(torch.int32).reshape(qs.shape[0], n, 1, 32) >> shifts
     return (q & 3).reshape(qs.shape[0], n * 128)
 
 
