@@ -28,14 +28,26 @@ def _scale_min(sp, sub, mask):
 
 
 @triton.jit
-def _superblock_dot(blk, rmask, x_sb, FIVE: tl.constexpr, NROWS: tl.constexpr):
-    # blk: [R, 1] uint8 pointers to one super-block of each row; x_sb -> its 256 inputs. -> [R]
+def _kq_load(blk, rmask, FIVE: tl.constexpr):
+    # the nibbles of one super-block of each row as words [R, 32] (word w: chunk w // 8, bytes
+    # p = 4 (w % 8) .. +3) and, Q5_K, the 5th-bit word holding bytes p (else the nibbles again)
     QS: tl.constexpr = 48 if FIVE else 16  # byte offset of the nibbles
-    w = tl.arange(0, 32)  # word: chunk w // 8, bytes p = 4 (w % 8) .. +3
+    w = tl.arange(0, 32)
     m2 = rmask[:, None]
     words = tl.load((blk + QS).to(tl.pointer_type(tl.int32)) + w[None, :], mask=m2, other=0)  # [R, 32]
     if FIVE:  # the 5th bits: bit 2c + h of qh byte p
-        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + (w % 8)[None, :], mask=m2, other=0)  # [R, 32]
+        qh = tl.load((blk + 16).to(tl.pointer_type(tl.int32)) + (w % 8)[None, :], mask=m2, other=0)
+    else:
+        qh = words
+    return words, qh
+
+
+@triton.jit
+def _superblock_dot(blk, words, qh, rmask, x_sb, FIVE: tl.constexpr, NROWS: tl.constexpr):
+    # blk: [R, 1] uint8 pointers to one super-block of each row, words/qh: its _kq_load; x_sb -> its
+    # 256 inputs. -> [R]
+    w = tl.arange(0, 32)
+    m2 = rmask[:, None]
     chunk = w // 8
     x_lo_base = x_sb + chunk * 64 + (w % 8) * 4  # [32] element of byte 0's low nibble
     lo = tl.zeros([NROWS, 32], dtype=tl.float32)
@@ -72,13 +84,17 @@ def kquant_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
     NSB: tl.constexpr = KDIM // 256
     row = w_base + rows.to(tl.int64)[:, None] * (NSB * TS)  # [R, 1]
     acc = tl.zeros([NROWS], dtype=tl.float32)
+    words, qh = _kq_load(row, rmask, FIVE)
     for sb in range(0, NSB):
-        acc += _superblock_dot(row + sb * TS, rmask, x_row + sb * 256, FIVE, NROWS)
+        # the next super-block's words in flight while this one is multiplied
+        next_words, next_qh = _kq_load(row + (sb + 1) * TS, rmask & (sb + 1 < NSB), FIVE)
+        acc += _superblock_dot(row + sb * TS, words, qh, rmask, x_row + sb * 256, FIVE, NROWS)
+        words, qh = next_words, next_qh
     return acc
 
 
 @triton.jit
-def _q6k_superblock_dot(blk, rmask, x_sb, NROWS: tl.constexpr):
+def _q6k_load(blk, rmask):
     # Q6_K (210 bytes: ql[128], qh[64], int8 scales[16], fp16 d; 2-byte aligned) as halfwords.
     # Element j = 128c + 32s + 2p + e (c < 2, s < 4, p < 16, e < 2) is, with v = 16c + p: ql
     # halfword 32c + 16(s%2) + p, byte e, nibble s//2; qh halfword v, byte e, bits 2s; scale j // 16.
@@ -89,6 +105,14 @@ def _q6k_superblock_dot(blk, rmask, x_sb, NROWS: tl.constexpr):
     ql0 = tl.load(hp + u0[None, :], mask=m2, other=0).to(tl.int32)  # [R, 32] s = 0, 2
     ql1 = tl.load(hp + 16 + u0[None, :], mask=m2, other=0).to(tl.int32)  # s = 1, 3
     qh = tl.load(hp + 64 + v[None, :], mask=m2, other=0).to(tl.int32)
+    return ql0, ql1, qh
+
+
+@triton.jit
+def _q6k_superblock_dot(blk, ql0, ql1, qh, rmask, x_sb, NROWS: tl.constexpr):
+    # one super-block of each row ([R, 1] pointers, its _q6k_load) dotted with x_sb -> 256 inputs -> [R]
+    v = tl.arange(0, 32)
+    m2 = rmask[:, None]
     x_base = x_sb + (v // 16) * 128 + (v % 16) * 2  # [32]
     g4 = tl.arange(0, 4)[None, :]
     acc = tl.zeros([NROWS], dtype=tl.float32)
@@ -111,8 +135,12 @@ def q6k_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.const
     NSB: tl.constexpr = KDIM // 256
     row = w_base + rows.to(tl.int64)[:, None] * (NSB * 210)  # [R, 1]
     acc = tl.zeros([NROWS], dtype=tl.float32)
+    ql0, ql1, qh = _q6k_load(row, rmask)
     for sb in range(0, NSB):
-        acc += _q6k_superblock_dot(row + sb * 210, rmask, x_row + sb * 256, NROWS)
+        # the next super-block's codes in flight while this one is multiplied
+        n0, n1, nh = _q6k_load(row + (sb + 1) * 210, rmask & (sb + 1 < NSB))
+        acc += _q6k_superblock_dot(row + sb * 210, ql0, ql1, qh, rmask, x_row + sb * 256, NROWS)
+        ql0, ql1, qh = n0, n1, nh
     return acc
 
 
