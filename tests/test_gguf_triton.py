@@ -190,3 +190,29 @@ def test_gpu_fused_moe_at_qwen3_30b_shapes(fmt: str) -> None:
         ref = fused_moe_reference(form, banks, x, ids, w, act)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert got.dtype == torch.bfloat16 and err < 1e-2, (t, err)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_is_graph_capturable() -> None:
+    """The GGUF decode GEMVs read slot ids on the device: one capture replays for new ids."""
+    from ferryman.layers.fused_moe_triton import fused_moe_decode
+    from ferryman.quant import get_format
+
+    fmt = "gguf:q4_k:q6_k"
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    banks = get_format(fmt).random_banks(128, 2048, 768, False, torch.bfloat16, gen, "cuda")
+    x = torch.randn(1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    ids = torch.randperm(128, generator=gen, device="cuda")[:8].view(1, 8).int()
+    w = torch.softmax(torch.randn(1, 8, generator=gen, device="cuda"), -1)
+
+    def call() -> torch.Tensor:
+        return fused_moe_decode(fmt, banks, x, ids, w, "silu", 1.702, 7.0)
+
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    ids.copy_(torch.randperm(128, generator=gen, device="cuda")[:8].view(1, 8))
+    graph.replay()
+    assert torch.equal(out, call())
