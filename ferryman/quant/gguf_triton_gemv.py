@@ -1,11 +1,14 @@
-"""Decode GEMV of Q4_K / Q5_K / Q6_K / Q8_0 rows (the Q4_K_M, Q5_K_M and Q8_0 mixes) on whole words.
+"""Decode GEMV of Q4_K / Q5_K / Q6_K / Q8_0 rows (the Q4_K_M, Q5_K_M and Q8_0 mixes) on whole words;
+the other types go through quant/gguf_triton.py's per-value decoder.
 
-A 256-value super-block is d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of
+Q4_K / Q5_K: a 256-value super-block is d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of
 32, [Q5_K: 32 bytes of 5th bits,] then 128 bytes of nibbles: byte p of 32-byte chunk c holds
 element 64c + p in its low nibble and 64c + 32 + p in its high one. So
     dot(row, x) = sum over super-blocks of  d * sum_s sc[s] * (q_s . x_s)  -  dmin * sum_s m[s] * sum(x_s)
 The nibbles are read as 32 int32 words per super-block (16-byte vector loads: every super-block and
 its fields start 16-byte aligned), sub-block sums come from those words, the scales from 24 bytes.
+Q6_K (210-byte blocks) and Q8_0 (34) are only 2-byte aligned: their codes are read as halfwords.
+Every loop loads the next super-block's codes before multiplying the current one's.
 """
 
 from __future__ import annotations
