@@ -130,3 +130,13 @@ def test_fused_moe_equals_dense_of_dequantised(act: str) -> None:
     ours = fused_moe(fmt.name, banks, x, ids, w, MoEActivation(act))
     want = fused_moe("dense", dense, x, ids, w, MoEActivation(act))
     assert ours.shape == (t, h) and torch.equal(ours, want)
+
+
+def test_prefill_of_gguf_experts_takes_the_batched_path() -> None:
+    """No grouped GEMM reads GGUF blocks: large batches dequantise groups of experts (Triton on CUDA)."""
+    from ferryman.layers.fused_moe import prefill_path
+    from ferryman.layers.moe_common import triton_reads
+
+    assert prefill_path("gguf:q4_k:q6_k", 100, kernels="auto") == "batched"
+    assert prefill_path("gguf:q4_k:q6_k", None, kernels="auto") == "batched"
+    assert triton_reads("gguf:q4_k:q6_k") and triton_reads("mxfp4") and not triton_reads("int4:g128")

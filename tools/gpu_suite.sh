@@ -23,17 +23,19 @@
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   gguf         the GGUF kernel tests (dequantiser, decode GEMVs, batched prefill), then the decode
+#                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
 #                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
 #                RAM whole; decode time per layer compares with offload120's
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
-#   gguf         a random-weight qwen3-30b-a3b GGUF in llama.cpp's Q4_K_M mix (tools/gguf_random.py, ~17 GiB
+#   ggufqwen     a random-weight qwen3-30b-a3b GGUF in llama.cpp's Q4_K_M mix (tools/gguf_random.py, ~17 GiB
 #                in $GGUF_DIR, default /tmp; kept for the next stages while the machine stays warm), then
 #                bench_offload on it at 8 GiB: decode at 1 user, TTFT of a 4k prompt, link bytes per token
 #   llamacpp_build  llama.cpp from the peer kit ($PEER_KIT, default .peer-kit: copy /work/shared/peer-kit
 #                there and carry it), ~6 min: a call of its own
-#   llamacpp     on the gguf stage's file, one client for both (the peer kit's bench_client.py: 512 and
+#   llamacpp     on the ggufqwen stage's file, one client for both (the peer kit's bench_client.py: 512 and
 #                4096-token prompts, 128 tokens; load_client.py: 16 users, 1024 in / 128 out) against
 #                llama-server (-ngl 99 --n-cpu-moe $NCPUMOE, default 33: about 8 GiB, VRAM logged per run;
 #                raise or lower NCPUMOE until it matches) and `ferryman serve FILE --gpu-memory 8GiB`
@@ -183,7 +185,12 @@ for s in ${@:-tests}; do
                    --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
-    gguf)        gguf_write
+    gguf)        stage gguf_tests 120 "${PYTEST[@]}" tests/test_gguf_triton.py
+                 for f in gguf:q4_k:q4_k gguf:q4_k:q6_k mxfp4; do
+                   stage "gguf_bench_${f//:/_}" 45 python3 benchmarks/bench_fused_moe.py --format "$f" --hidden 2048 \
+                     --inter 768 --experts 128 --topk 8 --act silu
+                 done ;;
+    ggufqwen)    gguf_write
                  offload gguf_offload "$GGUF:8GiB" 240 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
     llamacpp_build) stage llamacpp_build 560 bash -c "tar xJf '$PEER/llama_src.tar.xz' -C /tmp \
                    && bash '$PEER/build_llama.sh' /tmp/llama.cpp 14" ;;

@@ -112,7 +112,7 @@ def _rows_dot(w_ptr, s_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr
     # pool; constexpr: a model has one or two layouts, and contiguous banks compile as their own)
     # GGUF: the bank's ggml type code (quant/gguf_triton.py), rows of blocks [E, OUT, row_bytes] uint8
     if GGUF != 0:
-        acc = gguf_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K // 2, GGUF)
+        acc = gguf_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, GGUF)
     elif MXFP4:
         acc = _mxfp4_rows_dot_fma(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM,
                                   NROWS, BLOCK_K)

@@ -74,33 +74,44 @@ def _f16(b: torch.Tensor, off: int) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """bytes [N, ..., n] -> [N, ..., 2n]: the n low nibbles, then the n high nibbles (int32)."""
-    q = qs.to(torch.int32)
-    return torch.cat((q & 0xF, q >> 4), dim=-1)
+    """bytes [N, ..., n] -> [N, ..., 2n] uint8: the n low nibbles, then the n high nibbles."""
+    return torch.cat((qs & 0xF, qs >> 4), dim=-1)
+
+
+@lru_cache(maxsize=32)
+def _shifts(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """uint8 shift amounts [len(values)] on `device` (the decoders stay in uint8: CPU-fast)."""
+    return torch.tensor(values, dtype=torch.uint8, device=device)
+
+
+def _byte_bits(b: torch.Tensor) -> torch.Tensor:
+    """bytes [N, ..., n] -> uint8 [N, ..., 8, n]: bit i of every byte at index i."""
+    return (b.unsqueeze(-2) >> _shifts(tuple(range(8)), b.device)[:, None]) & 1
 
 
 def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
-    """little-endian bit i of bytes [N, count/8] for i < count -> int32 [N, count]."""
-    q = b.to(torch.int32)[:, :, None] >> torch.arange(8, dtype=torch.int32, device=b.device)
+    """little-endian bit i of bytes [N, count/8] for i < count -> uint8 [N, count]."""
+    q = b[:, :, None] >> _shifts(tuple(range(8)), b.device)
     return (q & 1).reshape(b.shape[0], count)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * (_nibbles(b[:, 2:18]) - 8).float()
+    return _f16(b, 0) * (_nibbles(b[:, 2:18]).float() - 8)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b, 0) * _nibbles(b[:, 4:20]).float() + _f16(b, 2)
+    # d x q + m: d x q is exact, so a fused multiply-add rounds as the two operations do
+    return torch.addcmul(_f16(b, 2), _f16(b, 0), _nibbles(b[:, 4:20]).float())
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 6:22]) | (_bits(b[:, 2:6], 32) << 4)
-    return _f16(b, 0) * (q - 16).float()
+    return _f16(b, 0) * (q.float() - 16)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
+    return torch.addcmul(_f16(b, 2), _f16(b, 0), q.float())
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -108,30 +119,29 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
 
 
 def _crumbs(qs: torch.Tensor, n: int) -> torch.Tensor:
-    """2-bit fields: bytes [N, n*32] -> int32 [N, n*128]; 32-byte chunk c, shift s -> values
+    """2-bit fields: bytes [N, n*32] -> uint8 [N, n*128]; 32-byte chunk c, shift s -> values
     (c*4 + s/2)*32 .. +32 (ggml's order)."""
-    q = qs.to(torch.int32).reshape(qs.shape[0], n, 1, 32) >> torch.tensor([0, 2, 4, 6], device=qs.device).reshape(1, 1, 4, 1)
+    q = qs.reshape(qs.shape[0], n, 1, 32) >> _shifts((0, 2, 4, 6), qs.device)[:, None]
     return (q & 3).reshape(qs.shape[0], n * 128)
 
 
 def _q2_k(b: torch.Tensor) -> torch.Tensor:
-    n, sc = b.shape[0], b[:, 0:16].to(torch.int32)
+    n, sc = b.shape[0], b[:, 0:16]
     dl = (_f16(b, 80) * (sc & 0xF).float()).reshape(n, 16, 1)
     ml = (_f16(b, 82) * (sc >> 4).float()).reshape(n, 16, 1)
     q = _crumbs(b[:, 16:80], 2).reshape(n, 16, 16).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return torch.addcmul(-ml, dl, q).reshape(n, QK_K)
 
 
 def _q3_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     low = _nibbles(b[:, 96:104])  # [N, 16] scale bits 0..3
-    high = (b[:, 104:108].to(torch.int32)[:, None, :] >> torch.tensor([0, 2, 4, 6], device=b.device)[None, :, None])
+    high = b[:, None, 104:108] >> _shifts((0, 2, 4, 6), b.device)[:, None]  # [N, 4, 4]
     sc = low | ((high.reshape(n, 16) & 3) << 4)  # [N, 16]
-    dl = (_f16(b, 108) * (sc - 32).float()).reshape(n, 16, 1)
-    hm = b[:, 0:32].to(torch.int32)[:, None, :] >> torch.arange(8, device=b.device)[None, :, None]  # [N, 8, 32]
-    hbit = (hm & 1).reshape(n, 16, 16)
-    q = _crumbs(b[:, 32:96], 2).reshape(n, 16, 16) - ((hbit ^ 1) << 2)
-    return (dl * q.float()).reshape(n, QK_K)
+    dl = (_f16(b, 108) * (sc.float() - 32)).reshape(n, 16, 1)
+    hbit = _byte_bits(b[:, 0:32]).reshape(n, 16, 16)  # [N, 8, 32] bit i of byte l
+    q = _crumbs(b[:, 32:96], 2).reshape(n, 16, 16).float() - ((hbit ^ 1) << 2).float()
+    return (dl * q).reshape(n, QK_K)
 
 
 def k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +159,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b, 0) * sc.float()).reshape(n, 8, 1)
     dm = (_f16(b, 2) * mn.float()).reshape(n, 8, 1)
     q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()
-    return (d * q - dm).reshape(n, QK_K)
+    return torch.addcmul(-dm, d, q).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -157,9 +167,9 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     sc, mn = k_scale_min(b[:, 4:16])
     d = (_f16(b, 0) * sc.float()).reshape(n, 8, 1)
     dm = (_f16(b, 2) * mn.float()).reshape(n, 8, 1)
-    hm = b[:, 16:48].to(torch.int32)[:, None, :] >> torch.arange(8, device=b.device)[None, :, None]  # [N, 8, 32]
-    q = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32) | ((hm & 1) << 4)
-    return (d * q.float() - dm).reshape(n, QK_K)
+    hm = _byte_bits(b[:, 16:48])  # [N, 8, 32] bit i of byte l: element 32 i + l's 5th bit
+    q = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32) | (hm << 4)
+    return torch.addcmul(-dm, d, q.float()).reshape(n, QK_K)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -167,8 +177,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     d = (_f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(n, 16, 1)
     ql = _nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 8, 32)
     qh = _crumbs(b[:, 128:192], 2).reshape(n, 8, 32)
-    q = (ql | (qh << 4)) - 32
-    return (d * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+    q = (ql | (qh << 4)).reshape(n, 16, 16).float() - 32
+    return (d * q).reshape(n, QK_K)
 
 
 @lru_cache(maxsize=16)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ferryman.quant.gguf_blocks import BLOCK_SIZES, check_type
+from ferryman.quant.gguf_triton_gemv import kquant_rows_dot, q6k_rows_dot, q8_0_rows_dot
 
 # type name -> the constexpr code the kernels branch on (0: not a GGUF bank)
 TYPE_CODES = {name: i + 1 for i, name in enumerate(BLOCK_SIZES)}
@@ -166,27 +167,34 @@ def gguf_values(row, k, mask, T: tl.constexpr):
 
 
 @triton.jit
-def _dequant_kernel(q_ptr, idx_ptr, out_ptr, slot0, slot_stride, per_slot, K: tl.constexpr, RB: tl.constexpr,
-                    T: tl.constexpr, BLOCK: tl.constexpr, HAS_IDX: tl.constexpr):
-    # program (p, r): values p*BLOCK .. +BLOCK of bank slot idx[r] (HAS_IDX) or slot0 + r, whose
-    # rows of RB bytes (K values each) are contiguous -> output row r
+def _dequant_kernel(q_ptr, idx_ptr, out_ptr, slot0, slot_stride, out_rows, K: tl.constexpr, ROWS: tl.constexpr,
+                    T: tl.constexpr, HAS_IDX: tl.constexpr):
+    # program (p, r): rows p*ROWS .. +ROWS of bank slot idx[r] (HAS_IDX) or slot0 + r, each K values
+    # of T blocks, its slot's rows contiguous -> out[r, rows]. Steps of 256 values read every row
+    # from its chunk's base pointer with constant offsets (vector loads, 256-value stores).
     r = tl.program_id(1)
     if HAS_IDX:
         slot = tl.load(idx_ptr + r).to(tl.int64)
     else:
         slot = slot0 + r.to(tl.int64)
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = e < per_slot
-    row = q_ptr + slot * slot_stride + (e // K) * RB
-    v = gguf_values(row, (e % K).to(tl.int32), mask, T)
-    tl.store(out_ptr + r.to(tl.int64) * per_slot + e, v.to(out_ptr.dtype.element_ty), mask=mask)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < out_rows
+    row = q_ptr + slot * slot_stride + rows.to(tl.int64)[:, None] * _row_bytes(K, T)  # [ROWS, 1]
+    dst = out_ptr + (r.to(tl.int64) * out_rows + rows.to(tl.int64))[:, None] * K
+    step = _row_bytes(_CH, T)
+    j = tl.arange(0, _CH)
+    for c in range(0, tl.cdiv(K, _CH)):
+        k = c * _CH + j
+        mask = rmask[:, None] & (k < K)[None, :]
+        v = gguf_values(row + c * step, j[None, :], mask, T)  # [ROWS, 256]
+        tl.store(dst + k[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-VALUES_PER_PROGRAM = 2048
+ROWS_PER_PROGRAM = 16
 
 
 def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dtype: torch.dtype,
-                      block: int = VALUES_PER_PROGRAM) -> torch.Tensor:
+                      rows_per_program: int = ROWS_PER_PROGRAM) -> torch.Tensor:
     """Slots `idx` of a bank q uint8 [E, out, row_bytes] of `gtype` rows -> [n, out, K] in `dtype`,
     read in place (one launch, no host sync). idx: a step-1 slice or a 1-D int tensor on q's
     device. Each slot's [out, row_bytes] must be contiguous; slots may be any stride apart."""
@@ -207,11 +215,10 @@ def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dt
                              f"{tuple(idx.shape)} {idx.dtype} on {idx.device}")
         n, slot0, index = idx.numel(), 0, idx.contiguous()
     out = torch.empty((n, out_rows, k), dtype=dtype, device=q.device)
-    per_slot = out_rows * k
-    if n and per_slot:
-        grid = (triton.cdiv(per_slot, block), n)
-        _dequant_kernel[grid](q, index if index is not None else q, out, slot0, q.stride(0), per_slot,
-                              K=k, RB=rb, T=type_code(gtype), BLOCK=block, HAS_IDX=index is not None)
+    if n and out_rows:
+        grid = (triton.cdiv(out_rows, rows_per_program), n)
+        _dequant_kernel[grid](q, index if index is not None else q, out, slot0, q.stride(0), out_rows,
+                              K=k, ROWS=rows_per_program, T=type_code(gtype), HAS_IDX=index is not None)
     return out
 
 
@@ -249,19 +256,33 @@ def _row_bytes(K: tl.constexpr, T: tl.constexpr):
     return rb
 
 
+CHUNK = 256  # values per decode step: one super-block, or 8 blocks of 32 (a whole number of any type's blocks)
+_CH = tl.constexpr(CHUNK)
+
+
 @triton.jit
-def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  T: tl.constexpr):
+def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr, T: tl.constexpr):
     """Decode GEMV tile loop: rows [R] of one expert's GGUF bank slice at uint8 pointer w_base
     ([OUT, row_bytes], contiguous) dotted with x_row -> [KDIM] -> [R] fp32, the weights decoded
-    from their blocks in registers (fp32, exact)."""
-    row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
-    offs = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([NROWS, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, KDIM, BLOCK_K):
-        k = k0 + offs
-        kmask = k < KDIM
-        w = gguf_values(row, k[None, :], rmask[:, None] & kmask[None, :], T)  # [R, BK]
-        xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
-        acc += w * xv[None, :]
-    return tl.sum(acc, axis=1)
+    from their blocks in registers (fp32, exact). Each step reads one 256-value chunk of every row
+    from its own base pointer with constant in-chunk offsets, so the compiler sees the runs of
+    contiguous bytes (vector loads) and the per-block constants."""
+    if T == Q4_K or T == Q5_K:  # whole-word reads (quant/gguf_triton_gemv.py)
+        out = kquant_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS, T == Q5_K)
+    elif T == Q6_K:
+        out = q6k_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS)
+    elif T == Q8_0:
+        out = q8_0_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS)
+    else:
+        row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
+        step = _row_bytes(_CH, T)  # bytes of one chunk
+        j = tl.arange(0, _CH)
+        acc = tl.zeros([NROWS, _CH], dtype=tl.float32)
+        for c in range(0, tl.cdiv(KDIM, _CH)):
+            k = c * _CH + j
+            kmask = k < KDIM
+            w = gguf_values(row + c * step, j[None, :], rmask[:, None] & kmask[None, :], T)  # [R, 256]
+            xv = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)
+            acc += w * xv[None, :]
+        out = tl.sum(acc, axis=1)
+    return out
