@@ -165,14 +165,16 @@ def k_quant_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path
     return tmp_path / "gguf" / "m.gguf", write_reference(tmp_path / "hf", "qwen3_moe", ref, tmp_path / "ref")
 
 
-def test_k_quants_match_transformers_and_offload(k_quant_model: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_k_quants_match_transformers_and_offload(k_quant_model: tuple[Path, Path], device: str) -> None:
+    """On CUDA the experts stay in their blocks in the slots and the Triton kernels read them."""
     path, ref = k_quant_model
-    llm = LLM(str(path), device="cpu", dtype="float32")
+    llm = LLM(str(path), device=device, dtype="float32")
     assert llm.engine.cfg.expert_formats == ("gguf:q4_k:q6_k", "", "gguf:q4_k:q5_k")
     got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, params=GREEDY)]
     model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32, attn_implementation="eager").eval()
     assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
-    off = LLM(str(path), device="cpu", dtype="float32", moe_strategy="offload", expert_cache=4)
+    off = LLM(str(path), device=device, dtype="float32", moe_strategy="offload", expert_cache=4)
     assert [o.token_ids for o in off.generate(prompt_token_ids=PROMPTS, params=GREEDY)] == got
     # the planner counts each layer's packed bytes: a slot holds the widest layer's expert
     from ferryman.planner import all_expert_bytes

@@ -44,14 +44,16 @@ def as_torch(arr: np.ndarray) -> torch.Tensor:
 CHUNK_ROWS = 8192  # rows dequantised at once: the fp32 temporaries stay small beside the result
 
 
-def dequantized(g: GGUFModel, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A tensor of any supported type -> `dtype`, in torch order ([rows, cols] for a matrix), through
-    quant/gguf_blocks.py's dequantiser (gguf-py's values bit for bit), a chunk of rows at a time."""
+def dequantized(g: GGUFModel, name: str, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of any supported type -> `dtype` on `device`, in torch order ([rows, cols] for a
+    matrix), through quant/gguf_blocks.py's dequantiser (gguf-py's values bit for bit on the CPU), a
+    chunk of rows at a time; on CUDA the blocks travel and the device dequantises them."""
     gtype = g.type_name(name).lower()
     raw = rows_from_numpy(g.raw(name), gtype)  # [rows, row_bytes], the memory map
-    out = torch.empty((raw.shape[0], g.shape(name)[-1]), dtype=dtype)
+    out = torch.empty((raw.shape[0], g.shape(name)[-1]), dtype=dtype, device=device)
     for start in range(0, raw.shape[0], CHUNK_ROWS):
-        out[start : start + CHUNK_ROWS] = dequant_rows(raw[start : start + CHUNK_ROWS], gtype)
+        out[start : start + CHUNK_ROWS] = dequant_rows(raw[start : start + CHUNK_ROWS].to(device), gtype)
     return out.reshape(g.shape(name))
 
 
@@ -87,7 +89,7 @@ def _write_dense(params: dict[str, nn.Parameter], written: set[str], arch: Archi
     if target is None or target.kind != "param":
         return  # a tensor ferryman has no use for (rope_freqs, multi-token-prediction layers, ...)
     dst = params.get(target.name)
-    tensor = dequantized(g, name, dst.dtype if dst is not None else torch.float32)
+    tensor = dequantized(g, name, dst.dtype, dst.device) if dst is not None else dequantized(g, name)
     if g.arch == "llama" and hf is not None and hf.endswith(("q_proj.weight", "k_proj.weight")):
         heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
         tensor = unpermute_rope(tensor, heads)
