@@ -80,9 +80,10 @@ def _common(g: GGUFModel) -> dict[str, Any]:
         attention_bias=g.has("blk.0.attn_q.bias"),
         _experts=(int(g.get("{arch}.expert_count", experts)), inter),
     )
-    eos = g.get("tokenizer.ggml.eos_token_id")
-    if eos is not None:
-        hf["eos_token_id"] = int(eos)
+    # end of sequence, end of turn, end of message: llama.cpp stops on each
+    eos = [int(i) for k in ("eos", "eot", "eom") if (i := g.get(f"tokenizer.ggml.{k}_token_id")) is not None]
+    if eos:
+        hf["eos_token_id"] = list(dict.fromkeys(eos))
     rope = _rope_scaling(g)
     if rope:
         hf["rope_scaling"] = rope
