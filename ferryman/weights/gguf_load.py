@@ -41,17 +41,21 @@ def as_torch(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-CHUNK_ROWS = 8192  # rows dequantised at once: the fp32 temporaries stay small beside the result
+CHUNK_ROWS = 2048  # rows dequantised at once: its fp32 temporaries (tens of MiB) stay small beside the model
 
 
 def dequantized(g: GGUFModel, name: str, dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> torch.Tensor:
+                device: torch.device | str = "cpu", into: torch.Tensor | None = None) -> torch.Tensor:
     """A tensor of any supported type -> `dtype` on `device`, in torch order ([rows, cols] for a
     matrix), through quant/gguf_blocks.py's dequantiser (gguf-py's values bit for bit on the CPU), a
-    chunk of rows at a time; on CUDA the blocks travel and the device dequantises them."""
+    chunk of rows at a time; on CUDA the blocks travel and the device dequantises them. into: a
+    contiguous tensor of the same shape to fill instead (no second copy of a large table)."""
     gtype = g.type_name(name).lower()
     raw = rows_from_numpy(g.raw(name), gtype)  # [rows, row_bytes], the memory map
-    out = torch.empty((raw.shape[0], g.shape(name)[-1]), dtype=dtype, device=device)
+    if into is not None:
+        out, device = into.view(raw.shape[0], -1), into.device
+    else:
+        out = torch.empty((raw.shape[0], g.shape(name)[-1]), dtype=dtype, device=device)
     for start in range(0, raw.shape[0], CHUNK_ROWS):
         out[start : start + CHUNK_ROWS] = dequant_rows(raw[start : start + CHUNK_ROWS].to(device), gtype)
     return out.reshape(g.shape(name))
@@ -89,8 +93,14 @@ def _write_dense(params: dict[str, nn.Parameter], written: set[str], arch: Archi
     if target is None or target.kind != "param":
         return  # a tensor ferryman has no use for (rope_freqs, multi-token-prediction layers, ...)
     dst = params.get(target.name)
+    permuted = g.arch == "llama" and hf is not None and hf.endswith(("q_proj.weight", "k_proj.weight"))
+    if dst is not None and target.rows is None and not permuted and dst.is_contiguous() \
+            and tuple(dst.shape) == g.shape(name):
+        dequantized(g, name, into=dst.data)  # straight into the parameter
+        written.add(target.name)
+        return
     tensor = dequantized(g, name, dst.dtype, dst.device) if dst is not None else dequantized(g, name)
-    if g.arch == "llama" and hf is not None and hf.endswith(("q_proj.weight", "k_proj.weight")):
+    if permuted:
         heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
         tensor = unpermute_rope(tensor, heads)
     write_param(params, target.name, target.rows, tensor, name, g.file_of(name))
