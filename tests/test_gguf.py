@@ -188,3 +188,15 @@ def test_iq4_nl_experts(tmp_path: Path) -> None:
     path, ref = _build(tmp_path, "olmoe", T.IQ4_NL, T.Q8_0)
     model = AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32, attn_implementation="eager").eval()
     assert _greedy(str(path)) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("strategy", ["layers:2", "cpu"])
+def test_per_layer_formats_on_the_cpu_strategies(tmp_path: Path, strategy: str) -> None:
+    """The CPU computes each layer in that layer's own format (dense, then MXFP4): the same tokens as
+    the resident run."""
+    path = _mixed_layers(tmp_path)
+    want = [o.token_ids for o in LLM(str(path), device="cpu", dtype="float32").generate(
+        prompt_token_ids=PROMPTS, params=GREEDY)]
+    llm = LLM(str(path), device="cpu", dtype="float32", moe_strategy=strategy, expert_cache=5)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, params=GREEDY)] == want
+    assert llm.engine.runner.experts.cpu is not None and llm.engine.runner.experts.cpu.experts > 0
