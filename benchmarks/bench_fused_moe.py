@@ -1,6 +1,8 @@
 """Decode speed of the Triton fused-MoE kernels against the GPU's own copy bandwidth.
 
     python benchmarks/bench_fused_moe.py                 # gpt-oss-20b layer, batch 1, top-4
+    python benchmarks/bench_fused_moe.py --format gguf:q4_k:q6_k --hidden 2048 --inter 768 --experts 128 \
+        --topk 8 --act silu                              # a qwen3-30b-a3b Q4_K_M layer (no biases)
 
 Reports the GPU, the device-to-device copy bandwidth measured in the same run, the time of one
 fused_moe decode call (eager and replayed from a CUDA graph), and the GB/s of expert bytes read.
@@ -66,7 +68,7 @@ def routing_sets(n_sets: int, tokens: int, topk: int, experts: int, gen: torch.G
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--format", default="mxfp4", choices=["mxfp4", "dense"])
+    ap.add_argument("--format", default="mxfp4", help="dense, mxfp4 or gguf:<w13_type>:<w2_type>")
     ap.add_argument("--hidden", type=int, default=2880)
     ap.add_argument("--inter", type=int, default=2880)
     ap.add_argument("--experts", type=int, default=32)
@@ -81,13 +83,14 @@ def main() -> None:
 
     dtype, fmt = DTYPES[args.dtype], get_format(args.format)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    banks = fmt.random_banks(args.experts, args.hidden, args.inter, True, dtype, gen, "cuda")
+    bias = args.act == "swiglu_oai"  # gpt-oss has expert biases, silu models none
+    banks = fmt.random_banks(args.experts, args.hidden, args.inter, bias, dtype, gen, "cuda")
     x = torch.randn(args.tokens, args.hidden, device="cuda", generator=gen).to(dtype)
     n_sets = max(1, args.experts // (args.topk * args.tokens))
     id_sets = routing_sets(n_sets, args.tokens, args.topk, args.experts, gen)
     topk_w = torch.softmax(torch.randn(args.tokens, args.topk, device="cuda", generator=gen), -1)
     act = MoEActivation(args.act)
-    per_expert = fmt.expert_bytes(args.hidden, args.inter, True, dtype)
+    per_expert = fmt.expert_bytes(args.hidden, args.inter, bias, dtype)
     read = sum(int(torch.unique(ids).numel()) for ids in id_sets) * per_expert / n_sets  # per call
 
     bw = copy_bandwidth()

@@ -93,9 +93,10 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
 
 def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str = "none") -> dict:
     demo = model == "demo"
+    files = demo or model.endswith(".gguf")  # weights from files, not a preset's dummy weights
     kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=a.eager,
               max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
-    if not demo:
+    if not files:
         kw["load_format"] = "dummy"
         kw["quantization"] = quantization
     if budget != "cpu":
@@ -104,7 +105,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         kw["expert_cache"] = a.expert_cache
     if a.no_decode_prefetch:
         kw["decode_prefetch"] = False
-    source = fewer_layers(model, a.layers) if a.layers and not demo else model
+    source = fewer_layers(model, a.layers) if a.layers and not files else model
     t0 = time.perf_counter()
     llm = LLM(None if demo else source, **kw)
     load_s = time.perf_counter() - t0
@@ -201,8 +202,8 @@ def fmt(v: object) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", action="append", default=None,
-                    help="MODEL:BUDGET[:QUANTIZATION] (repeatable; 'demo:cpu'; QUANTIZATION: fp8, nvfp4, ... for "
-                         "dummy experts in that format)")
+                    help="MODEL:BUDGET[:QUANTIZATION], MODEL a preset or a .gguf file (repeatable; 'demo:cpu'; "
+                         "QUANTIZATION: fp8, nvfp4, ... for dummy experts in that format)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--decode-tokens", type=int, default=256)

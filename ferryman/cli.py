@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -28,10 +29,13 @@ DESCRIPTION = """\
 ferryman runs Mixture-of-Experts language models on the machine you have.
 With no MODEL argument, commands use the small demo model bundled with ferryman.
 A MODEL is a Hugging Face model folder (config.json + *.safetensors + tokenizer files),
+a GGUF file (the first part of a split set; or a folder holding one GGUF model),
 or, with --load-format dummy, a built-in preset with random weights
 (`ferryman info PRESET`; an unknown name lists them).
 docs/configuration.md describes every setting."""
-MODEL_HELP = "model folder or preset (default: the demo model)"
+MODEL_HELP = "model folder, GGUF file or preset (default: the demo model)"
+CONFIG_FOLDER_HELP = ("GGUF models: a Hugging Face model folder whose config.json and tokenizer files replace "
+                      "the file's metadata (default: config, tokenizer and chat template from the GGUF file)")
 
 
 def _quantization_flag(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
@@ -46,6 +50,7 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     """The flags `ferryman plan` shares with the engine commands (they size the memory plan)."""
     g.add_argument("--dtype", default="auto", help="compute dtype: auto (the checkpoint's), float32, bfloat16, float16")
     _quantization_flag(g)
+    g.add_argument("--config-folder", metavar="DIR", help=CONFIG_FOLDER_HELP)
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 32768)")
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                    help="sequences decoded together" if max_num_seqs else
@@ -85,7 +90,8 @@ def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -
     g = p.add_argument_group("engine")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
-                   help="dummy: random weights of the exact shapes (no files needed)")
+                   help="dummy: random weights of the exact shapes (no files needed); auto reads safetensors "
+                        "or GGUF, whichever MODEL is")
     _plan_flags(g, max_num_seqs)
     g.add_argument("--enforce-eager", action="store_true", help="run without CUDA graphs")
     g.add_argument("--seed-weights", dest="seed", type=int, default=0, help="seed of dummy weights")
@@ -134,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=HelpFormatter)
     info.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     _quantization_flag(info)
+    info.add_argument("--config-folder", metavar="DIR", help=CONFIG_FOLDER_HELP)
     _add_plan(sub)
     add_serve(sub, MODEL_HELP, _engine_flags)
     add_bench(sub)
@@ -223,18 +230,25 @@ def _print_stats(stats: dict, indent: str = "  ") -> None:
             print(f"{indent}{k}: {_fmt(v)}", file=sys.stderr)
 
 
+def _formats_text(c: ModelConfig) -> str:
+    """The experts' format, or each format with its number of layers when layers differ."""
+    if not c.expert_formats:
+        return c.expert_format
+    counts = Counter(c.expert_format_of(i) for i in c.moe_layers)
+    return ", ".join(f"{f} ({n} layers)" for f, n in counts.most_common())
+
+
 def _fmt(v: object) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from ferryman.experts.placement import engine_plan
-    from ferryman.models.registry import model_config
     from ferryman.plan_report import describe_plan, describe_predictions, predict
-    from ferryman.weights.build import resolve_dtype, resolve_hf_config
+    from ferryman.weights.build import resolve_dtype, resolve_model
 
     ecfg = engine_config(a)
-    cfg = model_config(resolve_hf_config(ecfg.model, "dummy", ecfg.quantization)[0])
+    cfg = resolve_model(ecfg.model, "dummy", ecfg.config_folder, ecfg.quantization).cfg
     dtype = resolve_dtype(ecfg.dtype, cfg)
     plan = engine_plan(ecfg, cfg, dtype, ecfg.torch_device(), ecfg.context_len(cfg))
     print(describe_plan(plan))
@@ -260,12 +274,13 @@ def calibrated_link(cfg: ModelConfig, dtype: Any) -> tuple[float, str]:
 
 def cmd_info(a: argparse.Namespace) -> int:
     from ferryman.models.summary import summarize
-    from ferryman.weights.build import resolve_hf_config
+    from ferryman.weights.build import resolve_model
 
     from ferryman.llm import default_model
 
-    hf, folder = resolve_hf_config(a.model or default_model(), "dummy", a.quantization)
-    s = summarize(hf)
+    resolved = resolve_model(a.model or default_model(), "dummy", a.config_folder, a.quantization)
+    folder = resolved.gguf.path if resolved.gguf is not None else resolved.folder
+    s = summarize(resolved.cfg)
     c = s.cfg
     gib = 2**30
     rows = [
@@ -275,7 +290,8 @@ def cmd_info(a: argparse.Namespace) -> int:
                                                                 else ")")),
         ("hidden size", str(c.hidden_size)),
         ("attention", _attention_text(c)),
-        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, format {c.expert_format}"
+        ("experts", f"{c.num_experts} per layer, top-{c.top_k}, FFN {c.moe_intermediate_size}, "
+                    f"format {_formats_text(c)}"
                     + (f"; shared experts FFN {c.shared_intermediate_size} (resident)"
                        if c.shared_intermediate_size else "")),
         ("routing", _routing_text(c)),

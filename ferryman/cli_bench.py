@@ -133,12 +133,11 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
     from ferryman.engine.model_runner import expert_activation
     from ferryman.experts.hybrid import MIN_CPU_SHARE, rates, split_fetch
     from ferryman.llm import default_model
-    from ferryman.models.registry import model_config
-    from ferryman.weights.build import resolve_dtype, resolve_hf_config
+    from ferryman.weights.build import resolve_dtype, resolve_model
 
     if a.reps < 1 or a.read_mib < 1 or a.pool_mib < 1:
         raise ConfigError("--reps, --read-mib and --pool-mib must be >= 1")
-    cfg = model_config(resolve_hf_config(a.model or default_model(), "dummy", a.quantization)[0])
+    cfg = resolve_model(a.model or default_model(), "dummy", quantization=a.quantization).cfg
     if cfg.num_experts == 0:
         raise ConfigError("this model has no routed experts: nothing to measure")
     dtype = resolve_dtype(a.dtype, cfg)

@@ -33,7 +33,7 @@ def add_ctl(sub: argparse._SubParsersAction, formatter: type[argparse.HelpFormat
     for flag, what in (("--min-expert-slots", "expert slots the KV cache never takes back"),
                        ("--max-expert-slots", "expert slots the cache never grows beyond"),
                        ("--kv-reserve-tokens", "free KV tokens kept when idle KV pages become slots")):
-        ctl.add_argument(flag, type=int, metavar="N", help=f"set: {what}")
+        ctl.add_argument(flag, type=int, metavar="N", help=f"set: {what} (default: left as the server has it)")
 
 
 def cmd_ctl(a: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ file in `ferryman/models/` turns its own config dialect into this one shape (mod
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Literal
@@ -16,6 +15,7 @@ from typing import Literal
 import torch
 
 from ferryman.errors import ConfigError
+from ferryman.units import GiB, MiB, parse_bytes, parse_expert_cache  # noqa: F401  (re-exported)
 
 RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid"]
 ExpertAct = Literal["silu", "swiglu_oai"]
@@ -151,6 +151,8 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also yields a per-head gate: o * sigmoid(gate)
     norm_unit_offset: bool = False  # RMSNorm weights stored as w - 1 (the norm multiplies by 1 + w)
     shared_expert_gate: bool = False  # the shared experts' output scaled by sigmoid(x @ gate)
+    # per layer ("" if dense) when layers differ (GGUF mixes, e.g. Q4_K_M); empty: expert_format everywhere
+    expert_formats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -204,9 +206,14 @@ class ModelConfig:
 
     @property
     def expert_format(self) -> str:
+        """The routed experts' format (with per-layer formats: the most common one)."""
         if self.quant is None:
             return "dense"
         return self.quant.format or self.quant.method
+
+    def expert_format_of(self, layer: int) -> str:
+        """The format of one MoE layer's routed experts."""
+        return self.expert_formats[layer] if self.expert_formats else self.expert_format
 
     @property
     def dtype(self) -> torch.dtype:
@@ -252,58 +259,10 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
     return torch.float8_e4m3fn
 
 
-# ---- sizes and shares as users write them ---------------------------------------------------------
-GiB = 1 << 30
-MiB = 1 << 20
-_UNITS = {"b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": MiB, "mb": 10**6, "mib": MiB,
-          "g": GiB, "gb": 10**9, "gib": GiB, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
-def parse_bytes(value: str | int, name: str = "gpu_memory") -> int:
-    """'16GiB', '16G' (binary), '16GB' (decimal), '512MiB', '4096B' -> bytes; an int is bytes.
-
-    A string needs its unit: '16' is refused, not read as 16 bytes (nor guessed as GiB). An int
-    (the Python API, e.g. a figure from torch.cuda.mem_get_info) is bytes, and one below 1 MiB is
-    refused the same way: no budget that small holds a model, so the unit was forgotten."""
-    prefix = f"{name} " if name else ""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < MiB:
-            raise ConfigError(f"{prefix}{value}: give a unit, e.g. '{value}GiB' (an int is a number of bytes)")
-        return value
-    if not isinstance(value, str):
-        raise ConfigError(f"{prefix}must be a size like '16GiB' or an int of bytes, got {value!r}")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if m is not None and not m.group(2):
-        raise ConfigError(f"{prefix}{value.strip()}: give a unit, e.g. {value.strip()}GiB")
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{prefix}must be a size like '16GiB', '8G' or '512MiB', got {value!r}")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise ConfigError(f"{prefix}must be positive, got {value!r}")
-    return n
-
-
-def parse_expert_cache(value: str | int | float) -> float | int:
-    """'10%' or 0.1 -> a fraction of all routed experts; '64' or 64 -> a number of slots."""
-    if isinstance(value, bool):
-        raise ConfigError(f"expert_cache must be a fraction, a percentage or a slot count, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            value = float(text[:-1]) / 100 if text.endswith("%") else int(text) if text.isdigit() else float(text)
-        except ValueError:
-            raise ConfigError(f"expert_cache must look like '10%', '0.1' or '64', got {value!r}") from None
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    if isinstance(value, (int, float)) and value >= 1 and float(value).is_integer():
-        return int(value)
-    raise ConfigError(f"expert_cache must be a fraction in (0, 1], a percentage or a slot count >= 1, got {value!r}")
-
-
 # where routed experts live and compute (docs/configuration.md); "layers:N" names N explicitly
 STRATEGIES = ("auto", "resident", "offload", "hybrid", "cpu", "layers")
 PREFILL_MODES = ("auto", "layer", "chunk")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 
 
@@ -353,8 +312,9 @@ class EngineConfig:
     model: str
     device: str = "auto"  # cpu | cuda | cuda:N | auto
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto | safetensors | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
     quantization: str = "none"  # dummy weights' format: none | fp8 | nvfp4 ... (quant/hf_quant.py QUANTIZATIONS)
+    config_folder: str | None = None  # GGUF: config.json / tokenizer from this HF folder, not the metadata
     seed: int = 0  # dummy-weight seed
     max_model_len: int | None = None  # None: min(model context, 32768)
     max_num_seqs: int | None = None  # None: 32, or under a GPU budget the planner's pick

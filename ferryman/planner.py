@@ -130,11 +130,23 @@ def host_embedding_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
 
 
-def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one cache slot: one expert, all its banks, aligned as the host store lays it out."""
-    specs = get_format(cfg.expert_format).bank_specs(1, cfg.hidden_size, cfg.moe_intermediate_size,
-                                                    cfg.expert_bias, dtype)
+def row_bytes(cfg: ModelConfig, dtype: torch.dtype, fmt: str) -> int:
+    """Bytes of one expert in format `fmt`, all its banks, aligned as the host store lays it out."""
+    specs = get_format(fmt).bank_specs(1, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype)
     return ExpertLayout.of(specs).row_bytes
+
+
+def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one cache slot: one expert of the widest layer (layers differ in mixed-format models)."""
+    formats = set(cfg.expert_formats) - {""} or {cfg.expert_format}
+    return max(row_bytes(cfg, dtype, f) for f in formats)
+
+
+def all_expert_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every routed expert, each layer in its own format (what resident experts take)."""
+    if not cfg.expert_formats:
+        return len(cfg.moe_layers) * cfg.num_experts * slot_bytes(cfg, dtype)
+    return sum(cfg.num_experts * row_bytes(cfg, dtype, cfg.expert_format_of(i)) for i in cfg.moe_layers)
 
 
 @dataclass(frozen=True)
@@ -330,7 +342,8 @@ def _plan_memory(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
     per_token = req.kv_per_token
     floor_tokens = req.kv_floor_tokens
     rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes - req.state_bytes
-    strategy = _strategy(req, all_fit=rest >= total * per_slot)
+    everything = all_expert_bytes(cfg, req.dtype) if total else 0
+    strategy = _strategy(req, all_fit=rest >= everything)
     host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
     weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
     if strategy == "offload" and parse_strategy(req.strategy)[0] not in ("cpu", "layers"):
@@ -343,7 +356,7 @@ def _plan_memory(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
         slots = min(total, max(0, rest) // max(1, per_slot))
     slots, cpu_layers = cpu_split(req, slots)
     need_slots = total if strategy == "resident" else min(total, max(slots, cfg.top_k))
-    if rest < need_slots * per_slot:
+    if rest < (everything if strategy == "resident" else need_slots * per_slot):
         _refuse(req, weights, act, floor_tokens, per_token, need_slots, per_slot, rest)
     # what the experts leave grows the KV cache, in whole blocks, up to what the sequences can use
     wanted = req.kv_cache_tokens or req.max_num_seqs * req.max_model_len

@@ -28,6 +28,27 @@ def load_tokenizer(folder: Path | None) -> Any | None:
         raise ModelLoadError(f"cannot load the tokenizer of {folder}: {type(e).__name__}: {e}") from None
 
 
+def load_gguf_tokenizer(path: Path) -> Any | None:
+    """The tokenizer (and chat template) a GGUF file's metadata describes, converted offline by
+    transformers; None when the file has no tokenizer metadata."""
+    from gguf import GGUFReader
+
+    if GGUFReader(path).get_field("tokenizer.ggml.model") is None:
+        return None
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    last: Exception | None = None
+    # AutoTokenizer picks the class from the file's architecture; one transformers does not know
+    # (olmoe, mixtral-as-llama with experts) still converts through the generic fast tokenizer
+    for cls in (AutoTokenizer, PreTrainedTokenizerFast):
+        try:
+            return cls.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except Exception as e:  # transformers raises many kinds for a file it cannot convert
+            last = e
+    raise ModelLoadError(f"cannot build the tokenizer of {path} from its metadata: {type(last).__name__}: {last}; "
+                         f"pass config_folder (--config-folder) with the model's tokenizer files") from None
+
+
 class TokenIdText:
     """The text of a model without tokenizer files (dummy presets, bare checkpoints): every token
     shown as `<id>`, so outputs stay visible and streamable (`ferryman bench serve` counts them)."""

@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("layers",),
     ("quant",),
     ("config", "sampling_params", "tokenizer"),
+    ("units",),
     ("envs",),
     ("errors",),
 ]

@@ -98,7 +98,8 @@ def test_moe_decode_kernels_compile_for_sm90(fmt_name: str) -> None:
     else:
         w = s = z = g = "*u8" if mxfp4 else "*bf16"
         w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
-    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, **q, "H": h, "I": i}
+    common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, **q, "H": h, "I": i,
+              "GGUF": 0}
     sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
              "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": z}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,

@@ -40,6 +40,8 @@
 #                (its dummy weights take 1-2 minutes to build: ~5 minutes in all)
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   gguf         the GGUF kernel tests (dequantiser, decode GEMVs, batched prefill), then the decode
+#                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
 #                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
 #                RAM whole; decode time per layer compares with offload120's
@@ -51,6 +53,15 @@
 #                sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~5 min
 #   strategies2  the same with layers (N filling the budget), auto and cpu; ~5 min
 #   strategies8  offload, hybrid, layers and auto decoding 8 sequences together (bench_batch_decode); ~4 min
+#   ggufqwen     a random-weight qwen3-30b-a3b GGUF in llama.cpp's Q4_K_M mix (tools/gguf_random.py, ~17 GiB
+#                in $GGUF_DIR, default /tmp; kept for the next stages while the machine stays warm), then
+#                bench_offload on it at 8 GiB: decode at 1 user, TTFT of a 4k prompt, link bytes per token
+#   llamacpp_build  llama.cpp from the peer kit ($PEER_KIT, default .peer-kit: copy /work/shared/peer-kit
+#                there and carry it), ~6 min: a call of its own
+#   llamacpp     on the ggufqwen stage's file, one client for both (the peer kit's bench_client.py: 512 and
+#                4096-token prompts, 128 tokens; load_client.py: 16 users, 1024 in / 128 out) against
+#                llama-server (-ngl 99 --n-cpu-moe $NCPUMOE, default 33: about 8 GiB, VRAM logged per run;
+#                raise or lower NCPUMOE until it matches) and `ferryman serve FILE --gpu-memory 8GiB`
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -182,6 +193,29 @@ longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL: bench_long_pr
   kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 }
 
+GGUF=${GGUF_DIR:-/tmp}/qwen3-30b-a3b-q4_k_m.gguf
+PEER=${PEER_KIT:-$ROOT/.peer-kit}
+
+gguf_write() {  # the benchmark GGUF, once per machine
+  [ -f "$GGUF" ] || stage gguf_write 300 python3 -m tools.gguf_random --preset qwen3-30b-a3b --mix q4_k_m --out "$GGUF"
+}
+
+peer_serve() {  # peer_serve NAME PORT USERS COMMAND...: a server, then the peer kit's client at 1 or 16 users
+  local name=$1 port=$2 users=$3; shift 3
+  "$@" > "$OUT/${name}_server.log" 2>&1 &
+  local srv=$!
+  python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --wait 240 --wait-only >/dev/null 2>&1
+  if [ "$users" = 1 ]; then
+    stage "$name" 200 python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --prompt-tokens 512,4096 \
+      --max-tokens 128 --runs 2 --label "$name"
+  else
+    stage "$name" 150 python3 "$PEER/load_client.py" --url "http://127.0.0.1:$port" --concurrency "$users" \
+      --prompt-tokens 1024 --max-tokens 128 --per-user 1 --label "$name"
+  fi
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader | tee "$OUT/${name}_vram.txt"
+  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+}
+
 compare() {  # each stage of $COMPARE on this tree, then on $OLD
   local old=${OLD:?compare needs OLD=path of the older tree}
   old=$(cd "$old" && pwd) || exit 2
@@ -243,6 +277,23 @@ for s in ${@:-tests}; do
                    stage "strategy8_$m" 60 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB \
                      --seqs 8 --strategy "$m" --modes early --reps 1 --tokens 48 --json "$OUT/strategy8_$m.json"
                  done ;;
+    gguf)        stage gguf_tests 120 "${PYTEST[@]}" tests/test_gguf_triton.py
+                 for f in gguf:q4_k:q4_k gguf:q4_k:q6_k mxfp4; do
+                   stage "gguf_bench_${f//:/_}" 45 python3 benchmarks/bench_fused_moe.py --format "$f" --hidden 2048 \
+                     --inter 768 --experts 128 --topk 8 --act silu
+                 done ;;
+    ggufqwen)    gguf_write
+                 offload gguf_offload "$GGUF:8GiB" 240 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
+    llamacpp_build) stage llamacpp_build 560 bash -c "tar xJf '$PEER/llama_src.tar.xz' -C /tmp \
+                   && bash '$PEER/build_llama.sh' /tmp/llama.cpp 14" ;;
+    llamacpp)    gguf_write
+                 LLAMA=(/tmp/llama.cpp/build/bin/llama-server -m "$GGUF" -ngl 99 --n-cpu-moe "${NCPUMOE:-33}" \
+                   --host 127.0.0.1)
+                 FERRY=(python3 -m ferryman serve "$GGUF" --gpu-memory 8GiB --log-level warning)
+                 peer_serve llamacpp_1user 8150 1 "${LLAMA[@]}" -c 8192 -np 1 --port 8150
+                 peer_serve ferryman_1user 8151 1 "${FERRY[@]}" --max-model-len 8192 --max-num-seqs 1 --port 8151
+                 peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" -c 18432 -np 16 --port 8152
+                 peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1152 --max-num-seqs 16 --port 8153 ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac

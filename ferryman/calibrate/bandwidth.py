@@ -255,7 +255,9 @@ def quick_calibration(store: Any, link_rep: Rep, k: int, device: torch.device, a
     CUDA the link and the CPU are also measured together, unless the CPU alone is below
     `overlap_share` x the link (it only gets slower together, and a slow CPU kernel would hold the
     start for seconds)."""
-    cfg, dtype, layers = store.cfg, store.dtype, store.cfg.moe_layers
+    cfg, dtype = store.cfg, store.dtype
+    # mixed formats (GGUF): the layers of the most common one
+    layers = [i for i in cfg.moe_layers if cfg.expert_format_of(i) == cfg.expert_format]
     key = expert_key(cfg, dtype)
     eb, row = key["expert_bytes"], key["row_bytes"]
     link = measure(link_rep, k, row, reps=50, budget_s=seconds)
@@ -266,7 +268,7 @@ def quick_calibration(store: Any, link_rep: Rep, k: int, device: torch.device, a
     cpu_tokens = measure(many, cfg.top_k, eb, reps=50, budget_s=seconds)
     if device.type != "cuda":  # the slot pool is in host memory: its copies are host copies
         return Calibration(key, machine_info(), cpu, link, quick=True, cpu_tokens=cpu_tokens)
-    host_dst = torch.empty((k, row), dtype=torch.uint8)
+    host_dst = torch.empty((k, store.flat[layers[0]].shape[1]), dtype=torch.uint8)
     host_copy = measure(rows_copy_rep([store.flat[layer] for layer in layers], host_dst, k), k, row,
                         reps=50, budget_s=seconds)
     both = None

@@ -29,11 +29,10 @@ from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.state_pool import num_linear_layers
 from ferryman.kvcache.window_pool import num_window_layers, window_split
-from ferryman.models.registry import model_config
 from ferryman.planner import kv_bytes_per_token
 from ferryman.sampling_params import SamplingParams
-from ferryman.tokenizer import extra_eos_ids, load_tokenizer
-from ferryman.weights.build import build_model, resolve_dtype, resolve_hf_config
+from ferryman.tokenizer import extra_eos_ids, load_gguf_tokenizer, load_tokenizer
+from ferryman.weights.build import build_model, resolve_dtype, resolve_model
 
 log = logging.getLogger("ferryman.engine")
 # room kept free on the GPU for activations of the largest prefill chunk and CUDA graphs
@@ -53,7 +52,8 @@ class LLMEngine:
     def __init__(self, ecfg: EngineConfig) -> None:
         self.ecfg = ecfg
         self.device = ecfg.torch_device()
-        self.cfg: ModelConfig = model_config(resolve_hf_config(ecfg.model, ecfg.load_format, ecfg.quantization)[0])
+        resolved = resolve_model(ecfg.model, ecfg.load_format, ecfg.config_folder, ecfg.quantization)
+        self.cfg: ModelConfig = resolved.cfg
         self.max_model_len = ecfg.context_len(self.cfg)
         # budget split, resident vs offloaded experts, KV size (ferryman/planner.py); cap the GPU first
         enforce_budget(ecfg, self.device)
@@ -64,8 +64,12 @@ class LLMEngine:
         loaded = build_model(ecfg.model, self.device, ecfg.dtype, ecfg.load_format, seed=ecfg.seed,
                              quantization=ecfg.quantization, progress=ecfg.progress,
                              store_factory=store_factory(self.plan, self.device),
-                             host_embedding=self.plan.host_embedding and self.device.type == "cuda")
+                             host_embedding=self.plan.host_embedding and self.device.type == "cuda",
+                             resolved=resolved)
+        # a GGUF model's tokenizer comes from its metadata unless config_folder ships one
         self.tokenizer = load_tokenizer(loaded.folder)
+        if self.tokenizer is None and loaded.gguf is not None:
+            self.tokenizer = load_gguf_tokenizer(loaded.gguf.path)
         # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
         kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(kv)

@@ -99,8 +99,8 @@ class SegmentedDecode:
         """Layer i's experts on the static rows: x[:bs] from h, the slots and the weights."""
         experts = self.moe[i].experts
         assert isinstance(experts, OffloadExperts) and self.w is not None  # _moe_keys / the segment
-        self.x[:bs].copy_(fused_moe(experts.fmt, experts.cache.banks, self.h[:bs], self.slots[:bs], self.w[:bs],
-                                    experts.act))
+        self.x[:bs].copy_(fused_moe(experts.cache.format_of(i), experts.cache.banks_of(i), self.h[:bs],
+                                    self.slots[:bs], self.w[:bs], experts.act))
 
     def _graph_backend(self, i: int) -> OffloadExperts | None:
         experts = self.moe[i].experts

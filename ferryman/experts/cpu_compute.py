@@ -29,7 +29,6 @@ from ferryman.quant.cpu_layer import BANKS, LayerJob
 class CPUExperts:
     def __init__(self, store: HostExpertStore, act: MoEActivation, threaded: bool) -> None:
         self.store, self.act = store, act
-        self.fmt = store.format.name
         self.num_experts = store.cfg.num_experts
         self.pool: ThreadPoolExecutor | None = None
         if threaded:
@@ -40,9 +39,8 @@ class CPUExperts:
         self.seconds = 0.0  # time computing, on the worker
         self.wait_seconds = 0.0  # time the caller waited for a result
         self.bias: dict[tuple[int, int, str], torch.Tensor] = {}  # fp32 bias rows for the C kernel
-        first = next(iter(store.banks.values()), {})
-        self.kernel = self.fmt in BANKS and BANKS[self.fmt][0] in first and \
-            cpu_kernel.available(self.fmt, first[BANKS[self.fmt][0]].dtype)
+        # per MoE layer: whether the C kernel reads its format (layers differ in GGUF mixes)
+        self.kernel = {layer: kernel_reads(form.name, store.banks[layer]) for layer, form in store.formats.items()}
 
     def submit(self, layer: int, x: torch.Tensor, host_ids: torch.Tensor, topk_w: torch.Tensor,
                experts: list[int]) -> Future:
@@ -50,12 +48,13 @@ class CPUExperts:
         x: [T, H] on any device; host_ids: [T, K] expert ids on the host; topk_w: [T, K]."""
         start = time.perf_counter()  # the job's latency counts its copies, preparation and hand-off
         x_host, w_host = x.to("cpu"), topk_w.to("cpu")  # the one copy of each per layer
-        if self.kernel:
+        fmt = self.store.formats[layer].name
+        if self.kernel[layer]:
             # the whole layer in one kernel call, its arguments prepared here, so the worker runs no
             # torch op (beside the link's driver thread, torch ops there ran ~3x slower)
             pairs = cpu_kernel.pairs_of(host_ids, w_host, experts)
             job = LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
-                           self.act.limit, self.bias, self.fmt)
+                           self.act.limit, self.bias, fmt)
             self.pairs += int(job.tokens.numel())
             run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts), start)
         else:
@@ -95,10 +94,16 @@ class CPUExperts:
         # per token in ascending expert order: the order fused_moe's reference accumulates in
         order = torch.argsort(tok * self.num_experts + eid)
         tok, kk, eid = tok[order], kk[order], eid[order]
-        y = fused_moe(self.fmt, self.store.banks[layer], x[tok], eid[:, None], w[tok, kk][:, None], self.act)
+        y = fused_moe(self.store.formats[layer].name, self.store.banks[layer], x[tok], eid[:, None],
+                      w[tok, kk][:, None], self.act)
         self.pairs += int(tok.numel())
         return torch.zeros_like(x).index_add_(0, tok, y)  # [T, H]
 
     def stats(self) -> dict:
         return {"cpu_computed": self.experts, "cpu_pairs": self.pairs, "cpu_seconds": self.seconds,
                 "cpu_wait_seconds": self.wait_seconds, "cpu_threads": torch.get_num_threads()}
+
+
+def kernel_reads(fmt: str, banks: dict[str, torch.Tensor]) -> bool:
+    """Whether the C kernel (quant/cpu_kernel.py) computes a layer of format `fmt` held in `banks`."""
+    return fmt in BANKS and BANKS[fmt][0] in banks and cpu_kernel.available(fmt, banks[BANKS[fmt][0]].dtype)

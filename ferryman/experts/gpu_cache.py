@@ -46,9 +46,18 @@ class SlotPool:
     def nbytes(self) -> int:
         return self.num_slots * self.layout.row_bytes
 
+    def views_of(self, layout: ExpertLayout) -> dict[str, torch.Tensor]:
+        """Bank views of a narrower layer's experts: each slot's first `layout.row_bytes` bytes."""
+        return self.banks if layout == self.layout else layout.views(self.flat[:, : layout.row_bytes])
+
     def copies(self, store: HostExpertStore, layer: int, pairs: list[tuple[int, int]]) -> list[Copy]:
-        """Copies filling slot s with expert e of `layer` for each (e, s)."""
+        """Copies filling slot s with expert e of `layer` for each (e, s). A layer narrower than the
+        slots (mixed formats) copies only its own row bytes, one expert per copy (each contiguous)."""
         rows = store.flat[layer]
+        width = rows.shape[1]
+        if width != self.layout.row_bytes:
+            return [Copy(rows[e], self.flat[s, :width]) for e, s in sorted(pairs)]
+        # a shared region's rows are a page apart: one copy per expert
         runs = coalesce(pairs) if self.contiguous else [(e, s, 1) for e, s in sorted(pairs)]
         return [Copy(rows[e0 : e0 + n], self.flat[s0 : s0 + n]) for e0, s0, n in runs]
 
@@ -93,6 +102,8 @@ class ExpertCache:
         # rows / active: a region shared with the KV cache, `active` of its pages slots at first
         self.table = SlotTable(num_slots, policy, active)
         self.pool = SlotPool(store.layout, num_slots, self.device, rows)
+        # per layer: its format and bank views of the slots (the same for every layer but in mixed-format models)
+        self.layer_banks = {layer: self.pool.views_of(layout) for layer, layout in store.layouts.items()}
         self.transfer = transfer or make_transfer(self.device, num_slots)
         self.counters = CacheCounters()
         self.prefetched: set[int] = set()  # keys admitted by prefetch and not used since
@@ -109,6 +120,13 @@ class ExpertCache:
     @property
     def banks(self) -> dict[str, torch.Tensor]:
         return self.pool.banks
+
+    def banks_of(self, layer: int) -> dict[str, torch.Tensor]:
+        """The slot banks as `layer`'s format reads them."""
+        return self.layer_banks[layer]
+
+    def format_of(self, layer: int) -> str:
+        return self.store.formats[layer].name
 
     def key(self, layer: int, expert: int) -> int:
         return self.moe_index[layer] * self.num_experts + expert

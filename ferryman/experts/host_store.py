@@ -31,7 +31,8 @@ class HostExpertStore(ExpertStore):
         self.want_pin = pin
         self.flat: dict[int, torch.Tensor] = {}  # layer -> [E, row_bytes] uint8
         self.pinned_layers = 0
-        self.layout: ExpertLayout | None = None  # the same for every layer
+        self.layout: ExpertLayout | None = None  # the widest layer's (a GPU slot holds any layer's expert)
+        self.layouts: dict[int, ExpertLayout] = {}  # each layer's (one for all but mixed-format models)
         self._pin_failed = False
         start = time.perf_counter()
         super().__init__(cfg, dtype, "cpu")
@@ -52,7 +53,9 @@ class HostExpertStore(ExpertStore):
         flat, pinned = allocate_rows(self.cfg.num_experts, layout.row_bytes, self.want_pin and not self._pin_failed)
         self._pin_failed |= self.want_pin and not pinned
         self.pinned_layers += int(pinned)
-        self.flat[layer], self.layout = flat, layout
+        self.flat[layer], self.layouts[layer] = flat, layout
+        if self.layout is None or layout.row_bytes > self.layout.row_bytes:
+            self.layout = layout
         return layout.views(flat)
 
     @property

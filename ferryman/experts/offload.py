@@ -115,8 +115,8 @@ class OffloadExperts:
         for c, (a, b) in enumerate(bounds):
             early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
             host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
-            emit(c, fused_moe(self.fmt, self.cache.banks, x[a:b], step.slot_ids[a:b], routed[c][1], self.act,
-                              host_ids=host, inputs_issued=early, upload=upload))
+            emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids[a:b],
+                              routed[c][1], self.act, host_ids=host, inputs_issued=early, upload=upload))
         self.finish_step(replace(step, prefetched=True))
         self.cache.demote_fetched(layer)
 
@@ -243,7 +243,8 @@ class OffloadExperts:
         else:
             w = topk_w if step.cpu is None else topk_w.masked_fill(step.cpu.off, 0.0)
             early = (lambda: self.issue_prefetches(plan)) if plan.streaming else None
-            out = fused_moe(self.fmt, self.cache.banks, x, step.slot_ids, w, self.act, host_ids=step.host_slot_ids,
+            out = fused_moe(self.cache.format_of(step.layer), self.cache.banks_of(step.layer), x, step.slot_ids, w,
+                            self.act, host_ids=step.host_slot_ids,
                             inputs_issued=early, upload=self._upload(plan.streaming))
             step = replace(step, prefetched=plan.streaming)
         self.finish_step(step)
@@ -266,7 +267,8 @@ class OffloadExperts:
             mask = torch.isin(topk_ids, torch.tensor(part, device=topk_ids.device))  # [T, K]
             tok, kk = mask.nonzero(as_tuple=True)  # pairs routed to this round's experts: [P]
             ids = self._slot_ids(part, slots, topk_ids[tok, kk])[0].unsqueeze(1)  # [P, 1]
-            y = fused_moe(self.fmt, self.cache.banks, x[tok], ids, topk_w[tok, kk].unsqueeze(1), self.act)
+            y = fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[tok], ids,
+                          topk_w[tok, kk].unsqueeze(1), self.act)
             out.index_add_(0, tok, y)
             self.cache.release(layer, part, slots)
         return out

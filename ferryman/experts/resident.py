@@ -23,4 +23,4 @@ class ResidentExperts:
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
         # x: [T, H]; topk_ids/topk_w: [T, K]; slots == expert ids here
-        return fused_moe(self.fmt, self.store.banks[layer], x, topk_ids, topk_w, self.act)
+        return fused_moe(self.store.formats[layer].name, self.store.banks[layer], x, topk_ids, topk_w, self.act)

@@ -39,14 +39,15 @@ class ExpertStore:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         self.cfg = cfg
         self.format = get_format(cfg.expert_format)
+        # each MoE layer's format: one for all but GGUF files mixing block types (cfg.expert_formats)
+        self.formats = {layer: get_format(cfg.expert_format_of(layer)) for layer in cfg.moe_layers}
         self.dtype = dtype
         self.device = torch.device(device)
-        specs = self.format.bank_specs(
-            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype
-        )
+        shape = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, dtype)
+        specs = {name: get_format(name).bank_specs(*shape) for name in {f.name for f in self.formats.values()}}
         # banks[layer][name]: [E, ...]
         self.banks: dict[int, dict[str, torch.Tensor]] = {
-            layer: self._allocate_layer(layer, specs) for layer in cfg.moe_layers
+            layer: self._allocate_layer(layer, specs[self.formats[layer].name]) for layer in cfg.moe_layers
         }
 
     def _allocate_layer(self, layer: int, specs: dict[str, BankSpec]) -> dict[str, torch.Tensor]:

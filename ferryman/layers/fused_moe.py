@@ -19,8 +19,8 @@ import torch
 from ferryman.envs import envs
 from ferryman.layers import backend
 from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, decode_kernel_reads,
-                                        to_device)
+from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, to_device,
+                                        triton_reads)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
@@ -55,7 +55,7 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     check_inputs(x, topk_ids, topk_w, hidden)
-    if decode_kernel_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
+    if triton_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)

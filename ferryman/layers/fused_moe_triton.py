@@ -16,9 +16,10 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import decode_kernel_reads, kernel_bank, quant_params
+from ferryman.layers.moe_common import TRITON_FAMILIES, TRITON_FORMATS, kernel_bank, quant_params, triton_reads
 from ferryman.quant.base import Banks, get_format
 from ferryman.quant.fp8_triton import fp8_rows_dot
+from ferryman.quant.gguf_triton import gguf_rows_dot, type_code
 from ferryman.quant.intq_triton import int_rows_dot
 from ferryman.quant.nvfp4_triton import nvfp4_rows_dot
 
@@ -109,14 +110,17 @@ def _dense_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
 def _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr,
               G_STRIDE: tl.constexpr, Z_STRIDE: tl.constexpr, rows, rmask, x_row, KDIM: tl.constexpr,
               NROWS: tl.constexpr, PART_ROWS: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
-              QB: tl.constexpr, BLOCK_K: tl.constexpr):
+              QB: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
     # expert `slot` of a bank [E, OUT, KDIM] (dense) or [E, OUT, KDIM/32, 16] + scales (mxfp4), each
     # expert contiguous, experts W_STRIDE / S_STRIDE elements apart (strided: the expert-major slot
     # pool; constexpr: a model has one or two layouts, and contiguous banks compile as their own).
     # QF 1: fp8 (QA x QB blocks, QB 0: a scale per row); QF 2: nvfp4 (QA 1: the global scale divides;
     # g_ptr: global scales, row r of the bank uses g[r // PART_ROWS]); QF 3: int words (quant/intq_triton.py;
     # g_ptr: group indices of part r // PART_ROWS, z_ptr: zero points)
-    if MXFP4:
+    # GGUF: the bank's ggml type code (quant/gguf_triton.py), rows of blocks [E, OUT, row_bytes] uint8
+    if GGUF != 0:
+        acc = gguf_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, GGUF)
+    elif MXFP4:
         acc = _mxfp4_rows_dot_fma(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM,
                                   NROWS, BLOCK_K)
     elif QF == 1:
@@ -139,7 +143,7 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, li
                     Z_STRIDE: tl.constexpr,
                     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
                     QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
@@ -150,7 +154,7 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, li
     rmask = tl.reshape(tl.join(nmask, nmask), [2 * BLOCK_N])
     x_row = x_ptr + (pair // TOPK) * H
     acc = _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, rows, rmask, x_row, H,
-                    2 * BLOCK_N, I, MXFP4, QF, QA, QB, BLOCK_K)
+                    2 * BLOCK_N, I, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     # round like the reference, which holds gate_up in the compute dtype
@@ -165,13 +169,14 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, topk_w_ptr, y_ptr, z_
                W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, G_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr,
                Z_STRIDE: tl.constexpr,
                H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
-               QB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               QB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GGUF: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < H
     acc = _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, rows, rmask,
-                    h_ptr + pair * I, I, BLOCK_N, H, MXFP4, QF, QA, QB, BLOCK_K)
+                    h_ptr + pair * I, I, BLOCK_N, H, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
     acc *= tl.load(topk_w_ptr + pair).to(tl.float32)
@@ -181,8 +186,9 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, topk_w_ptr, y_ptr, z_
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                      kind: str, alpha: float, limit: float) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
-    if not decode_kernel_reads(fmt):
-        raise ValueError(f"no Triton kernel for expert format {fmt!r}")
+    if not triton_reads(fmt):
+        raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)} and the "
+                         f"families {', '.join(TRITON_FAMILIES)}")
     _, hidden, inter = get_format(fmt).dims(banks)
     t, k = topk_ids.shape
     x = x.contiguous()
@@ -193,12 +199,14 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides), G_STRIDE=p.g_stride, Z_STRIDE=p.z_stride)
                  for p in (w13, w2))
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)  # [P, I]
+    # GGUF: the w13 and w2 types' codes, "gguf:<w13>:<w2>"; 0 for other formats
+    gguf_codes = [type_code(name) for name in fmt.split(":")[1:]] if fmt.startswith("gguf:") else [0, 0]
     common = dict(MXFP4=fmt == "mxfp4", **quant_params(fmt), HAS_BIAS=w13.has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                   num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
         x, ids, w13.w, w13.s, w13.g, w13.b, h, float(alpha), float(limit), w13.z, **st13,
-        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], **common)
+        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], GGUF=gguf_codes[0], **common)
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, BLOCK_N))](
-        h, ids, w2.w, w2.s, w2.g, w2.b, tw, y, w2.z, **st2, H=hidden, I=inter, **common)
+        h, ids, w2.w, w2.s, w2.g, w2.b, tw, y, w2.z, **st2, H=hidden, I=inter, GGUF=gguf_codes[1], **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

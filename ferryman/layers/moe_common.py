@@ -15,10 +15,13 @@ from ferryman.quant.intq import parse_name, quant_code
 Upload = Callable[[torch.Tensor], torch.Tensor]  # a small host tensor -> the same on the device
 # the expert formats the MoE Triton kernels read (fp8 blocks: any whose width is a power of two >= 16)
 TRITON_FORMATS = ("dense", "mxfp4", "fp8:128x128", "fp8:channel", "nvfp4", "nvfp4-ct")
-TRITON_FAMILIES = ("int4", "int8")  # format families ("int4:g128:sym", ...) the decode kernel reads
+# and the parametrised families ("family:params", quant/base.py) the decode kernel reads:
+# int4/int8 ("int4:g128:sym", quant/intq.py) and GGUF blocks ("gguf:q4_k:q6_k", quant/gguf.py)
+INT_FAMILIES = ("int4", "int8")
+TRITON_FAMILIES = (*INT_FAMILIES, "gguf")
 
 
-def decode_kernel_reads(fmt: str) -> bool:
+def triton_reads(fmt: str) -> bool:
     """Whether the Triton decode kernel (layers/fused_moe_triton.py) reads experts of format `fmt`."""
     return fmt in TRITON_FORMATS or fmt.partition(":")[0] in TRITON_FAMILIES
 
@@ -82,7 +85,7 @@ def quant_params(fmt: str) -> dict[str, int]:
         return dict(QF=1, QA=bn, QB=bk)
     if family in ("nvfp4", "nvfp4-ct"):
         return dict(QF=2, QA=int(family == "nvfp4-ct"), QB=0)
-    if family in TRITON_FAMILIES:  # QF 3: int (quant/intq_triton.py quant_code)
+    if family in INT_FAMILIES:  # QF 3: int (quant/intq_triton.py quant_code)
         p = parse_name(fmt)
         return quant_code(p.bits, p.group, not p.sym, p.act)
     return dict(QF=0, QA=0, QB=0)
@@ -96,7 +99,9 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
         w, s = banks[proj].view(torch.uint8), banks[f"{proj}_scale"]
     elif fmt.startswith("nvfp4"):
         w, s, g = banks[f"{proj}_packed"], banks[f"{proj}_scale"].view(torch.uint8), banks[f"{proj}_gscale"]
-    elif fmt.partition(":")[0] in TRITON_FAMILIES:  # int codes, scales, zeros (asym), group indices (act)
+    elif fmt.startswith("gguf:"):  # one uint8 bank of blocks per projection
+        w = s = banks[f"{proj}_q"]
+    elif fmt.partition(":")[0] in INT_FAMILIES:  # int codes, scales, zeros (asym), group indices (act)
         w, s = banks[f"{proj}_qweight"], banks[f"{proj}_scales"]
         g, z = banks.get(f"{proj}_gidx"), banks.get(f"{proj}_zeros")
     else:

@@ -28,8 +28,9 @@ class ModelSummary:
     bytes_per_expert: int  # one expert of one layer, all its banks
 
 
-def summarize(hf: dict[str, Any]) -> ModelSummary:
-    cfg = model_config(hf)
+def summarize(hf: dict[str, Any] | ModelConfig) -> ModelSummary:
+    """Sizes of the model of a config.json dict, or of a ModelConfig (a GGUF file's)."""
+    cfg = hf if isinstance(hf, ModelConfig) else model_config(hf)
     arch = get_architecture(cfg.model_type)
     params, nbytes = {True: 0, False: 0}, {True: 0, False: 0}  # keyed by "is a routed expert"
     int_ckpt = cfg.quant is not None and cfg.quant.linear.startswith("int:")  # packed by weights/int_source.py
@@ -49,6 +50,9 @@ def summarize(hf: dict[str, Any]) -> ModelSummary:
                                                                 cfg.expert_bias, cfg.dtype)
         nbytes[True] = per_expert * len(cfg.moe_layers) * cfg.num_experts
     active_experts = params[True] * cfg.top_k // cfg.num_experts if cfg.num_experts else 0
+    if cfg.expert_formats or cfg.expert_format.startswith("gguf:"):  # packed blocks the schema does not list
+        nbytes[True] = sum(cfg.num_experts * get_format(cfg.expert_format_of(i)).expert_bytes(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_bias, cfg.dtype) for i in cfg.moe_layers)
     return ModelSummary(
         cfg=cfg,
         total_params=params[True] + params[False],

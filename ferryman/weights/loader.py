@@ -67,7 +67,7 @@ def load_weights(
             if target.kind == "expert":
                 store.write(target, tensor, name, source.file_of(name))
             else:
-                _write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
+                write_param(params, target.name, target.rows, tensor, name, source.file_of(name))
                 written.add(target.name)
             bar.advance(task)
     if cfg.tie_word_embeddings:
@@ -90,11 +90,11 @@ def _load_quantised(quant: QuantisedLinears, weight: str, params: dict[str, nn.P
         for bank_target, part_name, tensor in quant.expert_writes(weight, target, parts):
             store.write(bank_target, tensor, part_name, source.file_of(part_name))
         return
-    _write_param(params, target.name, target.rows, quant.dequant(weight, parts, torch.float32, file), weight, file)
+    write_param(params, target.name, target.rows, quant.dequant(weight, parts, torch.float32, file), weight, file)
     written.add(target.name)
 
 
-def _write_param(
+def write_param(
     params: dict[str, nn.Parameter],
     pname: str,
     rows: tuple[int, int] | None,
