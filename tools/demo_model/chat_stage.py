@@ -7,8 +7,10 @@ the folder is copied, its weights fine-tuned and re-exported, its card and train
 from __future__ import annotations
 
 import json
+import math
 import platform
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +26,7 @@ from tools.demo_model.tokenizer import encode_stream, pack_windows, token_id
 from tools.demo_model.train import Log
 
 CARD_MARK = "## Chat turns"
-EVAL_WINDOWS = 64  # held-out windows of EVAL_LEN tokens for the before / after loss
+EVAL_WINDOWS = 32  # held-out windows of EVAL_LEN tokens for the before / after loss
 EVAL_LEN = 512
 
 
@@ -35,7 +37,9 @@ def measure(folder: Path, heldout: torch.Tensor, prompts: list[list[int]], spec:
 
 
 def card_section(record: dict) -> str:
-    s, b, a = record["spec"], record["before"], record["after"]
+    s, a = record["spec"], record["after"]
+    b = record["before"] or {"turns": {"share": math.nan, "mean_tokens_when_ended": math.nan, "prompts": a["turns"]["prompts"]},
+                             "heldout": {"loss": math.nan, **{k: a["heldout"][k] for k in ("windows", "seq_len")}}}
     t = record["train"]
     n = s["eval_max_tokens"]
     return (
@@ -75,30 +79,37 @@ def fill_card(folder: Path, record: dict) -> None:
 
 def chat_stage(model: torch.nn.Module, tokenizer: Tokenizer, before: Path, out: Path, spec: ChatSpec,
                model_spec: ModelSpec, device: torch.device, log: Log) -> dict:
-    """Measure `before` (an exported folder), fine-tune `model`, export it into `out`, measure again;
-    the record goes into out's training_log.json ("chat") and card."""
+    """Fine-tune `model` (whose export is the folder `before`), export it into `out`, then measure
+    both; the record goes into out's training_log.json ("chat") and card."""
+    if before.resolve() == out.resolve():  # a full build: keep the pre-chat export to measure it
+        before = Path(shutil.copytree(before, Path(tempfile.mkdtemp()) / "before"))
     corpus = load_corpus(CorpusSpec())
     end_id, eos = token_id(tokenizer, "<|im_end|>"), token_id(tokenizer, "<|endoftext|>")
     heldout = pack_windows(encode_stream(tokenizer, corpus.texts("heldout")), EVAL_LEN, EVAL_WINDOWS)
     prompts = eval_prompts(tokenizer, corpus.texts("heldout"), spec, end_id)
-    measured_before = measure(before, heldout, prompts, spec)
-    log(f"before the chat fine-tune: {measured_before}")
     samples = chat_samples(tokenizer, corpus.texts("train"), spec.seed, spec.seq_len, end_id, spec.samples)
     plain = pack_windows(encode_stream(tokenizer, corpus.texts("train")), spec.seq_len)
     log(f"chat fine-tune: {len(samples)} chat samples, {len(plain)} plain windows of {spec.seq_len}")
     result = tune(model, samples, plain, spec, eos, device, log)
     export_model(model, out, [eos, end_id], model_spec)
-    measured_after = measure(out, heldout, prompts, spec)
-    log(f"after the chat fine-tune: {measured_after}")
     record = {"spec": spec_json(spec), "device": _device_name(device), "python": corpus_python(),
               "train": {"steps": result.steps, "seconds": result.seconds, "stopped_by": result.stopped_by,
                         "tokens": result.tokens},
-              "log": result.rows, "before": measured_before, "after": measured_after}
+              "log": result.rows, "after": measure(out, heldout, prompts, spec), "before": None}
+    log(f"after the chat fine-tune: {record['after']}")
+    write_record(out, record)  # the shipped model's figures first: the base's are measured after
+    record["before"] = measure(before, heldout, prompts, spec)
+    log(f"before the chat fine-tune: {record['before']}")
+    write_record(out, record)
+    return record
+
+
+def write_record(out: Path, record: dict) -> None:
+    """The stage's record into out's training_log.json ("chat") and its card section."""
     log_file = out / "training_log.json"
     full = json.loads(log_file.read_text()) if log_file.exists() else {}
     log_file.write_text(json.dumps({**full, "chat": record}, indent=2) + "\n", encoding="utf-8")
     fill_card(out, record)
-    return record
 
 
 def from_base(base: Path, out: Path, spec: ChatSpec, log: Log) -> dict:

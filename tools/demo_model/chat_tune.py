@@ -39,7 +39,7 @@ class ChatSpec:
     warmup_steps: int = 20
     seed: int = 4321
     log_every: int = 10
-    eval_prompts: int = 64  # held-out chat prompts for the turn-ending figure
+    eval_prompts: int = 32  # held-out chat prompts for the turn-ending figure
     eval_max_tokens: int = 256  # "ends its turn within this many tokens"
 
     def __post_init__(self) -> None:
