@@ -7,7 +7,6 @@ the folder is copied, its weights fine-tuned and re-exported, its card and train
 from __future__ import annotations
 
 import json
-import math
 import platform
 import shutil
 import tempfile
@@ -36,12 +35,16 @@ def measure(folder: Path, heldout: torch.Tensor, prompts: list[list[int]], spec:
     return {"heldout": loss, "turns": turn_end_rate(folder, prompts, spec.eval_max_tokens)}
 
 
+def _row(name: str, m: dict | None) -> str:
+    if m is None:
+        return f"| {name} | not measured | | |"
+    t = m["turns"]
+    mean = f"{t['mean_tokens_when_ended']:.0f}" if t["ended"] else "-"
+    return f"| {name} | {t['ended']}/{t['prompts']} ({t['share']:.0%}) | {mean} | {m['heldout']['loss']:.4f} |"
+
+
 def card_section(record: dict) -> str:
-    s, a = record["spec"], record["after"]
-    b = record["before"] or {"turns": {"share": math.nan, "mean_tokens_when_ended": math.nan, "prompts": a["turns"]["prompts"]},
-                             "heldout": {"loss": math.nan, **{k: a["heldout"][k] for k in ("windows", "seq_len")}}}
-    t = record["train"]
-    n = s["eval_max_tokens"]
+    s, a, t = record["spec"], record["after"], record["train"]
     return (
         f"The pre-trained model only completed code and never ended a chat turn. A chat fine-tune "
         f"(`tools/demo_model/chat_tune.py`, seed {s['seed']}) then ran {t['steps']} steps in {t['seconds']:.0f} s on "
@@ -50,15 +53,12 @@ def card_section(record: dict) -> str:
         f"assistant: the code, then `<|im_end|>`; loss on the assistant's tokens only) and {s['plain_rows']} plain "
         f"code windows, all of at most {s['seq_len']} tokens, from the training files; AdamW at {s['lr']:g} after "
         f"{s['warmup_steps']} warm-up steps, only the last {s['train_layers']} layers and the final norm learning.\n\n"
-        f"Measured on {record['python']}'s standard library (the held-out split; {b['turns']['prompts']} chat prompts "
-        f"built like the training samples, greedy, through ferryman; held-out loss on {b['heldout']['windows']} "
-        f"windows of {b['heldout']['seq_len']} tokens, transformers fp32):\n\n"
-        f"| | ends its turn within {n} tokens | mean answer tokens when it ends | held-out loss |\n"
+        f"Measured on {record['python']}'s standard library, held-out split: {a['turns']['prompts']} chat prompts "
+        f"built like the training samples, answered greedily through ferryman; the loss on "
+        f"{a['heldout']['windows']} windows of {a['heldout']['seq_len']} tokens (transformers, fp32).\n\n"
+        f"| | ends its turn within {s['eval_max_tokens']} tokens | mean answer tokens when it ends | held-out loss |\n"
         f"| --- | --- | --- | --- |\n"
-        f"| before the chat fine-tune | {b['turns']['share']:.0%} | {b['turns']['mean_tokens_when_ended']:.0f} | "
-        f"{b['heldout']['loss']:.4f} |\n"
-        f"| shipped | **{a['turns']['share']:.0%}** | {a['turns']['mean_tokens_when_ended']:.0f} | "
-        f"{a['heldout']['loss']:.4f} |\n"
+        f"{_row('before the chat fine-tune', record['before'])}\n{_row('shipped', a)}\n"
     )
 
 
