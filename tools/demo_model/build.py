@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-minutes", type=float, default=0.0,
                         help="then fine-tune on chat samples so the model ends its turns (0: no chat stage)")
     parser.add_argument("--chat-steps", type=int, default=200, help="chat fine-tune step limit")
+    parser.add_argument("--chat-lr", type=float, default=3e-4, help="chat fine-tune learning rate")
     parser.add_argument("--base", type=Path, default=None,
                         help="skip the build: run only the chat stage on this exported model folder")
     return parser.parse_args(argv)
@@ -156,7 +157,7 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
 
 
 def chat_spec(args: argparse.Namespace) -> ChatSpec:
-    return ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps)
+    return ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr)
 
 
 def main(argv: list[str] | None = None) -> int:
