@@ -52,6 +52,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's eos ids
     logprobs: int | None = None  # top logprobs returned with each token (StepDelta.logprobs); None: none
     logits_processors: list[LogitsProcessor] = field(default_factory=list)  # applied in order
+    # token offsets in the prompt where chat messages end (the server's chat rendering sets them):
+    # hybrid models checkpoint their linear-attention state there for the prefix cache
+    message_ends: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,7 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self.logits_processors = list(self.logits_processors)
+        self.message_ends = list(self.message_ends)
         self._check_floats()
         self._check_ints()
         self._check_lists()
@@ -103,6 +107,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidParameterError("stop_token_ids", f"stop_token_ids must hold token ids >= 0, got {t!r}")
+        for t in self.message_ends:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidParameterError("message_ends", f"message_ends must hold token offsets >= 0, got {t!r}")
         for proc in self.logits_processors:
             if not callable(proc):
                 raise InvalidParameterError("logits_processors", f"logits_processors must hold callables, got {proc!r}")

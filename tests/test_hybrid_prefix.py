@@ -69,3 +69,38 @@ def test_kv_hit_without_a_checkpoint_is_not_taken(hybrid: tuple[Path, torch.nn.M
     out = _greedy(llm, TURN1[:24], 4)  # shares block 0 (cached KV, no checkpoint at 16)
     assert out.metrics.num_cached_tokens == 0 and sum(fed) == 24 + 3
     assert out.token_ids == hf_greedy(ref, TURN1[:24], 4)
+
+
+SYSTEM = [(i * 29) % 250 + 3 for i in range(40)]  # a shared first message: ends at 40, checkpoint at 32
+USER_A = [(i * 13) % 250 + 3 for i in range(30)]
+USER_B = [(i * 17) % 250 + 5 for i in range(27)]
+
+
+def test_branch_restores_a_message_end_checkpoint(hybrid: tuple[Path, torch.nn.Module]) -> None:
+    """A conversation that branches after its first message (same system prompt, another user
+    message) restores the checkpoint saved at that message's end and prefills only the rest."""
+    folder, ref = hybrid
+    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    fed = _fed_tokens(llm)
+    first = SYSTEM + USER_A
+    llm.generate(prompt_token_ids=[first], params=SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, message_ends=[len(SYSTEM), len(first)]))
+    assert fed[:3] == [32, 32, 6], "prefill chunks stop at the message end's and the prompt's checkpoints"
+    branch = SYSTEM + USER_B
+    fed.clear()
+    second = llm.generate(prompt_token_ids=[branch], params=SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, message_ends=[len(SYSTEM), len(branch)]))[0]
+    assert second.metrics.num_cached_tokens == 32
+    assert sum(fed) == (len(branch) - 32) + 5, "only the tail after the message-end checkpoint is prefilled"
+    cold = _greedy(LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S,
+                       enable_prefix_caching=False), branch, 6)
+    assert second.token_ids == cold.token_ids == hf_greedy(ref, branch, 6)
+
+
+def test_without_message_ends_a_branch_prefills_everything(hybrid: tuple[Path, torch.nn.Module]) -> None:
+    """The control: with only the prompt-end checkpoint, the branch shares no checkpointed prefix."""
+    folder, _ = hybrid
+    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    _greedy(llm, SYSTEM + USER_A, 4)
+    second = _greedy(llm, SYSTEM + USER_B, 6)
+    assert second.metrics.num_cached_tokens == 0

@@ -120,6 +120,31 @@ def test_layer_matches_transformers(q_lora_rank: int | None, interleave: bool) -
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_prefill_pieces_equal_the_absorbed_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expanded prefill (mla_prefill.py) over head groups of 3 (4 heads: a partial group) and
+    query chunks of a few rows equals the absorbed form over the same cache, a cached prefix included."""
+    from ferryman.layers import mla_prefill
+    from ferryman.layers.mla_attention import latent_attention_reference, write_latent
+
+    layer = build_layer(hf_config(16), num_blocks=12)
+    m = layer.mla
+    x = torch.randn(30, 48)
+    with torch.no_grad():
+        layer(torch.arange(11), x[:11], step_meta([[3, 0, 7, 9, 1, 4, 2, 8]], [0], [11]))  # the cached prefix
+        meta = step_meta([[3, 0, 7, 9, 1, 4, 2, 8]], [11], [30])
+        q_nope, q_rope = layer.queries(x[11:])
+        entry, q_rope = layer.cache_entry(torch.arange(11, 30), x[11:], q_rope)
+        write_latent(entry, layer.k_cache, meta.slot_mapping)
+        w_uk, w_uv = layer.up_weights()
+        q = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rope), dim=-1)
+        o = latent_attention_reference(q, layer.k_cache, meta, m.softmax_scale, m.kv_lora_rank)  # [T, H, Dl]
+        want = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, Dv]
+        monkeypatch.setattr(mla_prefill, "HEAD_GROUP", 3)
+        monkeypatch.setattr(mla_prefill, "MAX_SCORE_ELEMS", 3 * 30 * 4)  # 4 query rows per chunk
+        got = mla_prefill.expanded_prefill(q_nope, q_rope, layer.k_cache, meta, w_uk, w_uv, m.softmax_scale)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_latent_cache_holds_latent_and_rope_only() -> None:
     """The cache is [N, S, 1, kv_lora_rank + qk_rope_head_dim] and holds each token's entry."""
     layer = build_layer(hf_config(16), num_blocks=4)
@@ -165,7 +190,7 @@ def test_triton_latent_decode_matches_reference_interpreted() -> None:
 @pytest.mark.gpu
 def test_triton_latent_decode_matches_reference_cuda() -> None:
     """DeepSeek-V3's shapes (128 heads, latent 512 + rope 64) on CUDA in bf16, splits chosen."""
-    from ferryman.layers.mla_attention import latent_attention_reference
+    from ferryman.layers.mla_attention import latent_attention_reference, write_latent
     from ferryman.layers.mla_triton import latent_decode_triton
 
     torch.manual_seed(0)

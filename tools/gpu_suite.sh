@@ -44,7 +44,8 @@
 #                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
 #                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
-#                RAM whole; decode time per layer compares with offload120's
+#                RAM whole; decode time per layer compares with offload120's; deepseek-v3 also prefills a
+#                4096-token prompt (MLA's expanded prefill: its prefill tok/s and peak_gib)
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
 #   strategies   the CPU kernel's tests on this CPU (AVX512-BF16 runs only here), then
@@ -258,9 +259,10 @@ for s in ${@:-tests}; do
                  longprompt longprompt120 8151 gpt-oss-120b 16GiB 32000 0 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;
-    families)    for t in glm-4.5-air:12 qwen3-next-80b-a3b:12 deepseek-v3:5; do
-                   offload "family_${t%%:*}" "${t%%:*}:16GiB" 200 "$ROOT" --layers "${t##*:}" --decode-tokens 128 \
-                     --prefill-prompt 0
+    families)    for t in glm-4.5-air:12:0 qwen3-next-80b-a3b:12:0 deepseek-v3:5:4096; do
+                   IFS=: read -r fam layers prefill <<<"$t"
+                   offload "family_$fam" "$fam:16GiB" 240 "$ROOT" --layers "$layers" --decode-tokens 128 \
+                     --prefill-prompt "$prefill"
                  done ;;
     hybridprefix) stage hybrid_prefix 240 python3 benchmarks/bench_prefix_cache.py --model qwen3-next-80b-a3b \
                    --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 \

@@ -213,6 +213,12 @@ class LLMEngine:
         self.requests[seq.seq_id] = _Request(seq, IncrementalDetokenizer(self.tokenizer, params.stop), out)
         return seq.seq_id
 
+    @property
+    def uses_message_ends(self) -> bool:
+        """Whether SamplingParams.message_ends matters: a hybrid model with prefix caching saves
+        state checkpoints there (kvcache/state_checkpoints.py)."""
+        return self.scheduler.checkpoints is not None
+
     def abort(self, request_id: int) -> None:
         if self.scheduler.finish(request_id, "abort") is not None:
             self._finalize(self.requests[request_id], "abort")

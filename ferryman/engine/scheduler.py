@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from ferryman.engine.prefill_job import JobScheduling, PrefillJob
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
-from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_position
+from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_positions
 from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool, window_pool_need
 
@@ -279,19 +279,22 @@ class Scheduler(JobScheduling):
                 return n
         return 0
 
+    def _positions(self, seq: Sequence) -> list[int]:
+        return checkpoint_positions(seq.num_prompt_tokens, self.config.block_size, seq.params.message_ends)
+
     def _chunk(self, seq: Sequence, start: int, num_tokens: int) -> int:
-        """A prefill chunk of a hybrid model ends at the sequence's checkpoint position if it passes it."""
+        """A prefill chunk of a hybrid model ends at the sequence's next checkpoint position if it passes it."""
         if self.checkpoints is None:
             return num_tokens
-        at = checkpoint_position(seq.num_prompt_tokens, self.config.block_size)
-        return at - start if start < at < start + num_tokens else num_tokens
+        inside = [at for at in self._positions(seq) if start < at < start + num_tokens]
+        return inside[0] - start if inside else num_tokens
 
     def _save_checkpoint(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
-        """Save the state after this chunk when it ends at the checkpoint position (once per prefix)."""
+        """Save the state after this chunk when it ends at a checkpoint position (once per prefix)."""
         if self.checkpoints is None:
             return
-        at = checkpoint_position(s.seq.num_prompt_tokens, self.config.block_size)
-        if at == 0 or s.start_pos + s.num_tokens != at:
+        at = s.start_pos + s.num_tokens
+        if s.start_pos >= s.seq.num_prompt_tokens or at not in self._positions(s.seq):
             return
         prefix_hash = s.seq.block_hashes[at // self.config.block_size - 1]
         if self.checkpoints.find(prefix_hash) is None:

@@ -2,9 +2,12 @@
 
 A cached KV prefix alone cannot resume a hybrid model: its linear-attention layers need their state
 after exactly that prefix. So the state of a sequence is saved where a later request is likely to
-branch off: the block boundary at or below the end of its prompt (`checkpoint_position`). An
-agent's next turn re-sends that prompt, the answer and a new message; it adopts the cached blocks up
-to the checkpoint, restores the state into its slot and prefills only the tail.
+branch off (`checkpoint_positions`): the block boundary at or below the end of its prompt, and
+those at or below the ends of its last chat messages (`SamplingParams.message_ends`, which the
+server's chat rendering sets). An agent's next turn re-sends that prompt, the answer and a new
+message; a turn that branches (an edited or retried last message, a new conversation under the same
+system prompt) shares only the messages before the branch. Either adopts the cached blocks up to the
+nearest checkpoint, restores the state into its slot and prefills only the tail.
 
 The scheduler keeps the index (`CheckpointIndex`: prefix hash -> checkpoint slot, LRU) and puts the
 copies in `SchedulerOutput` (restores before the forward, saves after it); the runner keeps the
@@ -23,12 +26,23 @@ from collections import OrderedDict
 
 import torch
 
-CHECKPOINTS_PER_SEQ = 2  # checkpoint slots per sequence slot: this turn's and the one before
+MESSAGE_CHECKPOINTS = 2  # message ends checkpointed per prompt: the last ones (besides the prompt's end)
+CHECKPOINTS_PER_SEQ = 2 * (1 + MESSAGE_CHECKPOINTS)  # checkpoint slots per sequence slot: this turn's and the last
 
 
 def checkpoint_position(num_prompt_tokens: int, block_size: int) -> int:
     """The block boundary at or below the prompt's last token (0: the prompt is within one block)."""
     return (num_prompt_tokens - 1) // block_size * block_size
+
+
+def checkpoint_positions(num_prompt_tokens: int, block_size: int, message_ends: list[int]) -> list[int]:
+    """Ascending block boundaries to save the state at: the prompt's (`checkpoint_position`) and those
+    at or below its last MESSAGE_CHECKPOINTS message ends (token offsets into the prompt); a boundary
+    is > 0 and leaves at least the prompt's last token to compute."""
+    last = checkpoint_position(num_prompt_tokens, block_size)
+    ends = sorted(set(message_ends))[-MESSAGE_CHECKPOINTS:]
+    found = {min(end, last) // block_size * block_size for end in ends} | {last}
+    return sorted(p for p in found if p > 0)
 
 
 class CheckpointIndex:

@@ -7,7 +7,9 @@ head's k_nope [Dn] and v [Dv]: its weight is [H, Dn + Dv, Dl] = [W_UK ; W_UV] pe
 Invariant: the cache holds only [c ; rope(k_rope)] per token (C = Dl + Dr values, one "head"),
 never k or v. Scores use q_nope . (W_UK c) = (W_UK^T q_nope) . c, so every step absorbs q_nope
 into W_UK once and attends against the latents (mla_attention.py); the output is W_UV applied to
-the attention-weighted latent. Prefill chunks use the same form: no per-head K/V is ever built.
+the attention-weighted latent. Steps with more than one query per sequence (prefill chunks, mixed
+steps) expand the latents per head group instead (mla_prefill.py): fewer FLOPs and bounded memory;
+the expanded K/V live only within that call, never in the cache.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from ferryman.config import MLAConfig, ModelConfig
 from ferryman.layers.attn_metadata import AttnMetadata
 from ferryman.layers.mla_attention import latent_attention, write_latent
+from ferryman.layers.mla_prefill import expanded_prefill
 from ferryman.layers.norms import RMSNorm
 from ferryman.layers.rotary import RotaryEmbedding
 
@@ -94,6 +97,9 @@ class MLAttention(nn.Module):
         entry, q_rope = self.cache_entry(positions, x, q_rope)
         write_latent(entry, self.k_cache, meta.slot_mapping)
         w_uk, w_uv = self.up_weights()
+        if meta.max_query_len > 1:  # a prefill chunk or a mixed step
+            o = expanded_prefill(q_nope, q_rope, self.k_cache, meta, w_uk, w_uv, m.softmax_scale)  # [T, H, Dv]
+            return self.o_proj(o.reshape(T, self.num_heads * m.v_head_dim))
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, Dl]
         q = torch.cat((q_latent, q_rope), dim=-1)  # [T, H, C]
         o = latent_attention(q, self.k_cache, meta, m.softmax_scale, m.kv_lora_rank)  # [T, H, Dl]

@@ -136,7 +136,8 @@ async def messages(body: AMessagesRequest, request: Request) -> Any:
     stops = check_stops(list(body.stop_sequences or []), st.cfg, "stop_sequences")
     params = make_params({"stop": "stop_sequences"}, temperature=body.temperature, top_p=body.top_p,
                          top_k=body.top_k, stop=stops,
-                         max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)))
+                         max_tokens=st.max_tokens(body.max_tokens, len(prompt.token_ids)),
+                         message_ends=prompt.message_ends)
     spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant", "model": body.model}
     if body.stream:

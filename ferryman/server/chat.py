@@ -17,7 +17,7 @@ on the messages before rendering and on the text before tokenising.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ferryman.server.errors import APIError
@@ -41,6 +41,9 @@ _RESERVED_KWARGS = frozenset({
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
+ENDS_KEPT = 2  # message ends passed to the engine (kvcache/state_checkpoints.py checkpoints as many)
+
+
 @dataclass(frozen=True)
 class RenderLimits:
     max_chars: int = 1 << 20  # messages before rendering, the rendered text before tokenising
@@ -52,6 +55,7 @@ class RenderLimits:
 class ChatPrompt:
     token_ids: list[int]
     text: str
+    message_ends: list[int] = field(default_factory=list)  # token offsets where earlier messages end
 
     @property
     def ends_in_reasoning(self) -> bool:
@@ -103,8 +107,10 @@ def check_size(chars: int, limit: int, what: str, param: str) -> None:
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Any, limits: RenderLimits | None = None) -> None:
+    def __init__(self, tokenizer: Any, limits: RenderLimits | None = None, message_ends: bool = False) -> None:
+        """message_ends: find where the last messages end (ChatPrompt.message_ends) for the engine."""
         self.tokenizer = tokenizer
+        self.message_ends = message_ends
         self.limits = limits or RenderLimits()
         template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
         if isinstance(template, dict):  # several named templates: the default one
@@ -137,7 +143,9 @@ class ChatRenderer:
             kwargs["tools"] = tools
         text = self._render(tokenizer, source, msgs, kwargs, param)
         check_size(len(text), limit, "the rendered prompt", "messages")
-        return ChatPrompt(list(tokenizer.encode(text, add_special_tokens=False)), text)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        ends = message_ends(tokenizer, msgs, kwargs, text, ids) if self.message_ends and source is None else []
+        return ChatPrompt(ids, text, ends)
 
     def _source(self, in_kwargs: Any, in_body: str | None) -> tuple[str | None, str]:
         """The client's template (None: the model's) and the field it came in."""
@@ -173,6 +181,26 @@ class ChatRenderer:
             raise APIError(400, str(e), param) from None
         except Exception as e:  # jinja raises anything: undefined names, raise_exception(...), SecurityError
             raise APIError(400, f"{what} rejected the messages: {type(e).__name__}: {e}", param) from None
+
+
+def message_ends(tokenizer: Any, msgs: list[dict[str, Any]], kwargs: dict[str, Any], text: str,
+                 ids: list[int]) -> list[int]:
+    """Token offsets in `ids` where the messages before the last one end (the last
+    ENDS_KEPT of them), for the engine's prefix cache (SamplingParams.message_ends). An end counts only
+    where the conversation up to it renders to a prefix of `text` that tokenises to a prefix of `ids`;
+    a template that renders prefixes differently, or refuses them, gives fewer ends (never an error)."""
+    ends = []
+    for k in range(max(1, len(msgs) - ENDS_KEPT), len(msgs)):
+        try:
+            head = tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=False, tokenize=False, **kwargs)
+        except Exception:  # a template may refuse a conversation that ends with an assistant message
+            continue
+        if not isinstance(head, str) or not text.startswith(head):
+            continue
+        head_ids = tokenizer.encode(head, add_special_tokens=False)
+        if 0 < len(head_ids) < len(ids) and ids[:len(head_ids)] == list(head_ids):
+            ends.append(len(head_ids))
+    return ends
 
 
 def _native_message(m: dict[str, Any]) -> dict[str, Any]:

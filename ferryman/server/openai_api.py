@@ -25,7 +25,7 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's defau
 
 
 def sampling_params(st: ServerState, req: Any, max_tokens: int, top_logprobs: int | None,
-                    api_names: dict[str, str] | None = None) -> SamplingParams:
+                    api_names: dict[str, str] | None = None, message_ends: list[int] | None = None) -> SamplingParams:
     """The request's SamplingParams; a 400 names the request's field (`api_names` maps the
     SamplingParams field to it where the names differ)."""
     stop = check_stops([req.stop] if isinstance(req.stop, str) else list(req.stop or []), st.cfg, "stop")
@@ -33,7 +33,7 @@ def sampling_params(st: ServerState, req: Any, max_tokens: int, top_logprobs: in
                        seed=req.seed, repetition_penalty=req.repetition_penalty,
                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                        stop=stop, max_tokens=max_tokens, ignore_eos=req.ignore_eos, logprobs=top_logprobs,
-                       logits_processors=logit_bias(req.logit_bias, st.vocab_size))
+                       logits_processors=logit_bias(req.logit_bias, st.vocab_size), message_ends=message_ends or [])
 
 
 def usage(prompt_len: int, choices: list[Choice]) -> dict[str, Any]:
@@ -114,7 +114,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     top = (body.top_logprobs or 0) if body.logprobs else None
     names = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens else "max_tokens",
              "logprobs": "top_logprobs"}
-    params = sampling_params(st, body, st.max_tokens(wanted, len(prompt.token_ids)), top, names)
+    params = sampling_params(st, body, st.max_tokens(wanted, len(prompt.token_ids)), top, names, prompt.message_ends)
     spec = GenSpec(prompt.token_ids, params, body.n, tools.grammar, tools.parser_factory(prompt))
     if body.stream:
         head = _head("chatcmpl-", "chat.completion.chunk", body.model)

@@ -102,7 +102,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     prompt_len = len(prompt.token_ids)
     st.check_prompt(prompt.token_ids, "input")
     sampling = {k: v for k, v in (("temperature", body.temperature), ("top_p", body.top_p)) if v is not None}
-    params = make_params(**sampling, max_tokens=st.max_tokens(body.max_output_tokens, prompt_len))
+    params = make_params(**sampling, max_tokens=st.max_tokens(body.max_output_tokens, prompt_len),
+                         message_ends=prompt.message_ends)
     spec = GenSpec(prompt.token_ids, params, 1, setup.grammar, setup.parser_factory(prompt))
     writer = OutputWriter(names, body.parallel_tool_calls, forced_tool=setup.forced is not None)
     head = _head(body)

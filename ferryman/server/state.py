@@ -79,7 +79,7 @@ class ServerState:
         self._accepted = set(self.model_names) | {model}
         self.max_prompt_chars = cfg.max_prompt_chars or CHARS_PER_TOKEN * self.max_model_len
         limits = RenderLimits(self.max_prompt_chars, cfg.template_timeout_s, cfg.trust_request_chat_template)
-        self.renderer = ChatRenderer(self.tokenizer, limits)
+        self.renderer = ChatRenderer(self.tokenizer, limits, message_ends=engine.uses_message_ends)
         self.workers = PromptWorkers(self.tokenizer)
         self.draining = False  # set on SIGTERM: new requests get 503 (lifecycle.py)
         self.in_progress = 0  # HTTP requests past the gate, not yet answered (streams until their end)

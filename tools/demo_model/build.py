@@ -2,6 +2,7 @@
 
     python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8
     python -m tools.demo_model.build --out /tmp/demo --tiny     # smoke test, seconds on 2 CPU cores
+    python -m tools.demo_model.build --out /tmp/chat --base ferryman/assets/demo-moe --chat-minutes 30
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import transformers
 from tokenizers import Tokenizer
 
 from ferryman import LLM
+from tools.demo_model.chat_stage import chat_stage, from_base
+from tools.demo_model.chat_tune import ChatSpec
 from tools.demo_model.card import LOSS_CURVE_FILE, plot_loss_curve, write_model_card
 from tools.demo_model.config import EOS_TOKEN, BuildSpec, check_size, count_parameters, hf_config, real_spec, \
     tiny_spec, with_overrides
@@ -57,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-eval-windows", type=int, default=None)
+    parser.add_argument("--chat-minutes", type=float, default=0.0,
+                        help="then fine-tune on chat samples so the model ends its turns (0: no chat stage)")
+    parser.add_argument("--chat-steps", type=int, default=200, help="chat fine-tune step limit")
+    parser.add_argument("--chat-lr", type=float, default=3e-4, help="chat fine-tune learning rate")
+    parser.add_argument("--base", type=Path, default=None,
+                        help="skip the build: run only the chat stage on this exported model folder")
     return parser.parse_args(argv)
 
 
@@ -140,12 +149,24 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
     fill_card(args.out, routing)
     log(f"routing: LRU 10/25/50% of experts hits {routing['mean']['lru_10']:.1%} / "
         f"{routing['mean']['lru_25']:.1%} / {routing['mean']['lru_50']:.1%} on {routing['tokens']} held-out tokens")
+    if args.chat_minutes > 0:
+        chat_stage(load_exported(args.out, torch.device("cpu")), tokenizer, args.out, args.out, chat_spec(args),
+                   spec.model, device, log)
     log(f"done: {sorted(p.name for p in args.out.iterdir())}")
     return record
 
 
+def chat_spec(args: argparse.Namespace) -> ChatSpec:
+    return ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.base is not None:
+        if args.chat_minutes <= 0:
+            raise SystemExit("--base runs only the chat stage: give --chat-minutes too")
+        from_base(args.base, args.out, chat_spec(args), Progress())
+        return 0
     build(args, Progress())
     return 0
 

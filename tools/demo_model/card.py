@@ -143,8 +143,9 @@ def _limits_section(build_command: str) -> list[str]:
     return [
         "## Routing statistics", "", ROUTING_TODO, "",
         "## Limits", "",
-        "- It completes Python source code. It does not follow instructions and cannot chat: the chat "
-        "template (ChatML) only lets ferryman's chat API build a prompt.",
+        "- It completes Python source code and does not follow instructions. The chat template (ChatML) "
+        "lets ferryman's chat API build a prompt; the chat stage (`--chat-minutes`, section \"Chat turns\") "
+        "teaches it to end its answer with `<|im_end|>`, so agents get a finished turn.",
         "- It is tiny and trained for minutes: completions are often wrong, repetitive or invalid "
         "Python, and it may reproduce standard-library code it has seen.",
         "- It exists to demonstrate and test ferryman's expert offloading; do not use it for anything else.",
