@@ -85,7 +85,10 @@ def test_tiny_models_offload_10pct_equals_resident(tiny: tuple[str, Path], devic
     assert (offload.engine.runner.model.embed_tokens.weight.device.type == "cpu") == (host_table or device == "cpu")
     st = offload.stats()["experts"]
     total = len(offload.engine.cfg.moe_layers) * offload.engine.cfg.num_experts
-    assert st["slots"] == max(1, round(0.1 * total))  # 2 slots: prefill chunks run in rounds
+    # 2 slots (prefill chunks run in rounds); under a device budget the shared region keeps at
+    # least top_k slots (planner: PlanRequest.slot_floor)
+    asked = max(1, round(0.1 * total))
+    assert st["slots"] in (asked, max(asked, offload.engine.cfg.top_k))
     assert st["misses"] > 0 and st["evictions"] > 0, f"{arch}: a 10% cache must miss and evict: {st}"
     assert st["bytes_h2d"] == (st["misses"] + st["prefetch_fetched"]) * _payload_bytes(offload)
 
