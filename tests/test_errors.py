@@ -67,7 +67,7 @@ def test_hierarchy(err: Exception, bases: tuple[type, ...]) -> None:
         (dict(moe_strategy="cpu:2"), "moe_strategy"),
         (dict(gpu_memory="lots"), "gpu_memory"),
         (dict(expert_cache="150%"), "expert_cache"),
-        (dict(load_format="gguf"), "load_format"),
+        (dict(load_format="ggml"), "load_format"),
         (dict(max_model_len=0), "max_model_len"),
         (dict(kv_cache_tokens=0), "kv_cache_tokens"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from ferryman import LLM, SamplingParams
 from ferryman.cli import main
-from ferryman.errors import ConfigError, ModelLoadError, PromptTooLongError, UnsupportedModelError, WeightError
+from ferryman.errors import ConfigError, FerrymanError, ModelLoadError, PromptTooLongError, UnsupportedModelError, WeightError
 from tiny_models import build_tiny
 
 
@@ -49,9 +49,20 @@ def test_unsupported_model_type_lists_supported(qwen: Path, tmp_path: Path) -> N
 def test_unsupported_quantization(qwen: Path, tmp_path: Path) -> None:
     bad = _copy(qwen, tmp_path / "m")
     cfg = json.loads((bad / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="quant_method 'gptq'"):
+    with pytest.raises(ConfigError, match="quant_method 'bitsandbytes'"):
+        LLM(str(bad), device="cpu")
+
+
+def test_quantization_config_contradicting_the_tensors_names_a_tensor(qwen: Path, tmp_path: Path) -> None:
+    """A supported method whose tensors are not in its layout: an error naming a tensor, no KeyError."""
+    bad = _copy(qwen, tmp_path / "m")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
+                                  "desc_act": False}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(FerrymanError, match="weight '.*'|tensor"):
         LLM(str(bad), device="cpu")
 
 

@@ -59,7 +59,12 @@ class ExpertStore:
         if isinstance(tensor, PackedInt):
             self._write_packed(target, tensor, source_name, file)
             return
-        bank = self.banks[target.layer][target.name]
+        banks = self.banks[target.layer]
+        if target.name not in banks:  # e.g. a plain weight where the format keeps packed banks
+            raise WeightError(source_name, file, reason=f"a plain tensor where the experts' format "
+                              f"{self.formats[target.layer].name} keeps the banks {sorted(banks)} (is the "
+                              f"checkpoint stored in the format its quantization_config says?)")
+        bank = banks[target.name]
         dst = bank if target.expert is None else bank[target.expert]
         if target.rows is not None:
             dst = dst[:, target.rows[0] : target.rows[1]] if target.expert is None else dst[target.rows[0] : target.rows[1]]
