@@ -27,6 +27,7 @@ from ferryman.kvcache.state_checkpoints import CheckpointStore
 from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
 from ferryman.kvcache.window_pool import window_split
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, MoEActivation
+from ferryman.layers.moe_common import triton_reads
 from ferryman.planner import MemoryPlan
 from ferryman.weights.build import LoadedModel
 
@@ -110,6 +111,9 @@ class ModelRunner:
         """Whole-step graphs when the experts never sync with the host (resident: batches the Triton
         decode kernel takes); per-layer graphs around the MoE of offloaded experts."""
         if not isinstance(self.experts, OffloadExperts):
+            # a format the decode kernel does not read runs the batched path, which syncs: eager
+            if not all(triton_reads(self.cfg.expert_format_of(layer)) for layer in self.cfg.moe_layers):
+                return None
             graph_bs = min(max_num_seqs, max(1, DECODE_MAX_PAIRS // max(1, self.cfg.top_k)))
             return DecodeGraphs(self.model, graph_bs, max_blocks, max_len, self.device)
         try:
