@@ -72,7 +72,7 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     per_token = item * (6 * h + 2 * q + kv) + max(moe, dense)
     # experts the chunk's CUDA prefill path dequantises at once: a group if batched, none if grouped
     batched = fused_moe.prefill_path(cfg.expert_format, chunk_tokens * k, kernels) == "batched"
-    once = (batched_moe.PREFILL_GROUP if batched else 0) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
+    once = (batched_moe.prefill_group(i, h, item) if batched else 0) * 2 * i * h * item + 2 * max_seqs * cfg.vocab_size * 4
     return chunk_tokens * per_token + once + _FIXED_HEADROOM
 
 

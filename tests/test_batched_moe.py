@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferryman.layers.batched_moe import PREFILL_GROUP, fused_moe_batched
+from ferryman.layers.batched_moe import PREFILL_GROUP, fused_moe_batched, prefill_group
 from ferryman.layers.moe_common import MoEActivation, to_device
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
@@ -121,31 +121,44 @@ def test_planner_counts_the_group_when_batched(monkeypatch: pytest.MonkeyPatch) 
     _force_prefill_path(monkeypatch, "grouped")  # dequantises none
     base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
     _force_prefill_path(monkeypatch, "batched")
-    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == PREFILL_GROUP * one_w13
-    monkeypatch.setattr(bm, "PREFILL_GROUP", 3)
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == PREFILL_GROUP * one_w13  # 33 MiB experts
+    monkeypatch.setattr(bm, "PREFILL_GROUP", 1)
+    monkeypatch.setattr(bm, "PREFILL_GROUP_BYTES", 3 * one_w13)
     assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == 3 * one_w13
 
 
-@pytest.mark.parametrize("preset, dequantised", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])
+@pytest.mark.parametrize("inter, hidden, want", [(2880, 2880, PREFILL_GROUP), (2048, 7168, PREFILL_GROUP),
+                                                 (768, 2048, 42), (512, 2048, 64), (64, 256, 64)])
+def test_prefill_group_holds_its_bytes(inter: int, hidden: int, want: int) -> None:
+    """Small experts go many to a launch, within the byte budget; big ones keep the floor."""
+    from ferryman.layers.batched_moe import PREFILL_GROUP_BYTES, prefill_group
+
+    got = prefill_group(inter, hidden, 2)
+    assert got == want
+    assert got == PREFILL_GROUP or got * 2 * inter * hidden * 2 <= PREFILL_GROUP_BYTES
+
+
+@pytest.mark.parametrize("preset, dequantised", [("gpt-oss-20b", 8), ("qwen3-30b-a3b", 0)])  # batched, grouped
 def test_planner_counts_what_the_default_path_dequantises(preset: str, dequantised: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """MXFP4 experts take the batched path (a group of 8 dequantised at once), bf16 ones the
-    grouped GEMM (none); with the torch kernels (PlanRequest.kernels) the grouped kernel cannot run and fused_moe
+    """MXFP4 experts take the batched path (a group of 8 dequantised at once: 256 MiB of gpt-oss's), bf16
+    ones the grouped GEMM (none); with the torch kernels (PlanRequest.kernels) the grouped kernel cannot run and fused_moe
     falls back to the batched path, which the plan then counts."""
     from ferryman.models.registry import model_config
     from ferryman.layers.backend import triton_available
     from ferryman.planner import activation_bytes
     from ferryman.weights.presets import get_preset
 
-    if not triton_available():
-        dequantised = 8  # no grouped kernel: the batched path
     cfg = model_config(get_preset(preset))
     one_w13 = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    batched = prefill_group(cfg.moe_intermediate_size, cfg.hidden_size, 2)  # 8 for gpt-oss, 42 for qwen3-30b
+    if not triton_available():
+        dequantised = batched  # no grouped kernel: the batched path
     with monkeypatch.context() as m:
         _force_prefill_path(m, "grouped")
         base = activation_bytes(cfg, torch.bfloat16, 2048, 1)
     assert activation_bytes(cfg, torch.bfloat16, 2048, 1) - base == dequantised * one_w13
-    assert activation_bytes(cfg, torch.bfloat16, 2048, 1, kernels="torch") - base == 8 * one_w13
+    assert activation_bytes(cfg, torch.bfloat16, 2048, 1, kernels="torch") - base == batched * one_w13
 
 
 @pytest.mark.gpu
@@ -254,6 +267,6 @@ def test_cuda_batched_peak_stays_within_the_planners_moe_share(skew: bool) -> No
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     item = x.element_size()
-    share = t * k * (item * (3 * i + h) + 4 * h) + PREFILL_GROUP * 2 * i * h * item
+    share = t * k * (item * (3 * i + h) + 4 * h) + prefill_group(i, h, item) * 2 * i * h * item
     assert out.shape == (t, h) and out.isfinite().all()
     assert extra <= share, f"batched MoE peak {extra / 2**20:.0f} MiB > the planner's {share / 2**20:.0f} MiB"

@@ -11,7 +11,9 @@ Invariants:
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
 Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2 is made), as
-the planner counts it (planner.activation_bytes).
+the planner counts it (planner.activation_bytes). The group is sized in bytes (`prefill_group`):
+small experts go many to a launch, since a layer of hundreds of few-token experts (qwen3-next's
+512) is otherwise bound by launches, not by the GPU.
 """
 
 from __future__ import annotations
@@ -26,21 +28,32 @@ from ferryman.layers.moe_common import (MoEActivation, Upload, apply_activation,
                                         to_device)
 from ferryman.quant import Banks, ExpertFormat
 
-PREFILL_GROUP = 8  # experts dequantised and multiplied per launch (the planner counts their w13)
+PREFILL_GROUP = 8  # fewest experts dequantised and multiplied per launch (the planner counts their w13)
+PREFILL_GROUP_MAX = 64  # most experts per launch
+PREFILL_GROUP_BYTES = 256 << 20  # a group's dequantised w13 up to this size, when above PREFILL_GROUP experts
+
+
+def prefill_group(intermediate: int, hidden: int, itemsize: int) -> int:
+    """Experts per launch for experts of this shape: as many as PREFILL_GROUP_BYTES of dequantised w13
+    (2 I H values each) hold, within PREFILL_GROUP .. PREFILL_GROUP_MAX."""
+    fit = PREFILL_GROUP_BYTES // max(2 * intermediate * hidden * itemsize, 1)
+    return max(PREFILL_GROUP, min(PREFILL_GROUP_MAX, fit))
 
 
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_w: torch.Tensor, act: MoEActivation, group: int = PREFILL_GROUP,
+                      topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
                       host_ids: torch.Tensor | None = None,
                       inputs_issued: Callable[[], None] | None = None,
                       upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids, upload:
     as `fused_moe`'s. inputs_issued: called once the pair layout's host -> device copy is issued,
-    before the groups' launches (the caller's large copies then delay no input of these kernels)."""
+    before the groups' launches (the caller's large copies then delay no input of these kernels).
+    group: experts per launch (default `prefill_group` of the banks' shape)."""
+    num_slots, hidden, inter = form.dims(banks)
+    group = prefill_group(inter, hidden, x.element_size()) if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
-    num_slots, hidden, _ = form.dims(banks)
     slots, order, counts = group_by_slot(topk_ids, num_slots, host_ids, upload)
     P = T * K
     layout = padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
