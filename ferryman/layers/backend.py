@@ -35,3 +35,9 @@ def moe_triton(x: torch.Tensor, small: bool) -> bool:
             raise ValueError("FERRYMAN_KERNELS=triton but triton is not importable")
         return False
     return choice == "triton" or small
+
+
+def moe_fused_act(x: torch.Tensor) -> bool:
+    """The batched MoE path's fused bias and activation (moe_act_triton.bias_act): CUDA tensors,
+    Triton importable, and not FERRYMAN_KERNELS=torch."""
+    return use_triton(x) and envs.KERNELS != "torch"

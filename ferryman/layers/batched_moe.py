@@ -9,7 +9,9 @@ Invariants:
 - padding rows read a real row of their own expert (finite values), get weight 0, and are written
   to a spare row P of the output that nothing reads;
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
-  the reference's index_add_ sequence does; only the GEMMs (bmm against mm) may round differently.
+  the reference's index_add_ sequence does; only the GEMMs (bmm against mm) and, on CUDA with
+  Triton, the bias and activation (one fused kernel in fp32, rounded once: `bias_act`) may round
+  differently.
 Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2 is made), as
 the planner counts it (planner.activation_bytes). The group is sized in bytes (`prefill_group`):
 small experts go many to a launch, since a layer of hundreds of few-token experts (qwen3-next's
@@ -24,6 +26,7 @@ from itertools import accumulate
 
 import torch
 
+from ferryman.layers import backend
 from ferryman.layers.moe_common import (MoEActivation, Upload, apply_activation, group_by_slot, sum_in_slot_order,
                                         to_device)
 from ferryman.quant import Banks, ExpertFormat
@@ -156,9 +159,14 @@ def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torc
     w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
     gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
     del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
-    if bias is not None:
-        gate_up += bias[0][:, None, :]
-    h = apply_activation(gate_up, act)  # [G, m, I]
+    if backend.moe_fused_act(xs):
+        from ferryman.layers.moe_act_triton import bias_act
+
+        h = bias_act(gate_up, None if bias is None else bias[0], act.kind, act.alpha, act.limit)  # [G, m, I]
+    else:
+        if bias is not None:
+            gate_up += bias[0][:, None, :]
+        h = apply_activation(gate_up, act)  # [G, m, I]
     del gate_up
     w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
     torch.bmm(h, w2.transpose(1, 2), out=out)  # [G, m, H]

@@ -1,7 +1,9 @@
-"""The MoE activation and the gate/up row map in Triton, shared by the decode and grouped kernels."""
+"""The MoE activation and the gate/up row map in Triton, shared by the decode and grouped kernels, and
+`bias_act`: the batched prefill path's bias and activation in one kernel."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -26,3 +28,41 @@ def gate_up_rows(n, I: tl.constexpr, ACT: tl.constexpr):
     if ACT == 0:
         return n, n + I
     return 2 * n, 2 * n + 1
+
+
+@triton.jit
+def _bias_act_kernel(gu_ptr, b_ptr, h_ptr, alpha, limit, M, I: tl.constexpr, ACT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    # program (row r of G*M rows, column tile): h[r, n] = act(gate + b_gate, up + b_up) in fp32,
+    # rounded once; the row's expert (for its bias) is r // M
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    nm = n < I
+    gi, ui = gate_up_rows(n, I, ACT)
+    gate = tl.load(gu_ptr + r * 2 * I + gi, mask=nm, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + r * 2 * I + ui, mask=nm, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        e = r // M
+        gate += tl.load(b_ptr + e * 2 * I + gi, mask=nm, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + e * 2 * I + ui, mask=nm, other=0.0).to(tl.float32)
+    h = moe_act(gate, up, alpha, limit, ACT)
+    tl.store(h_ptr + r * I + n, h.to(h_ptr.dtype.element_ty), mask=nm)
+
+
+def bias_act(gate_up: torch.Tensor, bias: torch.Tensor | None, kind: str, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up [G, M, 2I] (contiguous), bias [G, 2I] or None -> act(gate_up + bias) [G, M, I] in
+    gate_up's dtype, one launch: the batched prefill path's bias and activation (torch: 4-8 kernels
+    of full-size temporaries)."""
+    G, M, two_i = gate_up.shape
+    if two_i % 2 or not gate_up.is_contiguous() or (bias is not None and tuple(bias.shape) != (G, two_i)):
+        raise ValueError(f"bias_act: gate_up {tuple(gate_up.shape)} (contiguous {gate_up.is_contiguous()}), "
+                         f"bias {None if bias is None else tuple(bias.shape)}")
+    inter = two_i // 2
+    h = torch.empty((G, M, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if h.numel() == 0:
+        return h
+    BN = min(1024, triton.next_power_of_2(inter))
+    b = gate_up if bias is None else bias.contiguous()
+    _bias_act_kernel[(G * M, triton.cdiv(inter, BN))](gate_up, b, h, float(alpha), float(limit), M, I=inter,
+                                                      ACT=ACT_KINDS[kind], HAS_BIAS=bias is not None, BN=BN)
+    return h
