@@ -106,14 +106,31 @@ def test_idle_pages_with_cached_prefixes_become_slots_last() -> None:
     _check_owners(t)
 
 
+def test_idle_floor_pages_serve_as_slots_and_come_back_on_demand() -> None:
+    """The KV floor (one max_model_len sequence) is kept for admission, not held idle: with nothing
+    held every KV page but the reserve's becomes a slot, and a sequence of the floor's length gets
+    its pages back (down to min_slots, which never reaches into the floor)."""
+    t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
+    q = t.geo.blocks_per_page
+    assert t.split.rebalance() == 8 and t.split.kv_pages == 0
+    _check_owners(t)
+    seq = _seq(1, 3 * q * BS)  # the floor's length
+    assert t.split.ensure_kv(t.pool.shortfall(seq, seq.num_tokens))
+    assert t.pool.allocate_for(seq, seq.num_tokens) and t.split.kv_pages == 3 and t.split.expert_pages == 7
+    assert t.split.rebalance() == 0  # no page of a held sequence moves
+    assert not t.split.ensure_kv(t.pool.num_blocks)  # min_slots stops it
+    assert t.split.expert_pages == 2 and t.split.kv_pages == 8 and t.cache.table.active[PINNED_PAGE]
+    _check_owners(t)
+    t.pool.free(seq)
+
+
 def test_kv_floor_reserve_and_bounds_are_kept() -> None:
     t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
-    t.split.rebalance()
-    assert t.split.kv_pages == 3  # the floor: one max_model_len sequence
-    assert t.split.rebalance() == 0 and t.split.kv_pages == 3
+    q = t.geo.blocks_per_page
+    t.split.set_bounds(max_slots=2)
+    assert t.split.rebalance() == 0 and t.split.kv_pages == 8  # max_slots
     assert not t.split.ensure_kv(t.pool.num_blocks)  # min_slots stops it
     assert t.split.expert_pages == 2 and t.cache.table.active[PINNED_PAGE]
-    q = t.geo.blocks_per_page
     t.split.set_bounds(min_slots=1, max_slots=4, kv_reserve=7 * q)
     assert t.split.rebalance() == 1 and t.split.free_blocks == 7 * q  # the reserve stays free
     t.split.set_bounds(kv_reserve=0)
