@@ -1,0 +1,128 @@
+"""`ferryman plan`'s predictions (plan_report.predict) on synthetic calibrations: the load replayed
+through the engine's scheduling (chunk-major FCFS, layer-major jobs that share one stream of
+experts), rates from the calibration, and the device-compute figures of a calibration file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferryman.calibrate.calibration import DeviceCompute, load, save
+from ferryman.models.registry import model_config
+from ferryman.plan_report import LAYER_S, Load, Rates, StepCosts, predict, simulate, used_experts
+from ferryman.planner import MemoryPlan, PlanRequest, plan_memory
+from ferryman.weights.presets import get_preset
+from tiny_models import calibration_of, preset_config
+
+# a synthetic device: a MoE layer costs 1 ms + 1 us per token, GEMMs run at 300 TFLOP/s
+DEVICE = DeviceCompute(((256, 1.256e-3), (4096, 5.096e-3)), 3e14)
+RATES = Rates(50e9, "test", DEVICE.moe_seconds, DEVICE.matmul_flops, "test")
+
+
+@pytest.fixture(scope="module")
+def plan() -> MemoryPlan:
+    return plan_memory(PlanRequest(model_config(get_preset("gpt-oss-20b")), torch.bfloat16, 8 << 30, 8192, 32))
+
+
+def test_device_compute_interpolates_and_round_trips(tmp_path: Path) -> None:
+    assert DEVICE.moe_seconds(256) == pytest.approx(1.256e-3) and DEVICE.moe_seconds(1024) == pytest.approx(2.024e-3)
+    assert DEVICE.moe_seconds(8192) == pytest.approx(9.192e-3)  # the last slope beyond the points
+    assert 0 < DEVICE.moe_seconds(16) <= DEVICE.moe_seconds(256) and DEVICE.moe_seconds(0) >= 0
+    with pytest.raises(ValueError, match="ascending token counts"):
+        DeviceCompute(((1024, 1e-3), (256, 2e-3)), 1e14)
+    cal = calibration_of(preset_config("gpt-oss-20b"), torch.bfloat16, 4000.0, 1000.0)
+    with_device = dataclasses.replace(cal, device=DEVICE)
+    save(with_device, tmp_path / "c.json")
+    assert load(tmp_path / "c.json") == with_device
+    save(cal, tmp_path / "old.json")  # a file without device figures still reads
+    assert load(tmp_path / "old.json").device is None
+
+
+def test_one_user_matches_the_stated_model(plan: MemoryPlan) -> None:
+    """One request alone: its prompt is one chunk-major step (1024 <= the 4096-token step), then
+    O - 1 decode steps; the TTFT is that step's link + kernels + fixed costs, layer by layer."""
+    costs = StepCosts(plan, RATES)
+    p = predict(plan, RATES, Load(1, 1024, 128, 0))
+    slots = costs.slots(-(-1025 // 16))
+    assert slots > plan.expert_slots  # the idle pages of the KV floor serve as slots
+    h = slots / 768
+    link = 32 * (1 - h) * plan.slot_bytes / 50e9  # 1024 uniform tokens use every expert of a layer
+    other = costs.dense_flops * 1024 + 4.0 * 12 * 1024 * 512 * 64 * 64 + 4.0 * 12 * 1024 * 128 * 64 * 64
+    want = 24 * (link + DEVICE.moe_seconds(1024) + LAYER_S) + other / 3e14
+    assert p.ttft_s == pytest.approx(want, rel=0.01)
+    assert 0 < p.output_tok_s < p.decode_tok_s  # the first token's wait is in the load's wall time
+    assert used_experts(32, 4, 1) == pytest.approx(4) and used_experts(32, 4, 1000) == pytest.approx(32)
+
+
+def test_monotonic_in_prompt_length_users_and_link(plan: MemoryPlan) -> None:
+    ttft = [predict(plan, RATES, Load(1, n, 16, 0)).ttft_s for n in (256, 1024, 4000, 6000, 8000)]
+    assert ttft == sorted(ttft) and len(set(ttft)) == len(ttft)
+    users = [predict(plan, RATES, Load(n, 1024, 64)) for n in (1, 2, 4, 8, 16, 32)]
+    assert [p.ttft_s for p in users] == sorted(p.ttft_s for p in users)
+    assert [p.output_tok_s for p in users] == sorted(p.output_tok_s for p in users)
+    assert users[-1].slots < users[0].slots  # 32 users' KV takes pages from the experts
+    faster = dataclasses.replace(RATES, link_bps=100e9)
+    assert predict(plan, faster, Load(4, 1024, 64)).ttft_s < users[2].ttft_s
+    assert predict(plan, faster, Load(4, 1024, 64)).output_tok_s > users[2].output_tok_s
+
+
+def test_layer_major_prompts_share_one_stream(plan: MemoryPlan) -> None:
+    """Prompts longer than a step that arrive together form one layer-major job: each uncached
+    expert crosses the link once for all of them, so two take less than twice one; in chunk-major
+    (no job) each 4096-token chunk streams the misses again."""
+    assert plan.prefill_job_tokens == 8192
+    one = predict(plan, RATES, Load(1, 4100, 1, 0)).ttft_s
+    two = predict(plan, RATES, Load(2, 4000, 1, 0)).ttft_s
+    assert one < two < 2 * one
+    chunked = dataclasses.replace(plan, prefill_job_tokens=0)
+    assert predict(chunked, RATES, Load(1, 8000, 1, 0)).ttft_s > predict(plan, RATES, Load(1, 8000, 1, 0)).ttft_s
+    # a job's layers beside decodes: a decoding user's steps carry a share of the job's layers
+    costs = StepCosts(plan, RATES)
+    ttfts, wall, steps = simulate(costs, Load(2, 6000, 8, 0))
+    assert len(ttfts) == 2 and wall > max(ttfts) and steps >= 8
+
+
+def test_fcfs_chunks_order_the_first_tokens(plan: MemoryPlan) -> None:
+    """Eight 1024-token prompts together: four fill a 4096-token step, the next four wait for it."""
+    ttfts, _, _ = simulate(StepCosts(plan, RATES), Load(8, 1024, 4, 0))
+    first, second = sorted(ttfts)[:4], sorted(ttfts)[4:]
+    assert max(first) - min(first) < 1e-9 and min(second) > 1.5 * max(first)
+
+
+def test_assumed_rates_say_so(plan: MemoryPlan) -> None:
+    p = predict(plan, Rates(55e9, "assumed PCIe 5.0"), Load(1))
+    assert p.compute_source == "assumed" and p.ttft_s > 0 and p.output_tok_s > 0
+
+
+def _tiny_moe():
+    from ferryman.config import ModelConfig
+
+    return ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, router_kind="softmax_topk", router_bias=False, expert_act="silu",
+                       expert_bias=False)
+
+
+def test_device_compute_is_measured_on_the_engine_kernel() -> None:
+    from ferryman.calibrate.device import measure_device_compute
+    from ferryman.layers.fused_moe import MoEActivation
+
+    got = measure_device_compute(_tiny_moe(), torch.float32, MoEActivation(kind="silu"), torch.device("cpu"), 1,
+                                 tokens=(4, 16))
+    assert [t for t, _ in got.moe] == [4, 16] and all(s > 0 for _, s in got.moe) and got.matmul_flops > 0
+
+
+@pytest.mark.gpu
+def test_device_compute_on_cuda_gpt_oss_20b_layer() -> None:
+    """The figures `ferryman bench bw` keeps for `ferryman plan`'s TTFT: an MXFP4 layer of gpt-oss-20b
+    at the measured token counts (grouped and batched paths) and a bf16 GEMM."""
+    from ferryman.calibrate.device import MOE_TOKENS, measure_device_compute
+    from ferryman.engine.model_runner import expert_activation
+
+    cfg = model_config(get_preset("gpt-oss-20b"))
+    got = measure_device_compute(cfg, torch.bfloat16, expert_activation(cfg), torch.device("cuda"), 3)
+    assert [t for t, _ in got.moe] == list(MOE_TOKENS) and all(0 < s < 1.0 for _, s in got.moe)
+    assert got.moe[-1][1] > got.moe[0][1] and 1e13 < got.matmul_flops < 1e16
