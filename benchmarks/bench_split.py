@@ -8,7 +8,7 @@ requests per level in its config). The prediction (ferryman/plan_report.py `pred
 load through the engine's scheduling; its link rate comes from the server's /v1/stats (--stats:
 bytes copied / copy time) when given, else the calibration, else the assumed PCIe 5.0 rate; its
 compute rates from the calibration (`ferryman bench bw`, --calibration or the default file), else
-assumed. Prints one row per level: output tok/s and TTFT p50, measured and predicted, their ratio,
+measured here on CUDA by the same code (calibrate/device.py), else assumed. Prints one row per level: output tok/s and TTFT p50, measured and predicted, their ratio,
 whether each is within 20%, and the issue's targets for gpt-oss-20b (1 user >= 50 tok/s, 4 users
 >= 1.3 x 1 user, 32 users >= 180 tok/s) where a level matches.
 """
@@ -16,6 +16,7 @@ whether each is within 20%, and the issue's targets for gpt-oss-20b (1 user >= 5
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ferryman.calibrate.device import measure_device_compute  # noqa: E402
 from ferryman.cli import calibrated_rates  # noqa: E402
 from ferryman.config import EngineConfig  # noqa: E402
+from ferryman.engine.model_runner import expert_activation  # noqa: E402
 from ferryman.experts.placement import engine_plan  # noqa: E402
 from ferryman.models.registry import model_config  # noqa: E402
 from ferryman.plan_report import Load, predict  # noqa: E402
@@ -83,6 +86,12 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     plan = engine_plan(ecfg, cfg, dtype, device, ecfg.context_len(cfg))
     rates = calibrated_rates(cfg, dtype, a.calibration, link_from_stats(a.stats))
+    if rates.moe_seconds is None and device.type == "cuda":  # no calibration with device figures: measure them
+        dc = measure_device_compute(cfg, dtype, expert_activation(cfg), device, reps=5)
+        rates = dataclasses.replace(rates, moe_seconds=dc.moe_seconds, matmul_flops=dc.matmul_flops,
+                                    compute_source="measured now (calibrate/device.py, as `ferryman bench bw` does)")
+        print("device: MoE layer " + ", ".join(f"{t} tokens {s * 1e3:.2f} ms" for t, s in dc.moe)
+              + f"; GEMM {dc.matmul_flops / 1e12:.0f} TFLOP/s")
     print(f"link {rates.link_bps / 1e9:.1f} GB/s ({rates.link_source}); compute {rates.compute_source}; plan: "
           f"{plan.expert_slots} slots of {len(cfg.moe_layers) * cfg.num_experts}, KV {plan.kv_tokens} tokens at start")
     cols = ("users", "prompt", "tok_s", "pred_tok_s", "tok_ratio", "ttft_s", "pred_ttft_s", "ttft_ratio", "within_20",
