@@ -93,9 +93,9 @@ def _link_estimate(plan: MemoryPlan) -> str:
 #     else layers_per_step of them beside each decode step (no admission beside a job);
 #   - routing is uniform (dummy weights): T tokens use U(T) = E (1 - (1 - k/E)^T) experts of a MoE
 #     layer, each cached with probability h = slots / (L E);
-#   - slots: the shared region's pages less the KV pages of the tokens held and the reserve of one
-#     step's tokens, between the engine's least (2 E) and every expert (engine/memory_split.py: idle
-#     pages, the KV floor's too, serve as slots);
+#   - slots: the shared region's pages less its KV pages, which follow engine/memory_split.py: they
+#     grow when a step needs blocks (down to the engine's least slots, 2 E) and after each step
+#     give their idle pages beyond the reserve (one step's tokens) to the experts, the KV floor's too;
 #   - a decode-only step: per MoE layer its misses over the link, then LAYER_S and its experts' bytes
 #     at HBM_BPS (the copies wait on the layer's routing, nothing hides them);
 #   - a step with prompt tokens (a chunk, or a job's layers): per MoE layer its misses over the link,
@@ -172,13 +172,23 @@ class StepCosts:
         embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         self.dense_flops = 2.0 * max(0, non_expert_params(cfg) - embed)
 
-    def slots(self, kv_blocks: int) -> int:
-        """Expert slots while the sequences hold `kv_blocks` KV blocks."""
-        geo = self.plan.pages
+    def kv_pages(self, pages: int, held: int, after: bool) -> int:
+        """The split's KV pages as engine/memory_split.py moves them, from `pages` while the sequences
+        hold `held` blocks: before a step `ensure_kv` grows them to what the step needs (not below
+        the least slots); after it `rebalance` lends idle pages while the free blocks beyond the
+        reserve fill a page (not above every expert)."""
+        geo, region = self.plan.pages, self.plan.region_pages
         if geo is None:
-            return self.plan.expert_slots
-        kv_pages = -(-(kv_blocks + self.reserve_blocks) // geo.blocks_per_page)
-        return max(self.least, min(self.most, self.plan.region_pages - kv_pages))
+            return 0
+        q = geo.blocks_per_page
+        need = -(-held // q)
+        if not after:
+            return max(pages, min(need, region - self.least))
+        lend = min(max(0, (pages * q - held - self.reserve_blocks) // q), pages - need, self.most - (region - pages))
+        return pages - max(0, lend)
+
+    def slots(self, kv_pages: int) -> int:
+        return self.plan.expert_slots if self.plan.pages is None else self.plan.region_pages - kv_pages
 
     def hit(self, slots: int) -> float:
         return min(1.0, slots / max(1, self.moe_layers * self.experts))
@@ -227,85 +237,124 @@ class _Job:
     done: int = 0
 
 
-def simulate(costs: StepCosts, load: Load) -> tuple[list[float], float, int]:
-    """Replay `load` through the engine's scheduling: (TTFT of each request, wall seconds, steps)."""
-    r, plan = costs.plan.request, costs.plan
-    P, O, C, S = load.prompt_tokens, load.output_tokens, r.max_num_batched_tokens or P, r.max_num_seqs
-    L, J, bs = costs.cfg.num_layers, plan.prefill_job_tokens, r.block_size
-    arrivals = [0.0] * min(load.users, load.total_requests)
-    sent, ttfts, t, steps = len(arrivals), [], 0.0, 0
-    waiting: deque[_Request] = deque()
-    running: list[_Request] = []
-    job: _Job | None = None
-    while len(ttfts) < load.total_requests or running:
-        waiting.extend(_Request(a) for a in arrivals if a <= t)
-        arrivals = [a for a in arrivals if a > t]
-        if not running and job is None and not waiting:
-            t = min(arrivals)
-            continue
-        budget, scheduled = C, []
-        for req in running:
+@dataclass
+class Replay:
+    """The outcome of `simulate`: each request's TTFT, the load's wall seconds, the engine's steps,
+    and the expert slots of its decode-only steps, weighted by their time (None: there were none)."""
+
+    ttfts: list[float]
+    wall_s: float
+    steps: int
+    decode_slots: float | None
+
+
+class _Engine:
+    """The scheduler's policy (engine/scheduler.py, prefill_job.py) over `_Request`s, costed by StepCosts."""
+
+    def __init__(self, costs: StepCosts, load: Load) -> None:
+        r, plan = costs.plan.request, costs.plan
+        self.costs, self.load = costs, load
+        self.P, self.C, self.S = load.prompt_tokens, r.max_num_batched_tokens or 1, r.max_num_seqs
+        self.L, self.J, self.bs = costs.cfg.num_layers, plan.prefill_job_tokens, r.block_size
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.job: _Job | None = None
+        self.kv = plan.region_pages - plan.expert_slots if plan.pages is not None else 0  # KV pages now
+
+    def schedule(self) -> tuple[list[tuple[_Request, int]], int]:
+        """(scheduled (request, tokens), job layers) of the next step."""
+        P, budget, scheduled = self.P, self.C, []
+        for req in self.running:  # decodes and prefill chunks of running sequences first
             if budget == 0:
                 break
-            n = 1 if req.computed >= P else min(P - req.computed, budget)
-            scheduled.append((req, n))
-            budget -= n
-        if job is None and J and waiting and P > C:  # a layer-major job: the head and those behind it
+            scheduled.append((req, 1 if req.computed >= P else min(P - req.computed, budget)))
+            budget -= scheduled[-1][1]
+        if self.job is None and self.J and self.waiting and P > self.C:  # the head and those behind it
             members = []
-            while waiting and len(running) + len(members) < S and (len(members) + 1) * P <= J:
-                members.append(waiting.popleft())
-            job = _Job(members, max(1, L * C // max(1, len(members) * P))) if members else None
-        if job is None:
-            while waiting and budget > 0 and len(running) < S:
-                req = waiting.popleft()
-                running.append(req)
-                scheduled.append((req, min(P, budget)))
-                budget -= scheduled[-1][1]
-        layers = 0 if job is None else (min(L - job.done, job.per_step) if scheduled else L - job.done)
-        now = {id(q): n for q, n in scheduled}  # blocks are allocated before the step runs
-        held = sum(-(-(q.computed + q.generated + now.get(id(q), 0)) // bs) for q in running)
-        held += 0 if job is None else len(job.members) * -(-P // bs)
-        hit = costs.hit(costs.slots(held))
-        pieces = [(q.computed, n) for q, n in scheduled if q.computed < P]
+            while self.waiting and len(self.running) + len(members) < self.S and (len(members) + 1) * P <= self.J:
+                members.append(self.waiting.popleft())
+            self.job = _Job(members, max(1, self.L * self.C // max(1, len(members) * P))) if members else None
+        while self.job is None and self.waiting and budget > 0 and len(self.running) < self.S:  # FCFS
+            self.running.append(self.waiting.popleft())
+            scheduled.append((self.running[-1], min(P, budget)))
+            budget -= scheduled[-1][1]
+        if self.job is None:
+            return scheduled, 0
+        left = self.L - self.job.done
+        return scheduled, min(left, self.job.per_step) if scheduled else left
+
+    def held(self, scheduled: list[tuple[_Request, int]]) -> int:
+        """KV blocks the sequences hold (a step's blocks are allocated before it runs)."""
+        now = {id(q): n for q, n in scheduled}
+        held = sum(-(-(q.computed + q.generated + now.get(id(q), 0)) // self.bs) for q in self.running)
+        return held + (0 if self.job is None else len(self.job.members) * -(-self.P // self.bs))
+
+    def step_s(self, scheduled: list[tuple[_Request, int]], layers: int, hit: float) -> float:
+        pieces = [(q.computed, n) for q, n in scheduled if q.computed < self.P]
         tokens = sum(n for _, n in scheduled)
-        if pieces:
-            t += costs.prompt_s(tokens, pieces, hit)
-        elif scheduled:
-            t += costs.decode_s(tokens, hit)
+        seconds = self.costs.prompt_s(tokens, pieces, hit) if pieces else \
+            self.costs.decode_s(tokens, hit) if scheduled else 0.0
         if layers:
-            assert job is not None
-            t += costs.prompt_s(len(job.members) * P, [(0, P)] * len(job.members), hit, C) * layers / L
-            job.done += layers
-        steps += 1
-        sampled = [q for q, n in scheduled if (q.computed >= P) or (q.computed + n >= P)]
+            assert self.job is not None
+            n = len(self.job.members)
+            seconds += self.costs.prompt_s(n * self.P, [(0, self.P)] * n, hit, self.C) * layers / self.L
+            self.job.done += layers
+        return seconds
+
+    def update(self, scheduled: list[tuple[_Request, int]]) -> list[_Request]:
+        """Advance the computed tokens; returns the requests that sampled a token."""
+        sampled = [q for q, n in scheduled if q.computed + n >= self.P]
         for q, n in scheduled:
-            q.computed = min(P, q.computed + n)
-        if job is not None and job.done == L:
-            running.extend(job.members)
-            sampled += job.members
-            for q in job.members:
-                q.computed = P
-            job = None
-        for q in sampled:
+            q.computed = min(self.P, q.computed + n)
+        if self.job is not None and self.job.done == self.L:
+            for q in self.job.members:
+                q.computed = self.P
+            self.running += self.job.members
+            sampled += self.job.members
+            self.job = None
+        return sampled
+
+
+def simulate(costs: StepCosts, load: Load) -> Replay:
+    """Replay `load` through the engine's scheduling, step by step, with `costs`' step times."""
+    eng = _Engine(costs, load)
+    total = load.total_requests
+    arrivals = [0.0] * min(load.users, total)
+    sent, ttfts, t, steps, decode_t, decode_slots = len(arrivals), [], 0.0, 0, 0.0, 0.0
+    while len(ttfts) < total or eng.running:
+        eng.waiting.extend(_Request(a) for a in arrivals if a <= t)
+        arrivals = [a for a in arrivals if a > t]
+        if not eng.running and eng.job is None and not eng.waiting:
+            t = min(arrivals)
+            continue
+        scheduled, layers = eng.schedule()
+        eng.kv = costs.kv_pages(eng.kv, eng.held(scheduled), after=False)
+        slots = costs.slots(eng.kv)
+        seconds = eng.step_s(scheduled, layers, costs.hit(slots))
+        if not layers and all(q.computed >= load.prompt_tokens for q, _ in scheduled):
+            decode_t, decode_slots = decode_t + seconds, decode_slots + seconds * slots
+        t, steps = t + seconds, steps + 1
+        for q in eng.update(scheduled):
             q.generated += 1
             if q.first is None:
                 q.first = t
                 ttfts.append(t - q.arrival)
-            if q.generated >= O:
-                running.remove(q)
-                if sent < load.total_requests:
+            if q.generated >= load.output_tokens:
+                eng.running.remove(q)
+                if sent < total:  # the client's next request
                     arrivals.append(t + CLIENT_S)
                     sent += 1
-    return ttfts, t, steps
+        eng.kv = costs.kv_pages(eng.kv, eng.held([]), after=True)
+    return Replay(ttfts, t, steps, decode_slots / decode_t if decode_t else None)
 
 
 def predict(plan: MemoryPlan, rates: Rates, load: Load) -> Prediction:
     costs = StepCosts(plan, rates)
-    steady = costs.slots(load.users * -(-(load.prompt_tokens + load.output_tokens) // plan.request.block_size))
-    decode = load.users / costs.decode_s(load.users, costs.hit(steady))
-    ttfts, wall, _ = simulate(costs, load)
-    return Prediction(load.users, costs.hit(steady), steady, decode,
-                      load.total_requests * load.output_tokens / wall, statistics.median(ttfts),
+    replay = simulate(costs, load)
+    slots = replay.decode_slots if replay.decode_slots is not None else float(plan.expert_slots)
+    decode = load.users / costs.decode_s(load.users, costs.hit(round(slots)))
+    return Prediction(load.users, costs.hit(round(slots)), round(slots), decode,
+                      load.total_requests * load.output_tokens / replay.wall_s, statistics.median(replay.ttfts),
                       rates.link_bps / 1e9, rates.link_source, rates.compute_source)
 
 
