@@ -276,9 +276,11 @@ def calibrated_rates(cfg: ModelConfig, dtype: Any, path: str | None = None,
     if link is None and cal is not None and cal.h2d is not None:
         link = (cal.h2d.gbps * 1e9, "calibrated")
     link = link or (ASSUMED_LINK[1], f"assumed {ASSUMED_LINK[0]}: {why if cal is None else 'no host -> device rate'}")
-    if cal is not None and cal.device is not None:
-        return Rates(*link, cal.device.moe_seconds, cal.device.matmul_flops, "calibrated")
-    lacking = "no calibration" if cal is None else "the calibration has no device compute: `ferryman bench bw` on a GPU"
+    device = cal.device if cal is not None else None
+    if device is not None and device.experts == cfg.num_experts:
+        return Rates(*link, device.moe_seconds, device.matmul_flops, "calibrated")
+    lacking = "no calibration" if cal is None else "the calibration has no device compute: `ferryman bench bw` on a GPU" \
+        if device is None else f"the calibration's device figures are for {device.experts} experts a layer"
     return Rates(*link, compute_source=f"assumed {FLOPS / 1e12:.0f} TFLOP/s ({lacking})")
 
 

@@ -18,7 +18,7 @@ from ferryman.weights.presets import get_preset
 from tiny_models import calibration_of, preset_config
 
 # a synthetic device: a MoE layer costs 1 ms + 1 us per token, GEMMs run at 300 TFLOP/s
-DEVICE = DeviceCompute(((256, 1.256e-3), (4096, 5.096e-3)), 3e14)
+DEVICE = DeviceCompute(((256, 1.256e-3), (4096, 5.096e-3)), 3e14, 32)
 RATES = Rates(50e9, "test", DEVICE.moe_seconds, DEVICE.matmul_flops, "test")
 
 
@@ -32,7 +32,7 @@ def test_device_compute_interpolates_and_round_trips(tmp_path: Path) -> None:
     assert DEVICE.moe_seconds(8192) == pytest.approx(9.192e-3)  # the last slope beyond the points
     assert 0 < DEVICE.moe_seconds(16) <= DEVICE.moe_seconds(256) and DEVICE.moe_seconds(0) >= 0
     with pytest.raises(ValueError, match="ascending token counts"):
-        DeviceCompute(((1024, 1e-3), (256, 2e-3)), 1e14)
+        DeviceCompute(((1024, 1e-3), (256, 2e-3)), 1e14, 32)
     cal = calibration_of(preset_config("gpt-oss-20b"), torch.bfloat16, 4000.0, 1000.0)
     with_device = dataclasses.replace(cal, device=DEVICE)
     save(with_device, tmp_path / "c.json")
@@ -141,3 +141,25 @@ def test_device_compute_on_cuda_gpt_oss_20b_layer() -> None:
     got = measure_device_compute(cfg, torch.bfloat16, expert_activation(cfg), torch.device("cuda"), 3)
     assert [t for t, _ in got.moe] == list(MOE_TOKENS) and all(0 < s < 1.0 for _, s in got.moe)
     assert got.moe[-1][1] > got.moe[0][1] and 1e13 < got.matmul_flops < 1e16
+
+
+def test_plan_takes_its_rates_from_the_calibration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ferryman plan --calibration`: the link and the device's compute of the file; device figures
+    measured over another expert count (gpt-oss-20b's 32, read for gpt-oss-120b's 128, one key) are
+    not used."""
+    from ferryman.calibrate.calibration import Rate
+    from ferryman.cli import calibrated_rates, main
+
+    cfg20 = preset_config("gpt-oss-20b")
+    cal = calibration_of(cfg20, torch.bfloat16, 4000.0, 1000.0)
+    cal = dataclasses.replace(cal, h2d=Rate.of(1 / 3000.0, cal.key["row_bytes"], 5), device=DEVICE)
+    save(cal, tmp_path / "cal.json")
+    rates = calibrated_rates(cfg20, torch.bfloat16, str(tmp_path / "cal.json"))
+    assert rates.link_bps == pytest.approx(3000.0 * cal.key["row_bytes"]) and rates.compute_source == "calibrated"
+    assert rates.moe_seconds(1024) == pytest.approx(DEVICE.moe_seconds(1024))
+    big = calibrated_rates(preset_config("gpt-oss-120b"), torch.bfloat16, str(tmp_path / "cal.json"))
+    assert big.moe_seconds is None and "for 32 experts a layer" in big.compute_source
+    assert calibrated_rates(cfg20, torch.bfloat16, str(tmp_path / "cal.json"), (1e9, "server")).link_bps == 1e9
+    assert main(["plan", "gpt-oss-20b", "--gpu-memory", "8GiB", "--calibration", str(tmp_path / "cal.json")]) == 0
+    out = capsys.readouterr().out
+    assert "GB/s calibrated; compute calibrated" in out and "TTFT p50" in out

@@ -62,6 +62,7 @@ def token_slope(one: float, many: float, tokens: int = CPU_SLOPE_TOKENS) -> floa
 class DeviceCompute:
     moe: tuple[tuple[int, float], ...]  # (tokens, seconds of one MoE layer), tokens ascending
     matmul_flops: float  # flop/s of a large GEMM in the model's dtype
+    experts: int  # the layer's routed experts the tokens were spread over (not in the key: one geometry, many counts)
 
     def __post_init__(self) -> None:
         tokens = [t for t, _ in self.moe]
@@ -85,7 +86,8 @@ class DeviceCompute:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "DeviceCompute":
-        return DeviceCompute(tuple((int(t), float(s)) for t, s in data["moe"]), float(data["matmul_flops"]))
+        return DeviceCompute(tuple((int(t), float(s)) for t, s in data["moe"]), float(data["matmul_flops"]),
+                             int(data["experts"]))
 
 
 @dataclass

@@ -68,4 +68,4 @@ def measure_device_compute(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivat
     b = torch.randn(hidden, 4 * hidden, generator=gen).to(device=device, dtype=dtype)  # [H, 4H]
 
     seconds = _seconds(lambda: a @ b, device, reps)
-    return DeviceCompute(tuple(points), 2.0 * MATMUL_TOKENS * hidden * 4 * hidden / seconds)
+    return DeviceCompute(tuple(points), 2.0 * MATMUL_TOKENS * hidden * 4 * hidden / seconds, cfg.num_experts)
