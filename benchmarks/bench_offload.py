@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.engine.warm_up import warm_up  # noqa: E402
-from ferryman.cli import calibrated_rates  # noqa: E402
+from ferryman.cli_bench import calibrated_rates  # noqa: E402
 from ferryman.plan_report import Load, predict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

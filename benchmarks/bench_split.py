@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman.calibrate.device import measure_device_compute  # noqa: E402
-from ferryman.cli import calibrated_rates  # noqa: E402
+from ferryman.cli_bench import calibrated_rates  # noqa: E402
 from ferryman.config import EngineConfig  # noqa: E402
 from ferryman.engine.model_runner import expert_activation  # noqa: E402
 from ferryman.experts.placement import engine_plan  # noqa: E402

@@ -14,6 +14,7 @@ from ferryman.cli_bench import (
     Parser,
     RawHelpFormatter,
     add_bench,
+    calibrated_rates,
     cmd_bench,
     existing_file,
     size,
@@ -260,28 +261,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
         loads = [Load(n, a.prompt_tokens, a.output_tokens) for n in sorted({1, 4, plan.request.max_num_seqs})]
         print(describe_predictions([predict(plan, rates, load) for load in loads], loads[0]))
     return 0
-
-
-def calibrated_rates(cfg: ModelConfig, dtype: Any, path: str | None = None,
-                     link: tuple[float, str] | None = None) -> Any:
-    """The predictions' rates (plan_report.Rates): the link (`link` as given, e.g. measured by a
-    server, else this machine's calibration, else the assumed PCIe 5.0 rate) and the device's compute
-    (the calibration's, `ferryman bench bw` on a CUDA machine, else assumed), each with its source."""
-    from pathlib import Path
-
-    from ferryman.calibrate.calibration import expert_key, load_matching
-    from ferryman.plan_report import ASSUMED_LINK, FLOPS, Rates
-
-    cal, why = load_matching(expert_key(cfg, dtype), Path(path) if path else None)
-    if link is None and cal is not None and cal.h2d is not None:
-        link = (cal.h2d.gbps * 1e9, "calibrated")
-    link = link or (ASSUMED_LINK[1], f"assumed {ASSUMED_LINK[0]}: {why if cal is None else 'no host -> device rate'}")
-    device = cal.device if cal is not None else None
-    if device is not None and device.experts == cfg.num_experts:
-        return Rates(*link, device.moe_seconds, device.matmul_flops, "calibrated")
-    lacking = "no calibration" if cal is None else "the calibration has no device compute: `ferryman bench bw` on a GPU" \
-        if device is None else f"the calibration's device figures are for {device.experts} experts a layer"
-    return Rates(*link, compute_source=f"assumed {FLOPS / 1e12:.0f} TFLOP/s ({lacking})")
 
 
 def cmd_info(a: argparse.Namespace) -> int:

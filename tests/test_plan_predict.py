@@ -148,7 +148,8 @@ def test_plan_takes_its_rates_from_the_calibration(tmp_path: Path, capsys: pytes
     measured over another expert count (gpt-oss-20b's 32, read for gpt-oss-120b's 128, one key) are
     not used."""
     from ferryman.calibrate.calibration import Rate
-    from ferryman.cli import calibrated_rates, main
+    from ferryman.cli import main
+    from ferryman.cli_bench import calibrated_rates
 
     cfg20 = preset_config("gpt-oss-20b")
     cal = calibration_of(cfg20, torch.bfloat16, 4000.0, 1000.0)
