@@ -46,11 +46,11 @@ def measure_device_compute(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivat
                            reps: int, tokens: tuple[int, ...] = MOE_TOKENS) -> DeviceCompute:
     """Time the MoE kernel on random banks of the layer's experts (as many as MAX_BANK_BYTES hold)
     and a GEMM, on `device`; each figure the median of `reps` runs after a warm-up."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # everything is drawn on the device
     points = _moe_points(cfg, dtype, act, device, reps, tokens, gen)
     hidden = cfg.hidden_size
-    a = torch.randn(MATMUL_TOKENS, hidden, generator=gen).to(device=device, dtype=dtype)  # [T, H]
-    b = torch.randn(hidden, 4 * hidden, generator=gen).to(device=device, dtype=dtype)  # [H, 4H]
+    a = torch.randn(MATMUL_TOKENS, hidden, generator=gen, device=device).to(dtype)  # [T, H]
+    b = torch.randn(hidden, 4 * hidden, generator=gen, device=device).to(dtype)  # [H, 4H]
     seconds = _seconds(lambda: a @ b, device, reps)
     return DeviceCompute(points, 2.0 * MATMUL_TOKENS * hidden * 4 * hidden / seconds, cfg.num_experts)
 
@@ -61,12 +61,12 @@ def _moe_points(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, device
     form = get_format(cfg.expert_format)
     hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
     n = min(cfg.num_experts, max(k, MAX_BANK_BYTES // form.expert_bytes(hidden, inter, cfg.expert_bias, dtype)))
-    banks = {name: t.to(device) for name, t in form.random_banks(n, hidden, inter, cfg.expert_bias, dtype, gen).items()}
+    banks = form.random_banks(n, hidden, inter, cfg.expert_bias, dtype, gen, device)
     points = []
     for t in tokens:
-        x = torch.randn(t, hidden, generator=gen).to(device=device, dtype=dtype)  # [T, H]
-        host_ids = torch.rand(t, n, generator=gen).argsort(dim=1)[:, :k]  # [T, K] distinct, int64 as the router's
-        ids, w = host_ids.to(device), torch.full((t, k), 1.0 / k, device=device)  # [T, K] each
+        x = torch.randn(t, hidden, generator=gen, device=device).to(dtype)  # [T, H]
+        ids = torch.rand(t, n, generator=gen, device=device).topk(k, dim=-1).indices  # [T, K] distinct, int64
+        host_ids, w = ids.cpu(), torch.full((t, k), 1.0 / k, device=device)  # the engine has the ids on the host
         run = lambda: fused_moe(cfg.expert_format, banks, x, ids, w, act, host_ids=host_ids)  # noqa: E731, B023
         points.append((t, _seconds(run, device, reps)))
     return tuple(points)
