@@ -253,6 +253,27 @@ def test_preempted_sequences_resume_with_the_same_tokens(reference: list[list[in
     assert split["num_preemptions"] > 0 and split["moves_to_kv"] == 0
 
 
+def test_a_lone_short_sequence_leaves_the_kv_floor_to_the_experts() -> None:
+    """A budget whose KV floor is one 512-token sequence: a 23-token request leaves the floor's idle
+    pages as expert slots; a 500-token prompt then takes them back (no preemption) as a layer-major
+    job (its admission asks for the pages, as a chunk's does) and its greedy tokens are the resident
+    engine's."""
+    kw = dict(KW, max_model_len=512, max_num_seqs=4)
+    llm = LLM(moe_strategy="offload", gpu_memory="215MiB", min_expert_slots=4, **kw)
+    start = llm.memory_split()
+    assert start["kv_pages"] == start["min_kv_pages"] == 11  # 528 tokens in pages of 3 blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompt_token_ids=[PROMPTS[0]], params=params)
+    lone = llm.memory_split()
+    assert lone["kv_pages"] < 3 and lone["expert_pages"] > start["expert_pages"] + 8
+    long = [(i * 37) % 250 + 3 for i in range(500)]
+    got = llm.generate(prompt_token_ids=[long], params=params)[0].token_ids
+    split = llm.memory_split()
+    assert split["moves_to_kv"] >= 10 and split["num_preemptions"] == 0
+    assert llm.engine.prefill_jobs["jobs"] == 1  # not chunk-major for want of free blocks
+    assert got == LLM(**kw).generate(prompt_token_ids=[long], params=params)[0].token_ids
+
+
 def test_live_bounds_through_the_public_api() -> None:
     from ferryman.errors import ConfigError
 
