@@ -39,7 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.engine.warm_up import warm_up  # noqa: E402
-from ferryman.plan_report import predict  # noqa: E402
+from ferryman.cli_bench import calibrated_rates  # noqa: E402
+from ferryman.plan_report import Load, predict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fewer_layers import fewer_layers  # noqa: E402
@@ -163,9 +164,9 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
     }
     if eng.plan.strategy == "offload":  # `ferryman plan`'s prediction at the measured link rate
-        p_dec = predict(eng.plan, bw, "measured", 1, 128, a.decode_tokens)
-        row["pred_decode_tok_s"] = p_dec.decode_tok_s
-        row["pred_ttft_s"] = predict(eng.plan, bw, "measured", 1, max(1, ttft_len), 1).ttft_s if ttft else None
+        rates = calibrated_rates(eng.cfg, eng.plan.request.dtype, link=(bw, "measured"))
+        row["pred_decode_tok_s"] = predict(eng.plan, rates, Load(1, 128, a.decode_tokens, 0)).decode_tok_s
+        row["pred_ttft_s"] = predict(eng.plan, rates, Load(1, max(1, ttft_len), 1, 0)).ttft_s if ttft else None
     if torch.cuda.is_available() and eng.device.type == "cuda":  # is the plan's activation estimate honest?
         row["peak_gib"] = torch.cuda.max_memory_allocated(eng.device) / 2**30
         row["peak_reserved_gib"] = torch.cuda.max_memory_reserved(eng.device) / 2**30  # what the cap limits

@@ -14,6 +14,7 @@ from ferryman.cli_bench import (
     Parser,
     RawHelpFormatter,
     add_bench,
+    calibrated_rates,
     cmd_bench,
     existing_file,
     size,
@@ -156,9 +157,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                           formatter_class=HelpFormatter)
     plan.add_argument("model", nargs="?", metavar="MODEL", help=MODEL_HELP)
     _plan_flags(plan.add_argument_group("engine"))
-    g = plan.add_argument_group("prediction (offloaded plans: decode tok/s and TTFT at 1, 4 and max-num-seqs users)")
+    g = plan.add_argument_group("prediction (offloaded plans: `ferryman bench serve`'s output tok/s and TTFT at 1, "
+                                "4 and max-num-seqs users)")
     g.add_argument("--prompt-tokens", type=int, default=1024, help="prompt tokens of each request")
     g.add_argument("--output-tokens", type=int, default=128, help="output tokens of each request")
+    g.add_argument("--calibration", metavar="PATH", type=existing_file,
+                   help="rates file of `ferryman bench bw` (default: the one it writes for the model)")
 
 
 def cmd_run(a: argparse.Namespace) -> int:
@@ -244,7 +248,7 @@ def _fmt(v: object) -> str:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     from ferryman.experts.placement import engine_plan
-    from ferryman.plan_report import describe_plan, describe_predictions, predict
+    from ferryman.plan_report import Load, describe_plan, describe_predictions, predict
     from ferryman.weights.build import resolve_dtype, resolve_model
 
     ecfg = engine_config(a)
@@ -253,23 +257,10 @@ def cmd_plan(a: argparse.Namespace) -> int:
     plan = engine_plan(ecfg, cfg, dtype, ecfg.torch_device(), ecfg.context_len(cfg))
     print(describe_plan(plan))
     if plan.strategy == "offload":
-        link, source = calibrated_link(cfg, dtype)
-        users = sorted({1, 4, plan.request.max_num_seqs})
-        preds = [predict(plan, link, source, n, a.prompt_tokens, a.output_tokens) for n in users]
-        print(describe_predictions(preds, a.prompt_tokens, a.output_tokens))
+        rates = calibrated_rates(cfg, dtype, ecfg.calibration)
+        loads = [Load(n, a.prompt_tokens, a.output_tokens) for n in sorted({1, 4, plan.request.max_num_seqs})]
+        print(describe_predictions([predict(plan, rates, load) for load in loads], loads[0]))
     return 0
-
-
-def calibrated_link(cfg: ModelConfig, dtype: Any) -> tuple[float, str]:
-    """Host -> device bytes/s of one expert from this machine's calibration (`ferryman bench bw`), else
-    the assumed PCIe 5.0 rate; and where it came from."""
-    from ferryman.calibrate.calibration import expert_key, load_matching
-    from ferryman.plan_report import ASSUMED_LINK
-
-    cal, why = load_matching(expert_key(cfg, dtype))
-    if cal is not None and cal.h2d is not None:
-        return cal.h2d.gbps * 1e9, "calibrated"
-    return ASSUMED_LINK[1], f"assumed {ASSUMED_LINK[0]}: {why if cal is None else 'no host -> device rate'}"
 
 
 def cmd_info(a: argparse.Namespace) -> int:

@@ -1,14 +1,21 @@
 """`ferryman bench serve` (load test of any OpenAI-compatible server) and `ferryman bench bw` (the
-rates the hybrid split uses): their parsers and commands, for ferryman/cli.py."""
+rates the hybrid split uses): their parsers and commands, for ferryman/cli.py; and the rates
+`ferryman plan`'s predictions read from a calibration (`calibrated_rates`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from ferryman.config import parse_bytes, parse_strategy
 from ferryman.errors import ConfigError, FerrymanError
+
+if TYPE_CHECKING:  # annotations only: `ferryman --help` imports no torch
+    import torch
+
+    from ferryman.config import ModelConfig
+    from ferryman.plan_report import Rates
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -199,3 +206,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.plot:
         plot(result, Path(a.plot))
     return 0
+
+
+def calibrated_rates(cfg: ModelConfig, dtype: torch.dtype, path: str | None = None,
+                     link: tuple[float, str] | None = None) -> Rates:
+    """The predictions' rates (plan_report.Rates): the link (`link` as given, e.g. measured by a
+    server, else this machine's calibration, else the assumed PCIe 5.0 rate) and the device's compute
+    (the calibration's, `ferryman bench bw` on a CUDA machine, else assumed), each with its source."""
+    from ferryman.calibrate.calibration import expert_key, load_matching
+    from ferryman.plan_report import ASSUMED_LINK, FLOPS, Rates
+
+    cal, why = load_matching(expert_key(cfg, dtype), Path(path) if path else None)
+    if link is None and cal is not None and cal.h2d is not None:
+        link = (cal.h2d.gbps * 1e9, "calibrated")
+    link = link or (ASSUMED_LINK[1], f"assumed {ASSUMED_LINK[0]}: {why if cal is None else 'no host -> device rate'}")
+    device = cal.device if cal is not None else None
+    if device is not None and device.experts == cfg.num_experts:
+        return Rates(*link, device.moe_seconds, device.matmul_flops, "calibrated")
+    lacking = ("no calibration" if cal is None else "the calibration has no device compute: `ferryman bench bw` on a GPU"
+               if device is None else f"the calibration's device figures are for {device.experts} experts a layer")
+    return Rates(*link, compute_source=f"assumed {FLOPS / 1e12:.0f} TFLOP/s ({lacking})")

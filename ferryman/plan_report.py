@@ -1,8 +1,11 @@
 """`ferryman plan`'s report of a MemoryPlan: the split, the link bound of batch-1 decode, hints, and
-the predicted decode tokens/s and time to first token (`predict`)."""
+the predicted output tokens/s and time to first token of a served load (`predict`)."""
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ferryman.config import GiB, MiB, ModelConfig
@@ -79,33 +82,71 @@ def _link_estimate(plan: MemoryPlan) -> str:
             f"were uniform: {rates} (real routing hits more; `ferryman bench bw` measures your link)")
 
 
-# ---- predictions: decode tokens/s and time to first token ------------------------------------
+# ---- predictions: `ferryman bench serve`'s output tokens/s and time to first token ---------------
 #
-# A stated model, checked by benchmarks/bench_offload.py --predict and tools/gpu_suite.sh's split
-# stage, for an offloaded plan on the H200 machine's class of GPU:
-#   - routing is uniform (dummy weights; real text hits more): a step of B sequences uses
-#     U = E (1 - (1 - k/E)^B) experts per MoE layer, of which the share cached is h = slots / (L E);
-#   - the slots are the plan's less the pages the B sequences' KV takes (a shared region), down to
-#     the engine's minimum (min_expert_slots, by default two layers' experts);
-#   - misses are copied over the link at the calibrated rate and not overlapped with compute;
-#   - a layer's compute is LAYER_S (host sync, attention, router, launches) plus its experts'
-#     bytes read at HBM_BPS; a prefill chunk adds 2 x active parameters x tokens at FLOPS;
-#   - users' prompts arrive together and are prefilled first come first served, in chunks.
-LAYER_S = 0.35e-3  # seconds per offloaded layer step besides its expert bytes
+# A stated model of what the engine does, replayed step by step for a load of `users` workers that
+# send prompts of P tokens back to back (O output tokens each), as `ferryman bench serve` does:
+#   - the scheduler (engine/scheduler.py, prefill_job.py): running sequences first (a decode takes
+#     one token, a prompt its next chunk), then the waiting prompts FCFS within max_num_batched_tokens
+#     (C) and max_num_seqs; a head prompt longer than C starts a layer-major job instead, with the
+#     prompts behind it up to prefill_job_tokens: all its layers in one step when nothing decodes,
+#     else layers_per_step of them beside each decode step (no admission beside a job);
+#   - routing is uniform (dummy weights): T tokens use U(T) = E (1 - (1 - k/E)^T) experts of a MoE
+#     layer, each cached with probability h = slots / (L E);
+#   - slots: the shared region's pages less its KV pages, which follow engine/memory_split.py: they
+#     grow when a step needs blocks (down to the engine's least slots, 2 E) and after each step
+#     give their idle pages beyond the reserve (one step's tokens) to the experts, the KV floor's too;
+#   - a decode-only step: per MoE layer its misses over the link, then LAYER_S and its experts' bytes
+#     at HBM_BPS (the copies wait on the layer's routing, nothing hides them);
+#   - a step with prompt tokens (a chunk, or a job's layers): per MoE layer its misses over the link,
+#     its compute and LAYER_S, one after another; compute = the MoE kernel for the step's T tokens
+#     (one per chunk of a job) and 2 x the other parameters x T + attention (4 x query-key pairs x
+#     heads x head_dim) flops at the GEMM rate. The next layer's copies are issued beside a prefill
+#     kernel, but they are not hidden in practice: bench_offload's 4k TTFT of gpt-oss-20b at 8 GiB
+#     (docs/benchmarks.md) is about the sum of the link's and the kernels' times, not the larger;
+#   - requests sent together reach the engine before its next step starts; a request sent when the
+#     client's previous one finished (CLIENT_S later) misses the step that started meanwhile.
+# Rates: link and compute from this machine's calibration (`ferryman bench bw`, calibrate/device.py);
+# without one, the assumed figures below, and the report says so.
+LAYER_S = 0.35e-3  # seconds per offloaded layer step besides its expert bytes (host sync, launches)
 HBM_BPS = 3.0e12  # device memory bytes/s a decode kernel reads at
-FLOPS = 4.0e14  # dense bf16 flop/s of a prefill chunk's GEMMs
+FLOPS = 4.0e14  # assumed flop/s of a prefill's GEMMs without a calibration of this device
 ASSUMED_LINK = REFERENCE_LINKS[1]  # without a calibration of this machine
+CLIENT_S = 1e-3  # a client's next request after its last token: longer than the engine's gap between steps
+
+
+@dataclass(frozen=True)
+class Rates:
+    link_bps: float  # host -> device bytes/s of expert rows
+    link_source: str
+    moe_seconds: Callable[[int], float] | None = None  # one MoE layer's routed experts for T tokens
+    matmul_flops: float | None = None  # flop/s of a large GEMM in the model's dtype
+    compute_source: str = "assumed"
+
+
+@dataclass(frozen=True)
+class Load:
+    users: int
+    prompt_tokens: int = 1024
+    output_tokens: int = 128
+    requests: int | None = None  # None: bench serve's default, max(8, 2 x users); 0: one per user
+
+    @property
+    def total_requests(self) -> int:
+        return max(8, 2 * self.users) if self.requests is None else (self.requests or self.users)
 
 
 @dataclass(frozen=True)
 class Prediction:
     users: int
-    hit_rate: float  # expected share of expert uses served from slots
-    slots: int  # expert slots left once the users' KV took its pages
-    decode_tok_s: float  # output tokens/s of all users together
-    ttft_s: float  # the median user's, all users' prompts arriving together
+    hit_rate: float  # expected share of expert uses served from slots, steady decode of `users`
+    slots: int  # expert slots then
+    decode_tok_s: float  # steady decode of `users` sequences together
+    output_tok_s: float  # bench serve's figure: the load's output tokens / its wall time
+    ttft_s: float  # the requests' median
     link_gbps: float
     link_source: str
+    compute_source: str
 
 
 def used_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -113,30 +154,208 @@ def used_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(tokens, 0))
 
 
-def predict(plan: MemoryPlan, link_bps: float, link_source: str, users: int = 1,
-            prompt_tokens: int = 1024, output_tokens: int = 128) -> Prediction:
-    r, cfg = plan.request, plan.request.cfg
-    layers, experts, k = len(cfg.moe_layers), cfg.num_experts, cfg.top_k
-    slots = plan.expert_slots
-    if plan.pages is not None:  # the users' KV takes pages from the experts, down to top_k slots
-        extra = (users * (prompt_tokens + output_tokens) - (plan.kv_tokens or 0)) * r.kv_per_token
-        least = min(slots, r.min_expert_slots or max(r.slot_floor, 2 * experts))  # the engine's default bound
-        slots = max(least, slots - -(-max(0, extra) // plan.pages.page_bytes))
-    hit = min(1.0, slots / max(1, layers * experts))
-    row = plan.slot_bytes
+class StepCosts:
+    """Seconds of one engine step of an offloaded plan, and the slots its KV leaves."""
 
-    def step_s(tokens: int, flops_tokens: int) -> float:
-        used = used_experts(experts, k, tokens)
-        link = layers * used * (1.0 - hit) * row / link_bps
-        compute = layers * (LAYER_S + used * row / HBM_BPS)
-        return link + compute + 2.0 * active_params(cfg) * flops_tokens / FLOPS
+    def __init__(self, plan: MemoryPlan, rates: Rates) -> None:
+        r, cfg = plan.request, plan.request.cfg
+        self.plan, self.rates, self.cfg = plan, rates, cfg
+        self.moe_layers, self.experts, self.k = len(cfg.moe_layers), cfg.num_experts, cfg.top_k
+        self.row, self.flops = plan.slot_bytes, rates.matmul_flops or FLOPS
+        self.most = plan.expert_slots if r.expert_cache is not None else r.total_experts
+        self.least = min(self.most, plan.expert_slots, r.min_expert_slots or max(r.slot_floor, 2 * cfg.num_experts))
+        self.reserve_blocks = -(-(r.max_num_batched_tokens or 0) // r.block_size)
+        windows = [cfg.window_of(i) for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
+        self.full_layers = sum(w is None for w in windows)
+        self.window_layers = [w for w in windows if w is not None]
+        # per token: every parameter but the routed experts, the embedding and the lm_head (sampled rows only)
+        embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+        self.dense_flops = 2.0 * max(0, non_expert_params(cfg) - embed)
 
-    decode = users / step_s(users, 0) if plan.strategy == "offload" else 0.0
-    # the median user's first token waits for the prompts admitted with and before it (FCFS chunks)
-    tokens = (users // 2 + 1) * prompt_tokens
-    chunk = r.max_num_batched_tokens or tokens
-    ttft = -(-tokens // chunk) * step_s(min(chunk, tokens), 0) + 2.0 * active_params(cfg) * tokens / FLOPS
-    return Prediction(users, hit, slots, decode, ttft, link_bps / 1e9, link_source)
+    def kv_pages(self, pages: int, held: int, after: bool) -> int:
+        """The split's KV pages as engine/memory_split.py moves them, from `pages` while the sequences
+        hold `held` blocks: before a step `ensure_kv` grows them to what the step needs (not below
+        the least slots); after it `rebalance` lends idle pages while the free blocks beyond the
+        reserve fill a page (not above every expert)."""
+        geo, region = self.plan.pages, self.plan.region_pages
+        if geo is None:
+            return 0
+        q = geo.blocks_per_page
+        need = -(-held // q)
+        if not after:
+            return max(pages, min(need, region - self.least))
+        lend = min(max(0, (pages * q - held - self.reserve_blocks) // q), pages - need, self.most - (region - pages))
+        return pages - max(0, lend)
+
+    def slots(self, kv_pages: int) -> int:
+        return self.plan.expert_slots if self.plan.pages is None else self.plan.region_pages - kv_pages
+
+    def hit(self, slots: int) -> float:
+        return min(1.0, slots / max(1, self.moe_layers * self.experts))
+
+    def misses_s(self, tokens: int, hit: float) -> float:
+        """One MoE layer's link seconds for `tokens` tokens."""
+        return used_experts(self.experts, self.k, tokens) * (1.0 - hit) * self.row / self.rates.link_bps
+
+    def decode_s(self, seqs: int, hit: float) -> float:
+        used = used_experts(self.experts, self.k, seqs)
+        return self.moe_layers * (self.misses_s(seqs, hit) + LAYER_S + used * self.row / HBM_BPS)
+
+    def moe_s(self, tokens: int) -> float:
+        if self.rates.moe_seconds is not None:
+            return self.rates.moe_seconds(tokens)
+        pairs = tokens * self.k  # assumed: the GEMMs' flops and the used experts' bytes
+        used = used_experts(self.experts, self.k, tokens)
+        return 6.0 * pairs * self.cfg.hidden_size * self.cfg.moe_intermediate_size / FLOPS + used * self.row / HBM_BPS
+
+    def prompt_s(self, tokens: int, pieces: list[tuple[int, int]], hit: float, chunk: int | None = None) -> float:
+        """A step (or a job's every layer) computing `tokens` tokens, of which `pieces` are prompt
+        pieces (first position, tokens), one MoE kernel per `chunk` tokens (a job's chunks; None: one):
+        its layers' copies, kernels and fixed costs add up."""
+        cfg = self.cfg
+        attn = self.full_layers * sum(n * (start + n / 2) for start, n in pieces)
+        attn += sum(n * min(start + n / 2, w) for w in self.window_layers for start, n in pieces)
+        attn_s = 4.0 * attn * cfg.num_heads * cfg.head_dim / self.flops
+        other_s = self.dense_flops * tokens / self.flops + attn_s  # every layer's, together
+        chunk = chunk or tokens
+        moe = tokens // chunk * self.moe_s(chunk) + (self.moe_s(tokens % chunk) if tokens % chunk else 0.0)
+        return self.moe_layers * (self.misses_s(tokens, hit) + moe + LAYER_S) + other_s
+
+
+@dataclass
+class _Request:
+    arrival: float
+    computed: int = 0  # prompt tokens computed
+    generated: int = 0  # output tokens sampled
+    first: float | None = None  # when its first token was sampled
+
+
+@dataclass
+class _Job:
+    members: list[_Request]
+    per_step: int  # layers beside a decode step (prefill_job.layers_per_step)
+    done: int = 0
+
+
+@dataclass
+class Replay:
+    """The outcome of `simulate`: each request's TTFT, the load's wall seconds, the engine's steps,
+    and the expert slots of its decode-only steps, weighted by their time (None: there were none)."""
+
+    ttfts: list[float]
+    wall_s: float
+    steps: int
+    decode_slots: float | None
+
+
+class _Engine:
+    """The scheduler's policy (engine/scheduler.py, prefill_job.py) over `_Request`s, costed by StepCosts."""
+
+    def __init__(self, costs: StepCosts, load: Load) -> None:
+        r, plan = costs.plan.request, costs.plan
+        self.costs, self.load = costs, load
+        self.P, self.C, self.S = load.prompt_tokens, r.max_num_batched_tokens or 1, r.max_num_seqs
+        self.L, self.J, self.bs = costs.cfg.num_layers, plan.prefill_job_tokens, r.block_size
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.job: _Job | None = None
+        self.kv = plan.region_pages - plan.expert_slots if plan.pages is not None else 0  # KV pages now
+
+    def schedule(self) -> tuple[list[tuple[_Request, int]], int]:
+        """(scheduled (request, tokens), job layers) of the next step."""
+        P, budget, scheduled = self.P, self.C, []
+        for req in self.running:  # decodes and prefill chunks of running sequences first
+            if budget == 0:
+                break
+            scheduled.append((req, 1 if req.computed >= P else min(P - req.computed, budget)))
+            budget -= scheduled[-1][1]
+        if self.job is None and self.J and self.waiting and P > self.C:  # the head and those behind it
+            members = []
+            while self.waiting and len(self.running) + len(members) < self.S and (len(members) + 1) * P <= self.J:
+                members.append(self.waiting.popleft())
+            self.job = _Job(members, max(1, self.L * self.C // max(1, len(members) * P))) if members else None
+        while self.job is None and self.waiting and budget > 0 and len(self.running) < self.S:  # FCFS
+            self.running.append(self.waiting.popleft())
+            scheduled.append((self.running[-1], min(P, budget)))
+            budget -= scheduled[-1][1]
+        if self.job is None:
+            return scheduled, 0
+        left = self.L - self.job.done
+        return scheduled, min(left, self.job.per_step) if scheduled else left
+
+    def held(self, scheduled: list[tuple[_Request, int]]) -> int:
+        """KV blocks the sequences hold (a step's blocks are allocated before it runs)."""
+        now = {id(q): n for q, n in scheduled}
+        held = sum(-(-(q.computed + q.generated + now.get(id(q), 0)) // self.bs) for q in self.running)
+        return held + (0 if self.job is None else len(self.job.members) * -(-self.P // self.bs))
+
+    def step_s(self, scheduled: list[tuple[_Request, int]], layers: int, hit: float) -> float:
+        pieces = [(q.computed, n) for q, n in scheduled if q.computed < self.P]
+        tokens = sum(n for _, n in scheduled)
+        seconds = self.costs.prompt_s(tokens, pieces, hit) if pieces else \
+            self.costs.decode_s(tokens, hit) if scheduled else 0.0
+        if layers:
+            assert self.job is not None
+            n = len(self.job.members)
+            seconds += self.costs.prompt_s(n * self.P, [(0, self.P)] * n, hit, self.C) * layers / self.L
+            self.job.done += layers
+        return seconds
+
+    def update(self, scheduled: list[tuple[_Request, int]]) -> list[_Request]:
+        """Advance the computed tokens; returns the requests that sampled a token."""
+        sampled = [q for q, n in scheduled if q.computed + n >= self.P]
+        for q, n in scheduled:
+            q.computed = min(self.P, q.computed + n)
+        if self.job is not None and self.job.done == self.L:
+            for q in self.job.members:
+                q.computed = self.P
+            self.running += self.job.members
+            sampled += self.job.members
+            self.job = None
+        return sampled
+
+
+def simulate(costs: StepCosts, load: Load) -> Replay:
+    """Replay `load` through the engine's scheduling, step by step, with `costs`' step times."""
+    eng = _Engine(costs, load)
+    total = load.total_requests
+    arrivals = [0.0] * min(load.users, total)
+    sent, ttfts, t, steps, decode_t, decode_slots = len(arrivals), [], 0.0, 0, 0.0, 0.0
+    while len(ttfts) < total or eng.running:
+        eng.waiting.extend(_Request(a) for a in arrivals if a <= t)
+        arrivals = [a for a in arrivals if a > t]
+        if not eng.running and eng.job is None and not eng.waiting:
+            t = min(arrivals)
+            continue
+        scheduled, layers = eng.schedule()
+        eng.kv = costs.kv_pages(eng.kv, eng.held(scheduled), after=False)
+        slots = costs.slots(eng.kv)
+        seconds = eng.step_s(scheduled, layers, costs.hit(slots))
+        if not layers and all(q.computed >= load.prompt_tokens for q, _ in scheduled):
+            decode_t, decode_slots = decode_t + seconds, decode_slots + seconds * slots
+        t, steps = t + seconds, steps + 1
+        for q in eng.update(scheduled):
+            q.generated += 1
+            if q.first is None:
+                q.first = t
+                ttfts.append(t - q.arrival)
+            if q.generated >= load.output_tokens:
+                eng.running.remove(q)
+                if sent < total:  # the client's next request
+                    arrivals.append(t + CLIENT_S)
+                    sent += 1
+        eng.kv = costs.kv_pages(eng.kv, eng.held([]), after=True)
+    return Replay(ttfts, t, steps, decode_slots / decode_t if decode_t else None)
+
+
+def predict(plan: MemoryPlan, rates: Rates, load: Load) -> Prediction:
+    costs = StepCosts(plan, rates)
+    replay = simulate(costs, load)
+    slots = replay.decode_slots if replay.decode_slots is not None else float(plan.expert_slots)
+    decode = load.users / costs.decode_s(load.users, costs.hit(round(slots)))
+    return Prediction(load.users, costs.hit(round(slots)), round(slots), decode,
+                      load.total_requests * load.output_tokens / replay.wall_s, statistics.median(replay.ttfts),
+                      rates.link_bps / 1e9, rates.link_source, rates.compute_source)
 
 
 def active_params(cfg: ModelConfig) -> int:
@@ -145,10 +364,10 @@ def active_params(cfg: ModelConfig) -> int:
     return non_expert_params(cfg) - cfg.vocab_size * cfg.hidden_size + len(cfg.moe_layers) * cfg.top_k * expert
 
 
-def describe_predictions(preds: list[Prediction], prompt_tokens: int, output_tokens: int) -> str:
+def describe_predictions(preds: list[Prediction], load: Load) -> str:
     p0 = preds[0]
-    head = (f"predicted ({prompt_tokens} in / {output_tokens} out, uniform routing, link {p0.link_gbps:.1f} GB/s "
-            f"{p0.link_source}):")
-    rows = [f"{p.users:>4} users: decode {p.decode_tok_s:7.1f} tok/s, hit rate {p.hit_rate:5.1%} "
-            f"({p.slots} slots), TTFT {p.ttft_s * 1e3:6.0f} ms" for p in preds]
+    head = (f"predicted ({load.prompt_tokens} in / {load.output_tokens} out, uniform routing; link {p0.link_gbps:.1f} "
+            f"GB/s {p0.link_source}; compute {p0.compute_source}):")
+    rows = [f"{p.users:>4} users: output {p.output_tok_s:7.1f} tok/s (decode {p.decode_tok_s:7.1f}), hit rate "
+            f"{p.hit_rate:5.1%} ({p.slots} slots), TTFT p50 {p.ttft_s * 1e3:6.0f} ms" for p in preds]
     return "\n".join([head, *rows])

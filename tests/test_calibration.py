@@ -136,3 +136,6 @@ def test_cuda_bench_bw_measures_the_link(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["bench", "bw", "--output", str(out), "--reps", "3", "--read-mib", "64", "--pool-mib", "64"]) == 0
     cal = load(out)
     assert cal.h2d is not None and cal.overlapped is not None and "link:" in capsys.readouterr().out
+    # the device's prefill compute, what `ferryman plan` predicts TTFT with (calibrate/device.py)
+    assert cal.device is not None and cal.device.experts == demo_config().num_experts
+    assert all(s > 0 for _, s in cal.device.moe) and cal.device.matmul_flops > 1e12

@@ -106,14 +106,31 @@ def test_idle_pages_with_cached_prefixes_become_slots_last() -> None:
     _check_owners(t)
 
 
+def test_idle_floor_pages_serve_as_slots_and_come_back_on_demand() -> None:
+    """The KV floor (one max_model_len sequence) is kept for admission, not held idle: with nothing
+    held every KV page but the reserve's becomes a slot, and a sequence of the floor's length gets
+    its pages back (down to min_slots, which never reaches into the floor)."""
+    t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
+    q = t.geo.blocks_per_page
+    assert t.split.rebalance() == 8 and t.split.kv_pages == 0
+    _check_owners(t)
+    seq = _seq(1, 3 * q * BS)  # the floor's length
+    assert t.split.ensure_kv(t.pool.shortfall(seq, seq.num_tokens))
+    assert t.pool.allocate_for(seq, seq.num_tokens) and t.split.kv_pages == 3 and t.split.expert_pages == 7
+    assert t.split.rebalance() == 0  # no page of a held sequence moves
+    assert not t.split.ensure_kv(t.pool.num_blocks)  # min_slots stops it
+    assert t.split.expert_pages == 2 and t.split.kv_pages == 8 and t.cache.table.active[PINNED_PAGE]
+    _check_owners(t)
+    t.pool.free(seq)
+
+
 def test_kv_floor_reserve_and_bounds_are_kept() -> None:
     t = _setup(pages=10, slots=2, bounds=SplitBounds(2, 10, 0), min_kv=3)
-    t.split.rebalance()
-    assert t.split.kv_pages == 3  # the floor: one max_model_len sequence
-    assert t.split.rebalance() == 0 and t.split.kv_pages == 3
+    q = t.geo.blocks_per_page
+    t.split.set_bounds(max_slots=2)
+    assert t.split.rebalance() == 0 and t.split.kv_pages == 8  # max_slots
     assert not t.split.ensure_kv(t.pool.num_blocks)  # min_slots stops it
     assert t.split.expert_pages == 2 and t.cache.table.active[PINNED_PAGE]
-    q = t.geo.blocks_per_page
     t.split.set_bounds(min_slots=1, max_slots=4, kv_reserve=7 * q)
     assert t.split.rebalance() == 1 and t.split.free_blocks == 7 * q  # the reserve stays free
     t.split.set_bounds(kv_reserve=0)
@@ -234,6 +251,27 @@ def test_preempted_sequences_resume_with_the_same_tokens(reference: list[list[in
     assert _greedy(llm) == reference
     split = llm.memory_split()
     assert split["num_preemptions"] > 0 and split["moves_to_kv"] == 0
+
+
+def test_a_lone_short_sequence_leaves_the_kv_floor_to_the_experts() -> None:
+    """A budget whose KV floor is one 512-token sequence: a 23-token request leaves the floor's idle
+    pages as expert slots; a 500-token prompt then takes them back (no preemption) as a layer-major
+    job (its admission asks for the pages, as a chunk's does) and its greedy tokens are the resident
+    engine's."""
+    kw = dict(KW, max_model_len=512, max_num_seqs=4)
+    llm = LLM(moe_strategy="offload", gpu_memory="215MiB", min_expert_slots=4, **kw)
+    start = llm.memory_split()
+    assert start["kv_pages"] == start["min_kv_pages"] == 11  # 528 tokens in pages of 3 blocks of 16
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate(prompt_token_ids=[PROMPTS[0]], params=params)
+    lone = llm.memory_split()
+    assert lone["kv_pages"] < 3 and lone["expert_pages"] > start["expert_pages"] + 8
+    long = [(i * 37) % 250 + 3 for i in range(500)]
+    got = llm.generate(prompt_token_ids=[long], params=params)[0].token_ids
+    split = llm.memory_split()
+    assert split["moves_to_kv"] >= 10 and split["num_preemptions"] == 0
+    assert llm.engine.prefill_jobs["jobs"] == 1  # not chunk-major for want of free blocks
+    assert got == LLM(**kw).generate(prompt_token_ids=[long], params=params)[0].token_ids
 
 
 def test_live_bounds_through_the_public_api() -> None:

@@ -32,8 +32,10 @@
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   split        `ferryman serve gpt-oss-20b` at 8 GiB for 32 sequences of 8192 tokens (KV and expert slots
 #                share the budget, engine/memory_split.py): `ferryman plan`'s predictions, `ferryman bench
-#                serve` at 1, 4 and 32 users (1024 in / 128 out), one 8k-token conversation, `ferryman ctl`,
-#                then bench_split.py: predictions beside the measurement and the targets (about 4 minutes)
+#                serve` at 1, 4 and 32 users (1024 in / 128 out), one 7,900-token conversation, `ferryman
+#                ctl`, then bench_split.py: predictions beside the measurement and the targets (~2.5 min);
+#                then gpt-oss-120b at 16 GiB, same server flags, 1, 2, 4, 8, 16 and 32 users, one request
+#                each (~3 min, its dummy weights take 1-2 of them); split20 and split120 run one each
 #   longprompt   `ferryman serve` with default settings (layer-major prefill): gpt-oss-20b at 8 GiB, TTFT at
 #                4,170 / 16k / 32k tokens and the token gap of a decoding user while a 32k prompt is
 #                prefilled (benchmarks/bench_long_prompt.py); then gpt-oss-120b at 16 GiB, TTFT at 32k
@@ -126,30 +128,35 @@ serve16() {  # serve16 NAME PORT [TREE]: gpt-oss-20b at 8 GiB, 16 users
   kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
 }
 
-split() {  # split PORT: gpt-oss-20b at 8 GiB, one server for 32 sequences of 8192 tokens
-  local port=$1 url="http://127.0.0.1:$1" model_args=(gpt-oss-20b --gpu-memory 8GiB --max-num-seqs 32 --max-model-len 8192)
-  have 240 || { echo "=== split skipped: the suite budget is spent"; return; }
-  stage split_plan 60 python3 -m ferryman plan "${model_args[@]}"
+split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 32 sequences of 8192 tokens
+  local name=$1 port=$2 model=$3 budget=$4 levels=$5 reqs=$6 long=${7:-} url="http://127.0.0.1:$2"
+  local model_args=("$model" --gpu-memory "$budget" --max-num-seqs 32 --max-model-len 8192)
+  have 150 || { echo "=== $name skipped: the suite budget is spent"; return; }
+  stage "${name}_plan" 60 python3 -m ferryman plan "${model_args[@]}"
   python3 -m ferryman serve "${model_args[@]}" --load-format dummy --port "$port" --log-level warning \
-    > "$OUT/split_server.log" 2>&1 &
+    > "$OUT/${name}_server.log" 2>&1 &
   local srv=$!
-  for _ in $(seq 1 150); do
+  for _ in $(seq 1 240); do
     curl -sf "$url/health" >/dev/null && break
-    kill -0 "$srv" 2>/dev/null || { echo "=== split: the server exited"; tail -n 25 "$OUT/split_server.log"; return; }
+    kill -0 "$srv" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return; }
     sleep 1
   done
-  stage split 180 python3 -m ferryman bench serve "$url" --concurrency 1,4,32 \
-    --prompt-tokens 1024 --output-tokens 128 --json "$OUT/split.json"
-  python3 -m ferryman ctl --url "$url" | tee "$OUT/split_ctl.txt"
-  stage split_8k 90 python3 -m ferryman bench serve "$url" --concurrency 1 --requests-per-level 0 \
-    --prompt-tokens 7900 --output-tokens 128 --json "$OUT/split_8k.json"
-  python3 -m ferryman ctl --url "$url" --json > "$OUT/split_ctl.json"
-  curl -s "$url/v1/stats" > "$OUT/split_stats.json"
-  curl -s "$url/metrics" | grep -E "^ferryman_(memory_split|memory_moves|kv_blocks|preemptions)" | tee "$OUT/split_metrics.txt"
-  grep -ci "out of memory" "$OUT/split_server.log" | sed 's/^/CUDA OOM lines in the server log: /'
+  stage "$name" 200 python3 -m ferryman bench serve "$url" --concurrency "$levels" ${reqs:+--requests-per-level "$reqs"} \
+    --prompt-tokens 1024 --output-tokens 128 --json "$OUT/$name.json"
+  python3 -m ferryman ctl --url "$url" | tee "$OUT/${name}_ctl.txt"
+  if [ -n "$long" ]; then
+    stage "${name}_8k" 90 python3 -m ferryman bench serve "$url" --concurrency 1 --requests-per-level 0 \
+      --prompt-tokens "$long" --output-tokens 128 --json "$OUT/${name}_8k.json"
+  fi
+  python3 -m ferryman ctl --url "$url" --json > "$OUT/${name}_ctl.json"
+  curl -s "$url/v1/stats" > "$OUT/${name}_stats.json"
+  curl -s "$url/metrics" | grep -E "^ferryman_(memory_split|memory_moves|kv_blocks|preemptions)" \
+    | tee "$OUT/${name}_metrics.txt"
+  grep -ci "out of memory" "$OUT/${name}_server.log" | sed 's/^/CUDA OOM lines in the server log: /'
   kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
-  stage split_vs_plan 60 python3 benchmarks/bench_split.py "$OUT/split.json" "$OUT/split_8k.json" \
-    --stats "$OUT/split_stats.json"
+  # the link rate from the server's stats; the device's compute from the calibration, else measured now
+  stage "${name}_vs_plan" 60 python3 benchmarks/bench_split.py "$OUT/$name.json" ${long:+"$OUT/${name}_8k.json"} \
+    --model "$model" --gpu-memory "$budget" --stats "$OUT/${name}_stats.json" --json "$OUT/${name}_vs_plan.json"
 }
 
 strategy() {  # strategy NAME: bench_offload of gpt-oss-20b at 8 GiB with --moe-strategy NAME
@@ -243,7 +250,10 @@ for s in ${@:-tests}; do
                  stage resident_offload 150 python3 benchmarks/bench_offload.py --target gpt-oss-20b:40GiB \
                    --decode-tokens 256 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
     offload20)   offload offload20 gpt-oss-20b:8GiB 150 ;;
-    split)       split 8150 ;;
+    split)       split split 8150 gpt-oss-20b 8GiB 1,4,32 "" 7900
+                 split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
+    split20)     split split 8150 gpt-oss-20b 8GiB 1,4,32 "" 7900 ;;
+    split120)    split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
     offload120)  offload offload120 gpt-oss-120b:16GiB 200 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py

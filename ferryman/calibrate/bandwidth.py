@@ -6,6 +6,7 @@
     cpu compute  `fused_moe` on CPU tensors, 1 token x top-k experts of the model's shape and format
     overlapped   (CUDA) the link and the CPU compute running at the same time: they share the host
                  memory bus, so each is slower than alone, and that is the rate a split gets
+    device       (CUDA) a prefill chunk's MoE layer and a GEMM on the device (calibrate/device.py)
 
 A repetition touches experts the previous ones did not (a cycle over a pool larger than the CPU's
 caches, or over the real store), so weights come from DRAM as in serving. Every figure is the
@@ -34,6 +35,7 @@ from ferryman.calibrate.calibration import (
     save,
     token_slope,
 )
+from ferryman.calibrate.device import measure_device_compute
 from ferryman.config import ModelConfig
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant.base import Banks, get_format
@@ -228,14 +230,19 @@ def run_bench(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, path: Pa
     cpu_tokens = measure(dummy_cpu_rep(cfg, dtype, act, pool_bytes, CPU_SLOPE_TOKENS), k, eb, reps)
     log(f"    {CPU_SLOPE_TOKENS} tokens per expert: {_rate(cpu_tokens)}, so each token past the first costs "
         f"{token_slope(cpu.experts_per_s, cpu_tokens.experts_per_s):.2f} of a 1-token expert")
-    both = None
-    if h2d_rep is None:
+    both, device = None, None
+    if h2d_rep is None or cuda is None:
         log("(d) GPU compute: no CUDA device")
     else:
-        log("(d) GPU compute: not the bottleneck, not measured; link and CPU together for 2 s ...")
+        log("(d) GPU compute: one MoE layer of a prefill chunk, and a GEMM (`ferryman plan`'s TTFT) ...")
+        device = measure_device_compute(cfg, dtype, act, cuda, reps)
+        moe = ", ".join(f"{t} tokens {s * 1e3:.2f} ms" for t, s in device.moe)
+        log(f"    MoE layer: {moe}; GEMM {device.matmul_flops / 1e12:.0f} TFLOP/s")
+        log("    link and CPU together for 2 s ...")
         both = overlapped(h2d_rep, k, cpu_rep, k, eb, 2.0)
         log(f"    together: link {_rate(both['link'])}, CPU {_rate(both['cpu'])}")
-    cal = Calibration(key, machine, cpu, host_copy, h2d, read, both, quick=False, notes=notes, cpu_tokens=cpu_tokens)
+    cal = Calibration(key, machine, cpu, host_copy, h2d, read, both, quick=False, notes=notes, cpu_tokens=cpu_tokens,
+                      device=device)
     save(cal, path)
     log(f"wrote {path}")
     return cal

@@ -8,7 +8,8 @@ A file holds what `ferryman bench bw` (or the quick measurement at engine start)
                a file measured elsewhere, or with another thread count, is not used
     rates      host read GB/s; experts/s over the link (pinned host -> device), of host -> host
                copies (the "link" when the CPU is the device), of the CPU computing experts;
-               on CUDA also the link and the CPU measured running at the same time
+               on CUDA also the link and the CPU measured running at the same time, and the
+               device's compute (`DeviceCompute`, calibrate/device.py): a prefill's MoE layer and GEMMs
 
 Default place: `$XDG_CACHE_HOME/ferryman/calibration-<fingerprint>.json` (~/.cache otherwise).
 """
@@ -57,6 +58,38 @@ def token_slope(one: float, many: float, tokens: int = CPU_SLOPE_TOKENS) -> floa
     return max(0.0, (one / many - 1.0) / (tokens - 1))
 
 
+@dataclass(frozen=True)
+class DeviceCompute:
+    moe: tuple[tuple[int, float], ...]  # (tokens, seconds of one MoE layer), tokens ascending
+    matmul_flops: float  # flop/s of a large GEMM in the model's dtype
+    experts: int  # the layer's routed experts the tokens were spread over (not in the key: one geometry, many counts)
+
+    def __post_init__(self) -> None:
+        tokens = [t for t, _ in self.moe]
+        if len(tokens) < 2 or tokens != sorted(set(tokens)) or any(s <= 0 for _, s in self.moe):
+            raise ValueError(f"device MoE times need >= 2 ascending token counts with positive seconds, got {self.moe}")
+        if self.matmul_flops <= 0:
+            raise ValueError(f"matmul flop/s must be positive, got {self.matmul_flops}")
+
+    def moe_seconds(self, tokens: int) -> float:
+        """One MoE layer's seconds for `tokens` tokens: linear between the measured points and below
+        the first (down to 0 seconds), the last two's slope beyond them."""
+        pts = self.moe
+        if tokens <= pts[0][0]:
+            (t0, s0), (t1, s1) = pts[0], pts[1]
+            return min(s0, max(0.0, s0 - (s1 - s0) * (t0 - tokens) / (t1 - t0)))
+        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        (t0, s0), (t1, s1) = pts[-2], pts[-1]
+        return s1 + max(0.0, (s1 - s0) / (t1 - t0)) * (tokens - t1)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "DeviceCompute":
+        return DeviceCompute(tuple((int(t), float(s)) for t, s in data["moe"]), float(data["matmul_flops"]),
+                             int(data["experts"]))
+
+
 @dataclass
 class Calibration:
     key: dict[str, Any]
@@ -69,6 +102,7 @@ class Calibration:
     quick: bool = False  # measured in a few hundred ms at engine start, not by `bench bw`
     notes: dict[str, str] = field(default_factory=dict)
     cpu_tokens: Rate | None = None  # as cpu_compute, with CPU_SLOPE_TOKENS tokens per expert (None: older file)
+    device: DeviceCompute | None = None  # the device's prefill compute (CUDA, `bench bw`; None: older file)
 
     @property
     def fingerprint(self) -> str:
@@ -90,6 +124,7 @@ class Calibration:
             overlapped=None if overlapped is None else {k: Rate(**v) for k, v in overlapped.items()},
             quick=bool(data.get("quick", False)), notes=dict(data.get("notes") or {}),
             cpu_tokens=rate(data.get("cpu_tokens")),
+            device=None if data.get("device") is None else DeviceCompute.from_json(data["device"]),
         )
 
 

@@ -6,7 +6,10 @@ expert cache (slots). Between steps the engine asks:
     to the KV cache, free slots first, then the coldest cached experts in the policy's order, never
     a pinned one nor page 0, down to `min_slots`;
   - `rebalance()` (after every step): idle KV pages (no block held) beyond `kv_reserve` free
-    blocks become expert slots, up to `max_slots`.
+    blocks become expert slots, up to `max_slots`. The KV floor (`min_kv_pages`, one sequence of
+    max_model_len) is an admission guarantee, not a reservation: its idle pages serve as slots too
+    (a lone short sequence leaves most of it idle), and `ensure_kv` brings them back on demand,
+    which the bounds always allow (min_slots <= num_pages - min_kv_pages, `set_bounds`).
 
 Invariant: every page has exactly one owner (`owner[p]`); an expert page's blocks are withdrawn
 from the block pool, a KV page's slot id is not active in the slot table. A moved expert is dropped
@@ -57,7 +60,8 @@ class MemorySplit:
     def __init__(self, pool: BlockPool, cache: Callable[[], SlotLender], num_pages: int,
                  bounds: SplitBounds, min_kv_pages: int) -> None:
         """cache: the current expert cache (a rebound backend brings a new one over the same region);
-        min_kv_pages: the KV floor (one sequence of max_model_len) that slots never take."""
+        min_kv_pages: the KV floor (one sequence of max_model_len) that `ensure_kv` can always
+        restore: min_slots never reaches into it."""
         self.pool, self.cache, self.num_pages = pool, cache, num_pages
         self.bounds, self.min_kv_pages = bounds, min_kv_pages
         self.counters = SplitCounters()
@@ -102,13 +106,13 @@ class MemorySplit:
         q, moved = self.pool.blocks_per_page, 0
         room = self.bounds.max_slots - self.expert_pages
         spare = self.free_blocks - self.bounds.kv_reserve
-        if room <= 0 or spare < q or self.kv_pages <= self.min_kv_pages:
+        if room <= 0 or spare < q:
             return 0
         cache = self.cache()
         idle = [p for p in range(self.num_pages - 1, -1, -1) if self.owner[p] == KV and self.pool.page_idle(p)]
         idle.sort(key=self.pool.cached_in_page)  # cached prompt prefixes go last (stable: high pages first)
         for p in idle:
-            if moved >= room or spare < q or self.kv_pages <= self.min_kv_pages:
+            if moved >= room or spare < q:
                 break
             self.pool.withdraw_page(p)
             self.owner[p] = EXPERT

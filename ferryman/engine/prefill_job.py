@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,7 @@ class JobScheduling:
     waiting: deque[Sequence]
     running: list[Sequence]
     job: PrefillJob | None
+    grow_kv: Callable[[int], bool] | None  # Scheduler's: expert slots back to KV (engine/memory_split.py)
 
     def _match(self, seq: Sequence) -> list[list[int]]: ...  # Scheduler's
     def free_blocks(self, seq: Sequence) -> None: ...  # Scheduler's
@@ -155,6 +157,9 @@ class JobScheduling:
             ring = min(ring_blocks(self.window_pool.window, cfg.max_num_batched_tokens, cfg.block_size),
                        cdiv(num_tokens, cfg.block_size))
             grants.append((self.window_pool, min(num_tokens, ring * cfg.block_size), prefixes[1]))
+        short = self.pool.shortfall(seq, num_tokens, prefixes[0])
+        if short and self.grow_kv is not None:  # idle KV pages lent to the experts come back
+            self.grow_kv(len(self.pool.free_queue) + short)
         if not all(pool.can_allocate(seq, n, prefix) for pool, n, prefix in grants):
             return None
         for pool, n, prefix in grants:  # the main pool first: it sets seq.num_computed_tokens
