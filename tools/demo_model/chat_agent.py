@@ -176,14 +176,13 @@ def agent_system(rng: random.Random, m: Material, size: int, count_tokens) -> st
     name = rng.choice(AGENT_NAMES)
     head = f"You are {name}, an interactive CLI tool that helps users with software engineering tasks."
     tools = tools_block(rng, m, rng.randint(3, max(3, min(40, size // 300))))
-    parts, used = [head, instructions(rng, m), environment(rng, m)], 0
-    used = count_tokens("\n\n".join(parts + [tools]))
-    while used < size:
+    parts = [head, instructions(rng, m), environment(rng, m)]
+    used, misses = count_tokens("\n\n".join(parts + [tools])), 0
+    while used < 0.9 * size and misses < 20:  # add parts that fit until ~size, never more than 15% over
         part = rng.choice((instructions, file_block, file_block))(rng, m)
         cost = count_tokens(part)
         if used + cost > size * 1.15:
-            if cost < 64 or rng.random() < 0.3:
-                break
+            misses += 1
             continue
         parts.insert(rng.randint(1, len(parts)), part)
         used += cost

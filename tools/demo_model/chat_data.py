@@ -174,13 +174,28 @@ def label_encoding(ids: list[int], offsets: list[tuple[int, int]], spans: list[t
     return ChatSample(list(ids), labels.tolist(), int((starts < spans[-1][0]).sum()))
 
 
+def encode_split(tokenizer: Tokenizer, texts: list[str], spans: list[list[tuple[int, int]]],
+                 end_id: int) -> list[ChatSample]:
+    """Tokenise each rendered conversation in two parts, split where its last assistant message
+    starts: a server tokenises the prompt alone (ending with `assistant\\n`) and the model writes
+    on from there, so no token may straddle that point (BPE would merge `\\n` with an answer's
+    leading spaces otherwise)."""
+    cuts = [sp[-1][0] for sp in spans]
+    heads = tokenizer.encode_batch([t[:c] for t, c in zip(texts, cuts)], add_special_tokens=False)
+    tails = tokenizer.encode_batch([t[c:] for t, c in zip(texts, cuts)], add_special_tokens=False)
+    out = []
+    for head, tail, sp, cut in zip(heads, tails, spans, cuts):
+        offsets = head.offsets + [(lo + cut, hi + cut) for lo, hi in tail.offsets]
+        out.append(label_encoding(head.ids + tail.ids, offsets, sp, end_id))
+    return out
+
+
 def encode_conversation(tokenizer: Tokenizer, messages: list[tuple[str, str]], end_id: int,
                         train_all: bool = True) -> ChatSample:
-    """A conversation ending with an assistant message, tokenised at once; every assistant
-    message (train_all) or only the last one is labelled, each with its `<|im_end|>`."""
+    """A conversation ending with an assistant message, tokenised as encode_split does; every
+    assistant message (train_all) or only the last one is labelled, each with its `<|im_end|>`."""
     text, spans = assistant_spans(messages)
-    enc = tokenizer.encode(text, add_special_tokens=False)
-    return label_encoding(enc.ids, enc.offsets, spans if train_all else spans[-1:], end_id)
+    return encode_split(tokenizer, [text], [spans if train_all else spans[-1:]], end_id)[0]
 
 
 def chat_samples(tokenizer: Tokenizer, texts: list[str], seed: int, max_len: int, end_id: int,

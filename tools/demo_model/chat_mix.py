@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from tools.demo_model.chat_agent import Material, agent_system, material, short_exchange, tool_turns
-from tools.demo_model.chat_data import ChatSample, Exchange, assistant_spans, exchanges, label_encoding, system_texts
+from tools.demo_model.chat_data import ChatSample, Exchange, assistant_spans, encode_split, exchanges, system_texts
 
 Messages = list[tuple[str, str]]
 MATERIAL_FILES = 240  # files whose docstrings, functions and text make the agent-like content
@@ -101,10 +101,9 @@ def chars_per_token(tokenizer: Tokenizer, texts: list[str]) -> float:
 
 
 def encode_all(tokenizer: Tokenizer, convs: list[Messages], end_id: int) -> list[ChatSample]:
-    """Tokenise every conversation (in parallel, one batch) and label its assistant messages."""
+    """Tokenise every conversation (in parallel) and label its assistant messages."""
     rendered = [assistant_spans(c) for c in convs]
-    encs = tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
-    return [label_encoding(e.ids, e.offsets, spans, end_id) for e, (_, spans) in zip(encs, rendered)]
+    return encode_split(tokenizer, [text for text, _ in rendered], [spans for _, spans in rendered], end_id)
 
 
 def mixed_samples(tokenizer: Tokenizer, texts: list[str], names: list[str], mix: MixSpec, seed: int,

@@ -10,6 +10,7 @@ import json
 import platform
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def chat_stage(model: torch.nn.Module, tokenizer: Tokenizer, before: Path, out: 
                model_spec: ModelSpec, device: torch.device, log: Log, corpus_spec: CorpusSpec | None = None) -> dict:
     """Fine-tune `model` (whose export is the folder `before`), export it into `out`, then measure
     both; the record goes into out's training_log.json ("chat") and card."""
+    start = time.monotonic()
     if before.resolve() == out.resolve():  # a full build: keep the pre-chat export to measure it
         before = Path(shutil.copytree(before, Path(tempfile.mkdtemp()) / "before"))
     corpus = load_corpus(corpus_spec or CorpusSpec())
@@ -133,7 +135,13 @@ def chat_stage(model: torch.nn.Module, tokenizer: Tokenizer, before: Path, out: 
                   log)
     log(f"chat fine-tune: {len(short)} short and {len(long)} long conversations, {len(plain)} plain windows of "
         f"{spec.plain_len}; eval prompts { {k: len(v) for k, v in ev.prompts.items()} }")
-    result = tune(model, Schedule(short, long, plain, spec, eos), spec, device, log)
+    schedule = Schedule(short, long, plain, spec, eos)
+    budget_s = spec.minutes * 60 - (time.monotonic() - start)
+    log(f"chat data ready in {time.monotonic() - start:.0f} s; {budget_s:.0f} s left to train")
+    if budget_s <= 0:
+        raise ValueError(f"preparing the chat data took {time.monotonic() - start:.0f} s, the whole "
+                         f"--chat-minutes {spec.minutes:g} budget: give more minutes or smaller pools")
+    result = tune(model, schedule, spec, device, log, budget_s)
     export_model(model, out, [eos, end_id], model_spec)
     record = {"spec": spec.to_json(), "device": _device_name(device), "python": corpus_python(),
               "train": {"steps": result.steps, "seconds": result.seconds, "stopped_by": result.stopped_by,

@@ -29,15 +29,15 @@ from tools.demo_model.train import Log, TrainLog, lr_at, make_optimizer, seed_ev
 class ChatSpec:
     """The chat fine-tune stage; minutes == 0 turns it off."""
 
-    minutes: float = 0.0
+    minutes: float = 0.0  # wall-clock budget of data preparation and training (the measurements come after)
     max_steps: int = 100_000
     step_tokens: int = 32_768  # tokens per batch, padding included
     max_rows: int = 128  # conversations per batch at most
     long_share: float = 0.35  # share of steps whose batch holds long-system-message conversations
     plain_rows: int = 8  # plain code windows added to each short batch
     plain_len: int = 512
-    short_pool: int = 24_000  # conversations generated (cycled when training runs longer)
-    long_pool: int = 1_200
+    short_pool: int = 12_000  # conversations generated (cycled when training runs longer)
+    long_pool: int = 600
     train_layers: int = 0  # 0: every weight learns; N: only the last N decoder layers and the final norm
     lr: float = 5e-4
     min_lr_ratio: float = 0.1
@@ -139,18 +139,19 @@ def set_trainable(model: torch.nn.Module, layers: int) -> None:
         p.requires_grad_(True)
 
 
-def tune(model: torch.nn.Module, schedule: Schedule, spec: ChatSpec, device: torch.device, log: Log) -> TrainLog:
-    """Fine-tune in place (fp32 master weights) until max_steps or the budget."""
+def tune(model: torch.nn.Module, schedule: Schedule, spec: ChatSpec, device: torch.device, log: Log,
+         budget_s: float) -> TrainLog:
+    """Fine-tune in place (fp32 master weights) until max_steps or budget_s seconds."""
     seed_everything(spec.seed)
     model.to(device, torch.float32).train()
     set_trainable(model, spec.train_layers)
     opt_spec = TrainSpec(lr=spec.lr, weight_decay=0.0, warmup_steps=spec.warmup_steps, min_lr_ratio=spec.min_lr_ratio)
     optimizer = make_optimizer(model, opt_spec, device)  # no weight decay: do not shrink the trained weights
-    result, budget = TrainLog(), spec.minutes * 60
+    result = TrainLog()
     sums = {"short": torch.zeros(2, device=device), "long": torch.zeros(2, device=device)}  # (loss sum, steps)
     start = time.monotonic()
     while True:
-        progress = max(result.steps / spec.max_steps, (time.monotonic() - start) / budget)
+        progress = max(result.steps / spec.max_steps, (time.monotonic() - start) / budget_s)
         if progress >= 1.0:
             result.stopped_by = "max_steps" if result.steps >= spec.max_steps else "time_budget"
             break
