@@ -9,6 +9,7 @@ measures instead and the record says so ("engine").
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from tools.demo_model.chat_mix import MixSpec, mixed_samples
 from tools.demo_model.evaluate import load_exported
 from tools.demo_model.train import Log
 
+EVAL_GPU_MEMORY = "16GiB"  # ferryman's device budget while measuring (KV of 48 prompts of 17k tokens: ~4 GiB)
 HF_BATCH_TOKENS = 65_536  # prompt tokens per transformers generate batch (the fallback)
 
 
@@ -40,8 +42,13 @@ def summarise(ended: list[bool], lengths: list[int], prompts: list[list[int]], m
 def ferryman_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device) -> dict:
     """Greedy generation through ferryman: an answer ends when it stops on `<|im_end|>` or
     `<|endoftext|>` (finish_reason "stop") within max_tokens."""
-    llm = LLM(str(folder), device=device.type, dtype="float32")
+    cap = {"gpu_memory": EVAL_GPU_MEMORY} if device.type == "cuda" else {}  # leaves room for the next engine
+    llm = LLM(str(folder), device=device.type, dtype="float32", **cap)
     outs = llm.generate(prompt_token_ids=prompts, params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return summarise([o.finish_reason == "stop" for o in outs], [len(o.token_ids) for o in outs], prompts, max_tokens)
 
 
