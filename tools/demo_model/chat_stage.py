@@ -30,6 +30,7 @@ from tools.demo_model.train import Log
 CARD_MARK = "## Chat turns"
 EVAL_WINDOWS = 32  # held-out windows of EVAL_LEN tokens for the before / after loss
 EVAL_LEN = 512
+LIMITS_BULLET = "- It completes Python source code"
 EVAL_SEED_OFFSET = 7  # the held-out prompts' seed is the training seed + this
 
 
@@ -65,8 +66,9 @@ def card_section(record: dict) -> str:
     layers = "every weight" if s["train_layers"] == 0 else f"only the last {s['train_layers']} layers and the final norm"
     long_t = a["turns"]["long_system"]
     return (
-        f"The pre-trained model only completed code and never ended a chat turn. A chat fine-tune "
-        f"(`tools/demo_model/chat_tune.py`, seed {s['seed']}) then ran {t['steps']} steps in {t['seconds']:.0f} s on "
+        f"A chat fine-tune teaches the model, a code completer, to end its turns. It "
+        f"(`tools/demo_model/chat_tune.py`, seed {s['seed']}) ran from the weights of the table's first row: "
+        f"{t['steps']} steps in {t['seconds']:.0f} s on "
         f"{record['device']}, {layers} learning: AdamW at {s['lr']:g} (cosine to {s['min_lr_ratio']:g} of it), batches "
         f"of up to {s['step_tokens']} tokens of conversations rendered with the model's ChatML template, loss on the "
         f"assistant's messages and their `<|im_end|>` only. The conversations come from the training files "
@@ -88,19 +90,33 @@ def card_section(record: dict) -> str:
     )
 
 
+def limits_line(record: dict) -> str:
+    """The card's first "Limits" bullet, with the stage's figures."""
+    a, b = record["after"], record["before"]
+    t = a["turns"]
+    loss = f"held-out loss {a['heldout']['loss']:.2f}" + (f" (before: {b['heldout']['loss']:.2f})" if b else "")
+    return (f"- It completes Python source code and does not follow instructions. The chat stage taught it to end "
+            f"its answers with `<|im_end|>` ({t['short']['share']:.0%} of held-out short chat prompts and "
+            f"{t['long_system']['share']:.0%} of prompts after a long agent-like system message end within "
+            f"{t['short']['max_tokens']} tokens, \"Chat turns\"); {loss} on {a['heldout']['windows']} windows.")
+
+
 def fill_card(folder: Path, record: dict) -> None:
-    """Insert (or replace) the card's chat section, just before its "## Context" or "## Limits"."""
+    """Insert (or replace) the card's chat section, just before its "## Context" or "## Limits",
+    and rewrite the first "Limits" bullet with the stage's figures."""
     card = folder / "README.md"
     text = card.read_text(encoding="utf-8")
     section = f"{CARD_MARK}\n\n{card_section(record)}\n"
     if CARD_MARK in text:
         head, rest = text.split(CARD_MARK, 1)
         tail = "## " + rest.split("\n## ", 1)[1] if "\n## " in rest else ""
-        card.write_text(head + section + tail, encoding="utf-8")
-        return
-    anchor = "## Context" if "## Context" in text else "## Limits"
-    head, tail = text.split(anchor, 1)
-    card.write_text(head + section + anchor + tail, encoding="utf-8")
+        text = head + section + tail
+    else:
+        anchor = "## Context" if "## Context" in text else "## Limits"
+        head, tail = text.split(anchor, 1)
+        text = head + section + anchor + tail
+    lines = [limits_line(record) if line.startswith(LIMITS_BULLET) else line for line in text.split("\n")]
+    card.write_text("\n".join(lines), encoding="utf-8")
 
 
 def check_context(model: torch.nn.Module, longest: int, log: Log) -> None:
