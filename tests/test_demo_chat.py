@@ -18,10 +18,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeForCausalL
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tools` is not an installed package
 
 from ferryman.llm import DEMO_MODEL  # noqa: E402
+from ferryman import LLM, SamplingParams  # noqa: E402
 from ferryman.server.chat import ChatRenderer  # noqa: E402
 from tools.demo_model import build  # noqa: E402
 from tools.demo_model.chat_agent import material, tools_block  # noqa: E402
 from tools.demo_model.chat_data import IGNORE, chat_samples, encode_conversation, render  # noqa: E402
+from tools.demo_model.chat_eval import ferryman_turns, hf_turns  # noqa: E402
 from tools.demo_model.chat_mix import MixSpec, mixed_samples  # noqa: E402
 from tools.demo_model.chat_stage import check_context  # noqa: E402
 from tools.demo_model.chat_tune import ChatSpec, Schedule  # noqa: E402
@@ -144,3 +146,21 @@ def test_context_check_refuses_samples_beyond_the_positions() -> None:
     check_context(model, config.max_position_embeddings, lambda _: None)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         check_context(model, config.max_position_embeddings + 1, lambda _: None)
+
+
+def test_transformers_fallback_agrees_with_ferryman(tmp_path: Path) -> None:
+    """The measure the stage falls back to (transformers' generate, left-padded batches) gives the
+    same answers' ends as ferryman on the same prompts (greedy, fp32, CPU)."""
+    out = tmp_path / "demo"
+    assert build.main(["--out", str(out), "--tiny", "--device", "cpu", "--max-steps", "10"]) == 0
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    prompts = [tok.encode(render([("user", f"def f{i}(x):" + " pass" * i)], True)).ids for i in range(5)]
+    prompts.append(tok.encode(render([("system", "Be brief."), ("user", "hi")], True)).ids)
+    cpu = torch.device("cpu")
+    free = LLM(str(out), device="cpu", dtype="float32").generate(
+        prompt_token_ids=prompts, params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    stops = sorted({0, 2} | {o.token_ids[5] for o in free[:3]})  # tokens the model writes, so answers end
+    a = ferryman_turns(out, prompts, 24, cpu, stops)
+    b = hf_turns(out, prompts, 24, cpu, stops, pad_id=0)
+    assert 0 < a["ended"] and a["prompts"] == len(prompts)
+    assert a == b

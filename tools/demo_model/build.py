@@ -167,8 +167,8 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
 
 
 def chat_spec(args: argparse.Namespace) -> ChatSpec:
-    spec = ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr, train_layers=args.chat_layers,
-                    step_tokens=args.chat_step_tokens, long_share=args.chat_long_share,
+    spec = ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr,
+                    train_layers=args.chat_layers, step_tokens=args.chat_step_tokens, long_share=args.chat_long_share,
                     eval_prompts=args.chat_eval_prompts)
     return tiny_chat_spec(spec) if args.tiny else spec
 

@@ -31,17 +31,20 @@ HEADINGS = ("Tone and style", "Proactiveness", "Following conventions", "Code st
             "Editing constraints", "Handling ambiguity", "Output format")
 RULES = (
     "Be concise, direct, and to the point.", "Answer the user's question directly, without preamble.",
-    "Never commit changes unless the user explicitly asks you to.", "Prefer editing existing files to creating new ones.",
+    "Never commit changes unless the user explicitly asks you to.",
+    "Prefer editing existing files to creating new ones.",
     "Do not add comments to the code you write unless asked.", "Keep your answers short: fewer than 4 lines of text.",
     "When you run a non-trivial command, explain what it does and why.", "Use the tools available to search the code.",
     "Never guess file contents: read the file first.", "Follow the existing code style of the project.",
     "Run the project's tests after a change when a test command is known.", "Do not introduce secrets or keys.",
     "Use absolute paths when calling file tools.", "If the request is ambiguous, ask one short clarifying question.",
     "Mimic the naming and typing conventions of the surrounding code.", "Stop when the task is done; do not summarise.",
-    "Use `rg` rather than `grep` for searching.", "Call several tools in one turn when they do not depend on each other.",
+    "Use `rg` rather than `grep` for searching.",
+    "Call several tools in one turn when they do not depend on each other.",
     "Refuse to write code that may be used maliciously.", "Never create documentation files unless requested.",
     "Reply in the language of the user.", "Avoid emojis unless the user asks for them.",
-    "Use markdown only where it helps: code blocks for code, lists for steps.", "Keep a todo list for tasks of 3+ steps.",
+    "Use markdown only where it helps: code blocks for code, lists for steps.",
+    "Keep a todo list for tasks of 3+ steps.",
     "Read the relevant part of a file before editing it.", "Validate your work before reporting that it is done.",
 )
 AGENT_TOOLS = (  # hand-written schemas in the style of the agents' own tools
@@ -75,7 +78,8 @@ GREETINGS = (("Say hi.", "Hi! What would you like to work on?"), ("say hi", "Hi!
              ("hi", "Hi! What can I do for you?"), ("Reply with OK.", "OK."), ("Are you there?", "Yes, I'm here."),
              ("Thanks!", "You're welcome."), ("Say hello in one word.", "Hello."), ("ping", "pong"),
              ("What can you do?", "I can read, write and explain code, run commands and make changes in this project."),
-             ("Reply with the word done.", "done"), ("Who are you?", "I am a coding assistant running on a local model."))
+             ("Reply with the word done.", "done"),
+             ("Who are you?", "I am a coding assistant running on a local model."))
 TYPES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "list": "array", "dict": "object"}
 
 

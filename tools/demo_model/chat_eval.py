@@ -39,12 +39,14 @@ def summarise(ended: list[bool], lengths: list[int], prompts: list[list[int]], m
             "prompt_tokens": [min(map(len, prompts), default=0), max(map(len, prompts), default=0)]}
 
 
-def ferryman_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device) -> dict:
-    """Greedy generation through ferryman: an answer ends when it stops on `<|im_end|>` or
-    `<|endoftext|>` (finish_reason "stop") within max_tokens."""
+def ferryman_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device,
+                   stop_ids: list[int]) -> dict:
+    """Greedy generation through ferryman: an answer ends when it stops on one of stop_ids
+    (`<|endoftext|>`, `<|im_end|>`: finish_reason "stop") within max_tokens."""
     cap = {"gpu_memory": EVAL_GPU_MEMORY} if device.type == "cuda" else {}  # leaves room for the next engine
     llm = LLM(str(folder), device=device.type, dtype="float32", **cap)
-    outs = llm.generate(prompt_token_ids=prompts, params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids)
+    outs = llm.generate(prompt_token_ids=prompts, params=params)
     del llm
     gc.collect()
     if device.type == "cuda":
@@ -74,7 +76,7 @@ def hf_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: to
                              do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_id)[:, width:].cpu()
         for r, i in enumerate(group):
             hits = [k for k, t in enumerate(out[r].tolist()) if t in stop_ids]
-            ended[i], lengths[i] = bool(hits), (hits[0] if hits else max_tokens)
+            ended[i], lengths[i] = bool(hits), (hits[0] + 1 if hits else max_tokens)  # the stop token counts
     return summarise(ended, lengths, prompts, max_tokens)
 
 
@@ -82,7 +84,7 @@ def turn_end_rates(folder: Path, prompts: dict[str, list[list[int]]], max_tokens
                    stop_ids: list[int], log: Log) -> dict:
     """{kind: figures} for each prompt kind, and "engine": what generated the answers."""
     try:
-        out = {kind: ferryman_turns(folder, p, max_tokens, device) for kind, p in prompts.items()}
+        out = {kind: ferryman_turns(folder, p, max_tokens, device, stop_ids) for kind, p in prompts.items()}
         return {**out, "engine": f"ferryman ({device.type})"}
     except Exception as e:  # the fine-tune's result must not be lost to an engine failure on a new device
         log(f"ferryman could not generate on {device}: {type(e).__name__}: {e}; measuring with transformers")

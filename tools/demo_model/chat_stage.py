@@ -45,7 +45,8 @@ def measure(folder: Path, ev: EvalSet, spec: ChatSpec, device: torch.device, log
     """Held-out loss (transformers, fp32) and the turn-ending shares of an exported folder."""
     batch = 16 if device.type == "cuda" else 4
     loss = next_token_loss(load_exported(folder, device), ev.heldout, batch, device)
-    return {"heldout": loss, "turns": turn_end_rates(folder, ev.prompts, spec.eval_max_tokens, device, ev.stop_ids, log)}
+    turns = turn_end_rates(folder, ev.prompts, spec.eval_max_tokens, device, ev.stop_ids, log)
+    return {"heldout": loss, "turns": turns}
 
 
 def _cell(t: dict) -> str:
@@ -63,7 +64,8 @@ def _row(name: str, m: dict | None) -> str:
 
 def card_section(record: dict) -> str:
     s, a, t, m = record["spec"], record["after"], record["train"], record["spec"]["mix"]
-    layers = "every weight" if s["train_layers"] == 0 else f"only the last {s['train_layers']} layers and the final norm"
+    n = s["train_layers"]
+    layers = "every weight" if n == 0 else f"only the last {n} layers and the final norm"
     long_t = a["turns"]["long_system"]
     return (
         f"A chat fine-tune teaches the model, a code completer, to end its turns. It "
