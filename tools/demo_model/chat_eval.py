@@ -20,7 +20,8 @@ from tools.demo_model.chat_mix import MixSpec, mixed_samples
 from tools.demo_model.evaluate import load_exported
 from tools.demo_model.train import Log
 
-EVAL_GPU_MEMORY = "16GiB"  # ferryman's device budget while measuring (KV of 48 prompts of 17k tokens: ~4 GiB)
+EVAL_GPU_MEMORY = "24GiB"  # ferryman's device budget while measuring; its KV floor: EVAL_SEQS x 32768 x 5 KiB
+EVAL_SEQS = 64  # sequences decoded together on a GPU
 HF_BATCH_TOKENS = 65_536  # prompt tokens per transformers generate batch (the fallback)
 
 
@@ -43,21 +44,33 @@ def ferryman_turns(folder: Path, prompts: list[list[int]], max_tokens: int, devi
                    stop_ids: list[int]) -> dict:
     """Greedy generation through ferryman: an answer ends when it stops on one of stop_ids
     (`<|endoftext|>`, `<|im_end|>`: finish_reason "stop") within max_tokens."""
-    cap = {"gpu_memory": EVAL_GPU_MEMORY} if device.type == "cuda" else {}  # leaves room for the next engine
+    return summarise(*ferryman_ends(folder, prompts, max_tokens, device, stop_ids), prompts, max_tokens)
+
+
+def ferryman_ends(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device,
+                  stop_ids: list[int]) -> tuple[list[bool], list[int]]:
+    """(ended, answer length) of each prompt, one engine for all of them."""
+    cap = {"gpu_memory": EVAL_GPU_MEMORY, "max_num_seqs": EVAL_SEQS} if device.type == "cuda" else {}
     llm = LLM(str(folder), device=device.type, dtype="float32", **cap)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_ids)
     outs = llm.generate(prompt_token_ids=prompts, params=params)
-    del llm
+    del llm  # frees its device memory before the next engine starts
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return summarise([o.finish_reason == "stop" for o in outs], [len(o.token_ids) for o in outs], prompts, max_tokens)
+    return [o.finish_reason == "stop" for o in outs], [len(o.token_ids) for o in outs]
+
+
+def hf_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device, stop_ids: list[int],
+             pad_id: int) -> dict:
+    """The same measure with transformers' greedy `generate`."""
+    return summarise(*hf_ends(folder, prompts, max_tokens, device, stop_ids, pad_id), prompts, max_tokens)
 
 
 @torch.no_grad()
-def hf_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device, stop_ids: list[int],
-             pad_id: int) -> dict:
-    """The same measure with transformers' greedy `generate`, left-padded batches of similar length."""
+def hf_ends(folder: Path, prompts: list[list[int]], max_tokens: int, device: torch.device, stop_ids: list[int],
+            pad_id: int) -> tuple[list[bool], list[int]]:
+    """(ended, answer length) of each prompt: left-padded batches of similar length."""
     model = load_exported(folder, device)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     ended, lengths = [False] * len(prompts), [0] * len(prompts)
@@ -77,16 +90,22 @@ def hf_turns(folder: Path, prompts: list[list[int]], max_tokens: int, device: to
         for r, i in enumerate(group):
             hits = [k for k, t in enumerate(out[r].tolist()) if t in stop_ids]
             ended[i], lengths[i] = bool(hits), (hits[0] + 1 if hits else max_tokens)  # the stop token counts
-    return summarise(ended, lengths, prompts, max_tokens)
+    return ended, lengths
 
 
 def turn_end_rates(folder: Path, prompts: dict[str, list[list[int]]], max_tokens: int, device: torch.device,
                    stop_ids: list[int], log: Log) -> dict:
     """{kind: figures} for each prompt kind, and "engine": what generated the answers."""
+    flat = [p for kind in prompts.values() for p in kind]
     try:
-        out = {kind: ferryman_turns(folder, p, max_tokens, device, stop_ids) for kind, p in prompts.items()}
-        return {**out, "engine": f"ferryman ({device.type})"}
+        ended, lengths = ferryman_ends(folder, flat, max_tokens, device, stop_ids)
+        engine = f"ferryman ({device.type})"
     except Exception as e:  # the fine-tune's result must not be lost to an engine failure on a new device
         log(f"ferryman could not generate on {device}: {type(e).__name__}: {e}; measuring with transformers")
-    out = {kind: hf_turns(folder, p, max_tokens, device, stop_ids, stop_ids[0]) for kind, p in prompts.items()}
-    return {**out, "engine": f"transformers ({device.type})"}
+        ended, lengths = hf_ends(folder, flat, max_tokens, device, stop_ids, stop_ids[0])
+        engine = f"transformers ({device.type})"
+    out, start = {}, 0
+    for kind, p in prompts.items():
+        out[kind] = summarise(ended[start:start + len(p)], lengths[start:start + len(p)], p, max_tokens)
+        start += len(p)
+    return {**out, "engine": engine}
