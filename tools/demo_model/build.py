@@ -2,7 +2,7 @@
 
     python -m tools.demo_model.build --out ferryman/assets/demo-moe --minutes 8
     python -m tools.demo_model.build --out /tmp/demo --tiny     # smoke test, seconds on 2 CPU cores
-    python -m tools.demo_model.build --out /tmp/chat --base ferryman/assets/demo-moe --chat-minutes 30
+    python -m tools.demo_model.build --out /tmp/chat --base ferryman/assets/demo-moe --chat-minutes 3.5 --device cuda
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from ferryman import LLM
 from tools.demo_model.chat_stage import chat_stage, from_base
-from tools.demo_model.chat_tune import ChatSpec
+from tools.demo_model.chat_tune import ChatSpec, tiny_chat_spec
 from tools.demo_model.card import LOSS_CURVE_FILE, plot_loss_curve, write_model_card
 from tools.demo_model.config import EOS_TOKEN, BuildSpec, check_size, count_parameters, hf_config, real_spec, \
     tiny_spec, with_overrides
@@ -34,6 +34,7 @@ from tools.demo_model.train import TrainLog, build_model, train
 
 CORPUS_STATS_FILE = "corpus_stats.json"
 TRAINING_LOG_FILE = "training_log.json"
+CHAT_DEFAULTS = ChatSpec()
 
 
 class Progress:
@@ -62,10 +63,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-eval-windows", type=int, default=None)
     parser.add_argument("--chat-minutes", type=float, default=0.0,
                         help="then fine-tune on chat samples so the model ends its turns (0: no chat stage)")
-    parser.add_argument("--chat-steps", type=int, default=200, help="chat fine-tune step limit")
-    parser.add_argument("--chat-lr", type=float, default=3e-4, help="chat fine-tune learning rate")
+    parser.add_argument("--chat-steps", type=int, default=CHAT_DEFAULTS.max_steps, help="chat fine-tune step limit")
+    parser.add_argument("--chat-lr", type=float, default=CHAT_DEFAULTS.lr, help="chat fine-tune peak learning rate")
+    parser.add_argument("--chat-layers", type=int, default=CHAT_DEFAULTS.train_layers,
+                        help="0: every weight learns; N: only the last N decoder layers (cheaper on CPU)")
+    parser.add_argument("--chat-step-tokens", type=int, default=CHAT_DEFAULTS.step_tokens,
+                        help="tokens per chat fine-tune batch, padding included")
+    parser.add_argument("--chat-long-share", type=float, default=CHAT_DEFAULTS.long_share,
+                        help="share of chat steps whose conversations open with a 4k-16k-token system message")
+    parser.add_argument("--chat-eval-prompts", type=int, default=CHAT_DEFAULTS.eval_prompts,
+                        help="held-out prompts of each kind (short, long system message) for the turn-ending figure")
     parser.add_argument("--base", type=Path, default=None,
-                        help="skip the build: run only the chat stage on this exported model folder")
+                        help="skip the build: run only the chat stage on this exported model folder "
+                             "(with --tiny: few steps on short samples, a smoke test)")
     return parser.parse_args(argv)
 
 
@@ -119,7 +129,7 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
     """Run the whole pipeline into args.out; returns the training log record."""
     spec = make_spec(args)
     prepare_out(args.out)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = pick_device(args.device)
     tokenizer, windows, stats = prepare_data(spec, args.out, log)
     eos = token_id(tokenizer, EOS_TOKEN)
     config = hf_config(spec.model, eos)
@@ -151,13 +161,20 @@ def build(args: argparse.Namespace, log: Progress) -> dict:
         f"{routing['mean']['lru_25']:.1%} / {routing['mean']['lru_50']:.1%} on {routing['tokens']} held-out tokens")
     if args.chat_minutes > 0:
         chat_stage(load_exported(args.out, torch.device("cpu")), tokenizer, args.out, args.out, chat_spec(args),
-                   spec.model, device, log)
+                   spec.model, device, log, spec.corpus)
     log(f"done: {sorted(p.name for p in args.out.iterdir())}")
     return record
 
 
 def chat_spec(args: argparse.Namespace) -> ChatSpec:
-    return ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr)
+    spec = ChatSpec(minutes=args.chat_minutes, max_steps=args.chat_steps, lr=args.chat_lr,
+                    train_layers=args.chat_layers, step_tokens=args.chat_step_tokens, long_share=args.chat_long_share,
+                    eval_prompts=args.chat_eval_prompts)
+    return tiny_chat_spec(spec) if args.tiny else spec
+
+
+def pick_device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base is not None:
         if args.chat_minutes <= 0:
             raise SystemExit("--base runs only the chat stage: give --chat-minutes too")
-        from_base(args.base, args.out, chat_spec(args), Progress())
+        corpus = tiny_spec().corpus if args.tiny else None
+        from_base(args.base, args.out, chat_spec(args), pick_device(args.device), Progress(), corpus)
         return 0
     build(args, Progress())
     return 0

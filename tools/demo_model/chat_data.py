@@ -14,6 +14,7 @@ import random
 import textwrap
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -65,12 +66,15 @@ def _function_requests(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list
     return requests
 
 
-def function_exchanges(text: str, rng: random.Random, max_chars: int) -> list[Exchange]:
-    """A request and its code for each function (top level or method) of a source file."""
+def parse(text: str) -> ast.Module | None:
     try:
-        tree = ast.parse(text)
+        return ast.parse(text)
     except (SyntaxError, ValueError):
-        return []
+        return None
+
+
+def function_exchanges(text: str, tree: ast.Module, rng: random.Random, max_chars: int) -> list[Exchange]:
+    """A request and its code for each function (top level or method) of a source file."""
     lines = text.splitlines()
     out = []
     for node in ast.walk(tree):
@@ -84,20 +88,21 @@ def function_exchanges(text: str, rng: random.Random, max_chars: int) -> list[Ex
     return out
 
 
-def head_exchange(text: str, rng: random.Random, max_chars: int) -> Exchange | None:
-    """A file's first lines as the request, the lines that follow (up to max_chars) as the answer."""
+def head_exchange(text: str, tree: ast.Module, rng: random.Random, max_chars: int) -> Exchange | None:
+    """A file's first lines as the request; the answer runs from there to the end of the next
+    top-level statement (a natural place to stop), if that fits in max_chars."""
     lines = text.splitlines()
     k = rng.randint(*HEAD_LINES)
     if len(lines) < k + 2:
         return None
-    answer, size = [], 0
-    for line in lines[k:]:
-        if size + len(line) + 1 > max_chars:
-            break
-        answer.append(line)
-        size += len(line) + 1
-    answer_text = "\n".join(answer).rstrip()
-    return Exchange("\n".join(lines[:k]), answer_text) if answer_text else None
+    ends = sorted(node.end_lineno for node in tree.body if node.end_lineno)
+    end = next((e for e in ends if e > k), None)
+    if end is None:
+        return None
+    answer_text = "\n".join(lines[k:end]).rstrip()
+    if not answer_text.strip() or len(answer_text) > max_chars:
+        return None
+    return Exchange("\n".join(lines[:k]), answer_text)
 
 
 def system_texts(texts: list[str]) -> list[str]:
@@ -113,16 +118,19 @@ def system_texts(texts: list[str]) -> list[str]:
     return out
 
 
-def exchanges(texts: list[str], seed: int, max_chars: int, limit: int) -> list[Exchange]:
-    """About `limit` exchanges: files in a seeded order, up to PER_FILE functions and the head of each."""
+def exchanges(texts: list[str], seed: int, max_chars: int, limit: int, per_file: int = PER_FILE) -> list[Exchange]:
+    """About `limit` exchanges: files in a seeded order, up to per_file functions and the head of each."""
     rng = random.Random(seed)
     order = list(range(len(texts)))
     rng.shuffle(order)
     out: list[Exchange] = []
     for i in order:
-        found = function_exchanges(texts[i], rng, max_chars)
-        out += rng.sample(found, min(PER_FILE, len(found)))
-        head = head_exchange(texts[i], rng, max_chars)
+        tree = parse(texts[i])
+        if tree is None:
+            continue
+        found = function_exchanges(texts[i], tree, rng, max_chars)
+        out += rng.sample(found, min(per_file, len(found)))
+        head = head_exchange(texts[i], tree, rng, max_chars)
         if head is not None:
             out.append(head)
         if len(out) >= limit:
@@ -139,18 +147,55 @@ def conversation(ex: Exchange, systems: list[str], rng: random.Random) -> list[t
 def encode_sample(tokenizer: Tokenizer, messages: list[tuple[str, str]], answer: str, end_id: int) -> ChatSample:
     """Tokenise the whole rendered conversation at once (as a server would) and label only the
     answer's tokens and the `<|im_end|>` that closes it."""
-    prompt = render(messages, add_generation_prompt=True)
-    full = prompt + answer + "<|im_end|>\n"
-    enc = tokenizer.encode(full, add_special_tokens=False)
-    start, end = len(prompt), len(prompt) + len(answer)
-    labels = [IGNORE] * len(enc.ids)
-    prompt_len = 0
-    for i, ((lo, _hi), tok) in enumerate(zip(enc.offsets, enc.ids)):
-        if lo < start:
-            prompt_len = i + 1
-        elif lo < end or (lo == end and tok == end_id):
-            labels[i] = tok
-    return ChatSample(enc.ids, labels, prompt_len)
+    return encode_conversation(tokenizer, messages + [("assistant", answer)], end_id, train_all=False)
+
+
+def assistant_spans(messages: list[tuple[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) characters of each assistant message's content."""
+    text, spans = "", []
+    for role, content in messages:
+        text += f"<|im_start|>{role}\n"
+        if role == "assistant":
+            spans.append((len(text), len(text) + len(content)))
+        text += f"{content}<|im_end|>\n"
+    return text, spans
+
+
+def label_encoding(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+                   end_id: int) -> ChatSample:
+    """Labels on the tokens that start inside `spans` and on the `<|im_end|>` right after each;
+    prompt_len: the tokens that start before the last span (the prompt with its generation prompt)."""
+    tokens = np.asarray(ids, dtype=np.int64)  # [T]
+    starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]  # [T] first character of each token
+    trained = np.zeros(len(tokens), dtype=bool)
+    for start, end in spans:
+        trained |= ((starts >= start) & (starts < end)) | ((starts == end) & (tokens == end_id))
+    labels = np.where(trained, tokens, IGNORE)
+    return ChatSample(list(ids), labels.tolist(), int((starts < spans[-1][0]).sum()))
+
+
+def encode_split(tokenizer: Tokenizer, texts: list[str], spans: list[list[tuple[int, int]]],
+                 end_id: int) -> list[ChatSample]:
+    """Tokenise each rendered conversation in two parts, split where its last assistant message
+    starts: a server tokenises the prompt alone (ending with `assistant\\n`) and the model writes
+    on from there, so no token may straddle that point (BPE would merge `\\n` with an answer's
+    leading spaces otherwise)."""
+    cuts = [sp[-1][0] for sp in spans]
+    heads = tokenizer.encode_batch([t[:c] for t, c in zip(texts, cuts)], add_special_tokens=False)
+    tails = tokenizer.encode_batch([t[c:] for t, c in zip(texts, cuts)], add_special_tokens=False)
+    out = []
+    for head, tail, sp, cut in zip(heads, tails, spans, cuts):
+        offsets = head.offsets + [(lo + cut, hi + cut) for lo, hi in tail.offsets]
+        out.append(label_encoding(head.ids + tail.ids, offsets, sp, end_id))
+    return out
+
+
+def encode_conversation(tokenizer: Tokenizer, messages: list[tuple[str, str]], end_id: int,
+                        train_all: bool = True) -> ChatSample:
+    """A conversation ending with an assistant message, tokenised as encode_split does; every
+    assistant message (train_all) or only the last one is labelled, each with its `<|im_end|>`."""
+    text, spans = assistant_spans(messages)
+    return encode_split(tokenizer, [text], [spans if train_all else spans[-1:]], end_id)[0]
 
 
 def chat_samples(tokenizer: Tokenizer, texts: list[str], seed: int, max_len: int, end_id: int,
