@@ -103,20 +103,24 @@ def test_planner_counts_what_the_packed_path_dequantises(fmt: str) -> None:
         assert got == extra, (fmt, tokens)
 
 
-def _gpu_cases(fmts: list[tuple[str, str, int, int, int, int]], tokens: int) -> list[dict]:
+def _gpu_cases(fmts: list[tuple[str, str, torch.dtype, int, int, int, int]], tokens: int) -> list[dict]:
     from grouped_cases import Case, run_case
 
     return [run_case(Case(fmt, "silu", dtype, layout, e, h, i, tokens, k), "cuda", seed)
-            for seed, (fmt, layout, e, h, i, k) in enumerate(fmts) for dtype in (torch.bfloat16, torch.float32)]
+            for seed, (fmt, layout, dtype, e, h, i, k) in enumerate(fmts)]
 
 
-# qwen3-30b-a3b's layer (128 x (2048 x 768), top-8) and qwen3-next's (512 x (2048 x 512), top-10)
-_QWEN3_30B = [(fmt, layout, 128, 2048, 768, 8) for fmt, layout in (
-    ("int4:g128:sym", "strided"), ("int4:g128:asym", "contiguous"), ("int8:ch:sym", "contiguous"),
-    ("int4:g128:sym:act", "strided"), ("fp8:128x128", "strided"), ("fp8:channel", "contiguous"),
-    ("nvfp4", "strided"), ("nvfp4-ct", "contiguous"))]
-_QWEN3_NEXT = [("int4:g128:sym", "strided", 512, 2048, 512, 10), ("fp8:128x128", "contiguous", 512, 2048, 512, 10),
-               ("nvfp4", "contiguous", 512, 2048, 512, 10)]
+# qwen3-30b-a3b's layer (128 x (2048 x 768), top-8) and qwen3-next's (512 x (2048 x 512), top-10); bf16,
+# and fp32 (exact products, tolerance 1e-5) for one member of each family
+_BF16, _FP32 = torch.bfloat16, torch.float32
+_QWEN3_30B = [(fmt, layout, dtype, 128, 2048, 768, 8) for fmt, layout, dtype in (
+    ("int4:g128:sym", "strided", _BF16), ("int4:g128:asym", "contiguous", _BF16),
+    ("int4:g128:asym", "strided", _FP32), ("int8:ch:sym", "contiguous", _BF16),
+    ("int4:g128:sym:act", "strided", _BF16), ("fp8:128x128", "strided", _BF16), ("fp8:128x128", "contiguous", _FP32),
+    ("fp8:channel", "contiguous", _BF16), ("nvfp4", "strided", _BF16), ("nvfp4-ct", "contiguous", _BF16),
+    ("nvfp4-ct", "strided", _FP32))]
+_QWEN3_NEXT = [(fmt, layout, _BF16, 512, 2048, 512, 10) for fmt, layout in (
+    ("int4:g128:sym", "strided"), ("fp8:128x128", "contiguous"), ("nvfp4", "contiguous"))]
 
 
 @pytest.mark.gpu

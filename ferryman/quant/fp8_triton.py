@@ -67,10 +67,11 @@ def fp8_tile(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexp
     kmask = k < KDIM
     m2 = rmask[:, None] & kmask[None, :]
     w = e4m3_to_f32(tl.load(w_base + rows[:, None] * KDIM + k[None, :], mask=m2, other=0).to(tl.int32))
+    SDIV: tl.constexpr = SBK if SBK > 0 else 1  # constexprs are built for every branch
+    SK: tl.constexpr = (KDIM + SDIV - 1) // SDIV
     if SBK == 0:
         return w * tl.load(s_base + rows, mask=rmask, other=0.0)[:, None]
-    SK: tl.constexpr = (KDIM + SBK - 1) // SBK
-    if SBK % BK == 0:
+    elif SBK % BK == 0:
         return w * tl.load(s_base + (rows // SBN) * SK + k0 // SBK, mask=rmask, other=0.0)[:, None]
     elif BK % SBK == 0:
         NS: tl.constexpr = BK // SBK
