@@ -84,14 +84,14 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
 @pytest.mark.parametrize("fmt, pairs, kernels, path", [
     ("dense", 68, None, "grouped"), ("dense", 32768, None, "grouped"), ("dense", None, None, "grouped"),
     ("mxfp4", 68, None, "grouped"), ("mxfp4", 2048, None, "grouped"), ("mxfp4", 2049, None, "batched"),
-    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 68, None, "batched"),
+    ("mxfp4", None, None, "batched"), ("q4_k", 68, None, "batched"),
     ("dense", 68, "triton", "grouped"), ("dense", 68, "torch", "batched"), ("mxfp4", 68, "torch", "batched"),
 ])
 def test_prefill_path_by_format_pairs_and_kernels(fmt: str, pairs: int | None, kernels: str | None,
                                                   path: str) -> None:
     """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 2048 (token, k)
-    pairs (the batched path above, and with no count); other formats, and any format with
-    FERRYMAN_KERNELS=torch, the batched path."""
+    pairs (the batched path above, and with no count); formats it does not read, and any format with
+    FERRYMAN_KERNELS=torch, the batched path (the other packed formats: test_grouped_moe_quant.py)."""
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
@@ -114,8 +114,8 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
 
     banks = {"w13": torch.zeros(2, 64, 32), "w2": torch.zeros(2, 32, 32)}
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
-    with pytest.raises(ValueError, match="no kernel for expert format 'gguf'"):
-        grouped_moe("gguf", banks, x, ids, w, MoEActivation())
+    with pytest.raises(ValueError, match="no kernel for expert format 'q4_k'"):
+        grouped_moe("q4_k", banks, x, ids, w, MoEActivation())
     with pytest.raises(ValueError, match="power of two"):
         GroupedConfig(block_m=24)
     with pytest.raises(ValueError, match="block_k must be >= 32"):

@@ -1,6 +1,7 @@
 """grouped_moe (layers/grouped_moe_triton.py) on packed experts decoded inside its weight tiles: int4 /
 int8 (group and channel scales, sym and asym, act-order group indices, odd group sizes), fp8 (block
-scales of every tile relation, channel scales) and NVFP4 (both global-scale conventions), against
+scales of every tile relation, channel scales), NVFP4 (both global-scale conventions) and GGUF blocks
+(k-quants, 32-value blocks, halves), against
 `fused_moe_reference` (each format's dequant + matmul; the dequantisers are checked against their
 references in test_intq.py and test_fp8_nvfp4.py). Interpreter on CPU in a subprocess per family;
 compiled on CUDA (gpu), at real layer shapes. And which prefill path each format takes, and that the
@@ -31,6 +32,15 @@ _FAMILIES = {
             ("fp8:channel", "swiglu_oai", "float16", "strided", 96, 64),
             ("fp8:16x32", "silu", "float32", "contiguous", 96, 64),
             ("fp8:32x48", "swiglu_oai", "float32", "strided", 96, 64)],
+    # GGUF: Q4_K_M's and Q5_K_M's mixes, the other k-quants, 32-value blocks, plain halves (K multiples of 256
+    # for super-blocks)
+    "gguf": [("gguf:q4_k:q6_k", "silu", "float32", "strided", 256, 256),
+             ("gguf:q5_k:q8_0", "silu", "float16", "contiguous", 256, 256),
+             ("gguf:q2_k:q3_k", "silu", "float32", "contiguous", 256, 256),
+             ("gguf:q8_0:q4_0", "swiglu_oai", "float32", "strided", 96, 64),
+             ("gguf:q5_1:iq4_nl", "silu", "float32", "contiguous", 96, 64),
+             ("gguf:iq4_xs:mxfp4", "silu", "float32", "contiguous", 256, 64),
+             ("gguf:f16:bf16", "silu", "float32", "contiguous", 96, 64)],
     "nvfp4": [("nvfp4", "swiglu_oai", "float32", "strided", 96, 64),
               ("nvfp4-ct", "silu", "float32", "contiguous", 96, 64),
               ("nvfp4-ct", "swiglu_oai", "float16", "strided", 96, 64)],
@@ -64,12 +74,13 @@ def test_grouped_moe_decodes_packed_tiles_in_interpreter(family: str) -> None:
     ("int4:g128:sym", 2160, "grouped"), ("int4:g128:asym:act", 8192, "grouped"), ("int8:ch:sym", 8193, "batched"),
     ("fp8:128x128", 64, "grouped"), ("fp8:channel", 8192, "grouped"), ("fp8:16x32", 8193, "batched"),
     ("nvfp4", 100, "grouped"), ("nvfp4-ct", 8193, "batched"), ("nvfp4", None, "batched"),
-    ("int4:g128:sym", None, "batched"), ("gguf:q4_k:q6_k", 100, "batched"),
+    ("int4:g128:sym", None, "batched"), ("gguf:q4_k:q6_k", 4096, "grouped"), ("gguf:q8_0:q8_0", 4097, "batched"),
+    ("q4_k", 100, "batched"),
 ])
 def test_prefill_path_of_packed_formats(fmt: str, pairs: int | None, path: str) -> None:
     """Packed experts the grouped GEMM reads take it up to their family's GROUPED_*_MAX_PAIRS (8192:
-    qwen3-next's 216-token prefill, 2160 pairs of top-10, among them), the batched path above and
-    with no count; GGUF blocks always the batched path; the torch kernels never the grouped one."""
+    qwen3-next's 216-token prefill, 2160 pairs of top-10, among them; GGUF 4096), the batched path
+    above and with no count; formats it does not read always; the torch kernels never the grouped one."""
     pytest.importorskip("triton")
     from ferryman.layers import fused_moe as fm
 
@@ -77,7 +88,8 @@ def test_prefill_path_of_packed_formats(fmt: str, pairs: int | None, path: str) 
     assert fm.prefill_path(fmt, pairs, "torch") == "batched"
     family = fmt.partition(":")[0]
     limit = {"int4": fm.GROUPED_INT_MAX_PAIRS, "int8": fm.GROUPED_INT_MAX_PAIRS, "fp8": fm.GROUPED_FP8_MAX_PAIRS,
-             "nvfp4": fm.GROUPED_NVFP4_MAX_PAIRS, "nvfp4-ct": fm.GROUPED_NVFP4_MAX_PAIRS}.get(family, 0)
+             "nvfp4": fm.GROUPED_NVFP4_MAX_PAIRS, "nvfp4-ct": fm.GROUPED_NVFP4_MAX_PAIRS,
+             "gguf": fm.GROUPED_GGUF_MAX_PAIRS}.get(family, 0)
     assert fm.grouped_max_pairs(fmt) == limit
 
 

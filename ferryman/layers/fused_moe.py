@@ -37,9 +37,11 @@ GROUPED_MXFP4_MAX_PAIRS = 2048
 GROUPED_INT_MAX_PAIRS = 8192  # int4 / int8 (quant/intq.py)
 GROUPED_FP8_MAX_PAIRS = 8192  # fp8 blocks and channels (quant/fp8.py)
 GROUPED_NVFP4_MAX_PAIRS = 8192  # nvfp4, nvfp4-ct (quant/nvfp4.py)
+# GGUF blocks (quant/gguf.py): k-quants decode each value from several bytes, so half as many pairs
+GROUPED_GGUF_MAX_PAIRS = 4096
 _GROUPED_MAX_PAIRS = {"mxfp4": GROUPED_MXFP4_MAX_PAIRS, "int4": GROUPED_INT_MAX_PAIRS, "int8": GROUPED_INT_MAX_PAIRS,
                       "fp8": GROUPED_FP8_MAX_PAIRS, "nvfp4": GROUPED_NVFP4_MAX_PAIRS,
-                      "nvfp4-ct": GROUPED_NVFP4_MAX_PAIRS}
+                      "nvfp4-ct": GROUPED_NVFP4_MAX_PAIRS, "gguf": GROUPED_GGUF_MAX_PAIRS}
 
 
 def grouped_max_pairs(fmt: str) -> int | None:

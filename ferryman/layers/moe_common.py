@@ -28,9 +28,8 @@ def triton_reads(fmt: str) -> bool:
 
 def grouped_reads(fmt: str) -> bool:
     """Whether the Triton grouped prefill GEMM (layers/grouped_moe_triton.py) reads experts of format
-    `fmt`: every format the decode kernel reads but GGUF blocks, and fp8 of any block shape."""
-    family = fmt.partition(":")[0]
-    return (triton_reads(fmt) and family != "gguf") or family == "fp8"
+    `fmt`: every format the decode kernel reads, and fp8 of any block shape."""
+    return triton_reads(fmt) or fmt.partition(":")[0] == "fp8"
 
 
 def to_device(device: torch.device) -> Upload:
