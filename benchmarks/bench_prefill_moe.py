@@ -3,9 +3,9 @@
     python benchmarks/bench_prefill_moe.py [--tokens 16,32,64,128,256,512,1024,2048,4096] [--shapes a,b]
 
 Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880), qwen3-30b-a3b (128 experts, top-8,
-2048 x 768) in bf16, int4 (g128, sym and asym), fp8 (128x128 blocks) and nvfp4, and qwen3-next (512
-experts, top-10, 2048 x 512) in int4, fp8 and nvfp4; random weights and routing (each token's top-k
-distinct). Paths:
+2048 x 768) in bf16, int4 (g128, sym and asym), fp8 (128x128 blocks), nvfp4 and GGUF Q4_K_M (q4_k
+gate/up, q6_k down), and qwen3-next (512 experts, top-10, 2048 x 512) in int4, fp8, nvfp4 and Q4_K_M;
+random weights and routing (each token's top-k distinct). Paths:
 - batched: groups of experts dequantised into bf16 scratch, then batched GEMMs;
 - grouped: one Triton grouped GEMM per projection, packed weights decoded inside the kernel's tiles.
 fused_moe takes the grouped GEMM for bf16 experts and for packed ones up to their family's
@@ -43,9 +43,11 @@ SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
     "qwen3-30b-a3b-int4-asym": ("int4:g128:asym", 128, 8, 2048, 768, False, "silu"),
     "qwen3-30b-a3b-fp8": ("fp8:128x128", 128, 8, 2048, 768, False, "silu"),
     "qwen3-30b-a3b-nvfp4": ("nvfp4", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-q4_k_m": ("gguf:q4_k:q6_k", 128, 8, 2048, 768, False, "silu"),
     "qwen3-next-int4": ("int4:g128:sym", 512, 10, 2048, 512, False, "silu"),
     "qwen3-next-fp8": ("fp8:128x128", 512, 10, 2048, 512, False, "silu"),
     "qwen3-next-nvfp4": ("nvfp4", 512, 10, 2048, 512, False, "silu"),
+    "qwen3-next-q4_k_m": ("gguf:q4_k:q6_k", 512, 10, 2048, 512, False, "silu"),
 }
 
 

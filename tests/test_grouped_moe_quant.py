@@ -130,9 +130,10 @@ _QWEN3_30B = [(fmt, layout, dtype, 128, 2048, 768, 8) for fmt, layout, dtype in 
     ("int4:g128:asym", "strided", _FP32), ("int8:ch:sym", "contiguous", _BF16),
     ("int4:g128:sym:act", "strided", _BF16), ("fp8:128x128", "strided", _BF16), ("fp8:128x128", "contiguous", _FP32),
     ("fp8:channel", "contiguous", _BF16), ("nvfp4", "strided", _BF16), ("nvfp4-ct", "contiguous", _BF16),
-    ("nvfp4-ct", "strided", _FP32))]
+    ("nvfp4-ct", "strided", _FP32), ("gguf:q4_k:q6_k", "strided", _BF16), ("gguf:q8_0:q8_0", "contiguous", _FP32))]
 _QWEN3_NEXT = [(fmt, layout, _BF16, 512, 2048, 512, 10) for fmt, layout in (
-    ("int4:g128:sym", "strided"), ("fp8:128x128", "contiguous"), ("nvfp4", "contiguous"))]
+    ("int4:g128:sym", "strided"), ("fp8:128x128", "contiguous"), ("nvfp4", "contiguous"),
+    ("gguf:q4_k:q6_k", "contiguous"))]
 
 
 @pytest.mark.gpu
@@ -142,7 +143,7 @@ def test_grouped_moe_packed_on_cuda_at_model_shapes(tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4:g128:sym", "fp8:128x128", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4:g128:sym", "fp8:128x128", "nvfp4", "gguf:q8_0:q8_0"])
 def test_cuda_packed_prefill_dispatch(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the defaults, fused_moe sends a packed prefill batch within the limit to the grouped GEMM,
     one past it to the batched path, and both equal the reference."""
