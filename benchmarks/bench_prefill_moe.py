@@ -1,13 +1,16 @@
 """One MoE layer of a prefill step, every expert on the GPU: each path's time per call by token count.
 
-    python benchmarks/bench_prefill_moe.py [--tokens 16,32,64,128,256,512,1024,2048,4096]
+    python benchmarks/bench_prefill_moe.py [--tokens 16,32,64,128,256,512,1024,2048,4096] [--shapes a,b]
 
-Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880) and qwen3-30b-a3b (bf16, 128 experts,
-top-8, 2048 x 768), random weights and routing (each token's top-k distinct). Paths:
-- batched: groups of experts dequantised into bf16 scratch, then batched GEMMs (fused_moe's path
-  for MXFP4 batches above 512 tokens);
-- grouped: one Triton grouped GEMM per projection, MXFP4 decoded inside the kernel's tiles
-  (fused_moe's path for bf16 experts, and for MXFP4 batches up to 512 tokens).
+Shapes: gpt-oss-20b (MXFP4, 32 experts, top-4, 2880 x 2880), qwen3-30b-a3b (128 experts, top-8,
+2048 x 768) in bf16, int4 (g128, sym and asym), fp8 (128x128 blocks), nvfp4 and GGUF Q4_K_M (q4_k
+gate/up, q6_k down), and qwen3-next (512 experts, top-10, 2048 x 512) in int4, fp8, nvfp4 and Q4_K_M;
+random weights and routing (each token's top-k distinct). Paths:
+- batched: groups of experts dequantised into bf16 scratch, then batched GEMMs;
+- grouped: one Triton grouped GEMM per projection, packed weights decoded inside the kernel's tiles.
+fused_moe takes the grouped GEMM for bf16 experts and for packed ones up to their family's
+GROUPED_*_MAX_PAIRS (layers/fused_moe.py), the batched path above: the "default" column. Where
+grouped / batched crosses 1 sets that limit (in pairs = tokens x top-k).
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
 against the torch reference (fused_moe_reference) on the same inputs.
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import median_seconds  # noqa: E402
 
 from ferryman.layers.batched_moe import fused_moe_batched  # noqa: E402
+from ferryman.layers.fused_moe import prefill_path  # noqa: E402
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe  # noqa: E402
 from ferryman.layers.moe_common import MoEActivation  # noqa: E402
 from ferryman.layers.moe_reference import fused_moe_reference  # noqa: E402
@@ -35,6 +39,15 @@ from ferryman.quant import Banks, get_format  # noqa: E402
 SHAPES = {  # name: (format, experts, top_k, hidden, inter, bias, activation)
     "gpt-oss-20b": ("mxfp4", 32, 4, 2880, 2880, True, "swiglu_oai"),
     "qwen3-30b-a3b": ("dense", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-int4": ("int4:g128:sym", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-int4-asym": ("int4:g128:asym", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-fp8": ("fp8:128x128", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-nvfp4": ("nvfp4", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-30b-a3b-q4_k_m": ("gguf:q4_k:q6_k", 128, 8, 2048, 768, False, "silu"),
+    "qwen3-next-int4": ("int4:g128:sym", 512, 10, 2048, 512, False, "silu"),
+    "qwen3-next-fp8": ("fp8:128x128", 512, 10, 2048, 512, False, "silu"),
+    "qwen3-next-nvfp4": ("nvfp4", 512, 10, 2048, 512, False, "silu"),
+    "qwen3-next-q4_k_m": ("gguf:q4_k:q6_k", 512, 10, 2048, 512, False, "silu"),
 }
 
 
@@ -78,8 +91,8 @@ def main() -> None:
         form, act = get_format(fmt), MoEActivation(act_kind)
         banks = form.random_banks(experts, hidden, inter, bias, torch.bfloat16, gen, "cuda")
         print(f"\n{name}: {fmt}, {experts} experts, top-{top_k}, H {hidden}, I {inter}")
-        print("| tokens | batched ms | grouped ms | grouped / batched | err batched | err grouped |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| tokens | pairs | default | batched ms | grouped ms | grouped / batched | err batched | err grouped |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for t in (int(s) for s in a.tokens.split(",")):
             x = torch.randn(t, hidden, device="cuda", generator=gen).to(torch.bfloat16)
             ids, w = routing(t, experts, top_k, gen)
@@ -95,8 +108,9 @@ def main() -> None:
                 return grouped_moe(fmt, banks, x, ids, w, act)
 
             tb, tg = median_seconds(batched, a.iters), median_seconds(grouped, a.iters)
-            print(f"| {t} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tg / tb:.2f} | {err(batched()):.1e} | "
-                  f"{err(grouped()):.1e} |", flush=True)
+            path = prefill_path(fmt, t * top_k)
+            print(f"| {t} | {t * top_k} | {path} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tg / tb:.2f} | "
+                  f"{err(batched()):.1e} | {err(grouped()):.1e} |", flush=True)
             if str(t) in a.sweep.split(","):
                 sweep(fmt, banks, x, ids, w, act, a.iters, err)
             del x, ids, w, ref

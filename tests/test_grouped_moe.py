@@ -14,57 +14,21 @@ from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
 from triton_interp import run_interpreted, use_kernels
 
-# The case runner, shared by the interpreter script and the GPU test.
-_CASES = """
-import json, torch
-from ferryman.quant.layout import ExpertLayout
-from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
-from ferryman.layers.moe_common import MoEActivation
-from ferryman.layers.moe_reference import fused_moe_reference
-from ferryman.quant import get_format
-
-def strided(banks, fmt, h, i, dtype):
-    # the same banks as views into one row of bytes per slot (the expert-major cache pool)
-    e = next(iter(banks.values())).shape[0]
-    layout = ExpertLayout.of(get_format(fmt).bank_specs(e, h, i, True, dtype))
-    flat = torch.zeros(e, layout.row_bytes, dtype=torch.uint8, device=next(iter(banks.values())).device)
-    views = layout.views(flat)
-    for name, t in banks.items():
-        views[name].copy_(t)
-    return views
-
-def run(cases, device, e, h, i, t, k, cfg):
-    out = []
-    for seed, (fmt, kind, dtype, layout) in enumerate(cases):
-        gen = torch.Generator().manual_seed(seed)
-        form = get_format(fmt)
-        # weights drawn where they are used (CPU draws of real-shape banks take seconds)
-        wgen = torch.Generator(device=device).manual_seed(seed)
-        banks = form.random_banks(e, h, i, True, dtype, wgen, device)
-        if layout == "strided":
-            banks = strided(banks, fmt, h, i, dtype)
-        x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to(device)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(device)
-        w = torch.softmax(torch.randn(t, k, generator=gen), -1).to(device)
-        act = MoEActivation(kind)
-        got = grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg)
-        ref = fused_moe_reference(form, banks, x, ids, w, act)
-        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout}", err=err, dtype=str(dtype),
-                        dtype_ok=got.dtype == dtype))
-    return out
-"""
-
 # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers, so the kernels are
-# checked in fp32/fp16 here and in bf16 on the GPU.
-_INTERP = _CASES + """
+# checked in fp32/fp16 here and in bf16 on the GPU (the case runner: tests/grouped_cases.py).
+_INTERP = """
+import json, torch
+from grouped_cases import Case, run_case
+from ferryman.layers.grouped_moe_triton import GroupedConfig
 cases = [("dense", "silu", torch.float32, "contiguous"),
          ("dense", "swiglu_oai", torch.float16, "strided"),
          ("mxfp4", "swiglu_oai", torch.float32, "strided"),
          ("mxfp4", "silu", torch.float16, "contiguous")]
 # H = 96 with BLOCK_K = 64: a partial K step and MXFP4 scale group; 18 pairs over 5 slots: partial
 # and several blocks
-out = run(cases, "cpu", 5, 96, 64, 9, 2, GroupedConfig(block_m=16, block_n=32, block_k=64))
+cfg = GroupedConfig(block_m=16, block_n=32, block_k=64)
+out = [run_case(Case(fmt, kind, dtype, layout, 5, 96, 64, 9, 2, cfg), "cpu", seed)
+       for seed, (fmt, kind, dtype, layout) in enumerate(cases)]
 print(json.dumps(out))
 """
 
@@ -84,14 +48,14 @@ def test_grouped_moe_matches_reference_in_interpreter() -> None:
 @pytest.mark.parametrize("fmt, pairs, kernels, path", [
     ("dense", 68, None, "grouped"), ("dense", 32768, None, "grouped"), ("dense", None, None, "grouped"),
     ("mxfp4", 68, None, "grouped"), ("mxfp4", 2048, None, "grouped"), ("mxfp4", 2049, None, "batched"),
-    ("mxfp4", None, None, "batched"), ("gguf_q4_k", 68, None, "batched"),
+    ("mxfp4", None, None, "batched"), ("q4_k", 68, None, "batched"),
     ("dense", 68, "triton", "grouped"), ("dense", 68, "torch", "batched"), ("mxfp4", 68, "torch", "batched"),
 ])
 def test_prefill_path_by_format_pairs_and_kernels(fmt: str, pairs: int | None, kernels: str | None,
                                                   path: str) -> None:
     """Unquantised experts take the grouped GEMM at any size, MXFP4 ones up to 2048 (token, k)
-    pairs (the batched path above, and with no count); other formats, and any format with
-    FERRYMAN_KERNELS=torch, the batched path."""
+    pairs (the batched path above, and with no count); formats it does not read, and any format with
+    FERRYMAN_KERNELS=torch, the batched path (the other packed formats: test_grouped_moe_quant.py)."""
     pytest.importorskip("triton")
     from ferryman.layers.fused_moe import prefill_path
 
@@ -114,8 +78,8 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
 
     banks = {"w13": torch.zeros(2, 64, 32), "w2": torch.zeros(2, 32, 32)}
     x, ids, w = torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
-    with pytest.raises(ValueError, match="no kernel for expert format 'gguf'"):
-        grouped_moe("gguf", banks, x, ids, w, MoEActivation())
+    with pytest.raises(ValueError, match="no kernel for expert format 'q4_k'"):
+        grouped_moe("q4_k", banks, x, ids, w, MoEActivation())
     with pytest.raises(ValueError, match="power of two"):
         GroupedConfig(block_m=24)
     with pytest.raises(ValueError, match="block_k must be >= 32"):
@@ -127,12 +91,12 @@ def test_grouped_moe_rejects_bad_arguments() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 3, 300])
 def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
-    scope: dict = {}
-    exec(_CASES, scope)
-    cases = [(fmt, kind, dtype, layout)
+    from grouped_cases import Case, run_case
+
+    cases = [Case(fmt, kind, dtype, layout, 32, 2880, 2880, t, 4)
              for fmt, kind in (("mxfp4", "swiglu_oai"), ("dense", "silu"))
              for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check(scope["run"](cases, "cuda", 32, 2880, 2880, t, 4, scope["GroupedConfig"]()))
+    _check([run_case(c, "cuda", seed) for seed, c in enumerate(cases)])
 
 
 @pytest.mark.gpu

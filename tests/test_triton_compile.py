@@ -127,22 +127,41 @@ def test_int_dequant_kernel_compiles_for_sm90(fmt_name: str) -> None:
     assert "ld.global" in ptx and "st.global" in ptx
 
 
-@pytest.mark.parametrize("mxfp4", [True, False], ids=["mxfp4", "dense"])
-def test_grouped_moe_kernels_compile_for_sm90(mxfp4: bool) -> None:
-    """The grouped GEMM with its default tiles, bf16 activations: MXFP4 tiles decoded from bit fields."""
+# the grouped GEMM's pointer types per format: weights, scales, global scales / group indices, zeros
+GROUPED_CASES = {"mxfp4": ("*u8", "*u8", "*u8", "*u8"), "dense": ("*bf16",) * 4,
+                 "int4:g128:sym": ("*i32", "*fp32", "*i32", "*i32"),
+                 "int4:g128:asym:act": ("*i32", "*fp32", "*i32", "*u8"),
+                 "int8:ch:asym": ("*i32", "*fp32", "*i32", "*u8"), "int4:g32:sym": ("*i32", "*fp32", "*i32", "*i32"),
+                 "fp8:128x128": ("*u8", "*fp32", "*u8", "*u8"), "fp8:channel": ("*u8", "*fp32", "*u8", "*u8"),
+                 "nvfp4": ("*u8", "*u8", "*fp32", "*u8"), "nvfp4-ct": ("*u8", "*u8", "*fp32", "*u8"),
+                 # scales gathered per input (groups / blocks that do not tile BK): on 2880 x 2880
+                 "int8:g24:asym": ("*i32", "*fp32", "*i32", "*u8"), "fp8:32x48": ("*u8", "*fp32", "*u8", "*u8"),
+                 "gguf:q4_k:q6_k": ("*u8",) * 4, "gguf:q8_0:iq4_xs": ("*u8",) * 4}
+
+
+@pytest.mark.parametrize("fmt_name", list(GROUPED_CASES))
+def test_grouped_moe_kernels_compile_for_sm90(fmt_name: str) -> None:
+    """The grouped GEMM with its default tiles, bf16 activations: packed tiles decoded by each format's
+    tile function (gpt-oss-20b's shape for mxfp4 and dense, qwen3-30b-a3b's for the others)."""
     from ferryman.layers.grouped_moe_triton import GroupedConfig
+    from ferryman.layers.moe_common import quant_params
+    from ferryman.quant.gguf_triton import type_code
 
     cfg = GroupedConfig()
-    w = "*u8" if mxfp4 else "*bf16"
+    w, s, g, z = GROUPED_CASES[fmt_name]
+    h, i = (2880, 2880) if fmt_name in ("mxfp4", "dense", "int8:g24:asym", "fp8:32x48") else (2048, 768)
     blocks = {"order_ptr": "*i64", "bslot_ptr": "*i64", "brow_ptr": "*i64", "bend_ptr": "*i64", "w_ptr": w,
-              "s_ptr": w, "b_ptr": "*bf16"}
-    strides = {"w_stride": "i64", "s_stride": "i64", "b_stride": "i64"}
-    cx = {"H": 2880, "I": 2880, "MXFP4": mxfp4, "HAS_BIAS": True, "FP32": False, "BM": cfg.block_m,
-          "BN": cfg.block_n, "BK": cfg.block_k}
+              "s_ptr": s, "g_ptr": g, "z_ptr": z, "b_ptr": "*bf16"}
+    strides = {name: "i64" for name in ("w_stride", "s_stride", "b_stride", "g_stride", "z_stride")}
+    codes = [type_code(t) for t in fmt_name.split(":")[1:]] if fmt_name.startswith("gguf:") else [0, 0]
+    cx = {"H": h, "I": i, "MXFP4": fmt_name == "mxfp4", **quant_params(fmt_name), "HAS_BIAS": True, "FP32": False,
+          "BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
     sig13 = {"x_ptr": "*bf16", **blocks, "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **strides}
-    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w13_grouped", sig13, {**cx, "TOPK": 4, "ACT": 1},
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w13_grouped", sig13,
+                           {**cx, "TOPK": 4, "ACT": 1, "GGUF": codes[0]},
                            stage="ptx")
     assert "mma" in ptx
     sig2 = {"h_ptr": "*bf16", **blocks, "tw_ptr": "*fp32", "y_ptr": "*fp32", **strides}
-    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w2_grouped", sig2, cx, stage="ptx")
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w2_grouped", sig2, {**cx, "GGUF": codes[1]},
+                           stage="ptx")
     assert "mma" in ptx

@@ -42,6 +42,10 @@
 #                (its dummy weights take 1-2 minutes to build: ~5 minutes in all)
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   groupedq     the grouped GEMM's packed-tile GPU tests (int4/int8, fp8, nvfp4, GGUF at qwen3-30b-a3b and
+#                qwen3-next shapes), then bench_prefill_moe: grouped vs batched by token count for qwen3-30b-a3b
+#                in bf16, int4, fp8, nvfp4, Q4_K_M and qwen3-next in int4, fp8, nvfp4, Q4_K_M (sets
+#                layers/fused_moe.py's GROUPED_*_MAX_PAIRS); ~5 min
 #   gguf         the GGUF kernel tests (dequantiser, decode GEMVs, batched prefill), then the decode
 #                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
@@ -289,6 +293,11 @@ for s in ${@:-tests}; do
                    stage "strategy8_$m" 60 python3 benchmarks/bench_batch_decode.py --target gpt-oss-20b:8GiB \
                      --seqs 8 --strategy "$m" --modes early --reps 1 --tokens 48 --json "$OUT/strategy8_$m.json"
                  done ;;
+    groupedq)    stage groupedq_tests 120 "${PYTEST[@]}" tests/test_grouped_moe_quant.py
+                 shapes=qwen3-30b-a3b,qwen3-30b-a3b-int4,qwen3-30b-a3b-fp8,qwen3-30b-a3b-nvfp4,qwen3-30b-a3b-q4_k_m
+                 shapes=$shapes,qwen3-next-int4,qwen3-next-fp8,qwen3-next-nvfp4,qwen3-next-q4_k_m
+                 stage prefill_moe_packed 240 python3 benchmarks/bench_prefill_moe.py --iters 10 \
+                   --tokens "${PREFILL_TOKENS:-16,64,216,512,1024,2048,4096}" --shapes "${PREFILL_SHAPES:-$shapes}" ;;
     gguf)        stage gguf_tests 120 "${PYTEST[@]}" tests/test_gguf_triton.py
                  for f in gguf:q4_k:q4_k gguf:q4_k:q6_k mxfp4; do
                    stage "gguf_bench_${f//:/_}" 45 python3 benchmarks/bench_fused_moe.py --format "$f" --hidden 2048 \

@@ -19,27 +19,51 @@ import torch
 from ferryman.envs import envs
 from ferryman.layers import backend
 from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, to_device,
-                                        triton_reads)
+from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, grouped_reads,
+                                        to_device, triton_reads)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
-__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "prefill_path", "to_device"]
+__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs", "prefill_path",
+           "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
-# MXFP4: the grouped GEMM up to this many (token, k) pairs, batched above (gpt-oss-20b's crossover
-# lies between 512 and 1024 tokens of top-4: docs/benchmarks.md)
+# Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
+# this many (token, k) pairs per format family, the batched path (each used expert dequantised once)
+# above. MXFP4: gpt-oss-20b's crossover lies between 512 and 1024 tokens of top-4 (docs/benchmarks.md),
+# about 64 pairs per expert of its 32. The others are to be measured (benchmarks/bench_prefill_moe.py,
+# grouped vs batched by token count); until then the same 64 pairs per expert at qwen3-30b-a3b's 128.
 GROUPED_MXFP4_MAX_PAIRS = 2048
+GROUPED_INT_MAX_PAIRS = 8192  # int4 / int8 (quant/intq.py)
+GROUPED_FP8_MAX_PAIRS = 8192  # fp8 blocks and channels (quant/fp8.py)
+GROUPED_NVFP4_MAX_PAIRS = 8192  # nvfp4, nvfp4-ct (quant/nvfp4.py)
+# GGUF blocks (quant/gguf.py): k-quants decode each value from several bytes, so half as many pairs
+GROUPED_GGUF_MAX_PAIRS = 4096
+_GROUPED_MAX_PAIRS = {"mxfp4": GROUPED_MXFP4_MAX_PAIRS, "int4": GROUPED_INT_MAX_PAIRS, "int8": GROUPED_INT_MAX_PAIRS,
+                      "fp8": GROUPED_FP8_MAX_PAIRS, "nvfp4": GROUPED_NVFP4_MAX_PAIRS,
+                      "nvfp4-ct": GROUPED_NVFP4_MAX_PAIRS, "gguf": GROUPED_GGUF_MAX_PAIRS}
+
+
+def grouped_max_pairs(fmt: str) -> int | None:
+    """The most (token, k) pairs `prefill_path` sends through the grouped GEMM for experts of format
+    `fmt`: None for unquantised experts (any batch), 0 where the grouped GEMM does not read them."""
+    if fmt == "dense":
+        return None
+    if not grouped_reads(fmt):
+        return 0
+    return _GROUPED_MAX_PAIRS.get(fmt.partition(":")[0], 0)
 
 
 def prefill_path(fmt: str, pairs: int | None = None, kernels: str | None = None) -> str:
     """The CUDA path of a batch too large for the decode kernel: "grouped" for unquantised experts
-    and MXFP4 ones up to GROUPED_MXFP4_MAX_PAIRS (token, k) pairs, else "batched", as also wherever
-    the grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch). pairs None: the path of the
-    largest batches. kernels: a FERRYMAN_KERNELS value to decide for (default: the process's)."""
+    and packed ones the grouped GEMM reads up to their family's GROUPED_*_MAX_PAIRS (token, k) pairs,
+    else "batched", as also wherever the grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch).
+    pairs None: the path of the largest batches. kernels: a FERRYMAN_KERNELS value to decide for
+    (default: the process's)."""
     if (envs.KERNELS if kernels is None else kernels) == "torch" or not backend.triton_available():
         return "batched"
-    if fmt == "dense" or (fmt == "mxfp4" and pairs is not None and pairs <= GROUPED_MXFP4_MAX_PAIRS):
+    limit = grouped_max_pairs(fmt)
+    if limit is None or (pairs is not None and pairs <= limit):
         return "grouped"
     return "batched"
 

@@ -1,5 +1,6 @@
 """Triton grouped GEMM over slot-indexed expert banks: a CUDA prefill path (fused_moe.prefill_path),
-dense weights read as they are or MXFP4 ones decoded inside the tiles (bit fields, no exp2).
+dense weights read as they are, packed ones (MXFP4, fp8 blocks or channels, NVFP4, int4/int8, GGUF) decoded
+inside the weight tiles by their format's tile function (quant/*_triton.py), never dequantised whole.
 
     `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
     kernel 1  h[p] = act(x[t] @ W13[slot]^T + b13[slot])               p = t*K + k, h: [P, I]
@@ -21,8 +22,14 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import TRITON_FORMATS, MoEActivation, check_inputs, kernel_bank
+from ferryman.layers.moe_common import (TRITON_FAMILIES, TRITON_FORMATS, MoEActivation, check_inputs, grouped_reads,
+                                        kernel_bank, quant_params)
 from ferryman.quant.base import Banks, get_format
+from ferryman.quant.fp8_triton import fp8_tile
+from ferryman.quant.gguf_triton import gguf_tile, type_code
+from ferryman.quant.intq_triton import int_tile
+from ferryman.quant.mxfp4_triton import mxfp4_tile
+from ferryman.quant.nvfp4_triton import nvfp4_tile
 
 
 @dataclass(frozen=True)
@@ -42,39 +49,27 @@ class GroupedConfig:
 
 
 @triton.jit
-def _e2m1_fp32(code):
-    # 4-bit e2m1 code [int32] -> fp32 by bit fields: exponent field e + 126, mantissa bit at the top,
-    # gives 2^(e-1) (1 + m/2), the value for e > 0; for e == 0 it gives 0.5 + 0.25 m, where the
-    # value is 0.5 m = 2 v - 1
-    v = (((code & 7) << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where((code & 6) == 0, 2.0 * v - 1.0, v)
-    return tl.where(code >= 8, -v, v)
-
-
-@triton.jit
-def _mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
-    # rows [R] of one MXFP4 expert weight [OUT, KDIM] at columns [k0, k0 + BK) -> fp32 [R, BK]
-    # (0 outside). Byte j holds elements 2j (low nibble) and 2j + 1; BK is a multiple of 32, so a
-    # tile holds whole scale groups and each scale multiplies 32 values as an exponent.
-    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
-    m2 = rmask[:, None] & (jj < KDIM // 2)[None, :]
-    byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=m2, other=0).to(tl.int32)
-    w = tl.reshape(tl.join(_e2m1_fp32(byte & 0xF), _e2m1_fp32(byte >> 4)), (R, BK))  # [R, BK]
-    gg = k0 // 32 + tl.arange(0, BK // 32)  # [BK/32] scale groups
-    sm = rmask[:, None] & (gg < KDIM // 32)[None, :]
-    s = tl.load(s_base + rows[:, None] * (KDIM // 32) + gg[None, :], mask=sm, other=127).to(tl.int32)
-    scale = (s << 23).to(tl.float32, bitcast=True)  # E8M0 2^(s - 127); s = 0 (2^-127) reads as 0
-    return tl.reshape(tl.reshape(w, (R, BK // 32, 32)) * scale[:, :, None], (R, BK))
-
-
-@triton.jit
-def _w_tile(w_base, s_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, MXFP4: tl.constexpr,
+def _w_tile(w_base, s_base, g_base, z_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, PART_ROWS: tl.constexpr,
+            MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, GGUF: tl.constexpr,
             R: tl.constexpr, BK: tl.constexpr):
-    # rows [R] of one expert's weight [OUT, KDIM] at columns kk = k0 + [0, BK) -> fp32 [R, BK] (0 outside)
-    if MXFP4:
-        return _mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
-    m2 = rmask[:, None] & kmask[None, :]
-    return tl.load(w_base + rows[:, None] * KDIM + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+    # rows [R] of one expert's weight [OUT, KDIM] at columns kk = k0 + [0, BK) -> fp32 [R, BK] (0
+    # outside), decoded by the format's tile function (quant/*_triton.py). QF / QA / QB as the decode
+    # kernel's (layers/moe_common.py quant_params): 1 fp8, 2 nvfp4, 3 int; 0 dense or MXFP4. Row r of
+    # the weight belongs to part r // PART_ROWS (w13: gate, up) for nvfp4's global scales and int's
+    # group indices. GGUF: the projection's ggml type code (quant/gguf_triton.py), 0 for other formats.
+    if GGUF != 0:
+        return gguf_tile(w_base, rows, rmask, k0, KDIM, R, BK, GGUF)
+    elif MXFP4:
+        return mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
+    elif QF == 1:
+        return fp8_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK, QA, QB)
+    elif QF == 2:
+        return nvfp4_tile(w_base, s_base, g_base, rows, rmask, k0, KDIM, R, BK, PART_ROWS, QA)
+    elif QF == 3:
+        return int_tile(w_base, s_base, z_base, g_base, rows, rmask, k0, KDIM, R, BK, QA, QB, PART_ROWS)
+    else:
+        m2 = rmask[:, None] & kmask[None, :]
+        return tl.load(w_base + rows[:, None] * KDIM + kk[None, :], mask=m2, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -86,10 +81,11 @@ def _dot(a, w, FP32: tl.constexpr):
 
 
 @triton.jit
-def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, h_ptr, alpha, limit,
-                 w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
-                 ACT: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g_ptr, z_ptr, b_ptr, h_ptr, alpha,
+                 limit, w_stride, s_stride, b_stride, g_stride, z_stride, H: tl.constexpr, I: tl.constexpr,
+                 TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
+                 QB: tl.constexpr, GGUF: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -104,12 +100,18 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    g_base, z_base = g_ptr + slot * g_stride, z_ptr + slot * z_stride
     for k0 in range(0, H, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < H
         a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc_g += _dot(a, _w_tile(w_base, s_base, g_rows, nmask, k0, kk, kmask, H, MXFP4, BN, BK), FP32)
-        acc_u += _dot(a, _w_tile(w_base, s_base, u_rows, nmask, k0, kk, kmask, H, MXFP4, BN, BK), FP32)
+        # w13 rows [0, I) are the gate's part, [I, 2I) the up's (swiglu_oai interleaves within each)
+        w_g = _w_tile(w_base, s_base, g_base, z_base, g_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, GGUF,
+                      BN, BK)
+        acc_g += _dot(a, w_g, FP32)
+        w_u = _w_tile(w_base, s_base, g_base, z_base, u_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, GGUF,
+                      BN, BK)
+        acc_u += _dot(a, w_u, FP32)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + slot * b_stride + u_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -119,10 +121,10 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
 
 
 @triton.jit
-def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b_ptr, tw_ptr, y_ptr,
-                w_stride, s_stride, b_stride, H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr,
-                HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):
+def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g_ptr, z_ptr, b_ptr, tw_ptr, y_ptr,
+                w_stride, s_stride, b_stride, g_stride, z_stride, H: tl.constexpr, I: tl.constexpr,
+                MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, GGUF: tl.constexpr,
+                HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -134,11 +136,13 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, b
     nmask = n < H
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
+    g_base, z_base = g_ptr + slot * g_stride, z_ptr + slot * z_stride
     for k0 in range(0, I, BK):
         kk = k0 + tl.arange(0, BK)
         kmask = kk < I
         a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(a, _w_tile(w_base, s_base, n, nmask, k0, kk, kmask, I, MXFP4, BN, BK), FP32)
+        w = _w_tile(w_base, s_base, g_base, z_base, n, nmask, k0, kk, kmask, I, H, MXFP4, QF, QA, QB, GGUF, BN, BK)
+        acc += _dot(a, w, FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(tw_ptr + pair, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -167,8 +171,9 @@ def _blocks(slot_ids: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tens
 def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor, topk_w: torch.Tensor,
                 act: MoEActivation, cfg: GroupedConfig = GroupedConfig()) -> torch.Tensor:
     """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
-    if fmt not in TRITON_FORMATS or fmt not in ("dense", "mxfp4"):  # fp8 / nvfp4 prefill: the batched path
-        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have dense, mxfp4")
+    if not grouped_reads(fmt):
+        raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {', '.join(TRITON_FORMATS)} "
+                         f"and the families {', '.join(TRITON_FAMILIES)}, fp8")
     num_slots, hidden, inter = get_format(fmt).dims(banks)
     check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape
@@ -179,11 +184,15 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-    tiles = dict(MXFP4=fmt == "mxfp4", HAS_BIAS=w13.has_bias, FP32=x.dtype == torch.float32, BM=cfg.block_m,
-                 BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
+    # GGUF: the w13 and w2 types' codes, "gguf:<w13>:<w2>"; 0 for other formats
+    gguf_codes = [type_code(name) for name in fmt.split(":")[1:]] if fmt.startswith("gguf:") else [0, 0]
+    tiles = dict(MXFP4=fmt == "mxfp4", **quant_params(fmt), HAS_BIAS=w13.has_bias, FP32=x.dtype == torch.float32,
+                 BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
     _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
-        x, order, bslot, first, end, w13.w, w13.s, w13.b, h, float(act.alpha), float(act.limit), *w13.strides,
-        H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
+        x, order, bslot, first, end, w13.w, w13.s, w13.g, w13.z, w13.b, h, float(act.alpha), float(act.limit),
+        *w13.strides, w13.g_stride, w13.z_stride, H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind],
+        GGUF=gguf_codes[0], **tiles)
     _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
-        h, order, bslot, first, end, w2.w, w2.s, w2.b, tw, y, *w2.strides, H=hidden, I=inter, **tiles)
+        h, order, bslot, first, end, w2.w, w2.s, w2.g, w2.z, w2.b, tw, y, *w2.strides, w2.g_stride, w2.z_stride,
+        H=hidden, I=inter, GGUF=gguf_codes[1], **tiles)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

@@ -27,6 +27,12 @@ def triton_reads(fmt: str) -> bool:
     return fmt in TRITON_FORMATS or fmt.partition(":")[0] in TRITON_FAMILIES
 
 
+def grouped_reads(fmt: str) -> bool:
+    """Whether the Triton grouped prefill GEMM (layers/grouped_moe_triton.py) reads experts of format
+    `fmt`: every format the decode kernel reads, and fp8 of any block shape."""
+    return triton_reads(fmt) or fmt.partition(":")[0] == "fp8"
+
+
 def to_device(device: torch.device) -> Upload:
     """The plain upload: an asynchronous copy on the current stream (of a fresh pageable tensor,
     which the driver stages at once)."""

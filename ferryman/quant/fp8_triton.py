@@ -1,5 +1,6 @@
 """Triton kernels of the `fp8:*` formats: the dequantiser (prefill's batched path) reading the slot
-banks in place, and the decode GEMV's tile loader (layers/fused_moe_triton.py).
+banks in place, the decode GEMV's tile loader (layers/fused_moe_triton.py) and the grouped prefill
+GEMM's weight tile (`fp8_tile`, layers/grouped_moe_triton.py).
 
 e4m3 bytes are decoded from their bits (no fp8 pointer types, so the interpreter runs them too):
 exponent field e, mantissa m: e = 0 is m x 2^-9, else (8 + m) x 2^(e - 10), which is the fp32 with
@@ -51,6 +52,35 @@ def fp8_rows_dot(w_base, s_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: 
     if BK == 0:
         acc *= tl.load(s_base + rows, mask=rmask, other=0.0)
     return acc
+
+
+@triton.jit
+def fp8_tile(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+             SBN: tl.constexpr, SBK: tl.constexpr):
+    # the grouped GEMM's weight tile (layers/grouped_moe_triton.py): rows [R] of one expert's e4m3
+    # weight [OUT, KDIM] at inputs [k0, k0 + BK) -> fp32 e4m3 x scale [R, BK] (0 outside), exactly
+    # `dequant_fp8`'s values before its rounding. Scales: SBN x SBK blocks [ceil(OUT/SBN), ceil(KDIM/SBK)],
+    # SBK 0 one per row [OUT]. One scale per row when the tile lies in one block (SBK 0, or SBK a
+    # multiple of BK; k0 is a multiple of BK), one per SBK inputs when BK is a multiple of SBK, else
+    # gathered per input.
+    k = k0 + tl.arange(0, BK)
+    kmask = k < KDIM
+    m2 = rmask[:, None] & kmask[None, :]
+    w = e4m3_to_f32(tl.load(w_base + rows[:, None] * KDIM + k[None, :], mask=m2, other=0).to(tl.int32))
+    SDIV: tl.constexpr = SBK if SBK > 0 else 1  # constexprs are built for every branch
+    SK: tl.constexpr = (KDIM + SDIV - 1) // SDIV
+    if SBK == 0:
+        return w * tl.load(s_base + rows, mask=rmask, other=0.0)[:, None]
+    elif SBK % BK == 0:
+        return w * tl.load(s_base + (rows // SBN) * SK + k0 // SBK, mask=rmask, other=0.0)[:, None]
+    elif BK % SBK == 0:
+        NS: tl.constexpr = BK // SBK
+        sc = k0 // SBK + tl.arange(0, NS)  # [NS] scale columns
+        s = tl.load(s_base + (rows // SBN)[:, None] * SK + sc[None, :], mask=rmask[:, None] & (sc < SK)[None, :],
+                    other=0.0)
+        return tl.reshape(tl.reshape(w, [R, NS, SBK]) * s[:, :, None], [R, BK])
+    else:
+        return w * tl.load(s_base + (rows // SBN)[:, None] * SK + (k // SBK)[None, :], mask=m2, other=0.0)
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Triton kernels of the int expert formats (quant/intq.py): the dequantiser of the batched prefill
-path, reading the slot banks in place, and the decode GEMV's tile loader (`int_rows_dot`, called from
-layers/fused_moe_triton.py), which reads the packed words directly.
+path, reading the slot banks in place, the decode GEMV's tile loader (`int_rows_dot`, called from
+layers/fused_moe_triton.py), which reads the packed words directly, and the grouped prefill GEMM's
+weight tile (`int_tile`, layers/grouped_moe_triton.py).
 
 Both compute what `IntFormat.dequant` defines: (code - zero) x scale in fp32; the dequantiser then
 rounds once to the output dtype, exactly as the reference. The GEMV sums code differences times x
@@ -153,3 +154,58 @@ def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.co
                 z2 = ZERO
             acc += tl.sum((q - z2).to(tl.float32) * s2 * x[None, :], axis=1)
     return acc
+
+
+@triton.jit
+def _int_zeros(z_base, idx, mask, ASYM: tl.constexpr, ZERO: tl.constexpr):
+    # zero points at offsets idx (asym, uint8 -> int32) or the symmetric zero 2^(bits-1)
+    if ASYM:
+        return tl.load(z_base + idx, mask=mask, other=0).to(tl.int32)
+    return tl.zeros(idx.shape, dtype=tl.int32) + ZERO
+
+
+@triton.jit
+def int_tile(q_base, s_base, z_base, g_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr,
+             BK: tl.constexpr, QA: tl.constexpr, GS: tl.constexpr, PART_ROWS: tl.constexpr):
+    # the grouped GEMM's weight tile (layers/grouped_moe_triton.py): rows [R] of one expert's int
+    # weight [OUT, KDIM] at inputs [k0, k0 + BK) -> fp32 (code - zero) x scale [R, BK] (0 outside),
+    # exactly `IntFormat.dequant`'s values before its rounding. Banks and QA / GS / PART_ROWS as in
+    # int_rows_dot; BK a multiple of 32 / bits, k0 a multiple of BK. A scale (and zero) per row when
+    # the tile lies in one group (GS 0, or GS a multiple of BK); per run of GS inputs when BK is a
+    # multiple of GS; else (act order, odd group sizes) gathered per input.
+    BITS: tl.constexpr = QA % 16
+    ASYM: tl.constexpr = (QA // 16) % 2
+    ACT: tl.constexpr = QA // 32
+    P: tl.constexpr = 32 // BITS
+    NG: tl.constexpr = KDIM // GS if GS > 0 else 1
+    ZERO: tl.constexpr = 1 << (BITS - 1)
+    wi = k0 // P + tl.arange(0, BK // P)  # [BK/P] words
+    words = tl.load(q_base + rows[:, None] * (KDIM // P) + wi[None, :],
+                    mask=rmask[:, None] & (wi < KDIM // P)[None, :], other=0)
+    q = _codes(words, BITS, R, BK // P)  # [R, BK]
+    if ACT == 0 and (GS == 0 or GS % BK == 0):
+        GDIV: tl.constexpr = GS if GS > 0 else KDIM  # GS 0: k0 // KDIM = group 0
+        soff = rows * NG + k0 // GDIV  # [R]
+        s = tl.load(s_base + soff, mask=rmask, other=0.0)
+        z = _int_zeros(z_base, soff, rmask, ASYM, ZERO)
+        return (q - z[:, None]).to(tl.float32) * s[:, None]
+    elif ACT == 0 and BK % GS == 0:
+        NS: tl.constexpr = BK // GS
+        grp = k0 // GS + tl.arange(0, NS)  # [NS]
+        m2 = rmask[:, None] & (grp < NG)[None, :]
+        soff2 = rows[:, None] * NG + grp[None, :]  # [R, NS]
+        s2 = tl.load(s_base + soff2, mask=m2, other=0.0)
+        z2 = _int_zeros(z_base, soff2, m2, ASYM, ZERO)
+        d = (tl.reshape(q, [R, NS, GS]) - z2[:, :, None]).to(tl.float32)
+        return tl.reshape(d * s2[:, :, None], [R, BK])
+    else:
+        k = k0 + tl.arange(0, BK)
+        mk = rmask[:, None] & (k < KDIM)[None, :]
+        if ACT:
+            grp3 = tl.load(g_base + (rows // PART_ROWS)[:, None] * KDIM + k[None, :], mask=mk, other=0)
+        else:
+            grp3 = (k // GS)[None, :] + tl.zeros([R, BK], dtype=tl.int32)
+        soff3 = rows[:, None] * NG + grp3  # [R, BK]
+        s3 = tl.load(s_base + soff3, mask=mk, other=0.0)
+        z3 = _int_zeros(z_base, soff3, mk, ASYM, ZERO)
+        return (q - z3).to(tl.float32) * s3

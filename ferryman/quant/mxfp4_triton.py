@@ -1,7 +1,8 @@
 """Triton dequantisation of `mxfp4` weights: exactly what `dequant_mxfp4` (quant/mxfp4.py) returns,
 in one launch and without a host sync. The power of two is built from its bits, not `exp2`, so it
 is exact: s in 1..254 is the normal fp32 with exponent field s, s = 0 the subnormal 2^-127, s = 255
-is 2^127 then x 2, as the reference does it.
+is 2^127 then x 2, as the reference does it. `mxfp4_tile` is the grouped prefill GEMM's weight tile
+(layers/grouped_moe_triton.py); it reads scale 0 as 0 and 255 as inf (never in real checkpoints).
 """
 
 from __future__ import annotations
@@ -114,3 +115,30 @@ def dequant_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, dtype: torc
     b = blocks.contiguous().view(1, -1, BLOCK_BYTES)  # one row of all groups
     out = dequant_mxfp4_rows(b, scales.contiguous().view(1, -1), slice(0, 1), dtype, groups_per_program)
     return out.view(*shape[:-1], shape[-1] * 2 * BLOCK_BYTES) if len(shape) else out.view(-1)
+
+
+@triton.jit
+def _e2m1_fp32(code):
+    # 4-bit e2m1 code [int32] -> fp32 by bit fields: exponent field e + 126, mantissa bit at the top,
+    # gives 2^(e-1) (1 + m/2), the value for e > 0; for e == 0 it gives 0.5 + 0.25 m, where the
+    # value is 0.5 m = 2 v - 1
+    v = (((code & 7) << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where((code & 6) == 0, 2.0 * v - 1.0, v)
+    return tl.where(code >= 8, -v, v)
+
+
+@triton.jit
+def mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    # the grouped GEMM's weight tile (layers/grouped_moe_triton.py): rows [R] of one MXFP4 expert
+    # weight [OUT, KDIM] at columns [k0, k0 + BK) -> fp32 [R, BK] (0 outside). Byte j holds elements
+    # 2j (low nibble) and 2j + 1; BK is a multiple of 32, so a tile holds whole scale groups and each
+    # scale multiplies 32 values as an exponent.
+    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns
+    m2 = rmask[:, None] & (jj < KDIM // 2)[None, :]
+    byte = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=m2, other=0).to(tl.int32)
+    w = tl.reshape(tl.join(_e2m1_fp32(byte & 0xF), _e2m1_fp32(byte >> 4)), (R, BK))  # [R, BK]
+    gg = k0 // 32 + tl.arange(0, BK // 32)  # [BK/32] scale groups
+    sm = rmask[:, None] & (gg < KDIM // 32)[None, :]
+    s = tl.load(s_base + rows[:, None] * (KDIM // 32) + gg[None, :], mask=sm, other=127).to(tl.int32)
+    scale = (s << 23).to(tl.float32, bitcast=True)  # E8M0 2^(s - 127); s = 0 (2^-127) reads as 0
+    return tl.reshape(tl.reshape(w, (R, BK // 32, 32)) * scale[:, :, None], (R, BK))

@@ -1,5 +1,6 @@
-"""Triton kernels of the NVFP4 formats: the dequantiser reading the slot banks in place, and the
-decode GEMV's tile loader (layers/fused_moe_triton.py).
+"""Triton kernels of the NVFP4 formats: the dequantiser reading the slot banks in place, the decode
+GEMV's tile loader (layers/fused_moe_triton.py) and the grouped prefill GEMM's weight tile
+(`nvfp4_tile`, layers/grouped_moe_triton.py).
 
 A group of 16 values is 8 bytes (element 2j in byte j's low nibble) and one e4m3 scale byte; the
 group's factor is fp32(scale) * g (nvfp4) or fp32(scale) / g (nvfp4-ct, an IEEE division), g the
@@ -60,6 +61,25 @@ def nvfp4_rows_dot(w_base, s_base, g_base, rows, rmask, x_row, KDIM: tl.constexp
         s = tl.load(s_base + rows[:, None] * NG + grp[None, :], mask=m2, other=0).to(tl.int32)  # [R, G]
         acc += part * group_factor(s, g[:, None], DIVIDE)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def nvfp4_tile(w_base, s_base, g_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+               PART_ROWS: tl.constexpr, DIVIDE: tl.constexpr):
+    # the grouped GEMM's weight tile (layers/grouped_moe_triton.py): rows [R] of one expert's weight
+    # [OUT, KDIM] at inputs [k0, k0 + BK) -> fp32 code x group factor [R, BK] (0 outside), exactly
+    # `dequant_nvfp4`'s values before its rounding. Banks as nvfp4_rows_dot's; BK a multiple of 16.
+    jj = k0 // 2 + tl.arange(0, BK // 2)  # [BK/2] byte columns: element 2j low nibble, 2j + 1 high
+    m2 = rmask[:, None] & (jj < KDIM // 2)[None, :]
+    b = tl.load(w_base + rows[:, None] * (KDIM // 2) + jj[None, :], mask=m2, other=0).to(tl.int32)
+    w = tl.reshape(tl.join(e2m1_to_f32(b & 15), e2m1_to_f32(b >> 4)), [R, BK])  # [R, BK]
+    NG: tl.constexpr = KDIM // 16
+    grp = k0 // 16 + tl.arange(0, BK // 16)  # [BK/16] groups
+    sm = rmask[:, None] & (grp < NG)[None, :]
+    s = tl.load(s_base + rows[:, None] * NG + grp[None, :], mask=sm, other=0).to(tl.int32)  # [R, BK/16]
+    g = tl.load(g_base + rows // PART_ROWS, mask=rmask, other=1.0)  # [R]
+    f = group_factor(s, g[:, None], DIVIDE)
+    return tl.reshape(tl.reshape(w, [R, BK // 16, 16]) * f[:, :, None], [R, BK])
 
 
 @triton.jit
