@@ -14,12 +14,8 @@ from ferryman.engine.detokenizer import IncrementalDetokenizer
 from ferryman.engine.inputs import prepare_inputs
 from ferryman.engine.model_runner import ModelRunner
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
-from ferryman.engine.scheduler import (
-    ScheduledSeq,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from ferryman.engine.sched_types import ScheduledSeq, SchedulerConfig, SchedulerOutput
+from ferryman.engine.scheduler import Scheduler
 from ferryman.engine.memory_split import MemorySplit, SplitBounds
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
