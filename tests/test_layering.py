@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("experts",),
     ("calibrate", "plan_report"),
+    ("planner_search",),
+    ("planner_split",),
     ("planner",),
     ("kvcache",),
     ("layers",),
