@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
 from ferryman.quant.gguf_blocks import BLOCK_SIZES, check_type
 from ferryman.quant.gguf_triton_gemv import kquant_rows_dot, q6k_rows_dot, q8_0_rows_dot
 
@@ -172,11 +173,7 @@ def _dequant_kernel(q_ptr, idx_ptr, out_ptr, slot0, slot_stride, out_rows, K: tl
     # program (p, r): rows p*ROWS .. +ROWS of bank slot idx[r] (HAS_IDX) or slot0 + r, each K values
     # of T blocks, its slot's rows contiguous -> out[r, rows]. Steps of 256 values read every row
     # from its chunk's base pointer with constant offsets (vector loads, 256-value stores).
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < out_rows
     row = q_ptr + slot * slot_stride + rows.to(tl.int64)[:, None] * _row_bytes(K, T)  # [ROWS, 1]
@@ -199,21 +196,12 @@ def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dt
     read in place (one launch, no host sync). idx: a step-1 slice or a 1-D int tensor on q's
     device. Each slot's [out, row_bytes] must be contiguous; slots may be any stride apart."""
     bs, ts = BLOCK_SIZES[check_type(gtype)]
-    if q.dtype != torch.uint8 or q.dim() != 3 or q.shape[-1] % ts or (q.shape[0] and not q[0].is_contiguous()):
+    if q.dtype != torch.uint8 or q.dim() != 3 or q.shape[-1] % ts or not rows_contiguous(q):
         raise ValueError(f"GGUF {gtype} bank: expected uint8 [E, out, k x {ts}] with contiguous slots, got "
                          f"{tuple(q.shape)} {q.dtype} strides {tuple(q.stride())}")
     _, out_rows, rb = q.shape
     k = rb // ts * bs
-    if isinstance(idx, slice):
-        start, stop, step = idx.indices(q.shape[0])
-        if step != 1:
-            raise ValueError(f"GGUF rows: slice step must be 1, got {step}")
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.device != q.device:
-            raise ValueError(f"GGUF rows: idx must be a 1-D int tensor on {q.device}, got "
-                             f"{tuple(idx.shape)} {idx.dtype} on {idx.device}")
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, q.shape[0], q.device, "GGUF")
     out = torch.empty((n, out_rows, k), dtype=dtype, device=q.device)
     if n and out_rows:
         grid = (triton.cdiv(out_rows, rows_per_program), n)
