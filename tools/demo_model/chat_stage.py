@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from tools.demo_model.card import put_card_section
 from tools.demo_model.chat_data import chat_samples
 from tools.demo_model.chat_tune import ChatSpec, eval_prompts, tune, turn_end_rate
 from tools.demo_model.config import CorpusSpec, ModelSpec
@@ -64,17 +65,7 @@ def card_section(record: dict) -> str:
 
 def fill_card(folder: Path, record: dict) -> None:
     """Insert (or replace) the card's chat section, just before its "## Context" or "## Limits"."""
-    card = folder / "README.md"
-    text = card.read_text(encoding="utf-8")
-    section = f"{CARD_MARK}\n\n{card_section(record)}\n"
-    if CARD_MARK in text:
-        head, rest = text.split(CARD_MARK, 1)
-        tail = "## " + rest.split("\n## ", 1)[1] if "\n## " in rest else ""
-        card.write_text(head + section + tail, encoding="utf-8")
-        return
-    anchor = "## Context" if "## Context" in text else "## Limits"
-    head, tail = text.split(anchor, 1)
-    card.write_text(head + section + anchor + tail, encoding="utf-8")
+    put_card_section(folder / "README.md", CARD_MARK, card_section(record), before=("## Context", "## Limits"))
 
 
 def chat_stage(model: torch.nn.Module, tokenizer: Tokenizer, before: Path, out: Path, spec: ChatSpec,
