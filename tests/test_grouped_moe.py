@@ -17,21 +17,11 @@ from triton_interp import run_interpreted, use_kernels
 # The case runner, shared by the interpreter script and the GPU test.
 _CASES = """
 import json, torch
-from ferryman.quant.layout import ExpertLayout
+from moe_cases import random_routing, rel_err, slot_pool
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe
 from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import get_format
-
-def strided(banks, fmt, h, i, dtype):
-    # the same banks as views into one row of bytes per slot (the expert-major cache pool)
-    e = next(iter(banks.values())).shape[0]
-    layout = ExpertLayout.of(get_format(fmt).bank_specs(e, h, i, True, dtype))
-    flat = torch.zeros(e, layout.row_bytes, dtype=torch.uint8, device=next(iter(banks.values())).device)
-    views = layout.views(flat)
-    for name, t in banks.items():
-        views[name].copy_(t)
-    return views
 
 def run(cases, device, e, h, i, t, k, cfg):
     out = []
@@ -42,15 +32,13 @@ def run(cases, device, e, h, i, t, k, cfg):
         wgen = torch.Generator(device=device).manual_seed(seed)
         banks = form.random_banks(e, h, i, True, dtype, wgen, device)
         if layout == "strided":
-            banks = strided(banks, fmt, h, i, dtype)
+            banks = slot_pool(form, banks, h, i, True, dtype)  # the expert-major cache pool
         x = (torch.randn(t, h, generator=gen) * 3).to(dtype).to(device)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(device)
-        w = torch.softmax(torch.randn(t, k, generator=gen), -1).to(device)
+        ids, w = (a.to(device) for a in random_routing(e, t, k, gen))
         act = MoEActivation(kind)
         got = grouped_moe(fmt, banks, x, ids, w, act, cfg=cfg)
         ref = fused_moe_reference(form, banks, x, ids, w, act)
-        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout}", err=err, dtype=str(dtype),
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout}", err=rel_err(got, ref), dtype=str(dtype),
                         dtype_ok=got.dtype == dtype))
     return out
 """
