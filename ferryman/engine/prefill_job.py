@@ -20,11 +20,10 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from ferryman.engine.sched_types import JobPiece, PrefillJob, SchedulerConfig, SchedulerOutput
-from ferryman.engine.sequence import Sequence, SequenceStatus
+from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.block_pool import BlockPool, cdiv
 from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool
@@ -120,11 +119,7 @@ class JobScheduling:
 
     def _admit_to_job(self, seq: Sequence) -> None:
         self.waiting.popleft()
-        if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
-            seq.num_cached_tokens = seq.num_computed_tokens
-        seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.monotonic()
+        seq.mark_running()
 
     def _advance_job(self, out: SchedulerOutput) -> list[JobPiece]:
         """This step's share of the running job; the pieces that sample when it is done, else []."""

@@ -175,11 +175,7 @@ class Scheduler(JobScheduling):
             if self.checkpoints is not None and prefixes[0]:  # the state after the adopted prefix
                 checkpoint = self.checkpoints.use(seq.block_hashes[len(prefixes[0]) - 1])
                 out.state_restores.append((checkpoint, seq.state_slot))
-            if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
-                seq.num_cached_tokens = seq.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+            seq.mark_running()
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_tokens))
             self._save_checkpoint(out.scheduled[-1], out)
