@@ -333,7 +333,7 @@ class EngineConfig:
     expert_cache: str | float | int | None = None
     calibration: str | None = None
     decode_prefetch: bool = True
-    prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner.prefill_plan)
+    prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner_search.prefill_plan)
 
     @cached_property
     def offload(self) -> OffloadConfig:

@@ -14,16 +14,19 @@ what is left grows the KV cache. An offloaded plan keeps the token-embedding tab
 bytes becoming slots. A budget that cannot hold the floor is refused with the amount missing.
 The plan reads no environment; without a budget (CPU) nothing is limited and offload needs an
 explicit `expert_cache`.
+
+This file holds the sizes and the plan's request and result; planner_split.py splits a budget for
+fixed choices, planner_search.py makes the choices (step size, prefill mode, concurrency) by
+splitting again: `plan_memory`, `plan_auto_seqs`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, PREFILL_MODES, GiB, MiB, ModelConfig, parse_strategy
-from ferryman.errors import ConfigError
+from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.shared_region import PageGeometry
@@ -164,7 +167,7 @@ class PlanRequest:
     kv_dtype: torch.dtype | None = None  # the KV cache's storage dtype; None: dtype
     kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
     min_expert_slots: int | None = None  # an offloaded plan's slot floor (None: top_k)
-    prefill_mode: str = "auto"  # auto | layer | chunk: how prompts longer than a step run (`prefill_plan`)
+    prefill_mode: str = "auto"  # auto | layer | chunk: how prompts longer than a step run (planner_search.py)
 
     @property
     def kv_per_token(self) -> int:
@@ -203,13 +206,13 @@ class PlanRequest:
     @property
     def shared_floor_tokens(self) -> int:
         """KV tokens a shared region keeps at least: one sequence of max_model_len, or kv_cache_tokens."""
-        return self.kv_cache_tokens or _round_up(self.max_model_len, self.block_size)
+        return self.kv_cache_tokens or round_up(self.max_model_len, self.block_size)
 
     @property
     def kv_floor_tokens(self) -> int:
         if self.kv_cache_tokens is not None:
             return self.kv_cache_tokens
-        return _round_up(min(self.max_model_len, DEFAULT_CONTEXT_CAP), self.block_size) * self.max_num_seqs
+        return round_up(min(self.max_model_len, DEFAULT_CONTEXT_CAP), self.block_size) * self.max_num_seqs
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,7 @@ class MemoryPlan:
         return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes + self.state_bytes
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
@@ -272,220 +275,7 @@ DEFAULT_CHUNK = 2048
 OFFLOAD_CHUNK = 4096
 
 
-def plan_memory(req: PlanRequest) -> MemoryPlan:
-    """Split `req.budget`; ConfigError if it cannot hold the floor (the message says how much is missing).
-    With max_num_batched_tokens None: DEFAULT_CHUNK, then OFFLOAD_CHUNK if the experts are offloaded
-    and the longer chunk's activations still leave a plan. Then the prefill mode (`prefill_plan`)."""
-    return prefill_plan(_plan_chunk(req))
-
-
-def _plan_chunk(req: PlanRequest) -> MemoryPlan:
-    if req.max_num_batched_tokens is not None:
-        return _plan_memory(req)
-    plan = _plan_memory(replace(req, max_num_batched_tokens=DEFAULT_CHUNK))
-    if plan.strategy != "offload":
-        return plan
-    try:
-        longer = _plan_memory(replace(req, max_num_batched_tokens=OFFLOAD_CHUNK))
-    except ConfigError:
-        return plan
-    return longer if longer.strategy == "offload" else plan
-
-
-def layer_major_applies(cfg: ModelConfig) -> bool:
-    """Layer-major prefill keeps causal order within a layer through paged KV; a linear-attention
-    layer's state and its prefix checkpoints (taken after a chunk's last layer) need chunk-major."""
-    return not any(cfg.is_linear_layer(i) for i in range(cfg.num_layers))
-
-
 def prefill_job_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
     """Device bytes of a layer-major job's hidden states between layers: the stream and the
     residual, [tokens, H] each (engine/layer_prefill.py)."""
     return 2 * tokens * cfg.hidden_size * dtype.itemsize
-
-
-def prefill_plan(plan: MemoryPlan) -> MemoryPlan:
-    """How prompts longer than one step are computed.
-
-    chunk-major (today's path): each chunk passes every layer, so an offloaded model streams about
-    every uncached expert once per chunk. layer-major: a job of up to max_model_len tokens passes
-    each layer in all its chunks while that layer's experts are pinned, so each crosses the link
-    once per job. auto: layer-major for offloaded experts when the job's hidden states fit beside the
-    plan (else chunk-major); resident experts never cross the link, so they keep chunk-major (smaller
-    activations, decodes between whole chunks)."""
-    req = plan.request
-    if req.prefill_mode not in PREFILL_MODES:
-        raise ConfigError(f"prefill_mode must be one of {', '.join(PREFILL_MODES)}, got {req.prefill_mode!r}")
-    wanted = req.prefill_mode == "layer" or (req.prefill_mode == "auto" and plan.strategy == "offload")
-    if not wanted or not layer_major_applies(req.cfg):
-        return plan
-    job = _round_up(req.max_model_len, req.block_size)
-    try:
-        layered = _plan_memory(req, job)
-    except ConfigError:
-        if req.prefill_mode == "layer":
-            raise
-        return plan
-    return layered if layered.strategy == plan.strategy else plan
-
-
-def _plan_memory(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
-    assert req.max_num_batched_tokens is not None  # plan_memory resolves it
-    parse_strategy(req.strategy)  # ConfigError naming the choices
-    cfg, total = req.cfg, req.total_experts
-    weights = non_expert_bytes(cfg, req.dtype)
-    act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
-    act += prefill_job_bytes(cfg, req.dtype, job_tokens)
-    per_slot = slot_bytes(cfg, req.dtype) if total else 0
-    if req.budget is None:
-        return _unlimited_plan(req, weights, act, per_slot, job_tokens)
-    per_token = req.kv_per_token
-    floor_tokens = req.kv_floor_tokens
-    rest = req.budget - weights - act - floor_tokens * per_token - req.window_kv_bytes - req.state_bytes
-    everything = all_expert_bytes(cfg, req.dtype) if total else 0
-    strategy = _strategy(req, all_fit=rest >= everything)
-    host = host_embedding_bytes(cfg, req.dtype) if strategy == "offload" else 0
-    weights, rest = weights - host, rest + host  # offloaded: the embedding table stays in host RAM
-    if strategy == "offload" and parse_strategy(req.strategy)[0] not in ("cpu", "layers"):
-        return _shared_plan(req, weights, act, per_slot, rest + floor_tokens * per_token, host, job_tokens)
-    if strategy == "resident":
-        slots = total
-    elif req.expert_cache is not None:
-        slots = expert_slots(req.expert_cache, total)
-    else:
-        slots = min(total, max(0, rest) // max(1, per_slot))
-    slots, cpu_layers = cpu_split(req, slots)
-    need_slots = total if strategy == "resident" else min(total, max(slots, cfg.top_k))
-    if rest < (everything if strategy == "resident" else need_slots * per_slot):
-        _refuse(req, weights, act, floor_tokens, per_token, need_slots, per_slot, rest)
-    # what the experts leave grows the KV cache, in whole blocks, up to what the sequences can use
-    wanted = req.kv_cache_tokens or req.max_num_seqs * req.max_model_len
-    extra = min(wanted - floor_tokens, (rest - slots * per_slot) // per_token)
-    kv_tokens = floor_tokens + max(0, extra - extra % req.block_size)
-    kv_bytes = kv_tokens * per_token + req.window_kv_bytes
-    return MemoryPlan(req, strategy, weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes,
-                      cpu_layers=cpu_layers, prefill_job_tokens=job_tokens)
-
-
-def _shared_plan(req: PlanRequest, weights: int, act: int, per_slot: int, region: int, host: int,
-                 job_tokens: int = 0) -> MemoryPlan:
-    """Offload under a budget: `region` bytes (what weights, activations, the window and state pools
-    leave) in pages; the KV cache starts at its floor (one max_model_len sequence), the experts take
-    the other pages up to every expert, or `expert_cache`'s count."""
-    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot)
-    pages = region // geo.page_bytes
-    kv_floor = geo.pages_for_tokens(req.shared_floor_tokens, req.block_size)
-    floor = max(req.slot_floor, expert_slots(req.expert_cache, req.total_experts) if req.expert_cache else 0)
-    if pages < kv_floor + floor:
-        need = (kv_floor + floor) * geo.page_bytes - region
-        raise ConfigError(
-            f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "
-            f"+ activations {act / GiB:.2f} GiB + one sequence of {req.shared_floor_tokens} tokens of KV cache "
-            f"and {floor} expert slots ({kv_floor} + {floor} pages of {geo.page_bytes / MiB:.1f} MiB)"
-            f"{' + window and state pools' if req.window_kv_bytes or req.state_bytes else ''}; missing "
-            f"{need / GiB:.2f} GiB. Raise gpu_memory, or lower max_model_len ({req.max_model_len}) or "
-            f"max_num_batched_tokens ({req.max_num_batched_tokens})")
-    slots = min(req.total_experts, pages - kv_floor) if req.expert_cache is None else floor
-    # KV gets the other pages, up to what the sequences can use (more would stay idle)
-    wanted = geo.pages_for_tokens(req.kv_cache_tokens or req.max_num_seqs * req.max_model_len, req.block_size)
-    kv_pages = min(pages - slots, max(kv_floor, wanted))
-    kv_tokens = kv_pages * geo.blocks_per_page * req.block_size
-    kv_bytes = kv_pages * geo.page_bytes + req.window_kv_bytes
-    return MemoryPlan(req, "offload", weights, kv_tokens, kv_bytes, act, per_slot, slots, host, req.state_bytes, geo,
-                      prefill_job_tokens=job_tokens)
-
-
-# Concurrencies tried when max_num_seqs is left to the planner, largest first.
-AUTO_NUM_SEQS = (32, 16, 8, 4, 2, 1)
-
-
-def plan_auto_seqs(req: PlanRequest) -> MemoryPlan:
-    """Plan with the largest concurrency whose KV floor fits the budget and leaves the experts at
-    least half of what weights and activations leave (so KV never starves the expert cache, nor the
-    cache KV). Without a budget, or when every expert stays resident, the largest is taken; when no
-    concurrency keeps every expert resident, the largest offloaded one (its KV grows by need)."""
-    last_error: ConfigError | None = None
-    shared: MemoryPlan | None = None  # the first offloaded plan: its region reserves no KV per sequence
-    for n in AUTO_NUM_SEQS:
-        trial = replace(req, max_num_seqs=n)
-        try:
-            plan = plan_memory(trial)
-        except ConfigError as e:
-            last_error = e
-            continue
-        if req.budget is None or plan.strategy == "resident":
-            return plan
-        if plan.shared:  # a smaller concurrency may still make every expert resident
-            shared = shared or plan
-            continue
-        free = req.budget - plan.weights_bytes - plan.activation_bytes
-        if trial.kv_floor_tokens * req.kv_per_token + plan.request.window_kv_bytes <= free // 2 \
-                or n == AUTO_NUM_SEQS[-1]:
-            return plan
-    if shared is not None:
-        return shared
-    assert last_error is not None  # every trial raised: report the smallest one's shortfall
-    raise last_error
-
-
-def _strategy(req: PlanRequest, all_fit: bool) -> str:
-    """Where the experts' memory lives: resident, or offload (host RAM + device slots: every strategy
-    but resident, and auto when an expert cache is asked for or not every expert fits)."""
-    name = parse_strategy(req.strategy)[0]
-    if name == "resident":
-        return "resident"
-    if name == "auto":
-        return "offload" if req.expert_cache is not None or not all_fit else "resident"
-    return "offload"
-
-
-def cpu_split(req: PlanRequest, slots: int) -> tuple[int, int]:
-    """(device slots, MoE layers computed on the CPU) for the strategies that compute whole layers
-    on the CPU. cpu: every layer, the device keeps top_k slots (the kernel's floor). layers:N: the
-    first N layers, the others' experts all in slots; layers: N fills what the plan gives the
-    experts with whole layers (llama.cpp's --n-cpu-moe)."""
-    name, n = parse_strategy(req.strategy)
-    layers, per_layer = len(req.cfg.moe_layers), req.cfg.num_experts
-    if name == "cpu":
-        return min(slots, req.cfg.top_k) if slots else req.cfg.top_k, layers
-    if name != "layers":
-        return slots, 0
-    if n is None:
-        n = layers - min(layers, slots // max(1, per_layer))
-    if n > layers:
-        raise ConfigError(f"moe_strategy layers:{n}: the model has {layers} MoE layers")
-    return max(req.cfg.top_k, (layers - n) * per_layer), n
-
-
-def _unlimited_plan(req: PlanRequest, weights: int, act: int, per_slot: int, job_tokens: int = 0) -> MemoryPlan:
-    strategy = _strategy(req, all_fit=True)
-    name = parse_strategy(req.strategy)[0]
-    if name in ("offload", "hybrid") and req.expert_cache is None:
-        raise ConfigError(f"moe_strategy '{name}' without gpu_memory needs expert_cache (e.g. '10%' or a slot count)")
-    if strategy == "resident":
-        slots = req.total_experts
-    else:
-        slots = req.total_experts if req.expert_cache is None else expert_slots(req.expert_cache, req.total_experts)
-    slots, cpu_layers = cpu_split(req, slots)
-    host = host_embedding_bytes(req.cfg, req.dtype) if strategy == "offload" else 0
-    # the shared region serves plans whose layers all use slots (cpu and layers keep a fixed split)
-    geo = PageGeometry.of(req.block_size * req.kv_per_token, per_slot) if strategy == "offload" and not cpu_layers \
-        else None
-    return MemoryPlan(req, strategy, weights - host, None, 0, act, per_slot, slots, host, req.state_bytes, geo,
-                      cpu_layers, prefill_job_tokens=job_tokens)
-
-
-def _refuse(req: PlanRequest, weights: int, act: int, floor_tokens: int, per_token: int,
-            slots: int, per_slot: int, rest: int) -> None:
-    need = slots * per_slot - rest
-    what = "every expert (resident)" if req.strategy == "resident" else f"{slots} expert slots"
-    kv = floor_tokens * per_token + req.window_kv_bytes + req.state_bytes
-    window = f" + a {req.window_blocks}-block window pool" if req.window_blocks else ""
-    raise ConfigError(
-        f"a GPU budget of {req.budget / GiB:.2f} GiB cannot hold the floor: weights {weights / GiB:.2f} GiB "
-        f"+ KV cache {kv / GiB:.2f} GiB ({floor_tokens} tokens{window}) + activations "
-        f"{act / GiB:.2f} GiB + {what} {slots * per_slot / GiB:.2f} GiB; missing {need / GiB:.2f} GiB. "
-        f"Raise gpu_memory, or lower max_num_seqs ({req.max_num_seqs}), max_model_len ({req.max_model_len}) "
-        f"or max_num_batched_tokens ({req.max_num_batched_tokens})"
-    )
-

@@ -77,28 +77,38 @@ def strict(obj: Any, cls: type | None = None) -> Any:
     return (cls or type(obj)).model_validate(obj.to_dict(mode="json"))
 
 
-def replay_messages(srv: LiveServer, params: dict, headers: dict, body: dict) -> BetaMessage:
-    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+def sdk_post(client: Any, path: str, cast: type, stream_cls: type, params: dict, headers: dict, body: dict) -> Any:
+    """POST the agent's body, query and headers through the SDK's client: the response validated
+    strictly as `cast`, or, when the body streams, the SDK's stream of `stream_cls`."""
     opts = {"params": params, "headers": headers}
     if not body.get("stream"):
-        return strict(client.post("/v1/messages", cast_to=BetaMessage, body=body, options=opts))
-    raw = client.post("/v1/messages", cast_to=BetaMessage, body=body, options=opts, stream=True,
-                      stream_cls=anthropic.Stream[BetaRawMessageStreamEvent])
-    stream = BetaMessageStream(raw, anthropic.NOT_GIVEN)
+        return strict(client.post(path, cast_to=cast, body=body, options=opts))
+    return client.post(path, cast_to=cast, body=body, options=opts, stream=True, stream_cls=stream_cls)
+
+
+def openai_client(srv: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def replay_messages(srv: LiveServer, params: dict, headers: dict, body: dict) -> BetaMessage:
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+    out = sdk_post(client, "/v1/messages", BetaMessage, anthropic.Stream[BetaRawMessageStreamEvent], params,
+                   headers, body)
+    if not body.get("stream"):
+        return out
+    stream = BetaMessageStream(out, anthropic.NOT_GIVEN)
     kinds = [strict(e, ANTHROPIC_EVENTS[e.type]).type for e in stream if e.type != "text"]  # "text": the SDK's own
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
     return stream.get_final_message()
 
 
 def replay_chat(srv: LiveServer, params: dict, headers: dict, body: dict) -> ChatCompletion:
-    client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
-    opts = {"params": params, "headers": headers}
+    out = sdk_post(openai_client(srv), "/chat/completions", ChatCompletion, openai.Stream[ChatCompletionChunk],
+                   params, headers, body)
     if not body.get("stream"):
-        return strict(client.post("/chat/completions", cast_to=ChatCompletion, body=body, options=opts))
-    stream = client.post("/chat/completions", cast_to=ChatCompletion, body=body, options=opts, stream=True,
-                         stream_cls=openai.Stream[ChatCompletionChunk])
+        return out
     state = ChatCompletionStreamState()
-    chunks = [strict(c) for c in stream]
+    chunks = [strict(c) for c in out]
     for chunk in chunks:
         state.handle_chunk(chunk)
     if body.get("stream_options", {}).get("include_usage"):
@@ -108,13 +118,11 @@ def replay_chat(srv: LiveServer, params: dict, headers: dict, body: dict) -> Cha
 
 
 def replay_responses(srv: LiveServer, params: dict, headers: dict, body: dict) -> Response:
-    client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
-    opts = {"params": params, "headers": headers}
+    out = sdk_post(openai_client(srv), "/responses", Response, openai.Stream[ResponseStreamEvent], params, headers,
+                   body)
     if not body.get("stream"):
-        return strict(client.post("/responses", cast_to=Response, body=body, options=opts))
-    stream = client.post("/responses", cast_to=Response, body=body, options=opts, stream=True,
-                         stream_cls=openai.Stream[ResponseStreamEvent])
-    events = [strict(e, RESPONSES_EVENTS[e.type]) for e in stream]
+        return out
+    events = [strict(e, RESPONSES_EVENTS[e.type]) for e in out]
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
     first = events[0].sequence_number

@@ -97,7 +97,8 @@ def test_resident_server_says_there_is_no_split(server, capsys: pytest.CaptureFi
 def test_plan_predicts_decode_and_ttft(capsys: pytest.CaptureFixture[str]) -> None:
     from ferryman.models.registry import model_config
     from ferryman.plan_report import HBM_BPS, LAYER_S, Load, Rates, predict
-    from ferryman.planner import PlanRequest, plan_memory
+    from ferryman.planner import PlanRequest
+    from ferryman.planner_search import plan_memory
     from ferryman.weights.presets import get_preset
 
     assert main(["plan", "gpt-oss-20b", "--gpu-memory", "8GiB", "--max-num-seqs", "32", "--max-model-len", "8192"]) == 0

@@ -13,6 +13,7 @@ from ferryman.quant import get_format
 from ferryman.quant.fp8 import dequant_fp8, random_fp8
 from ferryman.quant.linear_layouts import linear_layout
 from ferryman.quant.nvfp4 import dequant_nvfp4, random_nvfp4
+from moe_cases import slot_pool
 from quant_checkpoints import ref_ct_scale, ref_fp8_block, ref_nvfp4
 from triton_interp import run_interpreted
 
@@ -148,7 +149,7 @@ def test_triton_dequant_equals_reference_in_interpreter() -> None:
 
 _DECODE = """
 import json, torch
-from ferryman.quant.layout import ExpertLayout
+from moe_cases import random_routing, rel_err, slot_pool
 from ferryman.layers.fused_moe_triton import fused_moe_decode
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.layers.moe_common import MoEActivation
@@ -163,17 +164,11 @@ for seed, (fmt, dtype) in enumerate([("fp8:128x128", torch.float32), ("fp8:chann
     if "w13_gscale" in banks:
         banks["w13_gscale"][:, 1] *= 1.5  # gate and up with different global scales
     x = torch.randn(t, h, generator=gen).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    ids, w = random_routing(e, t, k, gen)
     act = MoEActivation("silu")
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, False, dtype))
-    strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
-    for name, bank in banks.items():
-        strided[name].copy_(bank)
-    got = fused_moe_decode(fmt, strided, x, ids, w, "silu", act.alpha, act.limit)
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    out.append(dict(case=fmt, err=err, dtype=str(dtype), ok=got.dtype == dtype and got.shape == x.shape))
+    got = fused_moe_decode(fmt, slot_pool(form, banks, h, i, False, dtype), x, ids, w, "silu", act.alpha, act.limit)
+    out.append(dict(case=fmt, err=rel_err(got, ref), dtype=str(dtype), ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """
 
@@ -188,15 +183,9 @@ def test_triton_decode_matches_reference_in_interpreter() -> None:
 
 def _slot_pool(name: str, e: int, h: int, i: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """Random banks, and the same in an expert-major pool on CUDA (as the slot cache holds them)."""
-    from ferryman.quant.layout import ExpertLayout
-
     fmt = get_format(name)
     banks = fmt.random_banks(e, h, i, False, dtype, torch.Generator().manual_seed(11))
-    layout = ExpertLayout.of(fmt.bank_specs(e, h, i, False, dtype))
-    pool = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8, device="cuda"))
-    for k, v in banks.items():
-        pool[k].copy_(v)
-    return banks, pool
+    return banks, slot_pool(fmt, {k: v.cuda() for k, v in banks.items()}, h, i, False, dtype)
 
 
 @pytest.mark.gpu

@@ -159,7 +159,7 @@ def test_fused_moe_rejects_bad_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
 # must not leak into this process (GPU tests here and elsewhere need compiled kernels).
 _INTERP_SCRIPT = """
 import json, torch
-from ferryman.quant.layout import ExpertLayout
+from moe_cases import random_routing, rel_err, slot_pool
 from ferryman.layers.fused_moe_triton import BLOCK_K, BLOCK_N, fused_moe_decode
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.layers.moe_common import MoEActivation
@@ -180,19 +180,13 @@ for seed, (fmt, kind, dtype) in enumerate([
     form = get_format(fmt)
     banks = form.random_banks(e, h, i, True, dtype, gen)
     x = (torch.randn(t, h, generator=gen) * 3).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    ids, w = random_routing(e, t, k, gen)
     act = MoEActivation(kind)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    # the same experts as views into one row of bytes per expert (the expert-major slot pool)
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, True, dtype))
-    strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
-    for name, bank in banks.items():
-        strided[name].copy_(bank)
+    strided = slot_pool(form, banks, h, i, True, dtype)  # the same experts in the expert-major slot pool
     for layout_name, bk in (("contiguous", banks), ("strided", strided)):
         got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit)
-        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout_name}", err=err, dtype=str(dtype),
+        out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout_name}", err=rel_err(got, ref), dtype=str(dtype),
                         dtype_ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """

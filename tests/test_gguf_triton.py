@@ -81,7 +81,7 @@ from ferryman.layers.fused_moe_triton import fused_moe_decode
 from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import get_format
-from ferryman.quant.layout import ExpertLayout
+from moe_cases import random_routing, rel_err, slot_pool
 e, t, k = 4, 2, 2
 out = []
 for seed, (fmt, kind, dtype, h, i) in enumerate([  # Q4_K_M, Q5_K_M, Q8_0 mixes; I not a multiple of BLOCK_N
@@ -93,17 +93,13 @@ for seed, (fmt, kind, dtype, h, i) in enumerate([  # Q4_K_M, Q5_K_M, Q8_0 mixes;
     bias = kind == "swiglu_oai"
     banks = form.random_banks(e, h, i, bias, dtype, gen)
     x = (torch.randn(t, h, generator=gen) * 3).to(dtype)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-    w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+    ids, w = random_routing(e, t, k, gen)
     act = MoEActivation(kind)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, bias, dtype))
-    strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
-    for name, bank in banks.items():
-        strided[name].copy_(bank)
-    got = fused_moe_decode(fmt, strided if seed == 0 else banks, x, ids, w, kind, act.alpha, act.limit)
-    err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-    out.append(dict(case=fmt, err=err, dtype=str(dtype), dtype_ok=got.dtype == dtype and got.shape == x.shape))
+    bk = slot_pool(form, banks, h, i, bias, dtype) if seed == 0 else banks
+    got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit)
+    out.append(dict(case=fmt, err=rel_err(got, ref), dtype=str(dtype),
+                    dtype_ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
 """
 

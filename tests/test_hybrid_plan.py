@@ -7,7 +7,8 @@ import torch
 
 from ferryman.config import GiB
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
-from ferryman.planner import PlanRequest, kv_bytes_per_token, plan_memory
+from ferryman.planner import PlanRequest, kv_bytes_per_token
+from ferryman.planner_search import plan_memory
 from tiny_models import preset_config
 
 

@@ -36,32 +36,41 @@ def _fed_tokens(llm: LLM) -> list[int]:
     return fed
 
 
-def _greedy(llm: LLM, prompt: list[int], n: int):  # noqa: ANN202
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def _llm(folder: Path, **kw: object) -> LLM:
+    return LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S, **kw)
+
+
+def _greedy(llm: LLM, prompt: list[int], n: int, message_ends: tuple[int, ...] = ()):  # noqa: ANN202
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, message_ends=list(message_ends))
     return llm.generate(prompt_token_ids=[prompt], params=params)[0]
 
 
-def test_second_turn_restores_the_checkpoint(hybrid: tuple[Path, torch.nn.Module]) -> None:
+def _assert_restored(out, fed: list[int], prompt: list[int], hybrid: tuple[Path, torch.nn.Module]) -> None:  # noqa: ANN001
+    """`out` restored the checkpoint at 32 and prefilled only the tail after it (its other steps
+    decode), and its tokens equal a cold engine's and transformers'."""
     folder, ref = hybrid
-    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    n = len(out.token_ids)
+    assert out.metrics.num_cached_tokens == 32
+    assert sum(fed) == (len(prompt) - 32) + n - 1, "only the tail after the checkpoint is prefilled"
+    cold = _greedy(_llm(folder, enable_prefix_caching=False), prompt, n)
+    assert out.token_ids == cold.token_ids == hf_greedy(ref, prompt, n)
+
+
+def test_second_turn_restores_the_checkpoint(hybrid: tuple[Path, torch.nn.Module]) -> None:
+    llm = _llm(hybrid[0])
     fed = _fed_tokens(llm)
     first = _greedy(llm, TURN1, 8)
     assert fed[:2] == [32, 13], "the prefill chunk stops at the checkpoint position"
     turn2 = TURN1 + first.token_ids + NEW
     fed.clear()
-    second = _greedy(llm, turn2, 6)
     # blocks 0..2 hold KV, but only the prefix of blocks 0..1 has its state checkpointed
-    assert second.metrics.num_cached_tokens == 32
-    assert sum(fed) == (len(turn2) - 32) + 5, "only the tail after the checkpoint is prefilled"
-    cold = _greedy(LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S,
-                       enable_prefix_caching=False), turn2, 6)
-    assert second.token_ids == cold.token_ids == hf_greedy(ref, turn2, 6)
+    _assert_restored(_greedy(llm, turn2, 6), fed, turn2, hybrid)
 
 
 def test_kv_hit_without_a_checkpoint_is_not_taken(hybrid: tuple[Path, torch.nn.Module]) -> None:
     """A prompt sharing cached blocks but none of its checkpoints recomputes from position 0."""
     folder, ref = hybrid
-    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    llm = _llm(folder)
     _greedy(llm, TURN1[:20], 2)  # caches block 0's KV; its checkpoint is at 16
     llm.engine.scheduler.reset_prefix_cache()  # drops KV hashes and checkpoints
     _greedy(llm, TURN1[:40], 2)  # checkpoint at 32; blocks 0, 1 cached
@@ -79,28 +88,20 @@ USER_B = [(i * 17) % 250 + 5 for i in range(27)]
 def test_branch_restores_a_message_end_checkpoint(hybrid: tuple[Path, torch.nn.Module]) -> None:
     """A conversation that branches after its first message (same system prompt, another user
     message) restores the checkpoint saved at that message's end and prefills only the rest."""
-    folder, ref = hybrid
-    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    llm = _llm(hybrid[0])
     fed = _fed_tokens(llm)
     first = SYSTEM + USER_A
-    llm.generate(prompt_token_ids=[first], params=SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True, message_ends=[len(SYSTEM), len(first)]))
+    _greedy(llm, first, 4, message_ends=(len(SYSTEM), len(first)))
     assert fed[:3] == [32, 32, 6], "prefill chunks stop at the message end's and the prompt's checkpoints"
     branch = SYSTEM + USER_B
     fed.clear()
-    second = llm.generate(prompt_token_ids=[branch], params=SamplingParams(
-        temperature=0.0, max_tokens=6, ignore_eos=True, message_ends=[len(SYSTEM), len(branch)]))[0]
-    assert second.metrics.num_cached_tokens == 32
-    assert sum(fed) == (len(branch) - 32) + 5, "only the tail after the message-end checkpoint is prefilled"
-    cold = _greedy(LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S,
-                       enable_prefix_caching=False), branch, 6)
-    assert second.token_ids == cold.token_ids == hf_greedy(ref, branch, 6)
+    _assert_restored(_greedy(llm, branch, 6, message_ends=(len(SYSTEM), len(branch))), fed, branch, hybrid)
 
 
 def test_without_message_ends_a_branch_prefills_everything(hybrid: tuple[Path, torch.nn.Module]) -> None:
     """The control: with only the prompt-end checkpoint, the branch shares no checkpointed prefix."""
     folder, _ = hybrid
-    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S)
+    llm = _llm(folder)
     _greedy(llm, SYSTEM + USER_A, 4)
     second = _greedy(llm, SYSTEM + USER_B, 6)
     assert second.metrics.num_cached_tokens == 0

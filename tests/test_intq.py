@@ -189,7 +189,7 @@ def test_a_layer_holds_one_format() -> None:
 _INTERP = """
 import json, torch
 from ferryman.quant import get_format
-from ferryman.quant.layout import ExpertLayout
+from moe_cases import random_routing, rel_err, slot_pool
 from ferryman.quant.intq_triton import dequant_int_rows
 from ferryman.layers.fused_moe_triton import BLOCK_K, fused_moe_decode
 from ferryman.layers.moe_reference import fused_moe_reference
@@ -206,10 +206,7 @@ for seed, (name, h, i, kind) in enumerate(cases):
     form = get_format(name)
     bias = kind == "swiglu_oai"
     banks = form.random_banks(e, h, i, bias, torch.float32, gen)
-    layout = ExpertLayout.of(form.bank_specs(e, h, i, bias, torch.float32))
-    strided = layout.views(torch.zeros(e, layout.row_bytes, dtype=torch.uint8))
-    for n, b in banks.items():
-        strided[n].copy_(b)
+    strided = slot_pool(form, banks, h, i, bias, torch.float32)
     p = form.params
     for bk_name, bk in (("contiguous", banks), ("strided", strided)):
         for proj in ("w13", "w2"):
@@ -222,13 +219,11 @@ for seed, (name, h, i, kind) in enumerate(cases):
                             and bool(torch.equal(got2, want2))))
         t = 1 if h > BLOCK_K else 2  # the interpreter runs each program's steps one by one
         x = torch.randn(t, h, generator=gen)
-        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
-        w = torch.softmax(torch.randn(t, k, generator=gen), -1)
+        ids, w = random_routing(e, t, k, gen)
         act = MoEActivation(kind)
         ref = fused_moe_reference(form, banks, x, ids, w, act)
         got = fused_moe_decode(name, bk, x, ids, w, kind, act.alpha, act.limit)
-        err = ((got - ref).norm() / ref.norm()).item()
-        out.append(dict(case=f"decode-{name}-{kind}-{bk_name}", err=err, exact=got.shape == x.shape))
+        out.append(dict(case=f"decode-{name}-{kind}-{bk_name}", err=rel_err(got, ref), exact=got.shape == x.shape))
 print(json.dumps(out))
 """
 

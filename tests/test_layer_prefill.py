@@ -188,7 +188,8 @@ def test_the_planner_chooses_the_mode() -> None:
     """Offloaded: layer-major with the job's hidden states in the plan; chunk when asked, or when
     those states do not fit beside the floor (auto); `layer` then refuses with the shortfall."""
     from ferryman.errors import ConfigError
-    from ferryman.planner import PlanRequest, plan_memory, prefill_job_bytes
+    from ferryman.planner import PlanRequest, prefill_job_bytes
+    from ferryman.planner_search import plan_memory
     from tiny_models import preset_config
 
     cfg = preset_config("gpt-oss-20b")

@@ -2,9 +2,9 @@
 no private name (`_x`) taken from another module, and the layering below.
 
 A unit is a subpackage (ferryman/engine/) or a top-level module (ferryman/cli.py); "ferryman" is the
-package's own __init__, the public facade. Every import counts, also one inside a function; one
-under `if TYPE_CHECKING:` counts for the layering and the private names, not for the cycles (it
-never runs).
+package's own __init__, the public facade. Every import counts, also one inside a function or
+under `if TYPE_CHECKING:` (that one never runs, but a circle of types is still a circle of modules:
+the types both sides need belong in a module below both).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("experts",),
     ("calibrate", "plan_report"),
+    ("planner_search",),
+    ("planner_split",),
     ("planner",),
     ("kvcache",),
     ("layers",),
@@ -141,10 +143,9 @@ def read_package(root: Path) -> dict[str, Module]:
 
 
 def cycle_edges(modules: dict[str, Module]) -> Iterator[tuple[str, str]]:
-    """Every runtime import edge that lies on a cycle: the edges between two modules of one strongly
-    connected component (Tarjan's algorithm, iterative)."""
-    graph = {m: sorted({t for t, type_only in mod.imports if not type_only and t in modules})
-             for m, mod in modules.items()}
+    """Every import edge that lies on a cycle, type-only ones too: the edges between two modules of
+    one strongly connected component (Tarjan's algorithm, iterative)."""
+    graph = {m: sorted({t for t, _ in mod.imports if t in modules}) for m, mod in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     comp: dict[str, int] = {}
@@ -181,11 +182,16 @@ def cycle_edges(modules: dict[str, Module]) -> Iterator[tuple[str, str]]:
                 yield a, b
 
 
+def type_only_mark(mod: Module, target: str) -> str:
+    """' (TYPE_CHECKING)' when every import of `target` in `mod` is under `if TYPE_CHECKING:`."""
+    return " (TYPE_CHECKING)" if all(type_only for t, type_only in mod.imports if t == target) else ""
+
+
 def violations(root: Path, layers: Sequence[tuple[str, ...]]) -> set[str]:
     """Every breach of the three rules in the package at `root`, one line each."""
     rank = {unit: i for i, row in enumerate(layers) for unit in row}
     modules = read_package(root)
-    found = {f"cycle: {a} -> {b}" for a, b in cycle_edges(modules)}
+    found = {f"cycle: {a} -> {b}{type_only_mark(modules[a], b)}" for a, b in cycle_edges(modules)}
     for mod in modules.values():
         found |= {f"private: {mod.name} uses {name}" for name in mod.private}
         src = unit_of(mod.name)
@@ -243,7 +249,7 @@ CLEAN = {
     "pkg/top.py": "from pkg.low import helper\nfrom pkg.mid import a\n\ndef run():\n    from pkg.mid.b import B\n",
     "pkg/mid/__init__.py": "",
     "pkg/mid/a.py": "from . import b\nfrom .b import B\nimport pkg.low as low\n",
-    "pkg/mid/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.mid.a import A\n_own = 1\nB = _own\n",
+    "pkg/mid/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low import helper\n_own = 1\nB = _own\n",
     "pkg/side.py": "import os\n",
     "pkg/low.py": "import json\ndef helper(): ...\n",
 }
@@ -251,7 +257,7 @@ SMALL_LAYERS = [("pkg",), ("top",), ("mid", "side"), ("low",)]
 
 
 def test_checker_passes_a_clean_package(tmp_path: Path) -> None:
-    """Downward imports, a relative import, a type-only import back, a private name kept in its module."""
+    """Downward imports, a relative import, a type-only import, a private name kept in its module."""
     assert violations(write(tmp_path, CLEAN), SMALL_LAYERS) == set()
 
 
@@ -271,10 +277,15 @@ def test_checker_finds_each_kind_of_violation(tmp_path: Path) -> None:
         "private: pkg.top uses pkg.mid.b._hidden",
         "unplaced: extra is in no layer",
     }
+    # a cycle closed by a type-only import back: a cycle still, marked as such
+    type_back = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.mid.a import A\nB = 1\n"
+    assert violations(write(tmp_path / "types", dict(CLEAN, **{"pkg/mid/b.py": type_back})), SMALL_LAYERS) == {
+        "cycle: pkg.mid.a -> pkg.mid.b", "cycle: pkg.mid.b -> pkg.mid.a (TYPE_CHECKING)"}
     # a cycle across units: its upward edge is also a layering breach
     files = dict(CLEAN, **{"pkg/low.py": "import pkg.mid.a\n"})
     assert violations(write(tmp_path / "across", files), SMALL_LAYERS) == {
-        "layer: pkg.low -> pkg.mid.a", "cycle: pkg.mid.a -> pkg.low", "cycle: pkg.low -> pkg.mid.a"}
+        "layer: pkg.low -> pkg.mid.a", "cycle: pkg.mid.a -> pkg.low", "cycle: pkg.low -> pkg.mid.a",
+        "cycle: pkg.mid.a -> pkg.mid.b", "cycle: pkg.mid.b -> pkg.low (TYPE_CHECKING)"}
 
 
 def test_a_new_violation_fails_against_the_known_list(tmp_path: Path) -> None:

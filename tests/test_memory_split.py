@@ -292,7 +292,8 @@ def test_gpt_oss_20b_at_8gib_with_32_sequences_of_8192_plans() -> None:
     8192 tokens is the KV floor, the experts take the rest of the budget."""
     from ferryman.cli import main
     from ferryman.models.registry import model_config
-    from ferryman.planner import PlanRequest, plan_memory
+    from ferryman.planner import PlanRequest
+    from ferryman.planner_search import plan_memory
     from ferryman.weights.presets import get_preset
 
     cfg = model_config(get_preset("gpt-oss-20b"))

@@ -13,7 +13,8 @@ import torch
 from ferryman.calibrate.calibration import DeviceCompute, load, save
 from ferryman.models.registry import model_config
 from ferryman.plan_report import LAYER_S, Load, Rates, StepCosts, predict, simulate, used_experts
-from ferryman.planner import MemoryPlan, PlanRequest, plan_memory
+from ferryman.planner import MemoryPlan, PlanRequest
+from ferryman.planner_search import plan_memory
 from ferryman.weights.presets import get_preset
 from tiny_models import calibration_of, preset_config
 

@@ -23,11 +23,10 @@ from ferryman.planner import (
     kv_bytes_per_token,
     non_expert_bytes,
     non_expert_params,
-    plan_auto_seqs,
-    plan_memory,
     prefill_job_bytes,
     slot_bytes,
 )
+from ferryman.planner_search import plan_auto_seqs, plan_memory
 from ferryman.weights.presets import get_preset
 
 
@@ -107,7 +106,7 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     assert plan.kv_tokens == kv_pages * 23 * 16 >= 32768 and plan.request.window_blocks == 276
     assert plan.kv_bytes == kv_pages * plan.pages.page_bytes + 276 * 16 * 18 * 2048
     assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
-    # + the hidden states of a layer-major prefill of up to max_model_len tokens (planner.prefill_plan)
+    # + the hidden states of a layer-major prefill of up to max_model_len tokens (planner_search.prefill_plan)
     assert plan.prefill_job_tokens == 32768
     assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1) + \
         prefill_job_bytes(cfg, torch.bfloat16, 32768)
@@ -271,7 +270,8 @@ def test_gpu_memory_caps_allocations_on_cuda() -> None:
 
 
 def _auto(preset: str, budget_gib: float | None, max_model_len: int):
-    from ferryman.planner import PlanRequest, plan_auto_seqs
+    from ferryman.planner import PlanRequest
+    from ferryman.planner_search import plan_auto_seqs
     from ferryman.weights.presets import get_preset
 
     cfg = model_config(get_preset(preset))

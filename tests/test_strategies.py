@@ -1,4 +1,4 @@
-"""The MoE strategies (`moe_strategy`, experts/placement.py): the plan each makes (planner.py
+"""The MoE strategies (`moe_strategy`, experts/placement.py): the plan each makes (planner_split.py
 `cpu_split`: layers:N and the N that fills the budget, cpu's floor of slots), and greedy tokens
 identical to the resident engine's (which test_hf_parity checks against transformers) for offload,
 hybrid, cpu and layers on the tiny models of every architecture and on the demo model (CPU, fp32)."""
@@ -16,7 +16,8 @@ from ferryman.config import ModelConfig, parse_bytes, parse_strategy
 from ferryman.errors import ConfigError
 from ferryman.experts import hybrid as hybrid_module
 from ferryman.models.registry import model_config
-from ferryman.planner import PlanRequest, plan_memory
+from ferryman.planner import PlanRequest
+from ferryman.planner_search import plan_memory
 from ferryman.weights.presets import get_preset
 from tiny_models import calibration_of, demo_config, greedy_ids
 

@@ -107,6 +107,19 @@ in_tree() {  # in_tree TREE: IN_TREE=(the prefix that runs a command in TREE, im
   IN_TREE=(env -C "$1" PYTHONPATH="$(pypath "$1")")
 }
 
+server_up() {  # server_up NAME PORT WAIT COMMAND...: COMMAND in the background (log $OUT/NAME_server.log),
+  # SRV its pid; waits up to WAIT seconds for its /health; 1 (and the log's tail) when it exited
+  local name=$1 port=$2 wait=$3; shift 3
+  "$@" > "$OUT/${name}_server.log" 2>&1 &
+  SRV=$!
+  for _ in $(seq 1 "$wait"); do
+    curl -sf "127.0.0.1:$port/health" >/dev/null && return 0
+    kill -0 "$SRV" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return 1; }
+    sleep 1
+  done
+}
+server_down() { kill "$SRV" 2>/dev/null; wait "$SRV" 2>/dev/null; }  # the server server_up started
+
 offload() {  # offload NAME TARGET SECONDS [TREE [ARGS...]]: bench_offload on one target
   local name=$1 target=$2 secs=$3
   in_tree "${4:-$ROOT}"
@@ -118,18 +131,12 @@ serve16() {  # serve16 NAME PORT [TREE]: gpt-oss-20b at 8 GiB, 16 users
   local name=$1 port=$2
   have 100 || { echo "=== $name skipped: the suite budget is spent"; return; }
   in_tree "${3:-$ROOT}"
-  "${IN_TREE[@]}" python3 -m ferryman serve gpt-oss-20b --load-format dummy --gpu-memory 8GiB --max-model-len 1536 \
-    --max-num-seqs 16 --port "$port" --log-level warning > "$OUT/${name}_server.log" 2>&1 &
-  local srv=$!
-  for _ in $(seq 1 120); do
-    curl -sf "127.0.0.1:$port/health" >/dev/null && break
-    kill -0 "$srv" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return; }
-    sleep 1
-  done
+  server_up "$name" "$port" 120 "${IN_TREE[@]}" python3 -m ferryman serve gpt-oss-20b --load-format dummy \
+    --gpu-memory 8GiB --max-model-len 1536 --max-num-seqs 16 --port "$port" --log-level warning || return
   stage "$name" 120 python3 -m ferryman bench serve "http://127.0.0.1:$port" --concurrency 16 \
     --prompt-tokens 1024 --output-tokens 128 --json "$OUT/$name.json"
   curl -s "127.0.0.1:$port/v1/stats" > "$OUT/${name}_stats.json"
-  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  server_down
 }
 
 split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 32 sequences of 8192 tokens
@@ -137,14 +144,8 @@ split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 3
   local model_args=("$model" --gpu-memory "$budget" --max-num-seqs 32 --max-model-len 8192)
   have 150 || { echo "=== $name skipped: the suite budget is spent"; return; }
   stage "${name}_plan" 60 python3 -m ferryman plan "${model_args[@]}"
-  python3 -m ferryman serve "${model_args[@]}" --load-format dummy --port "$port" --log-level warning \
-    > "$OUT/${name}_server.log" 2>&1 &
-  local srv=$!
-  for _ in $(seq 1 240); do
-    curl -sf "$url/health" >/dev/null && break
-    kill -0 "$srv" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return; }
-    sleep 1
-  done
+  server_up "$name" "$port" 240 python3 -m ferryman serve "${model_args[@]}" --load-format dummy --port "$port" \
+    --log-level warning || return
   stage "$name" 200 python3 -m ferryman bench serve "$url" --concurrency "$levels" ${reqs:+--requests-per-level "$reqs"} \
     --prompt-tokens 1024 --output-tokens 128 --json "$OUT/$name.json"
   python3 -m ferryman ctl --url "$url" | tee "$OUT/${name}_ctl.txt"
@@ -157,7 +158,7 @@ split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 3
   curl -s "$url/metrics" | grep -E "^ferryman_(memory_split|memory_moves|kv_blocks|preemptions)" \
     | tee "$OUT/${name}_metrics.txt"
   grep -ci "out of memory" "$OUT/${name}_server.log" | sed 's/^/CUDA OOM lines in the server log: /'
-  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  server_down
   # the link rate from the server's stats; the device's compute from the calibration, else measured now
   stage "${name}_vs_plan" 60 python3 benchmarks/bench_split.py "$OUT/$name.json" ${long:+"$OUT/${name}_8k.json"} \
     --model "$model" --gpu-memory "$budget" --stats "$OUT/${name}_stats.json" --json "$OUT/${name}_vs_plan.json"
@@ -192,17 +193,11 @@ EOF
 longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL: bench_long_prompt through a default server
   local name=$1 port=$2
   have 120 || { echo "=== $name skipped: the suite budget is spent"; return; }
-  python3 -m ferryman serve "$3" --load-format dummy --gpu-memory "$4" --port "$port" --log-level warning \
-    > "$OUT/${name}_server.log" 2>&1 &
-  local srv=$!
-  for _ in $(seq 1 240); do
-    curl -sf "127.0.0.1:$port/health" >/dev/null && break
-    kill -0 "$srv" 2>/dev/null || { echo "=== $name: the server exited"; tail -n 25 "$OUT/${name}_server.log"; return; }
-    sleep 1
-  done
+  server_up "$name" "$port" 240 python3 -m ferryman serve "$3" --load-format dummy --gpu-memory "$4" --port "$port" \
+    --log-level warning || return
   stage "$name" 180 python3 benchmarks/bench_long_prompt.py "http://127.0.0.1:$port" --lengths "$5" \
     --stall-prompt "$6" --json "$OUT/$name.json"
-  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  server_down
 }
 
 GGUF=${GGUF_DIR:-/tmp}/qwen3-30b-a3b-q4_k_m.gguf
@@ -215,7 +210,7 @@ gguf_write() {  # the benchmark GGUF, once per machine
 peer_serve() {  # peer_serve NAME PORT USERS COMMAND...: a server, then the peer kit's client at 1 or 16 users
   local name=$1 port=$2 users=$3; shift 3
   "$@" > "$OUT/${name}_server.log" 2>&1 &
-  local srv=$!
+  SRV=$!
   python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --wait 240 --wait-only >/dev/null 2>&1
   if [ "$users" = 1 ]; then
     stage "$name" 200 python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --prompt-tokens 512,4096 \
@@ -225,7 +220,7 @@ peer_serve() {  # peer_serve NAME PORT USERS COMMAND...: a server, then the peer
       --prompt-tokens 1024 --max-tokens 128 --per-user 1 --label "$name"
   fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader | tee "$OUT/${name}_vram.txt"
-  kill "$srv" 2>/dev/null; wait "$srv" 2>/dev/null
+  server_down
 }
 
 compare() {  # each stage of $COMPARE on this tree, then on $OLD

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.engine.scheduler import ScheduledSeq, SchedulerOutput
+from ferryman.engine.sched_types import ScheduledSeq, SchedulerOutput
 from ferryman.layers.attn_metadata import StateMetadata
 from ferryman.layers.paged_attention import AttnMetadata
 

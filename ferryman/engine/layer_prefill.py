@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from ferryman.engine.inputs import StepInputs, prepare_inputs
-from ferryman.engine.prefill_job import JobPiece, PrefillJob
-from ferryman.engine.scheduler import ScheduledSeq, SchedulerOutput
+from ferryman.engine.sched_types import JobPiece, PrefillJob, ScheduledSeq, SchedulerOutput
 from ferryman.experts.offload import OffloadExperts
 from ferryman.kvcache.window_pool import ring_table
 from ferryman.layers.moe import SparseMoE

@@ -14,18 +14,13 @@ from ferryman.engine.detokenizer import IncrementalDetokenizer
 from ferryman.engine.inputs import prepare_inputs
 from ferryman.engine.model_runner import ModelRunner
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
-from ferryman.engine.scheduler import (
-    ScheduledSeq,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
-from ferryman.engine.memory_split import MemorySplit, SplitBounds
+from ferryman.engine.sched_types import ScheduledSeq, SchedulerConfig, SchedulerOutput
+from ferryman.engine.scheduler import Scheduler
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
+from ferryman.engine.split_wiring import make_split, set_split_bounds, shared_region, split_report
 from ferryman.errors import ConfigError, PromptTooLongError
 from ferryman.experts.placement import enforce_budget, engine_plan, store_factory
-from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.state_pool import num_linear_layers
 from ferryman.kvcache.window_pool import num_window_layers, window_split
@@ -73,7 +68,8 @@ class LLMEngine:
         # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
         kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(kv)
-        region = self._region(num_blocks)  # offload: KV blocks and expert slots in one region
+        # offload: KV blocks and expert slots in one region (engine/split_wiring.py)
+        region = shared_region(self.plan, num_blocks, ecfg.block_size, self.device)
         if region is not None:
             num_blocks = region.num_blocks
         window = window_split(self.cfg)  # the sliding-window layers' own pool (kvcache/window_pool.py)
@@ -110,7 +106,11 @@ class LLMEngine:
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
                                   num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
                                   region=region)
-        self.split = self._split(region)  # the boundary that moves with the load (engine/memory_split.py)
+        # the boundary that moves with the load (engine/memory_split.py)
+        self.split = make_split(self.plan, ecfg, self.cfg, region, self.scheduler.pool,
+                                lambda: self.runner.experts.cache)
+        if self.split is not None:
+            self.scheduler.grow_kv = self.split.ensure_kv
         self.expert_bytes = loaded.store.nbytes()
         self.requests: dict[int, _Request] = {}  # unfinished, by request id (== seq id)
         self.finished: dict[int, RequestOutput] = {}  # finished, until popped
@@ -151,52 +151,18 @@ class LLMEngine:
             )
         return blocks
 
-    def _region(self, kv_blocks: int) -> SharedRegion | None:
-        """The shared region of an offloaded plan: its expert slots plus pages for `kv_blocks` blocks."""
-        geo = self.plan.pages
-        if geo is None:
-            return None
-        kv_pages = geo.pages_for_tokens(kv_blocks * self.ecfg.block_size, self.ecfg.block_size)
-        return SharedRegion(geo, self.plan.expert_slots + kv_pages, self.device)
-
-    def _split(self, region: SharedRegion | None) -> MemorySplit | None:
-        if region is None:
-            return None
-        r, S = self.plan.request, self.ecfg.block_size
-        # an asked expert_cache caps the cache; otherwise every expert may come to the device
-        most = self.plan.expert_slots if r.expert_cache is not None else r.total_experts
-        reserve, least = self.ecfg.kv_reserve_tokens, self.ecfg.min_expert_slots
-        if least is None:  # two layers' experts: the layer computing and the next one streaming in
-            least = max(r.slot_floor, 2 * self.cfg.num_experts)
-        bounds = SplitBounds(min(least, self.plan.expert_slots, most), most,
-                             -(-(self.ecfg.max_num_batched_tokens if reserve is None else reserve) // S))
-        split = MemorySplit(self.scheduler.pool, lambda: self.runner.experts.cache, region.num_pages, bounds,
-                            region.geometry.pages_for_tokens(r.shared_floor_tokens, S))
-        self.scheduler.grow_kv = split.ensure_kv
-        return split
-
     def memory_split(self) -> dict:
         """The shared region's split (KV pages vs expert slots, in use / free, bounds, moves) with the
         expert cache's hit rate, the link's GB/s and the preemptions; {"shared": False} without one."""
         if self.split is None:
             return {"shared": False, "num_preemptions": self.scheduler.num_preemptions}
-        e = self.expert_stats(block=False)
-        page = self.plan.pages.page_bytes
-        link = e["bytes_h2d"] / e["h2d_seconds"] / 1e9 if e["h2d_seconds"] else 0.0
-        return {"shared": True, **self.split.snapshot(), "page_bytes": page, "block_size": self.ecfg.block_size,
-                "region_bytes": self.split.num_pages * page, "expert_slots_filled": e["slots_filled"],
-                "hit_rate": e["hit_rate"], "link_gbps": link, "num_preemptions": self.scheduler.num_preemptions}
+        return split_report(self.split, self.plan.pages.page_bytes, self.ecfg.block_size,
+                            self.expert_stats(block=False), self.scheduler.num_preemptions)
 
     def set_memory_bounds(self, min_expert_slots: int | None = None, max_expert_slots: int | None = None,
                           kv_reserve_tokens: int | None = None) -> dict:
         """Change the split's bounds live (between steps); ConfigError naming a bound out of range."""
-        if self.split is None:
-            raise ConfigError("memory bounds need offloaded experts (a region shared by KV and expert slots)")
-        reserve = None if kv_reserve_tokens is None else -(-kv_reserve_tokens // self.ecfg.block_size)
-        try:
-            self.split.set_bounds(min_expert_slots, max_expert_slots, reserve)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        set_split_bounds(self.split, self.ecfg.block_size, min_expert_slots, max_expert_slots, kv_reserve_tokens)
         return self.memory_split()
 
     # ---- requests ----------------------------------------------------------------------------

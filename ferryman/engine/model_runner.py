@@ -17,7 +17,7 @@ from ferryman.engine.inputs import StepInputs, prepare_inputs
 from ferryman.engine.layer_prefill import LayerPrefill, job_inputs
 from ferryman.engine.outputs import SamplerOutput
 from ferryman.engine.sampler import Sampler
-from ferryman.engine.scheduler import SchedulerOutput
+from ferryman.engine.sched_types import SchedulerOutput
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.experts.offload import OffloadExperts

@@ -20,58 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ferryman.engine.sequence import Sequence, SequenceStatus
+from ferryman.engine.sched_types import JobPiece, PrefillJob, SchedulerConfig, SchedulerOutput
+from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.block_pool import BlockPool, cdiv
 from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool
-
-if TYPE_CHECKING:  # scheduler.py imports this file
-    from ferryman.engine.scheduler import SchedulerConfig, SchedulerOutput
-
-
-@dataclass(slots=True)
-class JobPiece:
-    """The part of one sequence a job or one of its chunks computes."""
-
-    seq: Sequence
-    start_pos: int  # first position computed
-    num_tokens: int  # tokens computed from there
-
-    @property
-    def end(self) -> int:
-        return self.start_pos + self.num_tokens
-
-
-@dataclass(slots=True)
-class PrefillJob:
-    members: list[JobPiece]  # one per sequence: all it computes, in admission order
-    chunks: list[list[JobPiece]]  # the same tokens as chunk-major steps would pack them
-    num_layers: int  # layers of the model
-    layers_per_step: int  # the bound on layers run in a step that also decodes
-    rings: dict[int, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (first block, ring blocks)
-    layers_done: int = 0  # layers scheduled so far (all chunks of each)
-    aborted: set[int] = field(default_factory=set)  # seq ids finished while the job ran
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.members)
-
-    def take_layers(self, decoding: bool) -> int:
-        """Layers to run this step: `layers_per_step` beside decodes, else all that are left."""
-        left = self.num_layers - self.layers_done
-        n = min(left, self.layers_per_step) if decoding else left
-        self.layers_done += n
-        return n
-
-    @property
-    def done(self) -> bool:
-        return self.layers_done == self.num_layers
 
 
 def ring_blocks(window: int, chunk: int, block_size: int) -> int:
@@ -168,11 +124,7 @@ class JobScheduling:
 
     def _admit_to_job(self, seq: Sequence) -> None:
         self.waiting.popleft()
-        if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
-            seq.num_cached_tokens = seq.num_computed_tokens
-        seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = time.monotonic()
+        seq.mark_running()
 
     def _advance_job(self, out: SchedulerOutput) -> list[JobPiece]:
         """This step's share of the running job; the pieces that sample when it is done, else []."""

@@ -20,96 +20,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
-from ferryman.engine.prefill_job import JobScheduling, PrefillJob
+from ferryman.engine.prefill_job import JobScheduling
+from ferryman.engine.sched_types import PrefillJob, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
 from ferryman.kvcache.block_pool import BlockPool
 from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_positions
 from ferryman.kvcache.state_pool import StatePool
-from ferryman.kvcache.window_pool import WindowBlockPool, window_pool_need
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    max_model_len: int  # prompt + output tokens of one sequence
-    num_blocks: int  # KV blocks in the pool
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
-    window: int | None = None  # sliding window of the layers with a pool of their own (None: no such pool)
-    num_window_blocks: int = 0  # blocks of that pool (at least window_pool_need)
-    num_state_slots: int = 0  # linear-attention state slots (kvcache/state_pool.py); 0: no such layers
-    num_state_checkpoints: int = 0  # their prefix-cache checkpoints (kvcache/state_checkpoints.py)
-    blocks_per_page: int = 1  # main-pool blocks per page of a region shared with the experts
-    num_layers: int = 1  # decoder layers (a layer-major job's steps count them)
-    prefill_job_tokens: int = 0  # tokens of one layer-major prefill job (engine/prefill_job.py); 0: chunk-major
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be an int >= 1, got {value!r}")
-        # A sequence alone in the pool must always fit, or it could never be (re)admitted.
-        capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
-            raise ValueError(f"KV pool holds {capacity} tokens ({self.num_blocks} blocks of "
-                             f"{self.block_size}) < max_model_len={self.max_model_len}")
-        if self.window is not None:  # a step must always find its window blocks
-            need = window_pool_need(self.window, self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
-            if self.num_window_blocks < need:
-                raise ValueError(f"the window pool has {self.num_window_blocks} blocks; window {self.window}, "
-                                 f"{self.max_num_seqs} sequences and {self.max_num_batched_tokens}-token steps "
-                                 f"need {need}")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence  # the sequence; its block_table already covers the new tokens
-    num_tokens: int  # tokens computed this step (prefill chunk length, or 1 for a decode)
-    start_pos: int  # position of the first of them == seq.num_computed_tokens before the step
-    sample: bool  # True when the chunk reaches the last known token: sample the next one
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The token ids fed to the model for this sequence this step."""
-        return self.seq.token_ids_slice(self.start_pos, self.start_pos + self.num_tokens)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start_pos >= self.seq.num_prompt_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    # Sequences computed this step in the order their tokens are packed: running ones first,
-    # then newly admitted ones. Prefill chunks and decodes are mixed.
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    # Sum of num_tokens over `scheduled` (<= max_num_batched_tokens).
-    num_batched_tokens: int = 0
-    # Sequences preempted while building this step (their KV is gone; they will be recomputed).
-    preempted: list[Sequence] = field(default_factory=list)
-    # Hybrid models (kvcache/state_checkpoints.py): (checkpoint, state slot) copies to run before the
-    # forward, and (state slot, checkpoint) copies to run after it.
-    state_restores: list[tuple[int, int]] = field(default_factory=list)
-    state_saves: list[tuple[int, int]] = field(default_factory=list)
-    # Layer-major prefill (engine/prefill_job.py): the job started this step (the runner builds its
-    # inputs), how many of its layers run this step (after the job's previous ones, before the
-    # scheduled sequences), and, on its last step, its sequences, which sample like scheduled ones.
-    job_started: PrefillJob | None = None
-    job_layers: int = 0
-    job_finished: list[ScheduledSeq] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.job_layers
-
-    @property
-    def is_decode_only(self) -> bool:
-        """Every sequence computes exactly one token (the case CUDA graphs capture)."""
-        return all(s.num_tokens == 1 for s in self.scheduled)
+from ferryman.kvcache.window_pool import WindowBlockPool
 
 
 class Scheduler(JobScheduling):
@@ -257,11 +175,7 @@ class Scheduler(JobScheduling):
             if self.checkpoints is not None and prefixes[0]:  # the state after the adopted prefix
                 checkpoint = self.checkpoints.use(seq.block_hashes[len(prefixes[0]) - 1])
                 out.state_restores.append((checkpoint, seq.state_slot))
-            if seq.num_preemptions == 0:  # metrics: prompt tokens served by the prefix cache
-                seq.num_cached_tokens = seq.num_computed_tokens
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
+            seq.mark_running()
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_tokens))
             self._save_checkpoint(out.scheduled[-1], out)

@@ -104,6 +104,15 @@ class Sequence:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
 
+    def mark_running(self) -> None:
+        """Admitted from the waiting queue; the first admission records the prompt tokens the prefix
+        cache served (metrics) and, once, when queueing ended."""
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = self.num_computed_tokens
+        self.status = SequenceStatus.RUNNING
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = time.monotonic()
+
     def mark_finished(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -28,13 +28,8 @@ from ferryman.experts.host_store import HostExpertStore
 from ferryman.experts.store import ExpertStore
 from ferryman.layers.backend import triton_available
 from ferryman.layers.fused_moe import MoEActivation
-from ferryman.planner import (
-    AUTO_NUM_SEQS,
-    MemoryPlan,
-    PlanRequest,
-    plan_auto_seqs,
-    plan_memory,
-)
+from ferryman.planner import MemoryPlan, PlanRequest
+from ferryman.planner_search import AUTO_NUM_SEQS, plan_auto_seqs, plan_memory
 
 StoreFactory = Callable[[ModelConfig, torch.dtype, torch.device], ExpertStore]
 log = logging.getLogger("ferryman.experts")

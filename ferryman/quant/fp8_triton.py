@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
+
 Block = tuple[int, int] | None  # as quant/fp8.py: (bn, bk), None a scale per row
 
 
@@ -88,11 +90,7 @@ def _dequant_kernel(q_ptr, s_ptr, idx_ptr, out_ptr, slot0, q_stride, s_stride, n
                     OUT: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     CHANNEL: tl.constexpr, HAS_IDX: tl.constexpr, CHUNK: tl.constexpr):
     # program (p, r): elements p*CHUNK .. +CHUNK of expert slot idx[r] (or slot0 + r) -> output row r
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     i = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     mask = i < n_elem
     row, col = i // K, i % K
@@ -116,15 +114,9 @@ def dequant_fp8_rows(q: torch.Tensor, s: torch.Tensor, idx: torch.Tensor | slice
     grid = (out,) if block is None else (-(-out // block[0]), -(-k // block[1]))
     if tuple(s.shape[1:]) != grid or s.dtype != torch.float32:
         raise ValueError(f"fp8 scales {tuple(s.shape)} {s.dtype} do not match weights {tuple(q.shape)} (block {block})")
-    if not (q.shape[0] == 0 or (q[0].is_contiguous() and s[0].is_contiguous())):
+    if not (rows_contiguous(q) and rows_contiguous(s)):
         q, s = q.contiguous(), s.contiguous()
-    if isinstance(idx, slice):
-        start, stop, step = idx.indices(e)
-        if step != 1:
-            raise ValueError("fp8 rows: a slice of experts must have step 1")
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, e, q.device, "fp8")
     result = torch.empty((n, out, k), dtype=dtype, device=q.device)
     if n and out * k:
         bn, bk = block if block is not None else (1, 1)

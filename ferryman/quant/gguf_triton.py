@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
 from ferryman.quant.gguf_blocks import BLOCK_SIZES, check_type
 from ferryman.quant.gguf_triton_gemv import kquant_rows_dot, q6k_rows_dot, q8_0_rows_dot
 
@@ -18,6 +19,9 @@ from ferryman.quant.gguf_triton_gemv import kquant_rows_dot, q6k_rows_dot, q8_0_
 TYPE_CODES = {name: i + 1 for i, name in enumerate(BLOCK_SIZES)}
 F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = (
     tl.constexpr(TYPE_CODES[n]) for n in BLOCK_SIZES)
+# by type code: values and bytes of one block (quant/gguf_blocks.py), as kernels read them
+_BLOCK_VALUES = tl.constexpr((0, *(bs for bs, _ in BLOCK_SIZES.values())))
+_BLOCK_BYTES = tl.constexpr((0, *(ts for _, ts in BLOCK_SIZES.values())))
 
 
 def type_code(gtype: str) -> int:
@@ -74,12 +78,11 @@ def _crumb(qp, j, mask):
 def _small_block(row, k, mask, T: tl.constexpr):
     # 32-value blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 (nibble j%16, high half j >= 16)
     j = k % 32
+    b = row + (k // 32) * _BLOCK_BYTES[T]
     if T == Q8_0:
-        b = row + (k // 32) * 34
         q = tl.load((b + 2 + j).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
         v = _f16(b, mask) * q
     elif T == MXFP4:
-        b = row + (k // 32) * 17
         c = (_u8(b + 1 + j % 16, mask) >> (4 * (j // 16))) & 15
         e = (c >> 1) & 3
         mag = tl.where(e == 0, c & 1, (2 + (c & 1)) << tl.maximum(e - 1, 0))  # e2m1 x 2
@@ -88,9 +91,7 @@ def _small_block(row, k, mask, T: tl.constexpr):
         bits = tl.where(s < 2, 0x00200000 << s, (s - 1) << 23)  # 2^(s-128), ggml_e8m0_to_fp32_half
         v = bits.to(tl.float32, bitcast=True) * q
     else:
-        TS: tl.constexpr = 18 if (T == Q4_0 or T == IQ4_NL) else (20 if T == Q4_1 else (22 if T == Q5_0 else 24))
-        QS: tl.constexpr = TS - 16  # nibbles at the block's tail
-        b = row + (k // 32) * TS
+        QS: tl.constexpr = _BLOCK_BYTES[T] - 16  # nibbles at the block's tail
         q = (_u8(b + QS + j % 16, mask) >> (4 * (j // 16))) & 15
         if T == Q5_0 or T == Q5_1:
             q = q | (((_u8(b + QS - 4 + j // 8, mask) >> (j % 8)) & 1) << 4)
@@ -110,8 +111,8 @@ def _small_block(row, k, mask, T: tl.constexpr):
 def _super_block(row, k, mask, T: tl.constexpr):
     # 256-value super-blocks: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
     j = k % 256
+    b = row + (k // 256) * _BLOCK_BYTES[T]
     if T == Q4_K or T == Q5_K:
-        b = row + (k // 256) * (144 if T == Q4_K else 176)
         sc, mn = _k_scale_min(b + 4, j // 32, mask)
         if T == Q4_K:
             q = _k4_nibble(b + 16, j, mask)
@@ -119,19 +120,16 @@ def _super_block(row, k, mask, T: tl.constexpr):
             q = _k4_nibble(b + 48, j, mask) | (((_u8(b + 16 + j % 32, mask) >> (j // 32)) & 1) << 4)
         v = (_f16(b, mask) * sc.to(tl.float32)) * q.to(tl.float32) - _f16(b + 2, mask) * mn.to(tl.float32)
     elif T == Q6_K:
-        b = row + (k // 256) * 210
         jj = j % 128
         ql = (_u8(b + (j // 128) * 64 + jj % 64, mask) >> (4 * (jj // 64))) & 15
         q = (ql | (_crumb(b + 128, j, mask) << 4)) - 32
         sc = tl.load((b + 192 + j // 16).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
         v = (_f16(b + 208, mask) * sc) * q.to(tl.float32)
     elif T == Q2_K:
-        b = row + (k // 256) * 84
         s = _u8(b + j // 16, mask)
         dl = _f16(b + 80, mask) * (s & 15).to(tl.float32)
         v = dl * _crumb(b + 16, j, mask).to(tl.float32) - _f16(b + 82, mask) * (s >> 4).to(tl.float32)
     elif T == Q3_K:
-        b = row + (k // 256) * 110
         sub = j // 16
         low = (_u8(b + 96 + sub % 8, mask) >> (4 * (sub // 8))) & 15
         high = (_u8(b + 104 + sub % 4, mask) >> (2 * (sub // 4))) & 3
@@ -139,7 +137,6 @@ def _super_block(row, k, mask, T: tl.constexpr):
         hbit = (_u8(b + j % 32, mask) >> (j // 32)) & 1
         v = dl * (_crumb(b + 32, j, mask) - 4 * (1 - hbit)).to(tl.float32)
     else:  # IQ4_XS
-        b = row + (k // 256) * 136
         ib = j // 32
         hs = _u8(b + 2 + ib // 4, mask) >> (2 * (ib % 4))
         ls = ((_u8(b + 4 + ib // 2, mask) >> (4 * (ib % 2))) & 15) | ((hs & 3) << 4)
@@ -172,11 +169,7 @@ def _dequant_kernel(q_ptr, idx_ptr, out_ptr, slot0, slot_stride, out_rows, K: tl
     # program (p, r): rows p*ROWS .. +ROWS of bank slot idx[r] (HAS_IDX) or slot0 + r, each K values
     # of T blocks, its slot's rows contiguous -> out[r, rows]. Steps of 256 values read every row
     # from its chunk's base pointer with constant offsets (vector loads, 256-value stores).
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < out_rows
     row = q_ptr + slot * slot_stride + rows.to(tl.int64)[:, None] * _row_bytes(K, T)  # [ROWS, 1]
@@ -199,21 +192,12 @@ def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dt
     read in place (one launch, no host sync). idx: a step-1 slice or a 1-D int tensor on q's
     device. Each slot's [out, row_bytes] must be contiguous; slots may be any stride apart."""
     bs, ts = BLOCK_SIZES[check_type(gtype)]
-    if q.dtype != torch.uint8 or q.dim() != 3 or q.shape[-1] % ts or (q.shape[0] and not q[0].is_contiguous()):
+    if q.dtype != torch.uint8 or q.dim() != 3 or q.shape[-1] % ts or not rows_contiguous(q):
         raise ValueError(f"GGUF {gtype} bank: expected uint8 [E, out, k x {ts}] with contiguous slots, got "
                          f"{tuple(q.shape)} {q.dtype} strides {tuple(q.stride())}")
     _, out_rows, rb = q.shape
     k = rb // ts * bs
-    if isinstance(idx, slice):
-        start, stop, step = idx.indices(q.shape[0])
-        if step != 1:
-            raise ValueError(f"GGUF rows: slice step must be 1, got {step}")
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.device != q.device:
-            raise ValueError(f"GGUF rows: idx must be a 1-D int tensor on {q.device}, got "
-                             f"{tuple(idx.shape)} {idx.dtype} on {idx.device}")
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, q.shape[0], q.device, "GGUF")
     out = torch.empty((n, out_rows, k), dtype=dtype, device=q.device)
     if n and out_rows:
         grid = (triton.cdiv(out_rows, rows_per_program), n)
@@ -225,35 +209,7 @@ def dequant_gguf_rows(q: torch.Tensor, gtype: str, idx: torch.Tensor | slice, dt
 @triton.jit
 def _row_bytes(K: tl.constexpr, T: tl.constexpr):
     # bytes of a row of K values of type T
-    if T == F32:
-        rb = K * 4
-    elif T == F16 or T == BF16:
-        rb = K * 2
-    elif T == Q8_0:
-        rb = K // 32 * 34
-    elif T == Q4_0 or T == IQ4_NL:
-        rb = K // 32 * 18
-    elif T == Q4_1:
-        rb = K // 32 * 20
-    elif T == Q5_0:
-        rb = K // 32 * 22
-    elif T == Q5_1:
-        rb = K // 32 * 24
-    elif T == MXFP4:
-        rb = K // 32 * 17
-    elif T == Q2_K:
-        rb = K // 256 * 84
-    elif T == Q3_K:
-        rb = K // 256 * 110
-    elif T == Q4_K:
-        rb = K // 256 * 144
-    elif T == Q5_K:
-        rb = K // 256 * 176
-    elif T == Q6_K:
-        rb = K // 256 * 210
-    else:  # IQ4_XS
-        rb = K // 256 * 136
-    return rb
+    return K // _BLOCK_VALUES[T] * _BLOCK_BYTES[T]
 
 
 CHUNK = 256  # values per decode step: one super-block, or 8 blocks of 32 (a whole number of any type's blocks)

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
+
 
 @triton.jit
 def _codes(words, BITS: tl.constexpr, R: tl.constexpr, W: tl.constexpr):
@@ -30,11 +32,7 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, idx_ptr, out_ptr, slot0, q_strid
                     BITS: tl.constexpr, ASYM: tl.constexpr, ACT: tl.constexpr, HAS_IDX: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     # program (i, r, j): rows i*BLOCK_R.., inputs j*BLOCK_K.. of bank row idx[r] (HAS_IDX) or slot0 + r
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     P: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // P
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -59,10 +57,6 @@ def _dequant_kernel(q_ptr, s_ptr, z_ptr, g_ptr, idx_ptr, out_ptr, slot0, q_strid
     tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=mk)
 
 
-def _rows_contiguous(t: torch.Tensor | None) -> bool:
-    return t is None or (t[0].is_contiguous() if t.shape[0] else True)
-
-
 def dequant_int_rows(bits: int, group: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                      gidx: torch.Tensor | None, idx: torch.Tensor | slice, dtype: torch.dtype,
                      block_r: int = 16, block_k: int = 256) -> torch.Tensor:
@@ -70,17 +64,13 @@ def dequant_int_rows(bits: int, group: int, qweight: torch.Tensor, scales: torch
     gidx (act) [E, parts, K] -> [n, out, K] in `dtype`, read in place (one launch). idx: a step-1
     slice or a 1-D int tensor on the banks' device."""
     banks = [qweight, scales, zeros, gidx]
-    if not all(_rows_contiguous(t) for t in banks) or (isinstance(idx, slice) and idx.step not in (None, 1)):
+    if not all(t is None or rows_contiguous(t) for t in banks) or (isinstance(idx, slice) and idx.step not in (None, 1)):
         banks = [None if t is None else t[idx].contiguous() for t in banks]
         qweight, scales, zeros, gidx = banks
         idx = slice(0, qweight.shape[0])
     e, out, words = qweight.shape
     k = words * (32 // bits)
-    if isinstance(idx, slice):
-        start, stop, _ = idx.indices(e)
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, e, qweight.device, "int")
     res = torch.empty((n, out, k), dtype=dtype, device=qweight.device)
     if n == 0 or out == 0:
         return res

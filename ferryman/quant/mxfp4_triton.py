@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
+
 BLOCK_BYTES = 16  # bytes per 32-value scale group
 _BB = tl.constexpr(BLOCK_BYTES)  # the same, as kernels may read it (plain globals do not compile)
 _BV = tl.constexpr(2 * BLOCK_BYTES)  # values per scale group
@@ -39,11 +41,7 @@ def _dequant_kernel(blocks_ptr, scales_ptr, idx_ptr, out_ptr, slot0, groups_per_
     # program (p, r): scale groups p*GROUPS .. +GROUPS of bank row (expert slot) idx[r] (HAS_IDX)
     # or slot0 + r -> output row r. A row's [groups, 16] bytes and [groups] scales are contiguous;
     # rows are blocks_row_stride / scales_row_stride apart (strided slot pools included).
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS]
     gmask = g < groups_per_row
     j = tl.arange(0, _BB)  # byte within a group
@@ -74,29 +72,16 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
                          f"(expected blocks = scales.shape + ({BLOCK_BYTES},))")
 
 
-def _rows_contiguous(t: torch.Tensor) -> bool:
-    """Everything but dim 0 is one contiguous run (dim 0 may have any stride)."""
-    return t[0].is_contiguous() if t.shape[0] else True
-
-
 def dequant_mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor, idx: torch.Tensor | slice,
                        dtype: torch.dtype, groups_per_program: int = GROUPS_PER_PROGRAM) -> torch.Tensor:
     """Rows `idx` of banks blocks [E, ..., G, 16] + scales [E, ..., G] -> [n, ..., G*32] in `dtype`,
     read in place: no gather of the packed rows first (one launch). idx: a step-1 slice or a 1-D
     integer tensor on the banks' device. Banks whose rows are not contiguous inside are gathered."""
     _check(blocks, scales)
-    if not (_rows_contiguous(blocks) and _rows_contiguous(scales)):
+    stepped = isinstance(idx, slice) and idx.indices(blocks.shape[0])[2] != 1
+    if stepped or not (rows_contiguous(blocks) and rows_contiguous(scales)):  # gathered first
         return dequant_mxfp4_triton(blocks[idx], scales[idx], dtype, groups_per_program)
-    if isinstance(idx, slice):
-        start, stop, step = idx.indices(blocks.shape[0])
-        if step != 1:
-            return dequant_mxfp4_triton(blocks[idx], scales[idx], dtype, groups_per_program)
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64) or idx.device != blocks.device:
-            raise ValueError(f"mxfp4 rows: idx must be a 1-D int tensor on {blocks.device}, got "
-                             f"{tuple(idx.shape)} {idx.dtype} on {idx.device}")
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, blocks.shape[0], blocks.device, "mxfp4")
     out = torch.empty((n, *scales.shape[1:], 2 * BLOCK_BYTES), dtype=dtype, device=blocks.device)  # [n, ..., G, 32]
     per_row = scales[0].numel() if scales.shape[0] else 0
     if n and per_row:

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferryman.quant.bank_slots import program_slot, rows_contiguous, slot_span
 from ferryman.quant.fp8_triton import e4m3_to_f32
 
 GROUP = 16
@@ -87,11 +88,7 @@ def _dequant_kernel(p_ptr, s_ptr, g_ptr, idx_ptr, out_ptr, slot0, p_stride, s_st
                     GROUPS_PER_ROW: tl.constexpr, PART_ROWS: tl.constexpr, DIVIDE: tl.constexpr,
                     HAS_IDX: tl.constexpr, GROUPS: tl.constexpr):
     # program (p, r): groups p*GROUPS .. +GROUPS of expert slot idx[r] (or slot0 + r) -> output row r
-    r = tl.program_id(1)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + r).to(tl.int64)
-    else:
-        slot = slot0 + r.to(tl.int64)
+    r, slot = program_slot(idx_ptr, slot0, HAS_IDX)
     gi = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] group ids
     gmask = gi < n_groups
     j = tl.arange(0, 8)
@@ -118,15 +115,9 @@ def dequant_nvfp4_rows(packed: torch.Tensor, scale: torch.Tensor, gscale: torch.
     if tuple(scale.shape) != (e, out, k // GROUP) or tuple(gscale.shape[:1]) != (e,) or out % parts:
         raise ValueError(f"nvfp4 banks do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)}, "
                          f"global {tuple(gscale.shape)}")
-    if e and not (packed[0].is_contiguous() and scale[0].is_contiguous()):
+    if not (rows_contiguous(packed) and rows_contiguous(scale)):
         packed, scale = packed.contiguous(), scale.contiguous()
-    if isinstance(idx, slice):
-        start, stop, step = idx.indices(e)
-        if step != 1:
-            raise ValueError("nvfp4 rows: a slice of experts must have step 1")
-        n, slot0, index = max(0, stop - start), start, None
-    else:
-        n, slot0, index = idx.numel(), 0, idx.contiguous()
+    n, slot0, index = slot_span(idx, e, packed.device, "nvfp4")
     result = torch.empty((n, out, k), dtype=dtype, device=packed.device)
     n_groups = out * k // GROUP
     if n and n_groups:

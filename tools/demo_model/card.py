@@ -11,6 +11,24 @@ LOSS_CURVE_FILE = "loss_curve.png"
 ROUTING_TODO = "TODO(routing-stats): filled in by a later step from measured routing; no numbers yet."
 
 
+def put_card_section(card: Path, mark: str, body: str, before: tuple[str, ...] = ()) -> None:
+    """Write `mark`, a blank line and `body` into the model card in place of what follows `mark` up to
+    the next "## " heading; a card without `mark` gets the section just before the first heading of
+    `before` that it holds (ValueError when it holds none)."""
+    text = card.read_text(encoding="utf-8")
+    section = f"{mark}\n\n{body.rstrip(chr(10))}\n"
+    if mark in text:
+        head, rest = text.split(mark, 1)
+        tail = "\n## " + rest.split("\n## ", 1)[1] if "\n## " in rest else ""
+    else:
+        anchor = next((h for h in before if h in text), None)
+        if anchor is None:
+            raise ValueError(f"{card}: no {mark!r} and none of the headings {before}")
+        head, rest = text.split(anchor, 1)
+        tail = "\n" + anchor + rest
+    card.write_text(head + section + tail, encoding="utf-8")
+
+
 def plot_loss_curve(rows: list[dict], val_rows: list[dict], heldout: float, path: Path) -> bool:
     """Training and validation loss against tokens seen, final held-out loss as a dashed line.
 

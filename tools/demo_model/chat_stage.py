@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from tools.demo_model.card import put_card_section
 from tools.demo_model.chat_eval import eval_prompts, turn_end_rates
 from tools.demo_model.chat_mix import mixed_samples
 from tools.demo_model.chat_tune import ChatSpec, Schedule, tune
@@ -107,17 +108,9 @@ def fill_card(folder: Path, record: dict) -> None:
     """Insert (or replace) the card's chat section, just before its "## Context" or "## Limits",
     and rewrite the first "Limits" bullet with the stage's figures."""
     card = folder / "README.md"
-    text = card.read_text(encoding="utf-8")
-    section = f"{CARD_MARK}\n\n{card_section(record)}\n"
-    if CARD_MARK in text:
-        head, rest = text.split(CARD_MARK, 1)
-        tail = "## " + rest.split("\n## ", 1)[1] if "\n## " in rest else ""
-        text = head + section + tail
-    else:
-        anchor = "## Context" if "## Context" in text else "## Limits"
-        head, tail = text.split(anchor, 1)
-        text = head + section + anchor + tail
-    lines = [limits_line(record) if line.startswith(LIMITS_BULLET) else line for line in text.split("\n")]
+    put_card_section(card, CARD_MARK, card_section(record), before=("## Context", "## Limits"))
+    lines = [limits_line(record) if line.startswith(LIMITS_BULLET) else line
+             for line in card.read_text(encoding="utf-8").split("\n")]
     card.write_text("\n".join(lines), encoding="utf-8")
 
 

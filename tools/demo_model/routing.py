@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ferryman import LLM
+from tools.demo_model.card import put_card_section
 from tools.demo_model.trace import RoutingTrace, attach_trace, lru_hit_rate, reuse_within, top_share
 from tools.demo_model.config import CorpusSpec
 from tools.demo_model.corpus import load_corpus, stdlib_root
@@ -96,9 +97,4 @@ def card_section(result: dict) -> str:
 
 def fill_card(folder: Path, result: dict) -> None:
     """Replace the card's routing section body with the measured statistics."""
-    card = folder / "README.md"
-    text = card.read_text()
-    head, rest = text.split(CARD_MARK, 1)
-    tail = rest.split("\n## ", 1)[1] if "\n## " in rest else ""
-    card.write_text(f"{head}{CARD_MARK}\n\n{card_section(result)}\n\n## {tail}" if tail else
-                    f"{head}{CARD_MARK}\n\n{card_section(result)}\n")
+    put_card_section(folder / "README.md", CARD_MARK, card_section(result))

@@ -71,8 +71,9 @@ INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-T512 static void mx512_row(const uint8_t *blk, const float *sc, const float *xp, int64_t K, int64_t G, int64_t k0,
-                           int64_t k1, int nt, float *out) {
+T512 static void mx512_row(const uint8_t *blk, const uint8_t *scl, const float *sc, const float *xp, int64_t K,
+                           int64_t G, int64_t k0, int64_t k1, int nt, float *out) {
+    (void)scl; /* no extreme scales here: sc holds every group's */
     switch (nt) {
     case 1: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 1, out); break;
     case 2: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 2, out); break;
@@ -99,20 +100,26 @@ INLINE512 int mx512_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc
     return bad == 0;
 }
 
-T512 static void rows_mxfp4_avx512(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                                   int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;
-    float sc[MAX_GROUPS], out[TILE];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
-        if (G > MAX_GROUPS || !mx512_scales(scl, g0, g1, sc)) {
-            rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);
-            continue;
-        }
-        mx512_row(blk, sc, xp, K, G, k0, k1, nt, out);
-        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
+/* MXFP4 rows through a vector row decoder: SCALES(scl, g0, g1, sc) turns a row's scales into floats
+ * (0: the row goes the portable way, as does one of more than MAX_GROUPS groups), ROW(blk, scl, sc,
+ * xp, K, G, k0, k1, nt, out) dots it with nt tokens */
+#define MXFP4_ROWS(NAME, TARGET, SCALES, ROW)                                                          \
+    TARGET static void NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,      \
+                            int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {    \
+        const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;                                  \
+        float sc[MAX_GROUPS], out[TILE];                                                                \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;                             \
+            if (G > MAX_GROUPS || !SCALES(scl, g0, g1, sc)) {                                           \
+                rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);                          \
+                continue;                                                                               \
+            }                                                                                           \
+            ROW(blk, scl, sc, xp, K, G, k0, k1, nt, out);                                               \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
+        }                                                                                               \
     }
-}
+
+MXFP4_ROWS(rows_mxfp4_avx512, T512, mx512_scales, mx512_row)
 
 /* dense rows: `load16` turns 16 weights at a pointer into fp32; with a few tokens two accumulator
  * sets take alternate vectors, so no FMA waits on the one before it */
@@ -207,21 +214,14 @@ T256 static void mx256_row(const uint8_t *blk, const uint8_t *scl, const float *
     }
 }
 
-T256 static void rows_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;
-    float sc[MAX_GROUPS], out[TILE];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
-        if (G > MAX_GROUPS || extreme_scales(scl, g0, g1)) {
-            rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);
-            continue;
-        }
-        for (int64_t g = g0; g < g1; g++) sc[g] = bits_float((uint32_t)scl[g] << 23);
-        mx256_row(blk, scl, sc, xp, K, G, k0, k1, nt, out);
-        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
-    }
+/* scl[g0:g1] as floats 2^(s-127) into sc[g0:g1]; 0 when a scale is 0 or 255, else 1 */
+INLINE256 int mx256_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc) {
+    if (extreme_scales(scl, g0, g1)) return 0;
+    for (int64_t g = g0; g < g1; g++) sc[g] = bits_float((uint32_t)scl[g] << 23);
+    return 1;
 }
+
+MXFP4_ROWS(rows_mxfp4_avx2, T256, mx256_scales, mx256_row)
 
 #define DENSE256(NAME, TYPE, LOAD8, SCALAR)                                                              \
     T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \

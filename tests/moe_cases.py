@@ -1,0 +1,33 @@
+"""Helpers of the MoE kernel tests (also imported by the scripts they run under Triton's
+interpreter): random routing, banks as the expert slot pool holds them, the error measure."""
+
+from __future__ import annotations
+
+import torch
+
+from ferryman.quant.base import ExpertFormat
+from ferryman.quant.layout import ExpertLayout
+
+
+def random_routing(e: int, t: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [t, k] int32 (k distinct experts of e per token), then their weights [t, k] (a softmax),
+    drawn in that order from `gen`."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int()
+    return ids, torch.softmax(torch.randn(t, k, generator=gen), -1)
+
+
+def slot_pool(form: ExpertFormat, banks: dict[str, torch.Tensor], h: int, i: int, bias: bool,
+              dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`banks` copied into an expert-major pool on their device, one row of bytes per expert, as the
+    slot cache holds them: strided views under the banks' names."""
+    first = next(iter(banks.values()))
+    layout = ExpertLayout.of(form.bank_specs(first.shape[0], h, i, bias, dtype))
+    pool = layout.views(torch.zeros(first.shape[0], layout.row_bytes, dtype=torch.uint8, device=first.device))
+    for name, bank in banks.items():
+        pool[name].copy_(bank)
+    return pool
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """|got - ref| / |ref| (Frobenius norms, fp32)."""
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
