@@ -4,6 +4,7 @@ their API's error event (OpenAI: then [DONE]), and the process exits 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -35,12 +36,32 @@ def _stream(url: str, path: str, body: dict, out: list[str], first: threading.Ev
                 first.set()
 
 
+def _never_ending_demo(tmp_path: Path) -> Path:
+    """The demo model with no end-of-sequence id it would write (8191 is a rare byte-pair): the
+    chat-tuned model ends its turns, and the Anthropic API has no ignore_eos, but one stream must
+    still be running when the drain period ends."""
+    src, dst = ROOT / "ferryman" / "assets" / "demo-moe", tmp_path / "demo-moe"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            (dst / f.name).symlink_to(f)
+        elif f.suffix == ".json":
+            d = json.loads(f.read_text())
+            if "eos_token_id" in d:
+                d["eos_token_id"] = [8191] if isinstance(d["eos_token_id"], list) else 8191
+            if "eos_token" in d:
+                d["eos_token"] = None
+            (dst / f.name).write_text(json.dumps(d))
+    return dst
+
+
 def test_sigterm_drains_then_exits_0(tmp_path: Path) -> None:
+    model = _never_ending_demo(tmp_path)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != "FERRYMAN_API_KEY"}
     log = (tmp_path / "serve.log").open("w+")
-    proc = subprocess.Popen([sys.executable, "-m", "ferryman", "serve", "--port", str(port), "--device", "cpu",
+    proc = subprocess.Popen([sys.executable, "-m", "ferryman", "serve", str(model), "--port", str(port), "--device", "cpu",
                              "--no-warm-up", "--max-model-len", "1024", "--drain-timeout", str(DRAIN_S)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
