@@ -81,6 +81,21 @@ def _dot(a, w, FP32: tl.constexpr):
 
 
 @triton.jit
+def _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, w_stride, s_stride, g_stride, z_stride):
+    # expert `slot`'s start in each of the four banks (strided along the slot dim: the slot pool)
+    return w_ptr + slot * w_stride, s_ptr + slot * s_stride, g_ptr + slot * g_stride, z_ptr + slot * z_stride
+
+
+@triton.jit
+def _a_tile(a_ptr, a_rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr):
+    # rows a_rows [BM] of activations [*, KDIM] at columns kk = k0 + [0, BK) -> ([BM, BK] (0 outside), kk, kmask)
+    kk = k0 + tl.arange(0, BK)
+    kmask = kk < KDIM
+    a = tl.load(a_ptr + a_rows[:, None] * KDIM + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+    return a, kk, kmask
+
+
+@triton.jit
 def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g_ptr, z_ptr, b_ptr, h_ptr, alpha,
                  limit, w_stride, s_stride, b_stride, g_stride, z_stride, H: tl.constexpr, I: tl.constexpr,
                  TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
@@ -99,12 +114,9 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
     g_rows, u_rows = gate_up_rows(n, I, ACT)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    g_base, z_base = g_ptr + slot * g_stride, z_ptr + slot * z_stride
+    w_base, s_base, g_base, z_base = _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, w_stride, s_stride, g_stride, z_stride)
     for k0 in range(0, H, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < H
-        a = tl.load(x_ptr + tok[:, None] * H + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a, kk, kmask = _a_tile(x_ptr, tok, rmask, k0, H, BK)
         # w13 rows [0, I) are the gate's part, [I, 2I) the up's (swiglu_oai interleaves within each)
         w_g = _w_tile(w_base, s_base, g_base, z_base, g_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, GGUF,
                       BN, BK)
@@ -135,12 +147,9 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # output features
     nmask = n < H
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    w_base, s_base = w_ptr + slot * w_stride, s_ptr + slot * s_stride
-    g_base, z_base = g_ptr + slot * g_stride, z_ptr + slot * z_stride
+    w_base, s_base, g_base, z_base = _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, w_stride, s_stride, g_stride, z_stride)
     for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)
-        kmask = kk < I
-        a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        a, kk, kmask = _a_tile(h_ptr, pair, rmask, k0, I, BK)
         w = _w_tile(w_base, s_base, g_base, z_base, n, nmask, k0, kk, kmask, I, H, MXFP4, QF, QA, QB, GGUF, BN, BK)
         acc += _dot(a, w, FP32)
     if HAS_BIAS:

@@ -87,32 +87,43 @@ def dequant_int_rows(bits: int, group: int, qweight: torch.Tensor, scales: torch
 
 
 @triton.jit
+def _int_codes(q_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, QA: tl.constexpr):
+    # words [rows, KDIM/P] (P = 32 / bits inputs a word, bits = QA % 16: quant_code) -> codes [R, BK]
+    # int32 of rows [R] at inputs k = k0 + [0, BK) (0 outside), and k; BK a multiple of P, k0 of BK.
+    # The offsets come before the load, where the decode loop had them (its sm_90 code is unchanged).
+    BITS: tl.constexpr = QA % 16
+    P: tl.constexpr = 32 // BITS
+    wi = k0 // P + tl.arange(0, BK // P)  # [BK/P] words
+    offs_k = tl.arange(0, BK)
+    words = tl.load(q_base + rows[:, None] * (KDIM // P) + wi[None, :],
+                    mask=rmask[:, None] & (wi < KDIM // P)[None, :], other=0)
+    return _codes(words, BITS, R, BK // P), k0 + offs_k
+
+
+@triton.jit
+def _int_zeros(z_ptrs, mask, QA: tl.constexpr):
+    # zero points at z_ptrs: the bank's (asym, QA bit 4; uint8 -> int32), or the symmetric zero 2^(bits-1)
+    if (QA // 16) % 2:
+        return tl.load(z_ptrs, mask=mask, other=0).to(tl.int32)
+    return tl.zeros(z_ptrs.shape, dtype=tl.int32) + (1 << (QA % 16 - 1))
+
+
+@triton.jit
 def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.constexpr,
                  BLOCK_K: tl.constexpr, QA: tl.constexpr, GS: tl.constexpr, PART_ROWS: tl.constexpr):
-    # rows: [R] weight rows of one expert; q_base -> words [rows, KDIM/P]; s_base/z_base -> [rows, NG]
+    # rows: [R] weight rows of one expert; q_base -> words [rows, KDIM/P] (_int_codes); s_base/z_base -> [rows, NG]
     # (NG = KDIM/GS; GS 0: one group per row); g_base -> gidx [parts, KDIM] (act), row r in part
     # r // PART_ROWS; x_row -> [KDIM]. QA: bits | asym << 4 | act << 5 (quant_code).
     # Without act and with GS 0 or a power of two, each run of GSTEP inputs shares one group: its
     # code differences times x are summed, then scaled once; otherwise each input is scaled.
     # Returns [R] fp32 dot products.
-    BITS: tl.constexpr = QA % 16
-    ASYM: tl.constexpr = (QA // 16) % 2
     ACT: tl.constexpr = QA // 32
-    P: tl.constexpr = 32 // BITS
-    W: tl.constexpr = BLOCK_K // P
     NG: tl.constexpr = KDIM // GS if GS > 0 else 1
     RUN: tl.constexpr = (GS if GS < BLOCK_K else BLOCK_K) if GS > 0 and (GS & (GS - 1)) == 0 else 0
     GSTEP: tl.constexpr = 0 if ACT else (BLOCK_K if GS == 0 else RUN)
-    ZERO: tl.constexpr = 1 << (BITS - 1)
-    offs_w = tl.arange(0, W)
-    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([NROWS], dtype=tl.float32)
     for k0 in range(0, KDIM, BLOCK_K):
-        wi = k0 // P + offs_w
-        words = tl.load(q_base + rows[:, None] * (KDIM // P) + wi[None, :],
-                        mask=rmask[:, None] & (wi < KDIM // P)[None, :], other=0)
-        q = _codes(words, BITS, NROWS, W)  # [R, BK]
-        k = k0 + offs_k
+        q, k = _int_codes(q_base, rows, rmask, k0, KDIM, NROWS, BLOCK_K, QA)  # [R, BK], [BK]
         kmask = k < KDIM
         x = tl.load(x_row + k, mask=kmask, other=0.0).to(tl.float32)  # [BK], 0 past KDIM
         if GSTEP > 0:
@@ -124,10 +135,7 @@ def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.co
                 grp = j * 0
             m2 = rmask[:, None] & ((k0 + j * GSTEP) < KDIM)[None, :]
             s = tl.load(s_base + rows[:, None] * NG + grp[None, :], mask=m2, other=0.0)  # [R, NS]
-            if ASYM:
-                z = tl.load(z_base + rows[:, None] * NG + grp[None, :], mask=m2, other=0).to(tl.int32)
-            else:
-                z = tl.zeros([NROWS, NS], dtype=tl.int32) + ZERO
+            z = _int_zeros(z_base + rows[:, None] * NG + grp[None, :], m2, QA)
             d = tl.reshape(q, [NROWS, NS, GSTEP]) - z[:, :, None]
             part = tl.sum(d.to(tl.float32) * tl.reshape(x, [NS, GSTEP])[None, :, :], axis=2)  # [R, NS]
             acc += tl.sum(part * s, axis=1)
@@ -138,20 +146,9 @@ def int_rows_dot(q_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM: tl.co
             else:
                 grp2 = (k // GS)[None, :] + tl.zeros([NROWS, BLOCK_K], dtype=tl.int32)
             s2 = tl.load(s_base + rows[:, None] * NG + grp2, mask=mk, other=0.0)
-            if ASYM:
-                z2 = tl.load(z_base + rows[:, None] * NG + grp2, mask=mk, other=0).to(tl.int32)
-            else:
-                z2 = ZERO
+            z2 = _int_zeros(z_base + rows[:, None] * NG + grp2, mk, QA)
             acc += tl.sum((q - z2).to(tl.float32) * s2 * x[None, :], axis=1)
     return acc
-
-
-@triton.jit
-def _int_zeros(z_base, idx, mask, ASYM: tl.constexpr, ZERO: tl.constexpr):
-    # zero points at offsets idx (asym, uint8 -> int32) or the symmetric zero 2^(bits-1)
-    if ASYM:
-        return tl.load(z_base + idx, mask=mask, other=0).to(tl.int32)
-    return tl.zeros(idx.shape, dtype=tl.int32) + ZERO
 
 
 @triton.jit
@@ -163,21 +160,14 @@ def int_tile(q_base, s_base, z_base, g_base, rows, rmask, k0, KDIM: tl.constexpr
     # int_rows_dot; BK a multiple of 32 / bits, k0 a multiple of BK. A scale (and zero) per row when
     # the tile lies in one group (GS 0, or GS a multiple of BK); per run of GS inputs when BK is a
     # multiple of GS; else (act order, odd group sizes) gathered per input.
-    BITS: tl.constexpr = QA % 16
-    ASYM: tl.constexpr = (QA // 16) % 2
     ACT: tl.constexpr = QA // 32
-    P: tl.constexpr = 32 // BITS
     NG: tl.constexpr = KDIM // GS if GS > 0 else 1
-    ZERO: tl.constexpr = 1 << (BITS - 1)
-    wi = k0 // P + tl.arange(0, BK // P)  # [BK/P] words
-    words = tl.load(q_base + rows[:, None] * (KDIM // P) + wi[None, :],
-                    mask=rmask[:, None] & (wi < KDIM // P)[None, :], other=0)
-    q = _codes(words, BITS, R, BK // P)  # [R, BK]
+    q, k = _int_codes(q_base, rows, rmask, k0, KDIM, R, BK, QA)  # [R, BK], [BK]
     if ACT == 0 and (GS == 0 or GS % BK == 0):
         GDIV: tl.constexpr = GS if GS > 0 else KDIM  # GS 0: k0 // KDIM = group 0
         soff = rows * NG + k0 // GDIV  # [R]
         s = tl.load(s_base + soff, mask=rmask, other=0.0)
-        z = _int_zeros(z_base, soff, rmask, ASYM, ZERO)
+        z = _int_zeros(z_base + soff, rmask, QA)
         return (q - z[:, None]).to(tl.float32) * s[:, None]
     elif ACT == 0 and BK % GS == 0:
         NS: tl.constexpr = BK // GS
@@ -185,11 +175,10 @@ def int_tile(q_base, s_base, z_base, g_base, rows, rmask, k0, KDIM: tl.constexpr
         m2 = rmask[:, None] & (grp < NG)[None, :]
         soff2 = rows[:, None] * NG + grp[None, :]  # [R, NS]
         s2 = tl.load(s_base + soff2, mask=m2, other=0.0)
-        z2 = _int_zeros(z_base, soff2, m2, ASYM, ZERO)
+        z2 = _int_zeros(z_base + soff2, m2, QA)
         d = (tl.reshape(q, [R, NS, GS]) - z2[:, :, None]).to(tl.float32)
         return tl.reshape(d * s2[:, :, None], [R, BK])
     else:
-        k = k0 + tl.arange(0, BK)
         mk = rmask[:, None] & (k < KDIM)[None, :]
         if ACT:
             grp3 = tl.load(g_base + (rows // PART_ROWS)[:, None] * KDIM + k[None, :], mask=mk, other=0)
@@ -197,5 +186,5 @@ def int_tile(q_base, s_base, z_base, g_base, rows, rmask, k0, KDIM: tl.constexpr
             grp3 = (k // GS)[None, :] + tl.zeros([R, BK], dtype=tl.int32)
         soff3 = rows[:, None] * NG + grp3  # [R, BK]
         s3 = tl.load(s_base + soff3, mask=mk, other=0.0)
-        z3 = _int_zeros(z_base, soff3, mk, ASYM, ZERO)
+        z3 = _int_zeros(z_base + soff3, mk, QA)
         return (q - z3).to(tl.float32) * s3
