@@ -31,3 +31,25 @@ def slot_pool(form: ExpertFormat, banks: dict[str, torch.Tensor], h: int, i: int
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """|got - ref| / |ref| (Frobenius norms, fp32)."""
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3e-2}  # relative error by dtype
+
+
+def check_cases(cases: list[dict]) -> None:
+    """Each run_case result: its output dtype right and its error within the dtype's tolerance."""
+    for case in cases:
+        assert case["dtype_ok"], case
+        assert case["err"] < TOL[case["dtype"]], case
+
+
+def spy_prefill_paths(monkeypatch) -> list[str]:  # noqa: ANN001 (pytest.MonkeyPatch)
+    """Names of the prefill kernels fused_moe calls from now on ("grouped", "batched"), in order."""
+    import ferryman.layers.fused_moe as fm
+    import ferryman.layers.grouped_moe_triton as grouped_mod
+
+    calls: list[str] = []
+    real_grouped, real_batched = grouped_mod.grouped_moe, fm.fused_moe_batched
+    monkeypatch.setattr(grouped_mod, "grouped_moe", lambda *a, **k: calls.append("grouped") or real_grouped(*a, **k))
+    monkeypatch.setattr(fm, "fused_moe_batched", lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
+    return calls

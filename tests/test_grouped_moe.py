@@ -12,6 +12,7 @@ import torch
 
 from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
+from moe_cases import check_cases, spy_prefill_paths
 from triton_interp import run_interpreted, use_kernels
 
 # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers, so the kernels are
@@ -32,17 +33,8 @@ out = [run_case(Case(fmt, kind, dtype, layout, 5, 96, 64, 9, 2, cfg), "cpu", see
 print(json.dumps(out))
 """
 
-_TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3e-2}
-
-
-def _check(cases: list[dict]) -> None:
-    for case in cases:
-        assert case["dtype_ok"], case
-        assert case["err"] < _TOL[case["dtype"]], case
-
-
 def test_grouped_moe_matches_reference_in_interpreter() -> None:
-    _check(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
+    check_cases(json.loads(run_interpreted(_INTERP).strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize("fmt, pairs, kernels, path", [
@@ -96,7 +88,7 @@ def test_grouped_moe_on_cuda_gpt_oss_20b_layer(t: int) -> None:
     cases = [Case(fmt, kind, dtype, layout, 32, 2880, 2880, t, 4)
              for fmt, kind in (("mxfp4", "swiglu_oai"), ("dense", "silu"))
              for dtype in (torch.bfloat16, torch.float32) for layout in ("contiguous", "strided")]
-    _check([run_case(c, "cuda", seed) for seed, c in enumerate(cases)])
+    check_cases([run_case(c, "cuda", seed) for seed, c in enumerate(cases)])
 
 
 @pytest.mark.gpu
@@ -125,13 +117,9 @@ def test_cuda_default_prefill_dispatch(fmt: str, t: int, taken: str, monkeypatch
     """With the defaults, a call of more than 64 pairs on CUDA reaches the kernel prefill_path names
     for its format and pair count (top-2 here: 1024 tokens = 2048 pairs), and equals the reference."""
     import ferryman.layers.fused_moe as fm
-    import ferryman.layers.grouped_moe_triton as grouped_mod
     from ferryman.quant import get_format
 
-    calls: list[str] = []
-    real_grouped, real_batched = grouped_mod.grouped_moe, fm.fused_moe_batched
-    monkeypatch.setattr(grouped_mod, "grouped_moe", lambda *a, **k: calls.append("grouped") or real_grouped(*a, **k))
-    monkeypatch.setattr(fm, "fused_moe_batched", lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
+    calls = spy_prefill_paths(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     form, act = get_format(fmt), MoEActivation("silu")
     banks = form.random_banks(8, 128, 64, True, torch.bfloat16, gen, "cuda")

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from moe_cases import check_cases, spy_prefill_paths
 from triton_interp import run_interpreted
 
 # Triton 3.6's interpreter multiplies bf16 tl.dot operands as raw integers: fp32/fp16 here, bf16 on the GPU.
@@ -56,18 +57,9 @@ out = [run_case(Case(fmt, kind, getattr(torch, dt), layout, 5, h, i, 9, 2, cfg),
 print(json.dumps(out))
 """
 
-_TOL = {"torch.float32": 1e-5, "torch.float16": 5e-3, "torch.bfloat16": 3e-2}
-
-
-def _check(cases: list[dict]) -> None:
-    for case in cases:
-        assert case["dtype_ok"], case
-        assert case["err"] < _TOL[case["dtype"]], case
-
-
 @pytest.mark.parametrize("family", sorted(_FAMILIES))
 def test_grouped_moe_decodes_packed_tiles_in_interpreter(family: str) -> None:
-    _check(json.loads(run_interpreted(_SCRIPT.format(cases=_FAMILIES[family])).strip().splitlines()[-1]))
+    check_cases(json.loads(run_interpreted(_SCRIPT.format(cases=_FAMILIES[family])).strip().splitlines()[-1]))
 
 
 @pytest.mark.parametrize("fmt, pairs, path", [
@@ -139,7 +131,7 @@ _QWEN3_NEXT = [(fmt, layout, _BF16, 512, 2048, 512, 10) for fmt, layout in (
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [5, 216])
 def test_grouped_moe_packed_on_cuda_at_model_shapes(tokens: int) -> None:
-    _check(_gpu_cases(_QWEN3_30B + _QWEN3_NEXT, tokens))
+    check_cases(_gpu_cases(_QWEN3_30B + _QWEN3_NEXT, tokens))
 
 
 @pytest.mark.gpu
@@ -148,15 +140,11 @@ def test_cuda_packed_prefill_dispatch(fmt: str, monkeypatch: pytest.MonkeyPatch)
     """With the defaults, fused_moe sends a packed prefill batch within the limit to the grouped GEMM,
     one past it to the batched path, and both equal the reference."""
     import ferryman.layers.fused_moe as fm
-    import ferryman.layers.grouped_moe_triton as grouped_mod
     from ferryman.layers.moe_common import MoEActivation
     from ferryman.layers.moe_reference import fused_moe_reference
     from ferryman.quant import get_format
 
-    calls: list[str] = []
-    real_grouped, real_batched = grouped_mod.grouped_moe, fm.fused_moe_batched
-    monkeypatch.setattr(grouped_mod, "grouped_moe", lambda *a, **k: calls.append("grouped") or real_grouped(*a, **k))
-    monkeypatch.setattr(fm, "fused_moe_batched", lambda *a, **k: calls.append("batched") or real_batched(*a, **k))
+    calls = spy_prefill_paths(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     form, act = get_format(fmt), MoEActivation("silu")
     banks = form.random_banks(8, 256, 128, False, torch.bfloat16, gen, "cuda")

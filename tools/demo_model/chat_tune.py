@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tools.demo_model.chat_data import IGNORE, ChatSample, collate
 from tools.demo_model.chat_mix import MixSpec
 from tools.demo_model.config import TrainSpec
-from tools.demo_model.train import Log, TrainLog, lr_at, make_optimizer, seed_everything
+from tools.demo_model.train import Log, TrainLog, make_optimizer, next_lr, seed_everything
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,14 +150,7 @@ def tune(model: torch.nn.Module, schedule: Schedule, spec: ChatSpec, device: tor
     result = TrainLog()
     sums = {"short": torch.zeros(2, device=device), "long": torch.zeros(2, device=device)}  # (loss sum, steps)
     start = time.monotonic()
-    while True:
-        progress = max(result.steps / spec.max_steps, (time.monotonic() - start) / budget_s)
-        if progress >= 1.0:
-            result.stopped_by = "max_steps" if result.steps >= spec.max_steps else "time_budget"
-            break
-        lr = lr_at(opt_spec, result.steps, progress)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    while (lr := next_lr(optimizer, opt_spec, spec.max_steps, result, start, budget_s)) is not None:
         ids, labels, kind = schedule.next()
         ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         loss = masked_loss(model, ids, labels, device)

@@ -87,6 +87,20 @@ def lr_at(spec: TrainSpec, step: int, progress: float) -> float:
     return warm * cosine
 
 
+def next_lr(optimizer: torch.optim.Optimizer, spec: TrainSpec, max_steps: int, result: "TrainLog", start: float,
+            budget_s: float) -> float | None:
+    """The learning rate of the next step, set on every param group (`lr_at` on the larger of the
+    step share and the time share); None once either runs out, with result.stopped_by saying which."""
+    progress = max(result.steps / max_steps, (time.monotonic() - start) / budget_s)
+    if progress >= 1.0:
+        result.stopped_by = "max_steps" if result.steps >= max_steps else "time_budget"
+        return None
+    lr = lr_at(spec, result.steps, progress)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def make_optimizer(model: torch.nn.Module, spec: TrainSpec, device: torch.device) -> torch.optim.AdamW:
     """Weight decay on matrices (embeddings, projections, experts, routers), none on norms."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -149,15 +163,8 @@ def train(
     sums = torch.zeros(2, device=device)  # running (lm, aux) loss since the last log row
     lr = 0.0
     start = time.monotonic()
-    while True:
-        elapsed = time.monotonic() - start
-        progress = max(result.steps / spec.max_steps, elapsed / budget_s)
-        if progress >= 1.0:
-            result.stopped_by = "max_steps" if result.steps >= spec.max_steps else "time_budget"
-            break
-        lr = lr_at(spec, result.steps, progress)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    while (step_lr := next_lr(optimizer, spec, spec.max_steps, result, start, budget_s)) is not None:
+        lr = step_lr
         ids = next(data)
         lm_loss, aux_loss = step_losses(forward, ids, device)
         (lm_loss + coef * aux_loss).backward()
