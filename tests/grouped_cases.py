@@ -48,4 +48,3 @@ def run_case(c: Case, device: str, seed: int = 0) -> dict:
     ref = fused_moe_reference(form, banks, x, ids, w, act)
     return dict(case=f"{c.fmt}-{c.kind}-{c.dtype}-{c.layout}-H{c.hidden}-I{c.inter}-BK{c.cfg.block_k}",
                 err=rel_err(got, ref), dtype=str(c.dtype), dtype_ok=got.dtype == c.dtype)
-
