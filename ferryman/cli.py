@@ -361,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = a.debug
     try:
         envs.reload()  # the environment is read once, here at start
-        debug = debug or envs.DEBUG
+        debug = debug or envs.LOG_LEVEL == "DEBUG"
         setup_logging(debug)
         return COMMANDS[a.command](a)
     except FerrymanError as e:

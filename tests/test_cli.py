@@ -114,10 +114,10 @@ def test_log_level_applies_to_the_ferryman_loggers(capsys: pytest.CaptureFixture
     assert sum(getattr(h, "ferryman_cli", False) for h in logging.getLogger("ferryman").handlers) == 1
 
 
-def test_ferryman_debug_env_gives_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_debug_log_level_gives_tracebacks(monkeypatch: pytest.MonkeyPatch) -> None:
     from ferryman.errors import FerrymanError
 
     assert main(["info", "/no/such/model"]) == 2  # one-line error
-    monkeypatch.setenv("FERRYMAN_DEBUG", "1")
+    monkeypatch.setenv("FERRYMAN_LOG_LEVEL", "DEBUG")
     with pytest.raises(FerrymanError, match="does not exist"):
         main(["info", "/no/such/model"])

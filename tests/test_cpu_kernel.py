@@ -16,7 +16,7 @@ from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import cpu_kernel, get_format
 from ferryman.quant.cpu_layer import LayerJob
 from ferryman.quant.mxfp4 import dequant_mxfp4, random_mxfp4
-from triton_interp import set_read_once, use_cpu_kernel
+from triton_interp import use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler to build the CPU kernel")
 ISAS = ["avx512bf16", "avx512", "avx2", "portable"]
@@ -88,12 +88,12 @@ def test_scale_255_doubles_like_the_reference() -> None:
 
 
 def test_one_thread_build_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    set_read_once(monkeypatch, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     lib, how = cpu_kernel.build(openmp=False)
     if lib is None:
         pytest.skip(f"no build: {how}")
     assert "-fopenmp" not in how and lib.ferryman_cpu_has_openmp() == 0
-    assert list(tmp_path.glob("cpu_experts-*.so"))  # kept in the cache directory
+    assert list((tmp_path / "ferryman").glob("cpu_experts-*.so"))  # kept in the cache directory
     blocks, scales = _weights(24, 320, 5)
     x = torch.randn(5, 320)
     got = cpu_kernel.matmul(x, blocks, scales, lib=lib)

@@ -1,4 +1,4 @@
-"""The six environment variables: parsing, defaults, errors naming the variable, read once."""
+"""The three environment variables: parsing, defaults, errors naming the variable, read once."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ from ferryman.errors import ConfigError, FerrymanError
 
 FINAL = {
     "FERRYMAN_LOG_LEVEL": "INFO",
-    "FERRYMAN_DEBUG": False,
-    "FERRYMAN_CACHE_DIR": "",
     "FERRYMAN_KERNELS": "auto",
-    "FERRYMAN_CPU_KERNEL": True,
     "FERRYMAN_API_KEY": "",
 }
 
@@ -26,10 +23,10 @@ def clean_env(monkeypatch: pytest.MonkeyPatch):
     envs.reload()  # later tests see the real environment again
 
 
-def test_the_six_variables_and_their_defaults() -> None:
+def test_the_three_variables_and_their_defaults() -> None:
     assert {v.name: v.default for v in VARS.values()} == FINAL
     fresh = Envs()
-    got = (fresh.LOG_LEVEL, fresh.DEBUG, fresh.CACHE_DIR, fresh.KERNELS, fresh.CPU_KERNEL, fresh.API_KEY)
+    got = (fresh.LOG_LEVEL, fresh.KERNELS, fresh.API_KEY)
     assert got == tuple(FINAL.values())
 
 
@@ -38,15 +35,15 @@ def test_read_once_until_reload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FERRYMAN_KERNELS", "torch")
     assert fresh.KERNELS == "torch"
     monkeypatch.setenv("FERRYMAN_KERNELS", "triton")
-    monkeypatch.setenv("FERRYMAN_DEBUG", "1")
-    assert (fresh.KERNELS, fresh.DEBUG) == ("torch", False)  # all five were read at the first access
+    monkeypatch.setenv("FERRYMAN_LOG_LEVEL", "DEBUG")
+    assert (fresh.KERNELS, fresh.LOG_LEVEL) == ("torch", "INFO")  # all three were read at the first access
     fresh.reload()
-    assert (fresh.KERNELS, fresh.DEBUG) == ("triton", True)
+    assert (fresh.KERNELS, fresh.LOG_LEVEL) == ("triton", "DEBUG")
 
 
 def test_monkeypatching_an_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envs, "CPU_KERNEL", False)
-    assert envs.CPU_KERNEL is False
+    monkeypatch.setattr(envs, "KERNELS", "torch")
+    assert envs.KERNELS == "torch"
 
 
 def test_variables_ferryman_no_longer_reads_are_named_in_a_warning(monkeypatch: pytest.MonkeyPatch,
@@ -67,14 +64,14 @@ def test_unknown_names_are_attribute_errors() -> None:
         getattr(Envs(), "NO_SUCH")
 
 
-@pytest.mark.parametrize(
-    "raw, want",
-    [("1", True), ("true", True), ("YES", True), (" on ", True),
-     ("0", False), ("False", False), ("no", False), ("off", False), ("", False)],
-)
-def test_bool_parsing(monkeypatch: pytest.MonkeyPatch, raw: str, want: bool) -> None:
-    monkeypatch.setenv("FERRYMAN_DEBUG", raw)
-    assert Envs().DEBUG is want
+@pytest.mark.parametrize("name", ["FERRYMAN_DEBUG", "FERRYMAN_CACHE_DIR", "FERRYMAN_CPU_KERNEL"])
+def test_retired_variables_are_named_in_the_warning(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Folded into FERRYMAN_LOG_LEVEL=DEBUG, $XDG_CACHE_HOME and FERRYMAN_KERNELS=torch."""
+    monkeypatch.setenv(name, "1")
+    with caplog.at_level("WARNING", logger="ferryman"):
+        Envs().reload()
+    assert f"ignoring {name}" in caplog.text
 
 
 def test_choices_are_case_insensitive_and_canonical(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,8 +86,6 @@ def test_choices_are_case_insensitive_and_canonical(monkeypatch: pytest.MonkeyPa
     [
         ("FERRYMAN_KERNELS", "cutlass", "auto|torch|triton"),
         ("FERRYMAN_LOG_LEVEL", "loud", "DEBUG|INFO"),
-        ("FERRYMAN_DEBUG", "maybe", "1/true/yes/on"),
-        ("FERRYMAN_CPU_KERNEL", "2", "0/false/no/off"),
     ],
 )
 def test_bad_values_name_variable_and_value(monkeypatch: pytest.MonkeyPatch, name: str, raw: str, hint: str) -> None:
@@ -104,10 +99,8 @@ def test_bad_values_name_variable_and_value(monkeypatch: pytest.MonkeyPatch, nam
 
 
 def test_bad_declarations() -> None:
-    with pytest.raises(ValueError, match="FERRYMAN_X"):
-        EnvVar("FERRYMAN_X", int, 4)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="FERRYMAN_Y"):
-        EnvVar("FERRYMAN_Y", str, "fast", choices=("a", "b"))
+        EnvVar("FERRYMAN_Y", "fast", choices=("a", "b"))
 
 
 def test_the_api_key_is_taken_as_is_and_never_blank(monkeypatch: pytest.MonkeyPatch) -> None:

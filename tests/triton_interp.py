@@ -45,5 +45,5 @@ def use_kernels(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
 
 
 def use_cpu_kernel(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
-    """FERRYMAN_CPU_KERNEL=1 or 0 for the rest of the test."""
-    set_read_once(monkeypatch, "CPU_KERNEL", "1" if on else "0")
+    """The CPU expert kernel on (FERRYMAN_KERNELS=auto) or off (torch) for the rest of the test."""
+    set_read_once(monkeypatch, "KERNELS", "auto" if on else "torch")

@@ -7,7 +7,7 @@ bf16 / fp32 / fp16 banks) and one OpenMP region per layer, rows of all the layer
 between the threads. It picks AVX-512, AVX2 or its portable loop at run time from CPUID, so one
 build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
 by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
-one warning saying why, and callers keep the torch path. FERRYMAN_CPU_KERNEL=0 turns it off.
+one warning saying why, and callers keep the torch path. FERRYMAN_KERNELS=torch turns it off.
 """
 
 from __future__ import annotations
@@ -57,8 +57,7 @@ def format_code(fmt: str, dtype: torch.dtype) -> int | None:
 
 
 def cache_dir() -> Path:
-    if envs.CACHE_DIR:
-        return Path(envs.CACHE_DIR)
+    """Where built kernels are kept: $XDG_CACHE_HOME/ferryman, or ~/.cache/ferryman."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "ferryman"
 
@@ -137,7 +136,7 @@ def _library() -> ctypes.CDLL | None:
 
 def isa_name(lib: ctypes.CDLL | None = None) -> str:
     """The instruction set the kernel runs here: avx512bf16, avx512, avx2 or portable ("none": not built)."""
-    lib = lib or (_library() if envs.CPU_KERNEL else None)
+    lib = lib or (_library() if envs.KERNELS != "torch" else None)
     if lib is None:
         return "none"
     return {v: k for k, v in ISAS.items()}[lib.ferryman_cpu_isa()]
@@ -145,7 +144,7 @@ def isa_name(lib: ctypes.CDLL | None = None) -> str:
 
 def available(fmt: str = "mxfp4", dtype: torch.dtype = torch.uint8) -> bool:
     """Whether experts of format `fmt` (weight bank dtype `dtype`) on the CPU go through the C kernel."""
-    return format_code(fmt, dtype) is not None and envs.CPU_KERNEL and _library() is not None
+    return format_code(fmt, dtype) is not None and envs.KERNELS != "torch" and _library() is not None
 
 
 def threads() -> int:
