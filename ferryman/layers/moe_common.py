@@ -174,8 +174,8 @@ def _group_on_host(flat: torch.Tensor, num_slots: int) -> tuple[list[int], torch
     """group_by_slot of host ids [P]: numpy's stable argsort, a radix sort for 16-bit keys (torch's
     stable CPU sort of a 16k-token prefill's 64k pairs costs about a millisecond a layer)."""
     a = flat.numpy()
-    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
-    _check_slot_span([lo, hi] if a.size else [], num_slots)
+    if a.size:
+        _check_slot_span([int(a.min()), int(a.max())], num_slots)
     keys = a.astype(np.int16 if num_slots <= np.iinfo(np.int16).max else np.int32, copy=False)
     order = np.argsort(keys, kind="stable")  # [P] pair ids by ascending slot, ties in pair order
     counts = np.bincount(keys, minlength=num_slots)
