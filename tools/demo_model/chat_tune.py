@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tools.demo_model.chat_data import IGNORE, ChatSample, collate
 from tools.demo_model.chat_mix import MixSpec
 from tools.demo_model.config import TrainSpec
-from tools.demo_model.train import Log, TrainLog, make_optimizer, next_lr, seed_everything
+from tools.demo_model.train import Log, TrainLog, make_optimizer, next_lr, seed_everything, stop_clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +166,7 @@ def tune(model: torch.nn.Module, schedule: Schedule, spec: ChatSpec, device: tor
     for p in model.parameters():
         p.requires_grad_(True)
     model.eval()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    result.seconds = time.monotonic() - start
+    stop_clock(result, device, start)
     log(f"chat fine-tune stopped by {result.stopped_by} after {result.steps} steps ({schedule.taken}), "
         f"{result.tokens:,} tokens, {result.seconds:.0f} s")
     return result

@@ -101,6 +101,13 @@ def next_lr(optimizer: torch.optim.Optimizer, spec: TrainSpec, max_steps: int, r
     return lr
 
 
+def stop_clock(result: "TrainLog", device: torch.device, start: float) -> None:
+    """result.seconds: the wall time since `start`, once the device's queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    result.seconds = time.monotonic() - start
+
+
 def make_optimizer(model: torch.nn.Module, spec: TrainSpec, device: torch.device) -> torch.optim.AdamW:
     """Weight decay on matrices (embeddings, projections, experts, routers), none on norms."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -184,9 +191,7 @@ def train(
     if result.steps % spec.val_every:
         best.check(result, log)
     best.restore(result, log)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    result.seconds = time.monotonic() - start
+    stop_clock(result, device, start)
     log(f"training stopped by {result.stopped_by} after {result.steps} steps, "
         f"{result.tokens:,} tokens, {result.seconds:.1f} s ({result.tokens / result.seconds:,.0f} tok/s)")
     return result
