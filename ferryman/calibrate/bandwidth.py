@@ -16,7 +16,6 @@ window. Nothing is assumed: a rate that was not measured is None.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from ferryman.calibrate.calibration import (
     token_slope,
 )
 from ferryman.calibrate.device import measure_device_compute
+from ferryman.calibrate.timing import median_seconds, sync
 from ferryman.config import ModelConfig
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant.base import Banks, get_format
@@ -45,25 +45,6 @@ Rep = Callable[[], None]  # one timed repetition (waits for its own work)
 Log = Callable[[str], None]
 MiB = 1 << 20
 QUICK_SECONDS = 0.1  # per measurement at engine start: a few hundred ms in all (one slow rep may exceed it)
-
-
-def median_seconds(rep: Rep, reps: int, warmup: int = 1, budget_s: float | None = None,
-                   min_reps: int = 3) -> tuple[float, int]:
-    """(median seconds of one rep, reps timed): `reps` of them, or with a budget as many as fit
-    (at least `min_reps`, at most `reps`)."""
-    if reps < 1:
-        raise ValueError(f"reps must be >= 1, got {reps}")
-    for _ in range(warmup):
-        rep()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < reps:
-        t0 = time.perf_counter()
-        rep()
-        times.append(time.perf_counter() - t0)
-        if budget_s is not None and len(times) >= min_reps and time.perf_counter() - start > budget_s:
-            break
-    return statistics.median(times), len(times)
 
 
 def measure(rep: Rep, experts_per_rep: int, expert_bytes: int, reps: int, budget_s: float | None = None) -> Rate:
@@ -86,11 +67,6 @@ class ExpertCycle:
         pool, start = divmod(self.pos, self.experts)
         self.pos = (self.pos + self.k) % (self.pools * self.experts)
         return pool % self.pools, [(start + i) % self.experts for i in range(self.k)]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def host_read_gbps(nbytes: int, reps: int) -> float:

@@ -13,13 +13,12 @@ the largest it grows with the slope of the last two (`moe_seconds`).
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from ferryman.calibrate.calibration import DeviceCompute
+from ferryman.calibrate.timing import median_seconds, sync
 from ferryman.config import ModelConfig
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant.base import get_format
@@ -31,15 +30,7 @@ MAX_BANK_BYTES = 2 << 30  # the experts measured: the layer's, at most this many
 
 def _seconds(run: Callable[[], None], device: torch.device, reps: int) -> float:
     """Median seconds of `run` to the device's completion, after one warm-up run."""
-    times = []
-    for i in range(max(1, reps) + 1):
-        t0 = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: (run(), sync(device)), max(1, reps))[0]
 
 
 def measure_device_compute(cfg: ModelConfig, dtype: torch.dtype, act: MoEActivation, device: torch.device,

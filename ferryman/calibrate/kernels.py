@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ferryman.calibrate.bandwidth import ExpertCycle, median_seconds
+from ferryman.calibrate.bandwidth import ExpertCycle
+from ferryman.calibrate.timing import median_seconds
 from ferryman.config import ModelConfig
 from ferryman.layers.fused_moe import MoEActivation
 from ferryman.quant import cpu_kernel

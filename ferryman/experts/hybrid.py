@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration, sync
+from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration
+from ferryman.calibrate.timing import sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
 from ferryman.layers.fused_moe import MoEActivation
 
