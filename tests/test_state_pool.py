@@ -77,6 +77,24 @@ def test_next_turn_restores_the_checkpoint_and_prefills_the_tail() -> None:
     assert outs[0].state_saves_at == [(0, 1, 16 - 8)]
 
 
+def test_one_chunk_saves_at_several_positions_and_a_branch_restores_one() -> None:
+    sched, runner = make()
+    first = Sequence(list(range(100, 122)), SamplingParams(max_tokens=2, ignore_eos=True, message_ends=[9, 17]))
+    outs = run(sched, runner, [first])  # checkpoints at 8, 16 (message ends) and 20 (the prompt's)
+    assert [(s.start_pos, s.num_tokens) for s in outs[0].scheduled] == [(0, 22)]
+    assert outs[0].state_saves_at == [(0, 0, 8), (0, 1, 16), (0, 2, 20)] and not outs[0].state_saves
+    branch = seq(list(range(100, 117)) + [5, 6, 7])  # shares the first two messages, then differs
+    outs = run(sched, runner, [branch])
+    assert outs[0].state_restores == [(1, 0)] and branch.num_cached_tokens == 16  # the runner checked the state
+
+
+def test_a_chunk_ending_at_a_checkpoint_saves_after_the_forward() -> None:
+    sched, runner = make(max_num_batched_tokens=8)
+    outs = run(sched, runner, [seq(list(range(100, 118)))])  # checkpoint at 16: the second chunk ends there
+    assert [(o.scheduled[0].num_tokens, o.state_saves, o.state_saves_at) for o in outs[:3]] == \
+        [(8, [], []), (8, [(0, 0)], []), (2, [], [])]
+
+
 def test_cached_kv_without_a_checkpoint_is_recomputed() -> None:
     sched, runner = make()
     run(sched, runner, [seq(list(range(100, 118)))])  # checkpoint at 16 only; blocks 0..4 cached
