@@ -60,7 +60,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llm(folder: Path, **kw: object) -> LLM:
-    return LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, block_size=S, **kw)
+    return LLM(str(folder), **({"device": "cpu", "dtype": "float32"} | kw), enforce_eager=True, block_size=S)
 
 
 def _meta(lens: list[int], slots: list[int], fresh: list[bool], saves: list[list[tuple[int, int]]] | None) -> AttnMetadata:
@@ -113,20 +113,27 @@ def _saved(llm: LLM, tokens: list[int], at: int) -> list[torch.Tensor]:
     return [t[slot] for pair in llm.engine.runner.checkpoints.saved for t in pair]
 
 
-def test_one_step_saves_what_split_steps_save(hybrid: Path) -> None:
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"),
+                                           pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
+def test_one_step_saves_what_split_steps_save(hybrid: Path, device: str, dtype: str) -> None:
     """A 70-token prompt with a message end at 40 runs in one prefill step (was 32, 32, 6) and saves
-    at 32 and 64 the states an engine whose chunks end there (32-token steps) saves after its steps."""
+    at 32 and 64 the states an engine whose chunks end there (32-token steps) saves after its steps.
+    On the GPU (bf16, the fla kernels in segment rounds) within bf16's rounding of the activations."""
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, message_ends=[40, 70])
-    prompt = SYSTEM + USER
-    one = _llm(hybrid)
+    prompt, kw = SYSTEM + USER, dict(device=device, dtype=dtype)
+    one = _llm(hybrid, **kw)
     steps = []
     inner = one.engine.runner.execute
     one.engine.runner.execute = lambda out: (steps.append(out.num_batched_tokens), inner(out))[1]
     a = one.generate(prompt_token_ids=[prompt], params=params)[0]
     assert steps == [70, 1, 1], "one prefill step, then decodes"
-    split = _llm(hybrid, max_num_batched_tokens=32)
+    split = _llm(hybrid, max_num_batched_tokens=32, **kw)
     b = split.generate(prompt_token_ids=[prompt], params=params)[0]
-    assert a.token_ids == b.token_ids
+    if device == "cpu":
+        assert a.token_ids == b.token_ids
     for at in (32, 64):
         for mine, theirs in zip(_saved(one, prompt, at), _saved(split, prompt, at), strict=True):
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+            if device == "cpu":
+                torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+            else:
+                assert ((mine.float() - theirs.float()).norm() / theirs.float().norm()).item() < 2e-2

@@ -132,11 +132,16 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def fla_prefill(kernels: dict[str, Callable]) -> Kernel:
-    """delta_rule_fla's chunk kernel as a `Kernel` (host starts copied to the device)."""
+    """fla's chunk kernel as a `Kernel`, as delta_rule_fla calls it, with the host starts given too
+    (`cu_seqlens_cpu`: fla then builds its chunk indices without reading the device's starts back)."""
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             starts: list[int], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cu = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
-        return delta_rule_fla(q, k, v, g, beta, cu, init, False, kernels)
+        host = torch.tensor(starts, dtype=torch.int64)
+        o, final = kernels["chunk"](q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
+                                    beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=host.to(q.device, non_blocking=True), cu_seqlens_cpu=host)
+        return o.squeeze(0), final
     return run
 
 
