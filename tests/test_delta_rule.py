@@ -1,5 +1,6 @@
 """The gated delta rule: the chunked form against the token-by-token recurrence (CPU, fp32), a prompt
-cut into chunks against the whole, and flash-linear-attention's kernels against the torch path (GPU)."""
+cut into chunks against the whole, and flash-linear-attention's kernels against the torch path (GPU),
+whole and in the segment rounds that save states inside a chunk (delta_rule_cut)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from ferryman.layers import delta_rule
-from ferryman.layers.delta_rule import chunk_delta_rule, delta_rule_fla, delta_rule_torch, fla_kernels, step_delta_rule
+from ferryman.layers.delta_rule import (chunk_delta_rule, delta_rule_cut, delta_rule_fla, delta_rule_torch, fla_kernels,
+                                        fla_prefill, step_delta_rule)
 
 
 def _inputs(T: int, Hk: int = 2, Hv: int = 4, D: int = 16, seed: int = 0, device: str = "cpu",
@@ -131,3 +133,40 @@ def test_fla_runs_only_for_half_precision_on_cuda() -> None:
     """fp32 models take the exact torch path on every device (fla's chunk kernels multiply in TF32)."""
     assert delta_rule.fla_kernels_for(torch.zeros(1, dtype=torch.bfloat16)) is None  # CPU
     assert delta_rule.fla_kernels_for(torch.zeros(1, dtype=torch.float32, device="meta")) is None
+
+
+CUT_LENGTHS, CUTS = [70, 5, 130], [[64], [], [1, 129]]  # no, one and two cuts (one right after the start)
+
+
+def _cut_inputs(device: str, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], list[int], torch.Tensor]:
+    starts = [sum(CUT_LENGTHS[:i]) for i in range(len(CUT_LENGTHS) + 1)]
+    D = 64 if device == "cuda" else 16
+    init = torch.randn(len(CUT_LENGTHS), 4, D, D, generator=torch.Generator().manual_seed(5)).to(device) * 0.1
+    return _inputs(starts[-1], D=D, seed=6, device=device, dtype=dtype), starts, init
+
+
+def test_segment_rounds_pass_fla_its_arguments() -> None:
+    """fla_prefill in delta_rule_cut against the torch path, on stand-ins with fla's signatures."""
+    (q, k, v, g, beta), starts, init = _cut_inputs("cpu", torch.float32)
+    want = delta_rule_cut(q, k, v, g, beta, starts, CUTS, init, delta_rule_torch)
+    kernel = fla_prefill({"chunk": _fla_chunk, "recurrent": _fla_recurrent})
+    got = delta_rule_cut(q, k, v, g, beta, starts, CUTS, init.clone(), kernel)
+    torch.testing.assert_close(got[:2], want[:2])
+    torch.testing.assert_close(got[2], want[2])
+
+
+@pytest.mark.gpu
+def test_fla_segment_rounds_equal_the_torch_path() -> None:
+    """The fla kernels in segment rounds (bf16): outputs, final states and the states at the cuts."""
+    kernels = fla_kernels()
+    if kernels is None:
+        pytest.skip("flash-linear-attention is not installed")
+    (q, k, v, g, beta), starts, init = _cut_inputs("cuda", torch.bfloat16)
+    o, final, mids = delta_rule_cut(q, k, v, g, beta, starts, CUTS, init, delta_rule_torch)
+    got_o, got_final, got_mids = delta_rule_cut(q, k, v, g, beta.bfloat16(), starts, CUTS, init.clone(),
+                                                fla_prefill(kernels))
+    torch.testing.assert_close(got_o.float(), o, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got_final.float(), final, rtol=3e-2, atol=3e-2)
+    for got_states, states in zip(got_mids, mids, strict=True):
+        for got_state, state in zip(got_states, states, strict=True):
+            torch.testing.assert_close(got_state.float(), state, rtol=3e-2, atol=3e-2)

@@ -60,7 +60,7 @@ def test_second_turn_restores_the_checkpoint(hybrid: tuple[Path, torch.nn.Module
     llm = _llm(hybrid[0])
     fed = _fed_tokens(llm)
     first = _greedy(llm, TURN1, 8)
-    assert fed[:2] == [32, 13], "the prefill chunk stops at the checkpoint position"
+    assert fed[:2] == [45, 1], "one prefill step runs past the checkpoint position (and saves there)"
     turn2 = TURN1 + first.token_ids + NEW
     fed.clear()
     # blocks 0..2 hold KV, but only the prefix of blocks 0..1 has its state checkpointed
@@ -92,7 +92,7 @@ def test_branch_restores_a_message_end_checkpoint(hybrid: tuple[Path, torch.nn.M
     fed = _fed_tokens(llm)
     first = SYSTEM + USER_A
     _greedy(llm, first, 4, message_ends=(len(SYSTEM), len(first)))
-    assert fed[:3] == [32, 32, 6], "prefill chunks stop at the message end's and the prompt's checkpoints"
+    assert fed[:2] == [70, 1], "one prefill step saves at the message end's and the prompt's checkpoints"
     branch = SYSTEM + USER_B
     fed.clear()
     _assert_restored(_greedy(llm, branch, 6, message_ends=(len(SYSTEM), len(branch))), fed, branch, hybrid)

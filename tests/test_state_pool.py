@@ -29,6 +29,9 @@ class FakeStateRunner:
             self.slots[s.seq.state_slot] = state + s.token_ids
             if s.sample:
                 sampled[s.seq.seq_id] = 10 + (sum(self.slots[s.seq.state_slot]) * 31) % 1000
+        for slot, ckpt, offset in out.state_saves_at:  # the state inside the chunk: tokens before the offset
+            s = next(s for s in out.scheduled if s.seq.state_slot == slot)
+            self.saved[ckpt] = s.seq.all_token_ids[:s.start_pos + offset]
         for slot, ckpt in out.state_saves:
             self.saved[ckpt] = list(self.slots[slot])
         return sampled
@@ -63,14 +66,33 @@ def test_next_turn_restores_the_checkpoint_and_prefills_the_tail() -> None:
     sched, runner = make()
     first = seq(list(range(100, 110)))
     outs = run(sched, runner, [first])
-    assert [(s.start_pos, s.num_tokens) for s in outs[0].scheduled] == [(0, 8)]  # stops at the checkpoint
-    assert outs[0].state_saves == [(0, 0)] and outs[1].state_saves == []
+    assert [(s.start_pos, s.num_tokens) for s in outs[0].scheduled] == [(0, 10)]  # runs past the checkpoint
+    assert outs[0].state_saves_at == [(0, 0, 8)] and outs[0].state_saves == [] and not outs[1].state_saves_at
     turn2 = seq(first.all_token_ids + [7, 8, 9, 11, 12])
     outs = run(sched, runner, [turn2])
     assert outs[0].state_restores == [(0, 0)]  # checkpoint 0 into slot 0 (freed by the first turn)
     assert outs[0].scheduled[0].start_pos == 8 and turn2.num_cached_tokens == 8
-    # turn 2's own checkpoint (at 16) is saved after a chunk stopping there
-    assert outs[0].scheduled[0].num_tokens == 16 - 8 and outs[0].state_saves == [(0, 1)]
+    # turn 2's own checkpoint (at 16) is saved from inside its one chunk
+    assert outs[0].scheduled[0].num_tokens == len(turn2.prompt_token_ids) - 8
+    assert outs[0].state_saves_at == [(0, 1, 16 - 8)]
+
+
+def test_one_chunk_saves_at_several_positions_and_a_branch_restores_one() -> None:
+    sched, runner = make()
+    first = Sequence(list(range(100, 122)), SamplingParams(max_tokens=2, ignore_eos=True, message_ends=[9, 17]))
+    outs = run(sched, runner, [first])  # checkpoints at 8, 16 (message ends) and 20 (the prompt's)
+    assert [(s.start_pos, s.num_tokens) for s in outs[0].scheduled] == [(0, 22)]
+    assert outs[0].state_saves_at == [(0, 0, 8), (0, 1, 16), (0, 2, 20)] and not outs[0].state_saves
+    branch = seq(list(range(100, 117)) + [5, 6, 7])  # shares the first two messages, then differs
+    outs = run(sched, runner, [branch])
+    assert outs[0].state_restores == [(1, 0)] and branch.num_cached_tokens == 16  # the runner checked the state
+
+
+def test_a_chunk_ending_at_a_checkpoint_saves_after_the_forward() -> None:
+    sched, runner = make(max_num_batched_tokens=8)
+    outs = run(sched, runner, [seq(list(range(100, 118)))])  # checkpoint at 16: the second chunk ends there
+    assert [(o.scheduled[0].num_tokens, o.state_saves, o.state_saves_at) for o in outs[:3]] == \
+        [(8, [], []), (8, [(0, 0)], []), (2, [], [])]
 
 
 def test_cached_kv_without_a_checkpoint_is_recomputed() -> None:
@@ -94,7 +116,7 @@ def test_no_checkpoints_without_prefix_caching() -> None:
     sched, runner = make(enable_prefix_caching=False)
     outs = run(sched, runner, [seq(list(range(100, 110)))])
     assert sched.checkpoints is None and outs[0].scheduled[0].num_tokens == 10
-    assert all(not o.state_saves and not o.state_restores for o in outs)
+    assert all(not o.state_saves and not o.state_saves_at and not o.state_restores for o in outs)
 
 
 def test_checkpoint_index_evicts_the_least_recently_used() -> None:

@@ -54,6 +54,9 @@
 #                4096-token prompt (MLA's expanded prefill: its prefill tok/s and peak_gib)
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
+#   hybridsteps  the state-checkpoint GPU tests (fla in segment rounds, saves inside a chunk in bf16), then
+#                the cached turn's engine steps on qwen3-next-80b-a3b (12 layers, int4, 16 GiB: 8,192 tokens,
+#                then 200 more; one prefill step expected, it was 208 + 8 tokens); ~3 min
 #   strategies   the CPU kernel's tests on this CPU (AVX512-BF16 runs only here), then
 #                `ferryman bench bw gpt-oss-20b --json` (each CPU kernel's GB/s beside the host read
 #                bandwidth), then gpt-oss-20b at 8 GiB with moe_strategy offload and hybrid: one
@@ -276,6 +279,10 @@ for s in ${@:-tests}; do
     hybridprefix) stage hybrid_prefix 240 python3 benchmarks/bench_prefix_cache.py --model qwen3-next-80b-a3b \
                    --load-format dummy --layers 12 --gpu-memory 16GiB --prefix-tokens 8192 --tail-tokens 200 \
                    --quantization "${HYBRID_QUANT:-none}" ;;
+    hybridsteps) stage hybrid_ckpt_tests 90 "${PYTEST[@]}" tests/test_state_saves_in_chunk.py tests/test_delta_rule.py
+                 stage hybrid_steps 150 python3 benchmarks/profile_prefill.py --model qwen3-next-80b-a3b \
+                   --load-format dummy --layers 12 --gpu-memory 16GiB --quantization int4 --max-num-seqs 1 \
+                   --lengths 8192 --turn 200 ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
     strategies)  stage cpu_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py \

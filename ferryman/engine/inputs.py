@@ -31,6 +31,17 @@ def _padded(tables: list[list[int]]) -> list[list[int]]:
     return [t + [0] * (width - len(t)) for t in tables]
 
 
+def _saves_at(out: SchedulerOutput, slots: list[int]) -> list[list[tuple[int, int]]] | None:
+    """out.state_saves_at per scheduled sequence (slots: their state slots): ascending (offset, checkpoint)."""
+    if not out.state_saves_at:
+        return None
+    row = {slot: i for i, slot in enumerate(slots)}
+    saves: list[list[tuple[int, int]]] = [[] for _ in slots]
+    for slot, checkpoint, offset in out.state_saves_at:
+        saves[row[slot]].append((offset, checkpoint))
+    return [sorted(s) for s in saves]
+
+
 def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, window_kv: bool = False,
                    window_tables: dict[int, list[int]] | None = None) -> StepInputs:
     """window_kv: the sliding-window layers have a pool of their own (kvcache/window_pool.py); their
@@ -75,7 +86,8 @@ def prepare_inputs(out: SchedulerOutput, block_size: int, device: torch.device, 
     if out.scheduled[0].seq.state_slot >= 0:  # a hybrid model: every sequence holds a state slot
         slots = [s.seq.state_slot for s in out.scheduled]
         fresh = [s.start_pos == 0 for s in out.scheduled]
-        meta.state = StateMetadata(t(slots, torch.int64), t(fresh, torch.bool), qsl, slots, fresh)
+        meta.state = StateMetadata(t(slots, torch.int64), t(fresh, torch.bool), qsl, slots, fresh,
+                                   _saves_at(out, slots))
     if window_kv:
         meta.window_block_tables = t(_padded([window_table(s) for s in out.scheduled]), torch.int32)
         meta.window_slot_mapping = t(window_slots, torch.int64)

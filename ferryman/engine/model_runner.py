@@ -87,6 +87,9 @@ class ModelRunner:
         # the prefix cache's state checkpoints (kvcache/state_checkpoints.py), in host RAM
         self.checkpoints = CheckpointStore(num_state_checkpoints, [(layer.conv_state, layer.ssm_state)
                                            for layer in self.model.linear_layers()]) if num_state_checkpoints else None
+        if self.checkpoints is not None:  # saves inside a chunk are written there by the layers themselves
+            for layer, (conv, ssm) in zip(self.model.linear_layers(), self.checkpoints.saved):
+                layer.checkpoint_conv, layer.checkpoint_ssm = conv, ssm
         self.sampler = Sampler()
         self.job: LayerPrefill | None = None  # the layer-major prefill in progress
         self.graphs: DecodeGraphs | SegmentedDecode | None = None

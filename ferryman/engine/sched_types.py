@@ -74,9 +74,13 @@ class SchedulerOutput:
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)
     # Hybrid models (kvcache/state_checkpoints.py): (checkpoint, state slot) copies to run before the
-    # forward, and (state slot, checkpoint) copies to run after it.
+    # forward, (state slot, checkpoint) copies to run after it (the state at a chunk's end), and
+    # (state slot, checkpoint, offset) saves of the state after the first `offset` tokens of that
+    # slot's chunk (0 < offset < its num_tokens), which the linear-attention layers write during the
+    # forward (layers/gated_deltanet.py).
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_saves_at: list[tuple[int, int, int]] = field(default_factory=list)
     # Layer-major prefill (engine/prefill_job.py): the job started this step (the runner builds its
     # inputs), how many of its layers run this step (after the job's previous ones, before the
     # scheduled sequences), and, on its last step, its sequences, which sample like scheduled ones.

@@ -109,11 +109,11 @@ class Scheduler(JobScheduling):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
-            num_tokens = self._chunk(seq, start, min(seq.num_tokens - start, budget))
+            num_tokens = min(seq.num_tokens - start, budget)
             if not self._allocate_or_preempt(seq, num_tokens, out):
                 break  # seq preempted itself: everything behind it is gone too
             out.scheduled.append(self._scheduled(seq, num_tokens))
-            self._save_checkpoint(out.scheduled[-1], out)
+            self._save_checkpoints(out.scheduled[-1], out)
             budget -= num_tokens
             i += 1
         return budget
@@ -168,7 +168,7 @@ class Scheduler(JobScheduling):
             seq = self.waiting[0]
             prefixes = self._match(seq)
             start = len(prefixes[0]) * self.config.block_size
-            num_tokens = self._chunk(seq, start, min(seq.num_tokens - start, budget))
+            num_tokens = min(seq.num_tokens - start, budget)
             if not self.allocate_blocks(seq, num_tokens, prefixes):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -178,7 +178,7 @@ class Scheduler(JobScheduling):
             seq.mark_running()
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, num_tokens))
-            self._save_checkpoint(out.scheduled[-1], out)
+            self._save_checkpoints(out.scheduled[-1], out)
             budget -= num_tokens
         return budget
 
@@ -196,23 +196,21 @@ class Scheduler(JobScheduling):
     def _positions(self, seq: Sequence) -> list[int]:
         return checkpoint_positions(seq.num_prompt_tokens, self.config.block_size, seq.params.message_ends)
 
-    def _chunk(self, seq: Sequence, start: int, num_tokens: int) -> int:
-        """A prefill chunk of a hybrid model ends at the sequence's next checkpoint position if it passes it."""
-        if self.checkpoints is None:
-            return num_tokens
-        inside = [at for at in self._positions(seq) if start < at < start + num_tokens]
-        return inside[0] - start if inside else num_tokens
-
-    def _save_checkpoint(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
-        """Save the state after this chunk when it ends at a checkpoint position (once per prefix)."""
+    def _save_checkpoints(self, s: ScheduledSeq, out: SchedulerOutput) -> None:
+        """Save the state at each checkpoint position this chunk reaches (once per prefix): after the
+        forward where the chunk ends there, else from inside the chunk, so a chunk never stops early."""
         if self.checkpoints is None:
             return
-        at = s.start_pos + s.num_tokens
-        if s.start_pos >= s.seq.num_prompt_tokens or at not in self._positions(s.seq):
-            return
-        prefix_hash = s.seq.block_hashes[at // self.config.block_size - 1]
-        if self.checkpoints.find(prefix_hash) is None:
-            out.state_saves.append((s.seq.state_slot, self.checkpoints.reserve(prefix_hash)))
+        end = s.start_pos + s.num_tokens
+        for at in self._positions(s.seq):
+            prefix_hash = s.seq.block_hashes[at // self.config.block_size - 1]
+            if not s.start_pos < at <= end or self.checkpoints.find(prefix_hash) is not None:
+                continue
+            checkpoint = self.checkpoints.reserve(prefix_hash)
+            if at == end:
+                out.state_saves.append((s.seq.state_slot, checkpoint))
+            else:
+                out.state_saves_at.append((s.seq.state_slot, checkpoint, at - s.start_pos))
 
     @staticmethod
     def _scheduled(seq: Sequence, num_tokens: int) -> ScheduledSeq:

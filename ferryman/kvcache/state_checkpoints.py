@@ -10,14 +10,17 @@ system prompt) shares only the messages before the branch. Either adopts the cac
 nearest checkpoint, restores the state into its slot and prefills only the tail.
 
 The scheduler keeps the index (`CheckpointIndex`: prefix hash -> checkpoint slot, LRU) and puts the
-copies in `SchedulerOutput` (restores before the forward, saves after it); the runner keeps the
+copies in `SchedulerOutput`: restores before the forward, saves of a chunk's end state after it, and
+saves at positions inside a chunk (a chunk never stops early for a checkpoint), which the
+linear-attention layers write during the forward (layers/gated_deltanet.py). The runner keeps the
 tensors (`CheckpointStore`, host RAM: `[checkpoints, ...]` per layer, pinned on CUDA, counted by
-the planner as host memory).
+the planner as host memory) and binds each layer's pair to it.
 
 Invariants:
 - a hybrid sequence adopts a cached prefix of L blocks only if a checkpoint of hash L - 1 exists;
 - a checkpoint slot holds the state after the prefix whose hash keys it; restores of a step run
-  before its saves, so a slot reassigned in the step is read before it is overwritten.
+  before its saves (those inside chunks included), so a slot reassigned in the step is read before
+  it is overwritten.
 """
 
 from __future__ import annotations

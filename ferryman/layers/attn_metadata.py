@@ -14,13 +14,17 @@ from torch import Tensor
 @dataclass
 class StateMetadata:
     """What the linear-attention layers read of a step (kvcache/state_pool.py): each sequence's slot
-    in the state pool and whether it starts from a zero state."""
+    in the state pool, whether it starts from a zero state, and where inside its chunk its state is
+    saved to a prefix-cache checkpoint (kvcache/state_checkpoints.py)."""
 
     slots: Tensor  # [B] int64, state-pool slot of each sequence
     fresh: Tensor  # [B] bool, True where the sequence starts at position 0 (its state is zero)
     host_starts: list[int]  # [B+1] query_start_loc on the host (the torch path walks sequences)
     host_slots: list[int]  # [B] slots on the host
     host_fresh: list[bool]  # [B] fresh on the host
+    # [B] per sequence, ascending (offset into its chunk, checkpoint): the state after its first
+    # `offset` tokens goes to that checkpoint (0 < offset < its tokens); None: no such saves this step
+    host_saves: list[list[tuple[int, int]]] | None = None
 
 
 @dataclass

@@ -124,3 +124,53 @@ def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                       beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long())
     return o.squeeze(0), final
+
+
+# (q, k, v, g, beta, host starts [B+1], init [B, ...]) -> (o [T, Hv, Dv], final states [B, ...])
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor],
+                  tuple[torch.Tensor, torch.Tensor]]
+
+
+def fla_prefill(kernels: dict[str, Callable]) -> Kernel:
+    """fla's chunk kernel as a `Kernel`, as delta_rule_fla calls it, with the host starts given too
+    (`cu_seqlens_cpu`: fla then builds its chunk indices without reading the device's starts back)."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            starts: list[int], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        host = torch.tensor(starts, dtype=torch.int64)
+        o, final = kernels["chunk"](q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
+                                    beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                    cu_seqlens=host.to(q.device, non_blocking=True), cu_seqlens_cpu=host)
+        return o.squeeze(0), final
+    return run
+
+
+def delta_rule_cut(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   starts: list[int], cuts: list[list[int]], init: torch.Tensor,
+                   kernel: Kernel) -> tuple[torch.Tensor, torch.Tensor, list[list[torch.Tensor]]]:
+    """`kernel`'s contract, plus the state of sequence b after the first c tokens of its part for each
+    c in cuts[b] (ascending, 0 < c < its length) -> (o, final states, [B] lists of [Hv, Dk, Dv]).
+
+    The sequences run in rounds: round r packs every sequence's r-th segment (between its cuts) and
+    starts each from the state its segment r - 1 ended with, so a state at a cut is a round's final
+    state; a sequence without cuts runs whole in round 0. Rounds: 1 + the most cuts of a sequence."""
+    B = len(starts) - 1
+    bounds = [[starts[b], *(starts[b] + c for c in cuts[b]), starts[b + 1]] for b in range(B)]
+    states, mids = list(init.unbind(0)), [[] for _ in range(B)]  # states: [B] of [Hv, Dk, Dv]
+    out: torch.Tensor | None = None
+    for r in range(max(len(b) for b in bounds) - 1):
+        members = [b for b in range(B) if len(bounds[b]) - 1 > r]
+        rows = [i for b in members for i in range(bounds[b][r], bounds[b][r + 1])]
+        idx = torch.tensor(rows, dtype=torch.int64).to(q.device, non_blocking=True)  # [T_r]
+        lens = [bounds[b][r + 1] - bounds[b][r] for b in members]
+        round_starts = [sum(lens[:j]) for j in range(len(lens) + 1)]
+        o, finals = kernel(q[idx], k[idx], v[idx], g[idx], beta[idx], round_starts,
+                           torch.stack([states[b] for b in members]))
+        out = o.new_empty((q.shape[0], *o.shape[1:])) if out is None else out
+        out[idx] = o
+        for j, b in enumerate(members):
+            states[b] = finals[j].to(init.dtype)
+            if r < len(bounds[b]) - 2:  # this segment ends at a cut
+                mids[b].append(states[b])
+    assert out is not None  # at least one round
+    return out, torch.stack(states), mids

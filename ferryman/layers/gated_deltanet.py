@@ -4,7 +4,10 @@ x -> projections (q, k, v; the output gate z; beta's and the decay's inputs b, a
 convolution over q|k|v + SiLU -> gated delta rule (layers/delta_rule.py) -> RMSNorm gated by silu(z)
 -> out_proj. Each sequence carries two states between steps, in the state pool's slot the scheduler
 gave it (kvcache/state_pool.py): the convolution's last K-1 inputs and the [Hv, Dk, Dv] recurrent state.
-The runner binds `conv_state` [N, C, K-1] (model dtype) and `ssm_state` [N, Hv, Dk, Dv] (fp32).
+The runner binds `conv_state` [N, C, K-1] (model dtype) and `ssm_state` [N, Hv, Dk, Dv] (fp32), and
+with prefix caching the checkpoint store's `checkpoint_conv` [M, C, K-1] and `checkpoint_ssm`
+[M, Hv, Dk, Dv] (kvcache/state_checkpoints.py): a step's saves inside a chunk (StateMetadata.host_saves)
+are written there during the forward, so a prefill chunk runs past checkpoint positions in one step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import nn
 
 from ferryman.config import LinearAttnConfig, ModelConfig
 from ferryman.layers.attn_metadata import AttnMetadata, StateMetadata
-from ferryman.layers.delta_rule import delta_rule_fla, delta_rule_torch, fla_kernels_for
+from ferryman.layers.delta_rule import delta_rule_cut, delta_rule_fla, delta_rule_torch, fla_kernels_for, fla_prefill
 from ferryman.layers.norms import GatedRMSNorm
 
 
@@ -43,6 +46,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(la.value_dim, H, bias=False)
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.checkpoint_conv: torch.Tensor | None = None
+        self.checkpoint_ssm: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
         # x: [T, H] -> [T, H]
@@ -94,6 +99,8 @@ class GatedDeltaNet(nn.Module):
             prev = self.conv_state[slot] if not st.host_fresh[i] else self.conv_state.new_zeros(C, keep)
             full = torch.cat([prev, mixed[s:e].t().to(prev.dtype)], dim=-1)  # [C, K-1+n]
             self.conv_state[slot] = full[:, -keep:]
+            for at, checkpoint in st.host_saves[i] if st.host_saves else ():  # the K-1 inputs before `at`
+                self._checkpoints()[0][checkpoint].copy_(full[:, at:at + keep], non_blocking=True)
             out[s:e] = F.silu(F.conv1d(full.to(w.dtype).unsqueeze(0), w, groups=C)[0].t()).to(mixed.dtype)
         return out
 
@@ -104,12 +111,25 @@ class GatedDeltaNet(nn.Module):
         assert self.ssm_state is not None
         init = self._previous(self.ssm_state, st)  # [B, Hv, Dk, Dv] fp32
         kernels = fla_kernels_for(q)
-        if kernels is not None:
-            o, final = delta_rule_fla(q, k, v, g, beta.to(q.dtype), starts, init, decode, kernels)
+        beta = beta.float() if kernels is None else beta.to(q.dtype)
+        if st.host_saves:  # states inside chunks too: the sequences run in segments
+            cuts = [[at for at, _ in saves] for saves in st.host_saves]
+            kernel = delta_rule_torch if kernels is None else fla_prefill(kernels)
+            o, final, mids = delta_rule_cut(q, k, v, g, beta, st.host_starts, cuts, init, kernel)
+            for saves, states in zip(st.host_saves, mids):
+                for (_, checkpoint), state in zip(saves, states):
+                    self._checkpoints()[1][checkpoint].copy_(state, non_blocking=True)
+        elif kernels is not None:
+            o, final = delta_rule_fla(q, k, v, g, beta, starts, init, decode, kernels)
         else:
-            o, final = delta_rule_torch(q, k, v, g, beta.float(), st.host_starts, init)
+            o, final = delta_rule_torch(q, k, v, g, beta, st.host_starts, init)
         self.ssm_state[st.slots] = final.to(self.ssm_state.dtype)
         return o
+
+    def _checkpoints(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.checkpoint_conv is None or self.checkpoint_ssm is None:
+            raise RuntimeError(f"linear-attention layer {self.layer} was asked to save a checkpoint but has no store")
+        return self.checkpoint_conv, self.checkpoint_ssm
 
     @staticmethod
     def _previous(pool: torch.Tensor, st: StateMetadata) -> torch.Tensor:
