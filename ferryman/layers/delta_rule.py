@@ -113,14 +113,30 @@ def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out, torch.stack(finals)
 
 
+FLA_CHUNK = 64  # fla's chunk_gated_delta_rule chunk size (its default), which chunk_indices follow
+
+
+def chunk_indices(host_starts: list[int], chunk: int = FLA_CHUNK) -> torch.Tensor:
+    """fla's `prepare_chunk_indices` on the host: [NT, 2] int64 rows (sequence, chunk within it),
+    for each sequence ceil(len / chunk) rows. Built here, fla would read the lengths back from the
+    device (a sync in every linear-attention layer of a prefill step)."""
+    rows = [(b, i) for b, (s, e) in enumerate(zip(host_starts, host_starts[1:]))
+            for i in range((e - s + chunk - 1) // chunk)]
+    return torch.tensor(rows, dtype=torch.long).reshape(-1, 2)
+
+
 def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    starts: torch.Tensor, init: torch.Tensor, decode: bool,
-                   kernels: dict[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
-    """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device)."""
-    kernel = kernels["recurrent" if decode else "chunk"]
+                   kernels: dict[str, Callable], host_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device;
+    host_starts: the same on the host, so the chunk kernel's indices need no device read)."""
     # every argument by name: the two kernels' positional orders differ (the recurrent one takes
     # gk, gv after g, so a positional beta would land in gk and beta default to ones)
+    extra = {}
+    if not decode and host_starts is not None:
+        extra["chunk_indices"] = chunk_indices(host_starts).pin_memory().to(q.device, non_blocking=True)
+    kernel = kernels["recurrent" if decode else "chunk"]
     o, final = kernel(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
                       beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long())
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long(), **extra)
     return o.squeeze(0), final

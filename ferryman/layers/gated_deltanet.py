@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         init = self._previous(self.ssm_state, st)  # [B, Hv, Dk, Dv] fp32
         kernels = fla_kernels_for(q)
         if kernels is not None:
-            o, final = delta_rule_fla(q, k, v, g, beta.to(q.dtype), starts, init, decode, kernels)
+            o, final = delta_rule_fla(q, k, v, g, beta.to(q.dtype), starts, init, decode, kernels, st.host_starts)
         else:
             o, final = delta_rule_torch(q, k, v, g, beta.float(), st.host_starts, init)
         self.ssm_state[st.slots] = final.to(self.ssm_state.dtype)
