@@ -93,6 +93,7 @@ def _fla_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
                **kwargs):
+    assert cu_seqlens_cpu is None or cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
     return _fla_reference(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 
@@ -124,9 +125,11 @@ def test_fla_kernels_get_each_argument_where_their_signature_wants_it(lengths: l
     init = torch.randn(len(lengths), 4, 16, 16) * 0.1
     want, want_final = delta_rule_torch(q, k, v, g, beta, starts, init)
     kernels = {"chunk": _fla_chunk, "recurrent": _fla_recurrent}
-    got, final = delta_rule_fla(q, k, v, g, beta, torch.tensor(starts), init.clone(), max(lengths) == 1, kernels)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(final, want_final)
+    for host in (None, starts):  # the host starts, when given, reach the chunk kernel as cu_seqlens_cpu
+        got, final = delta_rule_fla(q, k, v, g, beta, torch.tensor(starts), init.clone(), max(lengths) == 1,
+                                    kernels, host)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(final, want_final)
 
 
 def test_fla_runs_only_for_half_precision_on_cuda() -> None:

@@ -114,15 +114,18 @@ def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   starts: torch.Tensor, init: torch.Tensor, decode: bool,
-                   kernels: dict[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
-    """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device)."""
+                   starts: torch.Tensor, init: torch.Tensor, decode: bool, kernels: dict[str, Callable],
+                   host_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device;
+    host_starts: the same on the host, given to the chunk kernel as `cu_seqlens_cpu` so that it builds
+    its chunk indices without reading the device's starts back)."""
     kernel = kernels["recurrent" if decode else "chunk"]
+    extra = {} if decode or host_starts is None else {"cu_seqlens_cpu": torch.tensor(host_starts, dtype=torch.int64)}
     # every argument by name: the two kernels' positional orders differ (the recurrent one takes
     # gk, gv after g, so a positional beta would land in gk and beta default to ones)
     o, final = kernel(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
                       beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long())
+                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=starts.long(), **extra)
     return o.squeeze(0), final
 
 

@@ -120,7 +120,7 @@ class GatedDeltaNet(nn.Module):
                 for (_, checkpoint), state in zip(saves, states):
                     self._checkpoints()[1][checkpoint].copy_(state, non_blocking=True)
         elif kernels is not None:
-            o, final = delta_rule_fla(q, k, v, g, beta, starts, init, decode, kernels)
+            o, final = delta_rule_fla(q, k, v, g, beta, starts, init, decode, kernels, st.host_starts)
         else:
             o, final = delta_rule_torch(q, k, v, g, beta, st.host_starts, init)
         self.ssm_state[st.slots] = final.to(self.ssm_state.dtype)
