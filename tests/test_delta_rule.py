@@ -68,9 +68,11 @@ def test_missing_fla_warns_once(caplog: pytest.LogCaptureFixture, monkeypatch: p
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[5, 70, 130], [1, 1, 1, 1]])
-def test_fla_equals_the_torch_path(lengths: list[int]) -> None:
-    """Packed sequences with their own initial states (prefill chunks, then a decode step)."""
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("lengths", [[5, 70, 130], [1, 1, 1, 1], [5, 300]])
+def test_fla_equals_the_torch_path(lengths: list[int], host: bool) -> None:
+    """Packed sequences with their own initial states (prefill chunks, then a decode step); with the
+    host starts, short prefills take the recurrent kernel."""
     kernels = fla_kernels()
     if kernels is None:
         pytest.skip("flash-linear-attention is not installed")
@@ -82,7 +84,7 @@ def test_fla_equals_the_torch_path(lengths: list[int]) -> None:
     want, want_final = delta_rule_torch(q, k, v, g, beta, starts, init)
     decode = max(lengths) == 1
     got, final = delta_rule_fla(q, k, v, g, beta.bfloat16(), torch.tensor(starts, device="cuda"), init.clone(),
-                                decode, kernels)
+                                decode, kernels, starts if host else None)
     torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(final.float(), want_final, rtol=3e-2, atol=3e-2)
 
@@ -130,6 +132,22 @@ def test_fla_kernels_get_each_argument_where_their_signature_wants_it(lengths: l
                                     kernels, host)
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(final, want_final)
+
+
+@pytest.mark.parametrize(("lengths", "want"), [([5, 70, 130], "recurrent"), ([5, 300], "chunk"), ([1, 1], "recurrent")])
+def test_short_prefills_take_the_recurrent_kernel(lengths: list[int], want: str) -> None:
+    """With the host starts, a prefill whose longest sequence fits FLA_RECURRENT_MAX_TOKENS is one
+    recurrent launch; a longer one the chunk kernel."""
+    assert 130 <= delta_rule.FLA_RECURRENT_MAX_TOKENS < 300  # the cases straddle it
+    starts = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    q, k, v, g, beta = _inputs(starts[-1], seed=7)
+    init = torch.randn(len(lengths), 4, 16, 16) * 0.1
+    called: list[str] = []
+    kernels = {name: (lambda f, name: lambda **kw: called.append(name) or f(**kw))(f, name)
+               for name, f in (("chunk", _fla_chunk), ("recurrent", _fla_recurrent))}
+    got, _ = delta_rule_fla(q, k, v, g, beta, torch.tensor(starts), init, False, kernels, starts)
+    assert called == [want]
+    torch.testing.assert_close(got, delta_rule_torch(q, k, v, g, beta, starts, init)[0])
 
 
 def test_fla_runs_only_for_half_precision_on_cuda() -> None:

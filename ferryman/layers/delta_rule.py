@@ -113,14 +113,25 @@ def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out, torch.stack(finals)
 
 
+# Prefill segments up to this many tokens (the longest in the call) take fla's recurrent kernel: one
+# launch, where the chunk kernel's pipeline of launches costs milliseconds of host time per layer (an
+# agent's short turn is host-bound). benchmarks/bench_delta_rule.py measures the crossover.
+FLA_RECURRENT_MAX_TOKENS = 256
+
+
 def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    starts: torch.Tensor, init: torch.Tensor, decode: bool, kernels: dict[str, Callable],
                    host_starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule_torch's contract on flash-linear-attention's kernels (starts: [B+1] int on the device;
-    host_starts: the same on the host, given to the chunk kernel as `cu_seqlens_cpu` so that it builds
-    its chunk indices without reading the device's starts back)."""
+    host_starts: the same on the host). Decode and short prefills (host_starts given, no sequence
+    longer than FLA_RECURRENT_MAX_TOKENS) take the recurrent kernel; longer prefills the chunk kernel,
+    given the host starts as `cu_seqlens_cpu` so that it builds its chunk indices without reading the
+    device's starts back."""
+    extra = {}
+    if not decode and host_starts is not None:
+        decode = max(e - s for s, e in zip(host_starts, host_starts[1:])) <= FLA_RECURRENT_MAX_TOKENS
+        extra = {} if decode else {"cu_seqlens_cpu": torch.tensor(host_starts, dtype=torch.int64)}
     kernel = kernels["recurrent" if decode else "chunk"]
-    extra = {} if decode or host_starts is None else {"cu_seqlens_cpu": torch.tensor(host_starts, dtype=torch.int64)}
     # every argument by name: the two kernels' positional orders differ (the recurrent one takes
     # gk, gv after g, so a positional beta would land in gk and beta default to ones)
     o, final = kernel(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
@@ -135,16 +146,11 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 
 
 def fla_prefill(kernels: dict[str, Callable]) -> Kernel:
-    """fla's chunk kernel as a `Kernel`, as delta_rule_fla calls it, with the host starts given too
-    (`cu_seqlens_cpu`: fla then builds its chunk indices without reading the device's starts back)."""
+    """fla's kernels as a prefill `Kernel`: delta_rule_fla with the starts on both sides."""
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             starts: list[int], init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        host = torch.tensor(starts, dtype=torch.int64)
-        o, final = kernels["chunk"](q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
-                                    beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=init,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                    cu_seqlens=host.to(q.device, non_blocking=True), cu_seqlens_cpu=host)
-        return o.squeeze(0), final
+        device_starts = torch.tensor(starts, dtype=torch.int64).to(q.device, non_blocking=True)
+        return delta_rule_fla(q, k, v, g, beta, device_starts, init, False, kernels, starts)
     return run
 
 
