@@ -3,14 +3,16 @@ compute stream's gaps (GPU), in process.
 
     python benchmarks/profile_prefill.py [--model PRESET|FOLDER] [--load-format dummy] [--layers N]
         [--gpu-memory 8GiB] [--quantization int4] [--max-model-len N] [--max-num-seqs N]
-        [--lengths 4170,16384] [--turn 200] [--profile] [--gaps]
+        [--lengths 4170,16384] [--turn 200] [--profile] [--gaps] [--python]
 
 Each length runs twice (after warm-up): a fresh random prompt, timed from submission to its first
 token, with the time of each engine step. `--turn T`: then the last prompt plus T new tokens (an
 agent's next turn: the prefix cache serves the rest) and a cold prompt of the same total length.
 `--profile`: the last prompt once more under torch.profiler, its kernels by GPU time and ops by
 host time. `--gaps` (CUDA): the same run's trace, where the busiest stream waits, summed by the
-kernels around each gap. Used for the step tables in docs/benchmarks.md.
+kernels around each gap. `--python`: the last prompt once more under cProfile, the engine's Python
+functions by their own time (where the host spends a step; a wait on the device shows in the call
+that reads it back). Used for the step tables in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=0, help="new tokens of a second turn on the last prompt")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--gaps", action="store_true")
+    ap.add_argument("--python", action="store_true")
     a = ap.parse_args()
     lengths = [int(n) for n in a.lengths.split(",")]
     longest = max(lengths) + 2 * a.turn + 16
@@ -125,6 +128,13 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as d:
                 prof.export_chrome_trace(f"{d}/trace.json")
                 stream_gaps(Path(d) / "trace.json")
+    if a.python:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as py:
+            first_token(llm, rand(lengths[-1]), f"prompt {lengths[-1]}, under cProfile")
+        pstats.Stats(py).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

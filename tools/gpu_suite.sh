@@ -39,7 +39,8 @@
 #   longprompt   `ferryman serve` with default settings (layer-major prefill): gpt-oss-20b at 8 GiB, TTFT at
 #                4,170 / 16k / 32k tokens and the token gap of a decoding user while a 32k prompt is
 #                prefilled (benchmarks/bench_long_prompt.py); then gpt-oss-120b at 16 GiB, TTFT at 32k
-#                (its dummy weights take 1-2 minutes to build: ~5 minutes in all)
+#                (its dummy weights take 1-2 minutes to build: ~5 minutes in all); longprompt20 and
+#                longprompt120 run one each
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
 #   groupedq     the grouped GEMM's packed-tile GPU tests (int4/int8, fp8, nvfp4, GGUF at qwen3-30b-a3b and
@@ -51,7 +52,8 @@
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)
 #                and deepseek-v3 (5: 3 dense, 2 MoE): bf16 experts of 45-68 GiB do not fit the host
 #                RAM whole; decode time per layer compares with offload120's; deepseek-v3 also prefills a
-#                4096-token prompt (MLA's expanded prefill: its prefill tok/s and peak_gib)
+#                4096-token prompt (MLA's expanded prefill: its prefill tok/s and peak_gib); FAMILIES picks
+#                some (default "glm-4.5-air:12:0 qwen3-next-80b-a3b:12:0 deepseek-v3:5:4096": preset:layers:prefill)
 #   hybridprefix an agent's second turn on qwen3-next-80b-a3b (12 layers, 16 GiB): 8k context, then a
 #                200-token turn, restored from a state checkpoint, against the same prompt cold
 #   hybridsteps  the state-checkpoint GPU tests (fla in segment rounds, saves inside a chunk in bf16), then
@@ -269,9 +271,11 @@ for s in ${@:-tests}; do
     serve16)     serve16 serve16 8130 ;;
     longprompt)  longprompt longprompt20 8150 gpt-oss-20b 8GiB 4170,16384,32000 32000
                  longprompt longprompt120 8151 gpt-oss-120b 16GiB 32000 0 ;;
+    longprompt20)  longprompt longprompt20 8150 gpt-oss-20b 8GiB 4170,16384,32000 32000 ;;
+    longprompt120) longprompt longprompt120 8151 gpt-oss-120b 16GiB 32000 0 ;;
     prefix)      stage prefix 150 python3 benchmarks/bench_prefix_cache.py --model gpt-oss-20b --load-format dummy \
                    --prefix-tokens 4096 --tail-tokens 128 ;;
-    families)    for t in glm-4.5-air:12:0 qwen3-next-80b-a3b:12:0 deepseek-v3:5:4096; do
+    families)    for t in ${FAMILIES:-glm-4.5-air:12:0 qwen3-next-80b-a3b:12:0 deepseek-v3:5:4096}; do
                    IFS=: read -r fam layers prefill <<<"$t"
                    offload "family_$fam" "$fam:16GiB" 240 "$ROOT" --layers "$layers" --decode-tokens 128 \
                      --prefill-prompt "$prefill"

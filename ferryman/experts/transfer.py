@@ -153,8 +153,12 @@ class StreamTransfer(Transfer):
         stream, once the layer's own experts landed, its inputs and the next layer's copies were
         ready together, and the copy engine could take the large copy first)."""
         compute = torch.cuda.current_stream(self.device)
+        # pinned first: a pageable source would hold this thread until the copy stream reached it,
+        # behind every expert copy issued so far (the caching host allocator keeps the pinned
+        # buffer until the copy is done)
+        pinned = host if host.is_pinned() else _pinned_or_not(host)
         with torch.cuda.stream(self.stream):  # allocated in this stream's pool: no pending compute reader
-            out = host.to(self.device, non_blocking=True)
+            out = pinned.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         out.record_stream(compute)  # freed only once the compute stream's readers are done
@@ -194,3 +198,12 @@ def _distinct(events: Iterable[torch.cuda.Event | None]) -> list[torch.cuda.Even
 def make_transfer(device: torch.device, num_slots: int) -> Transfer:
     """StreamTransfer on CUDA, SyncTransfer elsewhere (the CPU is its own device)."""
     return StreamTransfer(device, num_slots) if device.type == "cuda" else SyncTransfer(device)
+
+
+def _pinned_or_not(host: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of a small host tensor, or the tensor itself where pinning fails (a locked-memory
+    quota: the copy is then synchronous, as the host store's pageable experts are)."""
+    try:
+        return host.pin_memory()
+    except RuntimeError:
+        return host
