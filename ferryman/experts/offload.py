@@ -102,8 +102,7 @@ class OffloadExperts:
         one acquire cover the union, so each uncached expert is copied once for all chunks; then one
         kernel per chunk, on exactly the rows and weights chunk-major prefill gives it, each output
         handed to emit(c, [T_c, H]) once its kernel is issued (emit may overwrite x's rows of c).
-        The next layers' copies start once the last chunk's inputs are issued (a streaming chunk's: its
-        own inputs)."""
+        The next layers' copies start with the first kernel's inputs, as a streaming chunk's do."""
         ids, w = torch.cat([r[0] for r in routed]), torch.cat([r[1] for r in routed])  # [T, K]
         plan, host_ids = self.route(layer, x, ids, True)
         if plan.rounds or plan.cpu:  # more experts than free slots: chunk by chunk, in rounds
@@ -114,8 +113,7 @@ class OffloadExperts:
         assert step.slot_ids is not None  # no CPU part: a streaming plan never splits
         upload = self._upload(True)
         for c, (a, b) in enumerate(bounds):
-            # the next layers' copies after the last chunk's inputs: no chunk's inputs queue behind them
-            early = (lambda: self.issue_prefetches(plan)) if c == len(bounds) - 1 else None
+            early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
             host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
             emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids[a:b],
                               routed[c][1], self.act, host_ids=host, inputs_issued=early, upload=upload))
@@ -276,8 +274,8 @@ class OffloadExperts:
         return out
 
     def _upload(self, streaming: bool) -> Upload | None:
-        """How a layer's small inputs reach the device: a prefill chunk's on the copy stream
-        (Transfer.upload's invariant), a decode step's on the compute stream."""
+        """How a layer's small inputs reach the device: a prefill chunk's through Transfer.upload
+        (pinned), a decode step's as a plain async copy (a few pairs)."""
         return self.cache.transfer.upload if streaming else None
 
     def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor,
