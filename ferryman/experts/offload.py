@@ -274,8 +274,8 @@ class OffloadExperts:
         return out
 
     def _upload(self, streaming: bool) -> Upload | None:
-        """How a layer's small inputs reach the device: a prefill chunk's through Transfer.upload
-        (pinned), a decode step's as a plain async copy (a few pairs)."""
+        """How a layer's small inputs reach the device: a prefill chunk's on the copy stream
+        (Transfer.upload's invariant), a decode step's on the compute stream."""
         return self.cache.transfer.upload if streaming else None
 
     def _slot_ids(self, experts: list[int], slots: list[int], ids: torch.Tensor,

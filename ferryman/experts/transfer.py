@@ -147,12 +147,19 @@ class StreamTransfer(Transfer):
         return ev is not None and not ev.query()
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """On the compute stream, from pinned memory: the copy waits for no expert copy queued on
-        the copy stream (a layer-major layer's later chunks upload theirs after the next layer's
-        copies were issued), and this thread waits for nothing (a pageable source would hold it
-        until the copy ran; the caching host allocator keeps the pinned buffer until then)."""
-        pinned = host if host.is_pinned() else _pinned_or_not(host)
-        return pinned.to(self.device, non_blocking=True)
+        """On the copy stream, behind the copies issued so far, and the compute stream waits for it.
+
+        Invariant: a layer's inputs never queue behind a later layer's expert copies (on the compute
+        stream, once the layer's own experts landed, its inputs and the next layer's copies were
+        ready together, and the copy engine could take the large copy first)."""
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):  # allocated in this stream's pool: no pending compute reader
+            out = host.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        out.record_stream(compute)  # freed only once the compute stream's readers are done
+        compute.wait_event(done)
+        return out
 
     def seconds(self, block: bool = True) -> tuple[float, float]:
         self._drain(block=block)
@@ -187,12 +194,3 @@ def _distinct(events: Iterable[torch.cuda.Event | None]) -> list[torch.cuda.Even
 def make_transfer(device: torch.device, num_slots: int) -> Transfer:
     """StreamTransfer on CUDA, SyncTransfer elsewhere (the CPU is its own device)."""
     return StreamTransfer(device, num_slots) if device.type == "cuda" else SyncTransfer(device)
-
-
-def _pinned_or_not(host: torch.Tensor) -> torch.Tensor:
-    """A pinned copy of a small host tensor, or the tensor itself where pinning fails (a locked-memory
-    quota: the copy is then synchronous, as the host store's pageable experts are)."""
-    try:
-        return host.pin_memory()
-    except RuntimeError:
-        return host
