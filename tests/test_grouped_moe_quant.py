@@ -65,7 +65,7 @@ def test_grouped_moe_decodes_packed_tiles_in_interpreter(family: str) -> None:
 @pytest.mark.parametrize("fmt, pairs, path", [
     ("int4:g128:sym", 2160, "grouped"), ("int4:g128:asym:act", 8192, "grouped"), ("int8:ch:sym", 8193, "batched"),
     ("fp8:128x128", 64, "grouped"), ("fp8:channel", 8192, "grouped"), ("fp8:16x32", 8193, "batched"),
-    ("nvfp4", 100, "grouped"), ("nvfp4-ct", 8193, "batched"), ("nvfp4", None, "batched"),
+    ("nvfp4", 100, "grouped"), ("nvfp4-ct", 6144, "grouped"), ("nvfp4", 6145, "batched"), ("nvfp4", None, "batched"),
     ("int4:g128:sym", None, "batched"), ("gguf:q4_k:q6_k", 4096, "grouped"), ("gguf:q8_0:q8_0", 4097, "batched"),
     ("q4_k", 100, "batched"),
 ])

@@ -31,12 +31,14 @@ DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rere
 # Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
 # this many (token, k) pairs per format family, the batched path (each used expert dequantised once)
 # above. MXFP4: gpt-oss-20b's crossover lies between 512 and 1024 tokens of top-4 (docs/benchmarks.md),
-# about 64 pairs per expert of its 32. The others are to be measured (benchmarks/bench_prefill_moe.py,
-# grouped vs batched by token count); until then the same 64 pairs per expert at qwen3-30b-a3b's 128.
+# about 64 pairs per expert of its 32. The others by benchmarks/bench_prefill_moe.py on the H200
+# (docs/benchmarks.md, "packed formats"): the grouped GEMM wins up to 8,192 pairs for int4 and fp8 at
+# qwen3-30b-a3b's shape (0.93 / 0.96 of batched; 1.5 / 1.6x slower at 16,384) and beyond 10,240 at
+# qwen3-next's; nvfp4 crosses earlier at qwen3-30b-a3b's (0.69 at 4,096 pairs, 1.06 at 8,192).
 GROUPED_MXFP4_MAX_PAIRS = 2048
 GROUPED_INT_MAX_PAIRS = 8192  # int4 / int8 (quant/intq.py)
 GROUPED_FP8_MAX_PAIRS = 8192  # fp8 blocks and channels (quant/fp8.py)
-GROUPED_NVFP4_MAX_PAIRS = 8192  # nvfp4, nvfp4-ct (quant/nvfp4.py)
+GROUPED_NVFP4_MAX_PAIRS = 6144  # nvfp4, nvfp4-ct (quant/nvfp4.py)
 # GGUF blocks (quant/gguf.py): k-quants decode each value from several bytes, so half as many pairs
 GROUPED_GGUF_MAX_PAIRS = 4096
 _GROUPED_MAX_PAIRS = {"mxfp4": GROUPED_MXFP4_MAX_PAIRS, "int4": GROUPED_INT_MAX_PAIRS, "int8": GROUPED_INT_MAX_PAIRS,
