@@ -8,7 +8,7 @@
 #   device run --carry .whl: tools/gpu_suite.sh tests                        # ~4 min
 #   device run --carry .whl: tools/gpu_suite.sh "resident offload20 serve16"
 #   # before/after on one machine: the older tree in .old/ (git-ignored, small without the demo model)
-#   git archive --prefix=.old/ <rev> ferryman benchmarks ':(exclude)ferryman/assets' | tar -x
+#   git archive --prefix=.old/ <rev> ferryman benchmarks ':(exclude)ferryman/assets/demo-moe' | tar -x
 #   device run --carry .whl --carry .old: OLD=.old tools/gpu_suite.sh compare
 #
 # Stages (default: tests):
