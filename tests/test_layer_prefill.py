@@ -146,30 +146,6 @@ def test_prompts_arriving_together_share_one_stream(uniform_model: str) -> None:
     assert len(eng.scheduler.running) == 3
 
 
-def test_every_chunk_inputs_precede_the_next_layers_copies(uniform_model: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a layer of a job, each chunk's host-built inputs are issued before the next layers' copies
-    (which would otherwise hold later chunks' inputs behind them), and the kernels after both."""
-    from ferryman.experts import offload
-
-    events: list[str] = []
-
-    def spy(name: str, real):  # noqa: ANN001, ANN202
-        return lambda *a, **k: events.append(name) or real(*a, **k)
-
-    for name in ("prefill_inputs", "fused_moe"):
-        monkeypatch.setattr(offload, name, spy(name, getattr(offload, name)))
-    real_prefetch = offload.OffloadExperts.issue_prefetches
-    monkeypatch.setattr(offload.OffloadExperts, "issue_prefetches",
-                        lambda self, plan: events.append("prefetch") or real_prefetch(self, plan))
-    eng = _engine(uniform_model, "layer", load_format="dummy", expert_cache="75%")
-    eng.add_request(_prompts(5, (3 * CHUNK,), vocab=500)[0], SamplingParams(max_tokens=1))
-    eng.step()
-    assert eng.prefill_jobs["jobs"] == 1
-    layer = ["prefill_inputs"] * 3 + ["prefetch"] + ["fused_moe"] * 3  # one layer of three chunks
-    assert events == layer * UNIFORM["num_hidden_layers"], events
-
-
 def test_an_abort_during_the_job_returns_blocks_after_it(tiny_folder) -> None:  # noqa: ANN001
     eng = _engine(tiny_folder("gpt_oss"), "layer")
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

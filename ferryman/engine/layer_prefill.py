@@ -3,8 +3,7 @@
 The scheduler (engine/prefill_job.py) hands over a job once, then a number of layers per step.
 Per layer, in chunk order: each chunk's attention (reading the KV the earlier chunks wrote at this
 layer, writing its own), then the MoE of every chunk under one plan (OffloadExperts.forward_chunks:
-each uncached expert copied once for the job; the next layer's copies start once every chunk's
-inputs are issued).
+each uncached expert copied once for the job; the next layer's copies start with the first kernel).
 
 Invariants:
 - `hidden` [T, H] and `residual` [T, H] hold every job token between layers, on the device (the

@@ -27,7 +27,7 @@ from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.guesses import NextLayerGuesser
 from ferryman.experts.plan import Guess, LayerPlan, Prefetch, make_plan
 from ferryman.experts.routing import host_ids_of
-from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, prefill_inputs, to_device
+from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, to_device
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,7 @@ class OffloadExperts:
         one acquire cover the union, so each uncached expert is copied once for all chunks; then one
         kernel per chunk, on exactly the rows and weights chunk-major prefill gives it, each output
         handed to emit(c, [T_c, H]) once its kernel is issued (emit may overwrite x's rows of c).
-        The next layers' copies start once every chunk's inputs are issued (a streaming chunk's: once
-        its own are)."""
+        The next layers' copies start with the first kernel's inputs, as a streaming chunk's do."""
         ids, w = torch.cat([r[0] for r in routed]), torch.cat([r[1] for r in routed])  # [T, K]
         plan, host_ids = self.route(layer, x, ids, True)
         if plan.rounds or plan.cpu:  # more experts than free slots: chunk by chunk, in rounds
@@ -113,15 +112,11 @@ class OffloadExperts:
         step = self.start(plan, x, host_ids, w)
         assert step.slot_ids is not None  # no CPU part: a streaming plan never splits
         upload = self._upload(True)
-        fmt, banks = self.cache.format_of(layer), self.cache.banks_of(layer)
-        hosts = [None if step.host_slot_ids is None else step.host_slot_ids[a:b] for a, b in bounds]
-        # every chunk's inputs first, then the next layers' copies: no chunk's inputs queue behind them
-        prepared = [prefill_inputs(fmt, banks, x[a:b], step.slot_ids[a:b], host, upload)
-                    for (a, b), host in zip(bounds, hosts)]
-        self.issue_prefetches(plan)
         for c, (a, b) in enumerate(bounds):
-            emit(c, fused_moe(fmt, banks, x[a:b], step.slot_ids[a:b], routed[c][1], self.act, host_ids=hosts[c],
-                              upload=upload, prepared=prepared[c]))
+            early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
+            host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
+            emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids[a:b],
+                              routed[c][1], self.act, host_ids=host, inputs_issued=early, upload=upload))
         self.finish_step(replace(step, prefetched=True))
         self.cache.demote_fetched(layer)
 

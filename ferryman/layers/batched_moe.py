@@ -43,46 +43,23 @@ def prefill_group(intermediate: int, hidden: int, itemsize: int) -> int:
     return max(PREFILL_GROUP, min(PREFILL_GROUP_MAX, fit))
 
 
-@dataclass(frozen=True)
-class BatchedInputs:
-    """A batch's pairs grouped for the batched path, built on the host and uploaded: what
-    `fused_moe_batched` needs on the device besides x, the ids and the weights."""
-
-    order: torch.Tensor  # [P] pair ids (t*K + k) sorted by slot (device)
-    layout: PaddedLayout
-
-
-def batched_inputs(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                   host_ids: torch.Tensor | None = None, upload: Upload | None = None,
-                   group: int | None = None) -> BatchedInputs:
-    """The pair grouping and padded layout of topk_ids [T, K] (slot ids) for `group` experts per
-    launch (default `prefill_group` of the banks' shape); host_ids, upload: as `fused_moe_batched`'s.
-    Issued now: a caller that builds several batches' inputs before its large copies keeps every
-    one of them ahead of those copies."""
-    num_slots, hidden, inter = form.dims(banks)
-    group = prefill_group(inter, hidden, x.element_size()) if group is None else group
-    if group < 1:
-        raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
-    slots, order, counts = group_by_slot(topk_ids, num_slots, host_ids, upload)
-    return BatchedInputs(order, padded_layout(slots, counts, group, upload or to_device(x.device)))
-
-
 def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
                       topk_w: torch.Tensor, act: MoEActivation, group: int | None = None,
                       host_ids: torch.Tensor | None = None,
                       inputs_issued: Callable[[], None] | None = None,
-                      upload: Upload | None = None, inputs: BatchedInputs | None = None) -> torch.Tensor:
+                      upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids, upload:
     as `fused_moe`'s. inputs_issued: called once the pair layout's host -> device copy is issued,
     before the groups' launches (the caller's large copies then delay no input of these kernels).
-    group: experts per launch (default `prefill_group` of the banks' shape). inputs: this batch's
-    `batched_inputs`, built earlier by the caller (then group, host_ids and upload are not used)."""
-    _, hidden, _ = form.dims(banks)
+    group: experts per launch (default `prefill_group` of the banks' shape)."""
+    num_slots, hidden, inter = form.dims(banks)
+    group = prefill_group(inter, hidden, x.element_size()) if group is None else group
+    if group < 1:
+        raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
     T, K = topk_ids.shape
-    if inputs is None:
-        inputs = batched_inputs(form, banks, x, topk_ids, host_ids, upload, group)
-    order, layout = inputs.order, inputs.layout  # the last host -> device inputs
+    slots, order, counts = group_by_slot(topk_ids, num_slots, host_ids, upload)
     P = T * K
+    layout = padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
     if inputs_issued is not None:
         inputs_issued()
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row

@@ -18,14 +18,14 @@ import torch
 
 from ferryman.envs import envs
 from ferryman.layers import backend
-from ferryman.layers.batched_moe import BatchedInputs, batched_inputs, fused_moe_batched
+from ferryman.layers.batched_moe import fused_moe_batched
 from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, grouped_reads,
                                         to_device, triton_reads)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
-__all__ = ["DECODE_MAX_PAIRS", "BatchedInputs", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs",
-           "prefill_inputs", "prefill_path", "to_device"]
+__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs", "prefill_path",
+           "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 # Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
@@ -70,50 +70,28 @@ def prefill_path(fmt: str, pairs: int | None = None, kernels: str | None = None)
     return "batched"
 
 
-def cuda_path(fmt: str, x: torch.Tensor, pairs: int) -> str | None:
-    """The path fused_moe takes for `pairs` (token, k) pairs of format `fmt` on x's device: "decode",
-    "grouped" or "batched" on CUDA, None on the CPU."""
-    if triton_reads(fmt) and backend.moe_triton(x, pairs <= DECODE_MAX_PAIRS):
-        return "decode"
-    if not x.is_cuda:
-        return None
-    return prefill_path(fmt, pairs)
-
-
-def prefill_inputs(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor,
-                   host_ids: torch.Tensor | None = None, upload: Upload | None = None) -> BatchedInputs | None:
-    """The host-built inputs of this batch's path, issued now (`fused_moe`'s `prepared`): the
-    batched path's pair layout; None where the path needs none."""
-    if cuda_path(fmt, x, topk_ids.numel()) != "batched":
-        return None
-    return batched_inputs(get_format(fmt), banks, x, topk_ids, host_ids, upload)
-
-
 def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
               act: MoEActivation, host_ids: torch.Tensor | None = None,
-              inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None,
-              prepared: BatchedInputs | None = None) -> torch.Tensor:
+              inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     ids on the host, if the caller has them: the batched path then groups the pairs with no device
     sync. inputs_issued: called exactly once, as soon as every host -> device copy the kernels need
     is issued (the batched path: before its many launches). upload: how the batched path's small
-    host-built inputs reach the device (default: an async copy on the current stream). prepared:
-    `prefill_inputs` of this batch, issued earlier by the caller."""
+    host-built inputs reach the device (default: an async copy on the current stream)."""
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     check_inputs(x, topk_ids, topk_w, hidden)
-    path = cuda_path(fmt, x, topk_ids.numel())
-    if path == "decode":
+    if triton_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
         out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
-    elif path == "grouped":
+    elif x.is_cuda and prefill_path(fmt, topk_ids.numel()) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 
         out = grouped_moe(fmt, banks, x, topk_ids, topk_w, act)
-    elif path == "batched":  # calls inputs_issued itself, before its launches
+    elif x.is_cuda:  # calls inputs_issued itself, before its launches
         return fused_moe_batched(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids,
-                                 inputs_issued=inputs_issued, upload=upload, inputs=prepared)
+                                 inputs_issued=inputs_issued, upload=upload)
     else:
         out = _cpu_paths(form, banks, x, topk_ids, topk_w, act, host_ids, num_slots)
     if inputs_issued is not None:
