@@ -10,7 +10,9 @@ random weights and routing (each token's top-k distinct). Paths:
 - grouped: one Triton grouped GEMM per projection, packed weights decoded inside the kernel's tiles.
 fused_moe takes the grouped GEMM for bf16 experts and for packed ones up to their family's
 GROUPED_*_MAX_PAIRS (layers/fused_moe.py), the batched path above: the "default" column. Where
-grouped / batched crosses 1 sets that limit (in pairs = tokens x top-k).
+grouped / batched crosses 1 sets that limit (in pairs = tokens x top-k). GGUF experts take the
+batched path at every size (decoding their blocks in the grouped GEMM's tiles measured slower at
+every token count) and the grouped GEMM does not read them: their grouped columns read "-".
 Each call is timed from launch to synchronize (host overhead included: prefill runs eagerly),
 median of the iterations, after warm-up calls. The error column is each path's relative error
 against the torch reference (fused_moe_reference) on the same inputs.
@@ -32,7 +34,7 @@ from cuda_timing import median_seconds  # noqa: E402
 from ferryman.layers.batched_moe import fused_moe_batched  # noqa: E402
 from ferryman.layers.fused_moe import prefill_path  # noqa: E402
 from ferryman.layers.grouped_moe_triton import GroupedConfig, grouped_moe  # noqa: E402
-from ferryman.layers.moe_common import MoEActivation  # noqa: E402
+from ferryman.layers.moe_common import MoEActivation, grouped_reads  # noqa: E402
 from ferryman.layers.moe_reference import fused_moe_reference  # noqa: E402
 from ferryman.quant import Banks, get_format  # noqa: E402
 
@@ -107,11 +109,15 @@ def main() -> None:
             def grouped() -> torch.Tensor:
                 return grouped_moe(fmt, banks, x, ids, w, act)
 
-            tb, tg = median_seconds(batched, a.iters), median_seconds(grouped, a.iters)
+            tb = median_seconds(batched, a.iters)
             path = prefill_path(fmt, t * top_k)
-            print(f"| {t} | {t * top_k} | {path} | {tb * 1e3:.3f} | {tg * 1e3:.3f} | {tg / tb:.2f} | "
-                  f"{err(batched()):.1e} | {err(grouped()):.1e} |", flush=True)
-            if str(t) in a.sweep.split(","):
+            if grouped_reads(fmt):
+                tg = median_seconds(grouped, a.iters)
+                cols = f"{tg * 1e3:.3f} | {tg / tb:.2f} | {err(batched()):.1e} | {err(grouped()):.1e}"
+            else:
+                cols = f"- | - | {err(batched()):.1e} | -"
+            print(f"| {t} | {t * top_k} | {path} | {tb * 1e3:.3f} | {cols} |", flush=True)
+            if str(t) in a.sweep.split(",") and grouped_reads(fmt):
                 sweep(fmt, banks, x, ids, w, act, a.iters, err)
             del x, ids, w, ref
         del banks

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moe_cases import spy_prefill_paths
 from triton_interp import run_interpreted
 
 pytest.importorskip("triton")
@@ -168,9 +169,9 @@ def test_gpu_dequant_equals_reference_on_every_type() -> None:
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("fmt", ["gguf:q4_k:q6_k", "gguf:q4_k:q4_k", "gguf:q5_k:q8_0", "gguf:iq4_xs:q5_0"])
-def test_gpu_fused_moe_at_qwen3_30b_shapes(fmt: str) -> None:
-    """Decode (Triton GEMVs, 1 and 4 tokens) and prefill (batched, Triton dequantiser) on a
-    qwen3-30b-a3b-sized layer against the torch reference on the same banks."""
+def test_gpu_fused_moe_at_qwen3_30b_shapes(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode (Triton GEMVs, 1 and 4 tokens) and prefill (batched, Triton dequantiser; never the
+    grouped GEMM) on a qwen3-30b-a3b-sized layer against the torch reference on the same banks."""
     from ferryman.layers.fused_moe import MoEActivation, fused_moe
     from ferryman.layers.moe_reference import fused_moe_reference
     from ferryman.quant import get_format
@@ -179,6 +180,7 @@ def test_gpu_fused_moe_at_qwen3_30b_shapes(fmt: str) -> None:
     gen = torch.Generator(device="cuda").manual_seed(4)
     banks = form.random_banks(128, 2048, 768, False, torch.bfloat16, gen, "cuda")
     act = MoEActivation("silu")
+    calls = spy_prefill_paths(monkeypatch)
     for t in (1, 4, 40):  # 8, 32 pairs: decode kernels; 320: the batched path
         x = torch.randn(t, 2048, generator=gen, device="cuda").to(torch.bfloat16)
         ids = torch.stack([torch.randperm(128, generator=gen, device="cuda")[:8] for _ in range(t)])
@@ -187,6 +189,7 @@ def test_gpu_fused_moe_at_qwen3_30b_shapes(fmt: str) -> None:
         ref = fused_moe_reference(form, banks, x, ids, w, act)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert got.dtype == torch.bfloat16 and err < 1e-2, (t, err)
+    assert calls == ["batched"]
 
 
 @pytest.mark.gpu

@@ -1,11 +1,10 @@
 """grouped_moe (layers/grouped_moe_triton.py) on packed experts decoded inside its weight tiles: int4 /
 int8 (group and channel scales, sym and asym, act-order group indices, odd group sizes), fp8 (block
-scales of every tile relation, channel scales), NVFP4 (both global-scale conventions) and GGUF blocks
-(k-quants, 32-value blocks, halves), against
+scales of every tile relation, channel scales) and NVFP4 (both global-scale conventions), against
 `fused_moe_reference` (each format's dequant + matmul; the dequantisers are checked against their
 references in test_intq.py and test_fp8_nvfp4.py). Interpreter on CPU in a subprocess per family;
-compiled on CUDA (gpu), at real layer shapes. And which prefill path each format takes, and that the
-planner counts what that path dequantises."""
+compiled on CUDA (gpu), at real layer shapes. And which prefill path each format takes (GGUF blocks:
+always the batched one), and that the planner counts what that path dequantises."""
 
 from __future__ import annotations
 
@@ -33,15 +32,6 @@ _FAMILIES = {
             ("fp8:channel", "swiglu_oai", "float16", "strided", 96, 64),
             ("fp8:16x32", "silu", "float32", "contiguous", 96, 64),
             ("fp8:32x48", "swiglu_oai", "float32", "strided", 96, 64)],
-    # GGUF: Q4_K_M's and Q5_K_M's mixes, the other k-quants, 32-value blocks, plain halves (K multiples of 256
-    # for super-blocks)
-    "gguf": [("gguf:q4_k:q6_k", "silu", "float32", "strided", 256, 256),
-             ("gguf:q5_k:q8_0", "silu", "float16", "contiguous", 256, 256),
-             ("gguf:q2_k:q3_k", "silu", "float32", "contiguous", 256, 256),
-             ("gguf:q8_0:q4_0", "swiglu_oai", "float32", "strided", 96, 64),
-             ("gguf:q5_1:iq4_nl", "silu", "float32", "contiguous", 96, 64),
-             ("gguf:iq4_xs:mxfp4", "silu", "float32", "contiguous", 256, 64),
-             ("gguf:f16:bf16", "silu", "float32", "contiguous", 96, 64)],
     "nvfp4": [("nvfp4", "swiglu_oai", "float32", "strided", 96, 64),
               ("nvfp4-ct", "silu", "float32", "contiguous", 96, 64),
               ("nvfp4-ct", "swiglu_oai", "float16", "strided", 96, 64)],
@@ -66,13 +56,12 @@ def test_grouped_moe_decodes_packed_tiles_in_interpreter(family: str) -> None:
     ("int4:g128:sym", 2160, "grouped"), ("int4:g128:asym:act", 8192, "grouped"), ("int8:ch:sym", 8193, "batched"),
     ("fp8:128x128", 64, "grouped"), ("fp8:channel", 8192, "grouped"), ("fp8:16x32", 8193, "batched"),
     ("nvfp4", 100, "grouped"), ("nvfp4-ct", 6144, "grouped"), ("nvfp4", 6145, "batched"), ("nvfp4", None, "batched"),
-    ("int4:g128:sym", None, "batched"), ("gguf:q4_k:q6_k", 4096, "grouped"), ("gguf:q8_0:q8_0", 4097, "batched"),
-    ("q4_k", 100, "batched"),
+    ("int4:g128:sym", None, "batched"), ("q4_k", 100, "batched"),
 ])
 def test_prefill_path_of_packed_formats(fmt: str, pairs: int | None, path: str) -> None:
     """Packed experts the grouped GEMM reads take it up to their family's GROUPED_*_MAX_PAIRS (8192:
-    qwen3-next's 216-token prefill, 2160 pairs of top-10, among them; GGUF 4096), the batched path
-    above and with no count; formats it does not read always; the torch kernels never the grouped one."""
+    qwen3-next's 216-token prefill, 2160 pairs of top-10, among them), the batched path above and
+    with no count; formats it does not read always; the torch kernels never the grouped one."""
     pytest.importorskip("triton")
     from ferryman.layers import fused_moe as fm
 
@@ -80,9 +69,57 @@ def test_prefill_path_of_packed_formats(fmt: str, pairs: int | None, path: str) 
     assert fm.prefill_path(fmt, pairs, "torch") == "batched"
     family = fmt.partition(":")[0]
     limit = {"int4": fm.GROUPED_INT_MAX_PAIRS, "int8": fm.GROUPED_INT_MAX_PAIRS, "fp8": fm.GROUPED_FP8_MAX_PAIRS,
-             "nvfp4": fm.GROUPED_NVFP4_MAX_PAIRS, "nvfp4-ct": fm.GROUPED_NVFP4_MAX_PAIRS,
-             "gguf": fm.GROUPED_GGUF_MAX_PAIRS}.get(family, 0)
+             "nvfp4": fm.GROUPED_NVFP4_MAX_PAIRS, "nvfp4-ct": fm.GROUPED_NVFP4_MAX_PAIRS}.get(family, 0)
     assert fm.grouped_max_pairs(fmt) == limit
+
+
+@pytest.mark.parametrize("fmt", ["gguf:q4_k:q6_k", "gguf:q8_0:q8_0", "gguf:iq4_xs:mxfp4", "gguf:f16:bf16"])
+@pytest.mark.parametrize("pairs", [0, 1, 65, 100, 2048, 4096, 4097, 8192, 32768, None])
+def test_gguf_prefill_takes_the_batched_path_at_every_size(fmt: str, pairs: int | None) -> None:
+    """The grouped GEMM does not read GGUF blocks (decoding them in its tiles measured slower than the
+    batched path at every token count on the H200): every prefill batch, however small, takes the
+    batched path, while the decode kernel still reads them."""
+    pytest.importorskip("triton")
+    from ferryman.layers import fused_moe as fm
+    from ferryman.layers.moe_common import grouped_reads, triton_reads
+
+    assert fm.prefill_path(fmt, pairs, "auto") == "batched"
+    assert fm.prefill_path(fmt, pairs, "triton") == "batched"
+    assert fm.grouped_max_pairs(fmt) == 0
+    assert not grouped_reads(fmt) and triton_reads(fmt)
+
+
+def test_grouped_moe_refuses_gguf_experts() -> None:
+    """Called directly on GGUF banks, the grouped GEMM names the format instead of decoding them."""
+    pytest.importorskip("triton")
+    from ferryman.layers.grouped_moe_triton import grouped_moe
+    from ferryman.layers.moe_common import MoEActivation
+    from ferryman.quant import get_format
+
+    fmt = "gguf:q4_k:q6_k"
+    banks = get_format(fmt).random_banks(2, 256, 256, False, torch.float32, torch.Generator().manual_seed(0))
+    x, ids, w = torch.zeros(1, 256), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="no kernel for expert format 'gguf:q4_k:q6_k'"):
+        grouped_moe(fmt, banks, x, ids, w, MoEActivation())
+
+
+def test_planner_counts_a_batched_group_for_every_gguf_chunk() -> None:
+    """activation_bytes follows prefill_path: a GGUF prefill chunk of any size dequantises a batched
+    group's w13, where bf16 experts (the grouped GEMM) dequantise none."""
+    pytest.importorskip("triton")
+    from ferryman.config import QuantConfig
+    from ferryman.layers.batched_moe import prefill_group
+    from ferryman.models.registry import model_config
+    from ferryman.planner import activation_bytes
+    from ferryman.weights.presets import get_preset
+
+    dense = model_config(get_preset("qwen3-30b-a3b"))
+    packed = dataclasses.replace(dense, quant=QuantConfig("gguf:q4_k:q6_k"))
+    h, i = dense.hidden_size, dense.moe_intermediate_size
+    group_w13 = prefill_group(i, h, 2) * 2 * i * h * 2
+    for tokens in (9, 512, 4096):  # 72, 4096, 32768 pairs of top-8
+        got = activation_bytes(packed, torch.bfloat16, tokens, 1) - activation_bytes(dense, torch.bfloat16, tokens, 1)
+        assert got == group_w13, tokens
 
 
 @pytest.mark.parametrize("fmt", ["int4:g128:sym", "fp8:128x128", "nvfp4"])
@@ -122,10 +159,9 @@ _QWEN3_30B = [(fmt, layout, dtype, 128, 2048, 768, 8) for fmt, layout, dtype in 
     ("int4:g128:asym", "strided", _FP32), ("int8:ch:sym", "contiguous", _BF16),
     ("int4:g128:sym:act", "strided", _BF16), ("fp8:128x128", "strided", _BF16), ("fp8:128x128", "contiguous", _FP32),
     ("fp8:channel", "contiguous", _BF16), ("nvfp4", "strided", _BF16), ("nvfp4-ct", "contiguous", _BF16),
-    ("nvfp4-ct", "strided", _FP32), ("gguf:q4_k:q6_k", "strided", _BF16), ("gguf:q8_0:q8_0", "contiguous", _FP32))]
+    ("nvfp4-ct", "strided", _FP32))]
 _QWEN3_NEXT = [(fmt, layout, _BF16, 512, 2048, 512, 10) for fmt, layout in (
-    ("int4:g128:sym", "strided"), ("fp8:128x128", "contiguous"), ("nvfp4", "contiguous"),
-    ("gguf:q4_k:q6_k", "contiguous"))]
+    ("int4:g128:sym", "strided"), ("fp8:128x128", "contiguous"), ("nvfp4", "contiguous"))]
 
 
 @pytest.mark.gpu
@@ -135,7 +171,7 @@ def test_grouped_moe_packed_on_cuda_at_model_shapes(tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4:g128:sym", "fp8:128x128", "nvfp4", "gguf:q8_0:q8_0"])
+@pytest.mark.parametrize("fmt", ["int4:g128:sym", "fp8:128x128", "nvfp4"])
 def test_cuda_packed_prefill_dispatch(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the defaults, fused_moe sends a packed prefill batch within the limit to the grouped GEMM,
     one past it to the batched path, and both equal the reference."""

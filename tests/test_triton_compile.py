@@ -135,8 +135,7 @@ GROUPED_CASES = {"mxfp4": ("*u8", "*u8", "*u8", "*u8"), "dense": ("*bf16",) * 4,
                  "fp8:128x128": ("*u8", "*fp32", "*u8", "*u8"), "fp8:channel": ("*u8", "*fp32", "*u8", "*u8"),
                  "nvfp4": ("*u8", "*u8", "*fp32", "*u8"), "nvfp4-ct": ("*u8", "*u8", "*fp32", "*u8"),
                  # scales gathered per input (groups / blocks that do not tile BK): on 2880 x 2880
-                 "int8:g24:asym": ("*i32", "*fp32", "*i32", "*u8"), "fp8:32x48": ("*u8", "*fp32", "*u8", "*u8"),
-                 "gguf:q4_k:q6_k": ("*u8",) * 4, "gguf:q8_0:iq4_xs": ("*u8",) * 4}
+                 "int8:g24:asym": ("*i32", "*fp32", "*i32", "*u8"), "fp8:32x48": ("*u8", "*fp32", "*u8", "*u8")}
 
 
 @pytest.mark.parametrize("fmt_name", list(GROUPED_CASES))
@@ -145,7 +144,6 @@ def test_grouped_moe_kernels_compile_for_sm90(fmt_name: str) -> None:
     tile function (gpt-oss-20b's shape for mxfp4 and dense, qwen3-30b-a3b's for the others)."""
     from ferryman.layers.grouped_moe_triton import GroupedConfig
     from ferryman.layers.moe_common import quant_params
-    from ferryman.quant.gguf_triton import type_code
 
     cfg = GroupedConfig()
     w, s, g, z = GROUPED_CASES[fmt_name]
@@ -153,15 +151,12 @@ def test_grouped_moe_kernels_compile_for_sm90(fmt_name: str) -> None:
     blocks = {"order_ptr": "*i64", "bslot_ptr": "*i64", "brow_ptr": "*i64", "bend_ptr": "*i64", "w_ptr": w,
               "s_ptr": s, "g_ptr": g, "z_ptr": z, "b_ptr": "*bf16"}
     strides = {name: "i64" for name in ("w_stride", "s_stride", "b_stride", "g_stride", "z_stride")}
-    codes = [type_code(t) for t in fmt_name.split(":")[1:]] if fmt_name.startswith("gguf:") else [0, 0]
     cx = {"H": h, "I": i, "MXFP4": fmt_name == "mxfp4", **quant_params(fmt_name), "HAS_BIAS": True, "FP32": False,
           "BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
     sig13 = {"x_ptr": "*bf16", **blocks, "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **strides}
-    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w13_grouped", sig13,
-                           {**cx, "TOPK": 4, "ACT": 1, "GGUF": codes[0]},
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w13_grouped", sig13, {**cx, "TOPK": 4, "ACT": 1},
                            stage="ptx")
     assert "mma" in ptx
     sig2 = {"h_ptr": "*bf16", **blocks, "tw_ptr": "*fp32", "y_ptr": "*fp32", **strides}
-    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w2_grouped", sig2, {**cx, "GGUF": codes[1]},
-                           stage="ptx")
+    ptx = _compile_or_skip("ferryman.layers.grouped_moe_triton:_w2_grouped", sig2, cx, stage="ptx")
     assert "mma" in ptx

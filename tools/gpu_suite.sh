@@ -43,10 +43,11 @@
 #                longprompt120 run one each
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
-#   groupedq     the grouped GEMM's packed-tile GPU tests (int4/int8, fp8, nvfp4, GGUF at qwen3-30b-a3b and
+#   groupedq     the grouped GEMM's packed-tile GPU tests (int4/int8, fp8, nvfp4 at qwen3-30b-a3b and
 #                qwen3-next shapes), then bench_prefill_moe: grouped vs batched by token count for qwen3-30b-a3b
-#                in bf16, int4, fp8, nvfp4, Q4_K_M and qwen3-next in int4, fp8, nvfp4, Q4_K_M (sets
-#                layers/fused_moe.py's GROUPED_*_MAX_PAIRS); ~5 min
+#                in bf16, int4, fp8, nvfp4 and qwen3-next in int4, fp8, nvfp4 (sets layers/fused_moe.py's
+#                GROUPED_*_MAX_PAIRS), and the batched path alone for Q4_K_M at both shapes (GGUF experts
+#                take it at every size: the grouped GEMM does not read them); ~5 min
 #   gguf         the GGUF kernel tests (dequantiser, decode GEMVs, batched prefill), then the decode
 #                GEMV on a qwen3-30b-a3b layer: Q4_K, Q4_K_M's Q4_K + Q6_K, and MXFP4 (~2.5 min)
 #   families     bench_offload at 16 GiB on the first layers of glm-4.5-air (12), qwen3-next-80b-a3b (12)

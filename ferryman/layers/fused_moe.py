@@ -39,11 +39,10 @@ GROUPED_MXFP4_MAX_PAIRS = 2048
 GROUPED_INT_MAX_PAIRS = 8192  # int4 / int8 (quant/intq.py)
 GROUPED_FP8_MAX_PAIRS = 8192  # fp8 blocks and channels (quant/fp8.py)
 GROUPED_NVFP4_MAX_PAIRS = 6144  # nvfp4, nvfp4-ct (quant/nvfp4.py)
-# GGUF blocks (quant/gguf.py): k-quants decode each value from several bytes, so half as many pairs
-GROUPED_GGUF_MAX_PAIRS = 4096
+# GGUF blocks have no entry: the grouped GEMM does not read them (moe_common.grouped_reads)
 _GROUPED_MAX_PAIRS = {"mxfp4": GROUPED_MXFP4_MAX_PAIRS, "int4": GROUPED_INT_MAX_PAIRS, "int8": GROUPED_INT_MAX_PAIRS,
                       "fp8": GROUPED_FP8_MAX_PAIRS, "nvfp4": GROUPED_NVFP4_MAX_PAIRS,
-                      "nvfp4-ct": GROUPED_NVFP4_MAX_PAIRS, "gguf": GROUPED_GGUF_MAX_PAIRS}
+                      "nvfp4-ct": GROUPED_NVFP4_MAX_PAIRS}
 
 
 def grouped_max_pairs(fmt: str) -> int | None:
@@ -59,13 +58,13 @@ def grouped_max_pairs(fmt: str) -> int | None:
 def prefill_path(fmt: str, pairs: int | None = None, kernels: str | None = None) -> str:
     """The CUDA path of a batch too large for the decode kernel: "grouped" for unquantised experts
     and packed ones the grouped GEMM reads up to their family's GROUPED_*_MAX_PAIRS (token, k) pairs,
-    else "batched", as also wherever the grouped kernel cannot run (no Triton, FERRYMAN_KERNELS=torch).
-    pairs None: the path of the largest batches. kernels: a FERRYMAN_KERNELS value to decide for
-    (default: the process's)."""
+    else "batched", as for every batch of the formats it does not read (GGUF) and wherever the grouped
+    kernel cannot run (no Triton, FERRYMAN_KERNELS=torch). pairs None: the path of the largest batches.
+    kernels: a FERRYMAN_KERNELS value to decide for (default: the process's)."""
     if (envs.KERNELS if kernels is None else kernels) == "torch" or not backend.triton_available():
         return "batched"
-    limit = grouped_max_pairs(fmt)
-    if limit is None or (pairs is not None and pairs <= limit):
+    limit = grouped_max_pairs(fmt)  # 0: the grouped GEMM does not read fmt, not even an empty batch
+    if limit is None or (pairs is not None and 0 < limit and pairs <= limit):
         return "grouped"
     return "batched"
 

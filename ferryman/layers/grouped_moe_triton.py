@@ -1,5 +1,5 @@
 """Triton grouped GEMM over slot-indexed expert banks: a CUDA prefill path (fused_moe.prefill_path),
-dense weights read as they are, packed ones (MXFP4, fp8 blocks or channels, NVFP4, int4/int8, GGUF) decoded
+dense weights read as they are, packed ones (MXFP4, fp8 blocks or channels, NVFP4, int4/int8) decoded
 inside the weight tiles by their format's tile function (quant/*_triton.py), never dequantised whole.
 
     `grouped_moe(fmt, banks, x, slot_ids, topk_w, act)`  same contract as `fused_moe`
@@ -22,11 +22,10 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import (TRITON_FAMILIES, TRITON_FORMATS, MoEActivation, check_inputs, grouped_reads,
+from ferryman.layers.moe_common import (INT_FAMILIES, TRITON_FORMATS, MoEActivation, check_inputs, grouped_reads,
                                         kernel_bank, quant_params)
 from ferryman.quant.base import Banks, get_format
 from ferryman.quant.fp8_triton import fp8_tile
-from ferryman.quant.gguf_triton import gguf_tile, type_code
 from ferryman.quant.intq_triton import int_tile
 from ferryman.quant.mxfp4_triton import mxfp4_tile
 from ferryman.quant.nvfp4_triton import nvfp4_tile
@@ -50,16 +49,14 @@ class GroupedConfig:
 
 @triton.jit
 def _w_tile(w_base, s_base, g_base, z_base, rows, rmask, k0, kk, kmask, KDIM: tl.constexpr, PART_ROWS: tl.constexpr,
-            MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, GGUF: tl.constexpr,
-            R: tl.constexpr, BK: tl.constexpr):
+            MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, R: tl.constexpr,
+            BK: tl.constexpr):
     # rows [R] of one expert's weight [OUT, KDIM] at columns kk = k0 + [0, BK) -> fp32 [R, BK] (0
     # outside), decoded by the format's tile function (quant/*_triton.py). QF / QA / QB as the decode
     # kernel's (layers/moe_common.py quant_params): 1 fp8, 2 nvfp4, 3 int; 0 dense or MXFP4. Row r of
     # the weight belongs to part r // PART_ROWS (w13: gate, up) for nvfp4's global scales and int's
-    # group indices. GGUF: the projection's ggml type code (quant/gguf_triton.py), 0 for other formats.
-    if GGUF != 0:
-        return gguf_tile(w_base, rows, rmask, k0, KDIM, R, BK, GGUF)
-    elif MXFP4:
+    # group indices.
+    if MXFP4:
         return mxfp4_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK)
     elif QF == 1:
         return fp8_tile(w_base, s_base, rows, rmask, k0, KDIM, R, BK, QA, QB)
@@ -99,8 +96,8 @@ def _a_tile(a_ptr, a_rows, rmask, k0, KDIM: tl.constexpr, BK: tl.constexpr):
 def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g_ptr, z_ptr, b_ptr, h_ptr, alpha,
                  limit, w_stride, s_stride, b_stride, g_stride, z_stride, H: tl.constexpr, I: tl.constexpr,
                  TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
-                 QB: tl.constexpr, GGUF: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr):
+                 QB: tl.constexpr, HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -118,11 +115,9 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
     for k0 in range(0, H, BK):
         a, kk, kmask = _a_tile(x_ptr, tok, rmask, k0, H, BK)
         # w13 rows [0, I) are the gate's part, [I, 2I) the up's (swiglu_oai interleaves within each)
-        w_g = _w_tile(w_base, s_base, g_base, z_base, g_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, GGUF,
-                      BN, BK)
+        w_g = _w_tile(w_base, s_base, g_base, z_base, g_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, BN, BK)
         acc_g += _dot(a, w_g, FP32)
-        w_u = _w_tile(w_base, s_base, g_base, z_base, u_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, GGUF,
-                      BN, BK)
+        w_u = _w_tile(w_base, s_base, g_base, z_base, u_rows, nmask, k0, kk, kmask, H, I, MXFP4, QF, QA, QB, BN, BK)
         acc_u += _dot(a, w_u, FP32)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + slot * b_stride + g_rows, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -135,8 +130,8 @@ def _w13_grouped(x_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, 
 @triton.jit
 def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g_ptr, z_ptr, b_ptr, tw_ptr, y_ptr,
                 w_stride, s_stride, b_stride, g_stride, z_stride, H: tl.constexpr, I: tl.constexpr,
-                MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, GGUF: tl.constexpr,
-                HAS_BIAS: tl.constexpr, FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                FP32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     blk = tl.program_id(0)
     slot = tl.load(bslot_ptr + blk).to(tl.int64)
     if slot < 0:
@@ -150,7 +145,7 @@ def _w2_grouped(h_ptr, order_ptr, bslot_ptr, brow_ptr, bend_ptr, w_ptr, s_ptr, g
     w_base, s_base, g_base, z_base = _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, w_stride, s_stride, g_stride, z_stride)
     for k0 in range(0, I, BK):
         a, kk, kmask = _a_tile(h_ptr, pair, rmask, k0, I, BK)
-        w = _w_tile(w_base, s_base, g_base, z_base, n, nmask, k0, kk, kmask, I, H, MXFP4, QF, QA, QB, GGUF, BN, BK)
+        w = _w_tile(w_base, s_base, g_base, z_base, n, nmask, k0, kk, kmask, I, H, MXFP4, QF, QA, QB, BN, BK)
         acc += _dot(a, w, FP32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + slot * b_stride + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -182,7 +177,7 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     """x [T, H], slot_ids / topk_w [T, K] -> [T, H] in x.dtype."""
     if not grouped_reads(fmt):
         raise ValueError(f"grouped_moe: no kernel for expert format {fmt!r}; have {', '.join(TRITON_FORMATS)} "
-                         f"and the families {', '.join(TRITON_FAMILIES)}, fp8")
+                         f"and the families {', '.join(INT_FAMILIES)}, fp8")
     num_slots, hidden, inter = get_format(fmt).dims(banks)
     check_inputs(x, slot_ids, topk_w, hidden)
     t, k = slot_ids.shape
@@ -193,15 +188,12 @@ def grouped_moe(fmt: str, banks: Banks, x: torch.Tensor, slot_ids: torch.Tensor,
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [P, I]
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     order, bslot, first, end = _blocks(slot_ids, num_slots, cfg.block_m)
-    # GGUF: the w13 and w2 types' codes, "gguf:<w13>:<w2>"; 0 for other formats
-    gguf_codes = [type_code(name) for name in fmt.split(":")[1:]] if fmt.startswith("gguf:") else [0, 0]
     tiles = dict(MXFP4=fmt == "mxfp4", **quant_params(fmt), HAS_BIAS=w13.has_bias, FP32=x.dtype == torch.float32,
                  BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps)
     _w13_grouped[(bslot.numel(), triton.cdiv(inter, cfg.block_n))](
         x, order, bslot, first, end, w13.w, w13.s, w13.g, w13.z, w13.b, h, float(act.alpha), float(act.limit),
-        *w13.strides, w13.g_stride, w13.z_stride, H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind],
-        GGUF=gguf_codes[0], **tiles)
+        *w13.strides, w13.g_stride, w13.z_stride, H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[act.kind], **tiles)
     _w2_grouped[(bslot.numel(), triton.cdiv(hidden, cfg.block_n))](
         h, order, bslot, first, end, w2.w, w2.s, w2.g, w2.z, w2.b, tw, y, *w2.strides, w2.g_stride, w2.z_stride,
-        H=hidden, I=inter, GGUF=gguf_codes[1], **tiles)
+        H=hidden, I=inter, **tiles)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]

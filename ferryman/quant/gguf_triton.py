@@ -1,8 +1,8 @@
 """Triton reading of GGUF blocks: `gguf_values` decodes any element of a row of ggml blocks where
-it lies (the decode GEMV's tiles, the grouped prefill GEMM's `gguf_tile` and the dequantiser below
-share it), `dequant_gguf_rows` dequantises expert slots in place. Values equal quant/gguf_blocks.py's
-bit for bit: each is a fp16 scale times small integers (exact in fp32) plus at most one other exact
-product, so a fused multiply-add the compiler may form rounds the same once.
+it lies (the decode GEMV's tiles and the dequantiser below share it), `dequant_gguf_rows` dequantises
+expert slots in place (the batched prefill path). Values equal quant/gguf_blocks.py's bit for bit: each
+is a fp16 scale times small integers (exact in fp32) plus at most one other exact product, so a fused
+multiply-add the compiler may form rounds the same once.
 """
 
 from __future__ import annotations
@@ -242,13 +242,3 @@ def gguf_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.cons
             acc += w * xv[None, :]
         out = tl.sum(acc, axis=1)
     return out
-
-
-@triton.jit
-def gguf_tile(w_base, rows, rmask, k0, KDIM: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, T: tl.constexpr):
-    """The grouped prefill GEMM's weight tile (layers/grouped_moe_triton.py): rows [R] of one expert's
-    GGUF bank slice at uint8 pointer w_base ([OUT, row_bytes], contiguous) at inputs [k0, k0 + BK)
-    -> fp32 [R, BK] (0 outside), decoded where they lie by `gguf_values` (the dequantiser's values)."""
-    row = w_base + rows.to(tl.int64)[:, None] * _row_bytes(KDIM, T)  # [R, 1]
-    k = k0 + tl.arange(0, BK)
-    return gguf_values(row, k[None, :], rmask[:, None] & (k < KDIM)[None, :], T)
