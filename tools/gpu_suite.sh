@@ -93,7 +93,9 @@ pypath() { echo "$1${SITE:+:$SITE}"; }  # pypath TREE: the PYTHONPATH that impor
 export PYTHONPATH="$(pypath "$ROOT")"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-echo "tree: $(git log -1 --format='%h %cs %s' 2>/dev/null || echo "$ROOT")"
+echo "tree: $(git log -1 --format='%h %cs %s' 2>/dev/null || echo "$ROOT") (the device's copy of .git may lag the files)"
+# the files themselves: the same command in a checkout of the commit run gives the same hash
+echo "code: $(find ferryman benchmarks tools -name '*.py' -o -name '*.sh' -o -name '*.c' -o -name '*.h' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 
 BIG_GROUPED="tests/test_grouped_moe.py::test_grouped_moe_on_cuda_gpt_oss_20b_layer[300]"
 PYTEST=(python3 -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=90)
