@@ -6,8 +6,8 @@ dtype mismatches) that the interpreter (TRITON_INTERPRET=1) does not see.
 
 from __future__ import annotations
 
+import argparse
 import importlib
-import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -30,9 +30,22 @@ def compile_check(qualname: str, signature: dict[str, str], constexprs: dict[str
     return out.asm[stage] if stage in out.asm else ""
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernel", help="module:function of a @triton.jit kernel")
+    ap.add_argument("signature", help="comma-separated name=type of its runtime arguments (*u8, *bf16, i32, fp32, ...)")
+    ap.add_argument("constexprs", nargs="*", help="NAME=int for each constexpr argument")
+    ap.add_argument("--stage", default="ttgir", choices=["ttir", "ttgir", "llir", "ptx"],
+                    help="output to report (default: ttgir)")
+    a = ap.parse_args()
+    try:
+        sig = dict(kv.split("=", 1) for kv in a.signature.split(","))
+        cons = {k: int(v) for k, v in (c.split("=", 1) for c in a.constexprs)}
+    except ValueError:
+        ap.error("signature: name=type,...; constexprs: NAME=int")
+    text = compile_check(a.kernel, sig, cons, a.stage)
+    print(f"compiled {a.kernel}: {len(text)} chars of {a.stage}")
+
+
 if __name__ == "__main__":
-    qual, sig_s, *cx = sys.argv[1:]
-    sig = dict(kv.split("=") for kv in sig_s.split(","))
-    cons = {k: int(v) for k, v in (c.split("=") for c in cx)}
-    text = compile_check(qual, sig, cons)
-    print(f"compiled {qual}: {len(text)} chars of ttgir")
+    main()
