@@ -180,6 +180,8 @@ DENSE512(bf16_avx512, uint16_t, bf16_load16, bf16_loadm)
 DENSE512(f32_avx512, float, f32_load16, f32_loadm)
 DENSE512(f16_avx512, uint16_t, f16_load16, f16_loadm)
 
+#include "cpu_experts_tiles512.h"
+
 /* ---- AVX2 ------------------------------------------------------------------------------------- */
 /* The MXFP4 span as two 32-byte halves (lanes d = 0..7, then 8..15); vpermps reads 3 bits, so the
  * table holds magnitudes and bit 3 of the nibble becomes the sign bit. Tail groups: portable loop. */
