@@ -63,15 +63,16 @@ def matrix_main(a: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     blocks, scales = random_mxfp4((a.rows, a.hidden), gen)
     dense = torch.randn(a.rows, a.hidden, generator=gen).bfloat16()
-    print(f"one thread, {a.rows} x {a.hidden} matrix, best of {a.calls} calls; ISA {cpu_kernel.isa_name(libs['this tree'][0])}")
+    isa = min(a.isa, cpu_kernel.isa_name(libs["this tree"][0]), key=cpu_kernel.ISAS.__getitem__)
+    print(f"one thread, {a.rows} x {a.hidden} matrix, best of {a.calls} calls; ISA {isa}")
     print(f"{'format':6s} {'tokens':>6s} " + " ".join(f"{name[-24:]:>24s}" for name in libs) + "   ratio")
     for fmt, w, s in (("mxfp4", blocks, scales), ("bf16", dense, None)):
         for t in (int(v) for v in a.tokens.split(",")):
             x = torch.randn(t, a.hidden, generator=gen)
             us = []
             for lib, _ in libs.values():
-                us.append(_best(lambda: cpu_kernel.matmul(x, w, s, "mxfp4" if fmt == "mxfp4" else "dense", lib=lib),
-                                a.calls) * 1e6)
+                us.append(_best(lambda: cpu_kernel.matmul(x, w, s, "mxfp4" if fmt == "mxfp4" else "dense", a.isa,
+                                                          lib=lib), a.calls) * 1e6)
             macs = [t * a.rows * a.hidden / u / 1e3 for u in us]
             print(f"{fmt:6s} {t:6d} " + " ".join(f"{u:9.1f} us {m:6.1f} GMAC/s" for u, m in zip(us, macs))
                   + (f"   {us[0] / us[-1]:.2f}x" if len(us) > 1 else ""))
@@ -89,6 +90,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="TREE", help="--matrix: also time the kernel of this source tree")
     ap.add_argument("--rows", type=int, default=256, help="--matrix: rows of the matrix")
     ap.add_argument("--calls", type=int, default=300, help="--matrix: calls per figure (the best is kept)")
+    ap.add_argument("--isa", default="avx512bf16", choices=list(cpu_kernel.ISAS),
+                    help="--matrix: the most the kernels may use")
     a = ap.parse_args()
     if a.matrix:
         matrix_main(a)

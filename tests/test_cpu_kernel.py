@@ -79,7 +79,8 @@ def test_bf16_times_bf16_matches_matmul(tokens: int, isa: str) -> None:
 @needs_kernel
 @pytest.mark.parametrize("tokens", [3, 4, 5, 9])  # around the decoded tiles' threshold and register blocks
 @pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
-def test_decoded_tiles_at_uneven_shapes(fmt: str, tokens: int) -> None:
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_decoded_tiles_at_uneven_shapes(fmt: str, tokens: int, isa: str) -> None:
     """Several tokens per matrix decode each tile of rows once: 37 rows (not a whole number of tiles)
     and K = 2336 (two whole K tiles, then one that ends with MXFP4 groups after the last whole span),
     each product against the float64 reference."""
@@ -88,11 +89,11 @@ def test_decoded_tiles_at_uneven_shapes(fmt: str, tokens: int) -> None:
     x = torch.randn(tokens, k, generator=gen)
     if fmt == "mxfp4":
         blocks, scales = _weights(n, k, tokens)
-        got, want = cpu_kernel.matmul(x, blocks, scales), _reference(x, blocks, scales)
+        got, want = cpu_kernel.matmul(x, blocks, scales, isa=isa), _reference(x, blocks, scales)
         got, want = got[:, 3:], want[:, 3:]  # rows 0-2: the extreme scales (test above)
     else:
         w = torch.randn(n, k, generator=gen).bfloat16()
-        got, want = cpu_kernel.matmul(x, w, fmt="dense"), x.double() @ w.double().T
+        got, want = cpu_kernel.matmul(x, w, fmt="dense", isa=isa), x.double() @ w.double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 

@@ -14,8 +14,9 @@
  * Several tokens per matrix: each format also has a decoder (`decode_*`: a tile of rows and a chunk of
  * K as exact fp32 weights, in the order of its prepared activations), so a weight is decoded once per
  * tile whatever the token count, and one dot-product kernel per ISA (`dots_*`, shared by all
- * formats: blocks of rows x tokens in registers) applies the tile to every token. One token, or an
- * ISA without a dots kernel: the row decoders, which decode in registers as they multiply.
+ * formats: blocks of rows x tokens in registers) applies the tile to every token. Below the ISA's
+ * TILES_FROM tokens, or on an ISA without a dots kernel: the row decoders, which decode in registers
+ * as they multiply.
  *
  * `ferryman_cpu_experts` computes a whole MoE layer's job (several experts, each on its own tokens)
  * in ONE OpenMP region: the gate/up rows of all its experts are split evenly between the threads,
@@ -241,6 +242,11 @@ static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K,
 #define decode_f32_avx512 NULL
 #define decode_f16_avx512 NULL
 #define dots_avx512 NULL
+#define decode_mxfp4_avx2 NULL
+#define decode_bf16_avx2 NULL
+#define decode_f32_avx2 NULL
+#define decode_f16_avx2 NULL
+#define dots_avx2 NULL
 static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 
@@ -252,8 +258,11 @@ typedef struct {
     decode_fn decode[N_ISAS];        /* by ISA_*: NULL where the ISA has no dots kernel (DOTS) */
 } format_t;
 
-/* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count) */
-static const dots_fn DOTS[N_ISAS] = {NULL, NULL, dots_avx512, dots_avx512};
+/* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
+ * token count from which it takes over from the row decoders (measured on one core of the dev VM:
+ * AVX-512's row decoders are faster up to 3 tokens, AVX2's slower even at 1) */
+static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
+static const int TILES_FROM[N_ISAS] = {0, 1, 4, 4};
 
 static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
 static int64_t two_byte_row(int64_t K) { return 2 * K; }
@@ -262,13 +271,13 @@ static int64_t four_byte_row(int64_t K) { return 4 * K; }
 static const format_t FORMATS[N_FORMATS] = {
     [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
                    {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512},
-                   {NULL, NULL, decode_mxfp4_avx512, decode_mxfp4_avx512}},
+                   {NULL, decode_mxfp4_avx2, decode_mxfp4_avx512, decode_mxfp4_avx512}},
     [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
-                  {NULL, NULL, decode_bf16_avx512, decode_bf16_avx512}},
+                  {NULL, decode_bf16_avx2, decode_bf16_avx512, decode_bf16_avx512}},
     [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512},
-                 {NULL, NULL, decode_f32_avx512, decode_f32_avx512}},
+                 {NULL, decode_f32_avx2, decode_f32_avx512, decode_f32_avx512}},
     [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512},
-                 {NULL, NULL, decode_f16_avx512, decode_f16_avx512}},
+                 {NULL, decode_f16_avx2, decode_f16_avx512, decode_f16_avx512}},
     /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
      * portable loop keeps the format exact everywhere */
     [FMT_BF16X] = {two_byte_row, prep_bf16, 1,

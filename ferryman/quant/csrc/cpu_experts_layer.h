@@ -5,18 +5,18 @@
 
 #define TILE_ROWS 4        /* rows of a decoded tile (one register block of dots_*) */
 #define TILE_K 1024        /* K per decoded tile (a multiple of SPAN; the last one takes what is left) */
-#define TILE_MIN_TOKENS 4  /* fewer tokens: the row decoders (one token tile, no decoded copy) are as fast */
 
-/* How one format multiplies on one ISA: the row decoder, and the tile decoder and dots kernel
- * (decode NULL: the row decoder for any token count). */
+/* How one format multiplies on one ISA: the row decoder, and the tile decoder and dots kernel for
+ * tiles_from tokens and more (decode NULL: the row decoder for any token count). */
 typedef struct {
     rows_fn rows;
     decode_fn decode;
     dots_fn dots;
+    int tiles_from;
 } kernel_t;
 
 static kernel_t kernel_of(const format_t *f, int isa) {
-    kernel_t k = {f->rows[isa], DOTS[isa] ? f->decode[isa] : NULL, DOTS[isa]};
+    kernel_t k = {f->rows[isa], DOTS[isa] ? f->decode[isa] : NULL, DOTS[isa], TILES_FROM[isa]};
     return k;
 }
 
@@ -38,13 +38,13 @@ static void run_tiles(const kernel_t *kn, const uint8_t *w, const uint8_t *s, in
 }
 
 /* rows [n0, n1) of one matrix for T prepared tokens (xp: [T, K]) into y ([T, ys]), which this zeroes
- * first. Several tokens: run_tiles where the ISA has a dots kernel. Else per block of rows, per tile
- * of tokens, per chunk of K (the tile's chunk of x fits L1; a whole row when it fits: each chunk
- * ends in a horizontal sum per row and token). */
+ * first. run_tiles where the ISA has a dots kernel and T reaches its tiles_from. Else per block of
+ * rows, per tile of tokens, per chunk of K (the tile's chunk of x fits L1; a whole row when it fits:
+ * each chunk ends in a horizontal sum per row and token). */
 static void run_rows(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
                      const float *xp, int64_t T, float *y, int64_t ys) {
     for (int64_t t = 0; t < T; t++) memset(y + t * ys + n0, 0, sizeof(float) * (size_t)(n1 - n0));
-    if (T >= TILE_MIN_TOKENS && kn->decode != NULL) {
+    if (kn->decode != NULL && T >= kn->tiles_from) {
         run_tiles(kn, w, s, K, n0, n1, xp, T, y, ys);
         return;
     }

@@ -260,6 +260,8 @@ DENSE256(bf16_avx2, uint16_t, bf16_load8, bf16_scalar)
 DENSE256(f32_avx2, float, f32_load8, f32_scalar)
 DENSE256(f16_avx2, uint16_t, f16_load8, half_float)
 
+#include "cpu_experts_tiles256.h"
+
 /* ---- AVX512-BF16 (compiled everywhere, run only where CPUID reports it) -------------------------- */
 /* bf16 weights times bf16 activations: one vdpbf16ps multiplies 32 pairs and adds them in pairs into
  * 16 fp32 lanes; up to 4 tokens per pass, a row's chunk at a time */
