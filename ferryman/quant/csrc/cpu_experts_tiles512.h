@@ -99,8 +99,10 @@ INLINE512 void dots512_block(const float *wb, int64_t ld, const float *xp, int64
         __mmask16 m = (__mmask16)((1u << (len - k)) - 1);
         for (int t = 0; t < nt; t++) {
             __m512 xv = _mm512_maskz_loadu_ps(m, xp + t * K + k);
-            for (int r = 0; r < nr; r++)
-                acc[t * DOT_ROWS + r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, wb + r * ld + k), xv, acc[t * DOT_ROWS + r]);
+            for (int r = 0; r < nr; r++) {
+                __m512 wv = _mm512_maskz_loadu_ps(m, wb + r * ld + k);
+                acc[t * DOT_ROWS + r] = _mm512_fmadd_ps(wv, xv, acc[t * DOT_ROWS + r]);
+            }
         }
     }
     float out[DOT_ACC];
