@@ -1,5 +1,5 @@
 """The CPU expert kernel (quant/csrc/cpu_experts.c through quant/cpu_kernel.py, cpu_layer.py): per
-format (MXFP4, dense bf16 / fp32 / fp16), token count (1, 2, 7, 32) and instruction set (AVX-512,
+format (MXFP4, dense bf16 / fp32 / fp16), token count (1, 2, 4, 7, 32) and instruction set (AVX-512,
 AVX2, the portable loop: each where this CPU has it, else the next below), its products against the
 torch dequantiser (MXFP4's is checked against gguf-py in test_mxfp4.py) times the activations in
 float64; whole layers against fused_moe's torch path; the one-thread build; the fallback when no
@@ -20,7 +20,7 @@ from triton_interp import use_cpu_kernel
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler to build the CPU kernel")
 ISAS = ["avx512bf16", "avx512", "avx2", "portable"]
-TOKENS = [1, 2, 7, 32]
+TOKENS = [1, 2, 4, 7, 32]
 
 
 def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +74,27 @@ def test_bf16_times_bf16_matches_matmul(tokens: int, isa: str) -> None:
     x = torch.randn(tokens, 2880, generator=gen).bfloat16().float()
     got = cpu_kernel.matmul(x, w, fmt="dense", isa=isa, x_bf16=True)
     torch.testing.assert_close(got.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [3, 4, 5, 9])  # around the decoded tiles' threshold and register blocks
+@pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_decoded_tiles_at_uneven_shapes(fmt: str, tokens: int, isa: str) -> None:
+    """Several tokens per matrix decode each tile of rows once: 37 rows (not a whole number of tiles)
+    and K = 2336 (two whole K tiles, then one that ends with MXFP4 groups after the last whole span),
+    each product against the float64 reference."""
+    n, k = 37, 2336
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, k, generator=gen)
+    if fmt == "mxfp4":
+        blocks, scales = _weights(n, k, tokens)
+        got, want = cpu_kernel.matmul(x, blocks, scales, isa=isa), _reference(x, blocks, scales)
+        got, want = got[:, 3:], want[:, 3:]  # rows 0-2: the extreme scales (test above)
+    else:
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        got, want = cpu_kernel.matmul(x, w, fmt="dense", isa=isa), x.double() @ w.double().T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel

@@ -60,7 +60,8 @@
 #   hybridsteps  the state-checkpoint GPU tests (fla in segment rounds, saves inside a chunk in bf16), then
 #                the cached turn's engine steps on qwen3-next-80b-a3b (12 layers, int4, 16 GiB: 8,192 tokens,
 #                then 200 more; one prefill step expected, it was 208 + 8 tokens); ~3 min
-#   strategies   the CPU kernel's tests on this CPU (AVX512-BF16 runs only here), then
+#   strategies   the CPU kernel's tests on this CPU (AVX512-BF16 runs only here), one core's
+#                microseconds per matrix at 1-32 tokens (bench_cpu_mxfp4.py --matrix), then
 #                `ferryman bench bw gpt-oss-20b --json` (each CPU kernel's GB/s beside the host read
 #                bandwidth), then gpt-oss-20b at 8 GiB with moe_strategy offload and hybrid: one
 #                sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~5 min
@@ -293,7 +294,8 @@ for s in ${@:-tests}; do
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
     strategies)  stage cpu_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py \
-                   -k "avx512bf16 or layer_job"
+                   -k "avx512bf16 or layer_job or decoded_tiles"
+                 stage cpu_matrix 60 python3 benchmarks/bench_cpu_mxfp4.py --matrix --tokens 1,2,4,8,16,32
                  stage bench_bw 100 python3 -m ferryman bench bw gpt-oss-20b --reps 3 \
                    --output "$OUT/calibration.json" --json "$OUT/bench_bw.json"
                  strategy offload; strategy hybrid ;;

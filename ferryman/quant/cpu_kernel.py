@@ -62,16 +62,16 @@ def cache_dir() -> Path:
     return Path(base) / "ferryman"
 
 
-def _sources() -> bytes:
-    return b"".join(p.read_bytes() for p in sorted(CSRC.glob("cpu_experts*")))
+def _sources(csrc: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(csrc.glob("cpu_experts*")))
 
 
-def _compile(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
+def _compile(cc: str, flags: tuple[str, ...], out: Path, csrc: Path) -> str | None:
     """Build the library at `out` (atomically); None on success, else the compiler's complaint."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"]
+    cmd = [cc, *flags, "-shared", "-fPIC", "-o", tmp, str(csrc / SOURCE.name), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -84,13 +84,14 @@ def _compile(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
     return None
 
 
-def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
-    key = hashlib.sha256(_sources() + repr((cc, flags, platform.machine(), platform.node())).encode())
+def _library_path(cc: str, flags: tuple[str, ...], csrc: Path) -> Path:
+    key = hashlib.sha256(_sources(csrc) + repr((cc, flags, platform.machine(), platform.node())).encode())
     return cache_dir() / f"cpu_experts-{key.hexdigest()[:16]}.so"
 
 
-def build(openmp: bool = True) -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library or None, how it was built or why not). openmp False: the one-thread build."""
+def build(openmp: bool = True, csrc: Path = CSRC) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library or None, how it was built or why not). openmp False: the one-thread build;
+    csrc: the folder of the sources (benchmarks build another tree's kernel beside this one)."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         return None, f"no C compiler ({cc!r} is not on PATH; set CC)"
@@ -98,8 +99,8 @@ def build(openmp: bool = True) -> tuple[ctypes.CDLL | None, str]:
     for flags in FLAG_SETS:
         if not openmp and "-fopenmp" in flags:
             continue
-        path = _library_path(cc, flags)
-        error = None if path.exists() else _compile(cc, flags, path)
+        path = _library_path(cc, flags, csrc)
+        error = None if path.exists() else _compile(cc, flags, path, csrc)
         if error is None:
             lib = ctypes.CDLL(str(path))
             _declare(lib)

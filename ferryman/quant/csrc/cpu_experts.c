@@ -11,6 +11,13 @@
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
+ * Several tokens per matrix: each format also has a decoder (`decode_*`: a tile of rows and a chunk of
+ * K as exact fp32 weights, in the order of its prepared activations), so a weight is decoded once per
+ * tile whatever the token count, and one dot-product kernel per ISA (`dots_*`, shared by all
+ * formats: blocks of rows x tokens in registers) applies the tile to every token. Below the ISA's
+ * TILES_FROM tokens, or on an ISA without a dots kernel: the row decoders, which decode in registers
+ * as they multiply.
+ *
  * `ferryman_cpu_experts` computes a whole MoE layer's job (several experts, each on its own tokens)
  * in ONE OpenMP region: the gate/up rows of all its experts are split evenly between the threads,
  * then the activation, then the down rows of all experts, then the weighted sum per output column,
@@ -22,8 +29,9 @@
  * Loaded with ctypes by ferryman/quant/cpu_kernel.py, which builds it at first use.
  *
  * A new format (int4 groups, FP8 blocks, GGUF Q4_K / Q6_K / Q8_0, ...): a `rows_*` decoder (the
- * portable one at least; vector ones per ISA where they pay), a `prep_*` if its activations want
- * another order, `row_bytes`, one entry in FORMATS; then its code in cpu_kernel.py KERNEL_FORMATS
+ * portable one at least; vector ones per ISA where they pay), a `decode_*` tile decoder (its vector
+ * ones where the ISA has a dots kernel), a `prep_*` if its activations want another order,
+ * `row_bytes`, one entry in FORMATS; then its code in cpu_kernel.py KERNEL_FORMATS
  * and its bank names in cpu_layer.py BANKS. Weights and scales arrive as two pointers per expert
  * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
  */
@@ -178,6 +186,45 @@ static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, i
     }
 }
 
+/* ---- tile decoders: rows [n0, n1) x [k0, k1) of W as fp32 into wb[(n - n0) * ld + k - k0], in the
+ * order of the prepared activations (k0, k1 as for the row decoders). Each weight is exact: an
+ * MXFP4 code times its power-of-two scale (inf where the reference's is). */
+typedef void (*decode_fn)(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                          int64_t k1, float *wb, int64_t ld);
+
+/* dot products of a decoded tile with nt prepared tokens: y[t * ys + r] += wb[r, 0:len] . xp[t * K + 0:len]
+ * for r < nr, t < nt */
+typedef void (*dots_fn)(const float *wb, int64_t ld, int64_t nr, const float *xp, int64_t K, int64_t nt,
+                        int64_t len, float *y, int64_t ys);
+
+static inline float mxfp4_value(uint8_t code, uint8_t s) {
+    return E2M1[code] * scale_of(s) * (s == 255 ? 2.0f : 1.0f);
+}
+
+/* the AVX-512 decoder's way for rows with scales of 0 or 255 */
+static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+                                  int64_t k1, float *wb, int64_t ld) {
+    const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t sp = k0 / SPAN; sp < sp1; sp++) /* vector v, lane d: byte 4d + v/2, nibble v%2 */
+            for (int v = 0; v < 8; v++)
+                for (int d = 0; d < 16; d++) {
+                    int byte = 4 * d + v / 2;
+                    uint8_t code = blk[sp * 64 + byte];
+                    out[sp * SPAN + v * 16 + d] = mxfp4_value(v % 2 ? code >> 4 : code & 0xF, scl[sp * 4 + byte / 16]);
+                }
+        if (k1 == K)
+            for (int64_t g = spans * 4; g < G; g++)
+                for (int j = 0; j < BLOCK_BYTES; j++) {
+                    uint8_t code = blk[g * BLOCK_BYTES + j];
+                    out[g * BLOCK + j] = mxfp4_value(code & 0xF, scl[g]);
+                    out[g * BLOCK + BLOCK_BYTES + j] = mxfp4_value(code >> 4, scl[g]);
+                }
+    }
+}
+
 #ifdef FM_X86
 #include "cpu_experts_x86.h"
 #else
@@ -190,6 +237,16 @@ static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, i
 #define rows_f32_avx2 rows_f32_portable
 #define rows_f16_avx2 rows_f16_portable
 #define rows_bf16x_avx512bf16 rows_bf16x_portable
+#define decode_mxfp4_avx512 NULL
+#define decode_bf16_avx512 NULL
+#define decode_f32_avx512 NULL
+#define decode_f16_avx512 NULL
+#define dots_avx512 NULL
+#define decode_mxfp4_avx2 NULL
+#define decode_bf16_avx2 NULL
+#define decode_f32_avx2 NULL
+#define decode_f16_avx2 NULL
+#define dots_avx2 NULL
 static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 
@@ -198,7 +255,14 @@ typedef struct {
     void (*prep)(const float *x, float *xp, int64_t K);
     int64_t k_multiple;              /* K must be a multiple of this */
     rows_fn rows[N_ISAS];            /* by ISA_* */
+    decode_fn decode[N_ISAS];        /* by ISA_*: NULL where the ISA has no dots kernel (DOTS) */
 } format_t;
+
+/* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
+ * token count from which it takes over from the row decoders (measured on one core of the dev VM:
+ * AVX-512's row decoders are faster up to 3 tokens, AVX2's slower even at 1) */
+static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
+static const int TILES_FROM[N_ISAS] = {0, 1, 4, 4};
 
 static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
 static int64_t two_byte_row(int64_t K) { return 2 * K; }
@@ -206,14 +270,19 @@ static int64_t four_byte_row(int64_t K) { return 4 * K; }
 
 static const format_t FORMATS[N_FORMATS] = {
     [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
-                   {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512}},
-    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512}},
-    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512}},
-    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512}},
+                   {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512},
+                   {NULL, decode_mxfp4_avx2, decode_mxfp4_avx512, decode_mxfp4_avx512}},
+    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
+                  {NULL, decode_bf16_avx2, decode_bf16_avx512, decode_bf16_avx512}},
+    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512},
+                 {NULL, decode_f32_avx2, decode_f32_avx512, decode_f32_avx512}},
+    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512},
+                 {NULL, decode_f16_avx2, decode_f16_avx512, decode_f16_avx512}},
     /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
      * portable loop keeps the format exact everywhere */
     [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
-                   {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16}},
+                   {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
+                   {NULL, NULL, NULL, NULL}},
 };
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */

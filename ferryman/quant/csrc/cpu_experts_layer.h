@@ -3,12 +3,54 @@
 #define ROW_BLOCK 16 /* rows per pass: they stay in L2 while each tile of tokens goes over them */
 #define L1_X_BYTES 24576 /* the activations' share of L1: a tile's chunk of K holds at most this */
 
+/* A decoded tile (18 KiB of fp32 with its tail) stays in L1 while each group of tokens goes over
+ * it; of 2-16 rows x 256-3072 columns, 4 x 1024 was fastest at 4-32 tokens on one core of the dev VM. */
+#define TILE_ROWS 4        /* rows of a decoded tile (one register block of dots_*) */
+#define TILE_K 1024        /* K per decoded tile (a multiple of SPAN; the last one takes what is left) */
+
+/* How one format multiplies on one ISA: the row decoder, and the tile decoder and dots kernel for
+ * tiles_from tokens and more (decode NULL: the row decoder for any token count). */
+typedef struct {
+    rows_fn rows;
+    decode_fn decode;
+    dots_fn dots;
+    int tiles_from;
+} kernel_t;
+
+static kernel_t kernel_of(const format_t *f, int isa) {
+    kernel_t k = {f->rows[isa], DOTS[isa] ? f->decode[isa] : NULL, DOTS[isa], TILES_FROM[isa]};
+    return k;
+}
+
+/* rows [n0, n1) for several tokens: each tile of TILE_ROWS rows x TILE_K is decoded once, into this
+ * thread's stack, then multiplied by all T tokens; y accumulates the tiles' sums. */
+static void run_tiles(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+                      const float *xp, int64_t T, float *y, int64_t ys) {
+    float wb[TILE_ROWS * (TILE_K + SPAN)] __attribute__((aligned(64)));
+    const int64_t whole = K / SPAN * SPAN; /* the last tile of a row takes the columns after this */
+    for (int64_t nb = n0; nb < n1; nb += TILE_ROWS) {
+        int64_t ne = nb + TILE_ROWS < n1 ? nb + TILE_ROWS : n1;
+        for (int64_t k0 = 0; k0 < K;) {
+            int64_t k1 = k0 + TILE_K >= whole ? K : k0 + TILE_K;
+            kn->decode(w, s, K, nb, ne, k0, k1, wb, TILE_K + SPAN);
+            kn->dots(wb, TILE_K + SPAN, ne - nb, xp + k0, K, T, k1 - k0, y + nb, ys);
+            k0 = k1;
+        }
+    }
+}
+
 /* rows [n0, n1) of one matrix for T prepared tokens (xp: [T, K]) into y ([T, ys]), which this zeroes
- * first: per block of rows, per tile of tokens, per chunk of K (the tile's chunk of x fits L1; a
- * whole row when it fits: each chunk ends in a horizontal sum per row and token). */
-static void run_rows(rows_fn rows, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
+ * first. run_tiles where the ISA has a dots kernel and T reaches its tiles_from. Else per block of
+ * rows, per tile of tokens, per chunk of K (the tile's chunk of x fits L1; a whole row when it fits:
+ * each chunk ends in a horizontal sum per row and token). */
+static void run_rows(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
                      const float *xp, int64_t T, float *y, int64_t ys) {
     for (int64_t t = 0; t < T; t++) memset(y + t * ys + n0, 0, sizeof(float) * (size_t)(n1 - n0));
+    if (kn->decode != NULL && T >= kn->tiles_from) {
+        run_tiles(kn, w, s, K, n0, n1, xp, T, y, ys);
+        return;
+    }
+    rows_fn rows = kn->rows;
     for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
         int64_t ne = nb + ROW_BLOCK < n1 ? nb + ROW_BLOCK : n1;
         for (int64_t t0 = 0; t0 < T; t0 += TILE) {
@@ -28,7 +70,7 @@ static void run_rows(rows_fn rows, const uint8_t *w, const uint8_t *s, int64_t K
 /* The matrices of one phase: expert e's W (w[e], s[e]) is [N, K]; its tokens are rows
  * offsets[e]..offsets[e+1] of xp [P, K] and of y [P, N]. */
 typedef struct {
-    rows_fn rows;
+    kernel_t kn;
     const uint8_t *const *w, *const *s;
     int64_t n_experts, N, K;
     const int64_t *offsets;
@@ -57,7 +99,7 @@ static void phase_rows(const phase_t *p, const double *cum, int tid, int nth) {
     while (lo < hi) {
         int64_t e = lo / p->N, n0 = lo % p->N, n1 = hi - e * p->N < p->N ? hi - e * p->N : p->N;
         int64_t t0 = p->offsets[e], T = p->offsets[e + 1] - t0;
-        if (T > 0) run_rows(p->rows, p->w[e], p->s ? p->s[e] : NULL, p->K, n0, n1, p->xp + t0 * p->K, T,
+        if (T > 0) run_rows(&p->kn, p->w[e], p->s ? p->s[e] : NULL, p->K, n0, n1, p->xp + t0 * p->K, T,
                             p->y + t0 * p->N, p->N);
         lo = e * p->N + n1;
     }
@@ -89,13 +131,14 @@ static void activate(const float *g, const float *b13, int64_t I, int64_t i0, in
 
 /* Scratch memory of the calling thread, grown on demand and kept: a fresh malloc of a few hundred
  * KiB per call is an mmap, whose first touch page-faults and whose munmap shoots down the TLBs of
- * every OpenMP thread. */
+ * every OpenMP thread. 64-byte aligned, as are the rows of activations carved from it when K is a
+ * multiple of 16: a 64-byte load of a misaligned row reads two cache lines (1.5x slower at 8 tokens). */
 static void *scratch(size_t bytes) {
     static __thread void *buf;
     static __thread size_t cap;
     if (bytes > cap) {
         free(buf);
-        buf = malloc(bytes);
+        buf = aligned_alloc(64, (bytes + 63) / 64 * 64);
         cap = buf == NULL ? 0 : bytes;
     }
     return buf;
@@ -137,9 +180,9 @@ int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t 
     double *cum13 = (double *)(expert_of + P), *cum2 = cum13 + n_experts + 1;
     for (int64_t e = 0; e < n_experts; e++)
         for (int64_t p = offsets[e]; p < offsets[e + 1]; p++) expert_of[p] = e;
-    rows_fn rows = f->rows[pick_isa(isa_limit)];
-    phase_t up = {rows, w13, s13, n_experts, 2 * I, H, offsets, xp, gu};
-    phase_t down = {rows, w2, s2, n_experts, H, I, offsets, hp, y};
+    kernel_t kn = kernel_of(f, pick_isa(isa_limit));
+    phase_t up = {kn, w13, s13, n_experts, 2 * I, H, offsets, xp, gu};
+    phase_t down = {kn, w2, s2, n_experts, H, I, offsets, hp, y};
     prefix_costs(&up, cum13);
     prefix_costs(&down, cum2);
     const int64_t chunks = (I + SPAN - 1) / SPAN; /* activation items per pair: SPAN-aligned, as prep wants */
@@ -200,7 +243,7 @@ int ferryman_cpu_matmul(int fmt, const float *x, int64_t T, int64_t K, const uin
     for (int64_t t = 0; t < T; t++) f->prep(x + t * K, xp + t * K, K);
     int64_t offsets[2] = {0, T};
     const uint8_t *ws[1] = {w}, *ss[1] = {s};
-    phase_t ph = {f->rows[pick_isa(isa_limit)], ws, ss, 1, N, K, offsets, xp, y};
+    phase_t ph = {kernel_of(f, pick_isa(isa_limit)), ws, ss, 1, N, K, offsets, xp, y};
     double cum[2];
     prefix_costs(&ph, cum);
     int nth = threads_of(threads);

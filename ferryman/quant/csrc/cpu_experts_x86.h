@@ -180,6 +180,8 @@ DENSE512(bf16_avx512, uint16_t, bf16_load16, bf16_loadm)
 DENSE512(f32_avx512, float, f32_load16, f32_loadm)
 DENSE512(f16_avx512, uint16_t, f16_load16, f16_loadm)
 
+#include "cpu_experts_tiles512.h"
+
 /* ---- AVX2 ------------------------------------------------------------------------------------- */
 /* The MXFP4 span as two 32-byte halves (lanes d = 0..7, then 8..15); vpermps reads 3 bits, so the
  * table holds magnitudes and bit 3 of the nibble becomes the sign bit. Tail groups: portable loop. */
@@ -257,6 +259,8 @@ INLINE256 __m256 f16_load8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu
 DENSE256(bf16_avx2, uint16_t, bf16_load8, bf16_scalar)
 DENSE256(f32_avx2, float, f32_load8, f32_scalar)
 DENSE256(f16_avx2, uint16_t, f16_load8, half_float)
+
+#include "cpu_experts_tiles256.h"
 
 /* ---- AVX512-BF16 (compiled everywhere, run only where CPUID reports it) -------------------------- */
 /* bf16 weights times bf16 activations: one vdpbf16ps multiplies 32 pairs and adds them in pairs into
