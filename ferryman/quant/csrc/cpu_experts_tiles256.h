@@ -22,10 +22,7 @@ T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K
                 const float *s2 = sc + sp * 4 + h * 2;
                 __m256 scv = _mm256_set_m128(_mm_set1_ps(s2[1]), _mm_set1_ps(s2[0]));
                 for (int j = 0; j < 8; j++) {
-                    __m256i nib = _mm256_srlv_epi32(v, _mm256_set1_epi32(4 * j));
-                    __m256 wv = _mm256_permutevar8x32_ps(mag, nib);
-                    wv = _mm256_xor_ps(wv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(nib, eight), 28)));
-                    _mm256_storeu_ps(out + sp * SPAN + j * 16 + h * 8, _mm256_mul_ps(wv, scv));
+                    _mm256_storeu_ps(out + sp * SPAN + j * 16 + h * 8, _mm256_mul_ps(e2m1x8(v, j, mag, eight), scv));
                 }
             }
         for (int64_t g = k1 == K ? spans * 4 : G; g < G; g++) /* the groups after the last whole span */

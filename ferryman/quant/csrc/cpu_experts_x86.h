@@ -185,6 +185,13 @@ DENSE512(f16_avx512, uint16_t, f16_load16, f16_loadm)
 /* ---- AVX2 ------------------------------------------------------------------------------------- */
 /* The MXFP4 span as two 32-byte halves (lanes d = 0..7, then 8..15); vpermps reads 3 bits, so the
  * table holds magnitudes and bit 3 of the nibble becomes the sign bit. Tail groups: portable loop. */
+T256 static inline __m256 e2m1x8(__m256i v, int j, __m256 mag, __m256i eight) {
+    /* nibble j of each of v's 8 words as E2M1 values (unscaled): magnitude by vpermps, bit 3 -> sign */
+    __m256i nib = _mm256_srlv_epi32(v, _mm256_set1_epi32(4 * j));
+    __m256 wv = _mm256_permutevar8x32_ps(mag, nib);
+    return _mm256_xor_ps(wv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(nib, eight), 28)));
+}
+
 T256 static void mx256_row(const uint8_t *blk, const uint8_t *scl, const float *sc, const float *xp, int64_t K,
                            int64_t G, int64_t k0, int64_t k1, int nt, float *out) {
     const __m256 mag = _mm256_loadu_ps(E2M1);
@@ -199,10 +206,7 @@ T256 static void mx256_row(const uint8_t *blk, const uint8_t *scl, const float *
             const float *s2 = sc + sp * 4 + h * 2;
             __m256 scv = _mm256_set_m128(_mm_set1_ps(s2[1]), _mm_set1_ps(s2[0]));
             for (int j = 0; j < 8; j++) {
-                __m256i nib = _mm256_srlv_epi32(v, _mm256_set1_epi32(4 * j));
-                __m256 wv = _mm256_permutevar8x32_ps(mag, nib);
-                wv = _mm256_xor_ps(wv, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(nib, eight), 28)));
-                wv = _mm256_mul_ps(wv, scv);
+                __m256 wv = _mm256_mul_ps(e2m1x8(v, j, mag, eight), scv);
                 for (int t = 0; t < nt; t++)
                     acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xp + t * K + sp * SPAN + j * 16 + h * 8), acc[t]);
             }
