@@ -1,11 +1,13 @@
-"""CPU MoE of one layer by token count: the gathered path against the per-expert loop, and which
-one `fused_moe` picks (fused_moe.GATHER_MAX_COPIES, GATHER_MAX_BYTES).
+"""CPU MoE of one layer by token count: the C kernel (quant/cpu_kernel.py, what `fused_moe` takes
+for dense experts when it is built) beside the torch paths, the gathered batch and the per-expert
+loop, and which torch path `fused_moe` picks without the kernel (GATHER_MAX_COPIES, GATHER_MAX_BYTES).
 
     python benchmarks/bench_cpu_moe.py [--tokens 1,4,8,16,32,64,128] [--dtype bfloat16]
 
 Shapes: the bundled demo model's layer (bf16 dense experts, 32 experts, top-4, 256 x 64) unless
 --experts/--top-k/--hidden/--inter say otherwise; random weights and routing (each token's top-k
-distinct). Median of --reps calls each; the ratio is the loop's time over the gathered path's.
+distinct). Median of --reps calls each; the ratios are the loop's time over the gathered path's and
+the faster torch path's over the kernel's.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import median_seconds  # noqa: E402
 
 from ferryman.layers.fused_moe import gather_pays  # noqa: E402
+from ferryman.quant.cpu_kernel import available, pairs_of  # noqa: E402
+from ferryman.quant.cpu_layer import LayerJob  # noqa: E402
 from ferryman.layers.moe_common import MoEActivation  # noqa: E402
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference  # noqa: E402
 from ferryman.quant import get_format  # noqa: E402
@@ -41,8 +45,10 @@ def main() -> None:
     banks = form.random_banks(a.experts, a.hidden, a.inter, False, dtype, gen)
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}; {a.experts} experts, top-{a.top_k}, "
           f"H {a.hidden}, I {a.inter}, {a.dtype}")
-    print("| tokens | pairs | distinct experts | gathered ms | loop ms | loop / gathered | fused_moe picks |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    kernel = available("dense", dtype)
+    print("| tokens | pairs | distinct experts | gathered ms | loop ms | loop / gathered | torch picks | C kernel ms "
+          "| torch / kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for t in (int(s) for s in a.tokens.split(",")):
         x = torch.randn(t, a.hidden, generator=gen).to(dtype)
         ids = torch.rand(t, a.experts, generator=gen).topk(a.top_k, dim=-1).indices  # [T, K]
@@ -50,8 +56,11 @@ def main() -> None:
         tg = median_seconds(lambda: fused_moe_gathered(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
         tl = median_seconds(lambda: fused_moe_reference(form, banks, x, ids, w, act), a.reps, warmup=1) * 1e3
         picks = "gathered" if gather_pays(form, banks, ids, x) else "loop"
-        print(f"| {t} | {ids.numel()} | {torch.unique(ids).numel()} | {tg:.2f} | {tl:.2f} | {tl / tg:.2f} | {picks} |",
-              flush=True)
+        tk = median_seconds(lambda: LayerJob(x, banks, 0, pairs_of(ids, w), "silu", act.alpha, act.limit,
+                                             fmt="dense").run().to(dtype), a.reps, warmup=1) * 1e3 if kernel else None
+        cells = "- | -" if tk is None else f"{tk:.2f} | {min(tg, tl) / tk:.2f}"
+        print(f"| {t} | {ids.numel()} | {torch.unique(ids).numel()} | {tg:.2f} | {tl:.2f} | {tl / tg:.2f} | {picks} "
+              f"| {cells} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,12 +140,13 @@ def test_bad_inputs_name_the_tensor() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["mxfp4", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
+def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(fmt: str, dtype: torch.dtype,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss-style experts (bias, swiglu_oai) on the CPU: through the kernel, the torch path's
-    output within bf16 rounding, and the kernel is what ran."""
-    form = get_format("mxfp4")
+    """gpt-oss-style experts (bias, swiglu_oai) on the CPU, MXFP4 or dense (weights in x's dtype):
+    through the kernel, the torch path's output within bf16 rounding, and the kernel is what ran."""
+    form = get_format(fmt)
     banks = form.random_banks(6, 64, 96, True, dtype, torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(5, 64, generator=gen).to(dtype)
@@ -155,10 +156,10 @@ def test_fused_moe_on_cpu_uses_the_kernel_and_matches_torch(dtype: torch.dtype,
     calls = [0]
     inner = LayerJob.run
     monkeypatch.setattr(LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
-    fast = fused_moe("mxfp4", banks, x, ids, w, act)
+    fast = fused_moe(fmt, banks, x, ids, w, act)
     assert calls[0] == 1  # one kernel call for the layer
     use_cpu_kernel(monkeypatch, False)
-    slow = fused_moe("mxfp4", banks, x, ids, w, act)
+    slow = fused_moe(fmt, banks, x, ids, w, act)
     assert calls[0] == 1
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, slow, **tol)

@@ -6,8 +6,9 @@
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
 the path: on CUDA the Triton decode GEMVs (T*K <= DECODE_MAX_PAIRS, fused_moe_triton.py), else
 `prefill_path`'s grouped GEMM (grouped_moe_triton.py) or padded batched GEMMs (batched_moe.py); on
-the CPU the C kernel for MXFP4 (quant/cpu_kernel.py), a gathered batch for few pairs of small
-experts, else the torch reference (moe_reference.py). FERRYMAN_KERNELS: layers/backend.py.
+the CPU the C kernel for MXFP4 and dense experts (quant/cpu_kernel.py), else (other formats, or no
+C compiler) a gathered batch for few pairs of small experts, else the torch reference
+(moe_reference.py). FERRYMAN_KERNELS: layers/backend.py.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, che
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
-__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs", "prefill_path",
-           "to_device"]
+__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "cpu_kernel_reads", "fused_moe", "grouped_max_pairs",
+           "prefill_path", "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 # Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
@@ -100,12 +101,13 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 
 def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                act: MoEActivation, host_ids: torch.Tensor | None, num_slots: int) -> torch.Tensor:
-    if _cpu_kernel(form, x):  # MXFP4 on the CPU: the layer in one call of the C kernel, in fp32
+    if cpu_kernel_reads(form, banks, x):  # the layer in one call of the C kernel, in fp32
         from ferryman.quant.cpu_kernel import pairs_of
         from ferryman.quant.cpu_layer import LayerJob
 
         check_slot_range(topk_ids.reshape(-1), num_slots)
-        return LayerJob(x, banks, 0, pairs_of(topk_ids, topk_w), act.kind, act.alpha, act.limit).run().to(x.dtype)
+        return LayerJob(x, banks, 0, pairs_of(topk_ids, topk_w), act.kind, act.alpha, act.limit,
+                        fmt=form.name).run().to(x.dtype)
     if gather_pays(form, banks, topk_ids, x):
         return fused_moe_gathered(form, banks, x, topk_ids, topk_w, act)
     return fused_moe_reference(form, banks, x, topk_ids, topk_w, act, host_ids=host_ids)
@@ -130,11 +132,15 @@ def gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: tor
     return topk_ids.shape[0] <= copies or pairs <= copies * torch.unique(topk_ids).numel()
 
 
-def _cpu_kernel(form: ExpertFormat, x: torch.Tensor) -> bool:
-    """MXFP4 experts on the CPU go through the C kernel when it is built: it reads each weight
-    once, where the torch path dequantises the expert first."""
-    if form.name != "mxfp4" or x.device.type != "cpu":
+def cpu_kernel_reads(form: ExpertFormat, banks: Banks, x: torch.Tensor) -> bool:
+    """Whether experts on the CPU go through the C kernel (quant/cpu_kernel.py): MXFP4 and dense
+    bf16 / fp16 / fp32 banks, when it is built. It reads each weight once and computes in fp32, where
+    the torch paths dequantise each expert first and round in x's dtype: 2.4-6.6x faster for dense
+    bf16 experts at 1 to 512 tokens (docs/benchmarks.md, "CPU MoE")."""
+    if x.device.type != "cpu":
         return False
     from ferryman.quant.cpu_kernel import available
+    from ferryman.quant.cpu_layer import BANKS
 
-    return available()
+    names = BANKS.get(form.name)
+    return names is not None and available(form.name, banks[names[0]].dtype)
