@@ -12,6 +12,7 @@ from ferryman.quant import get_format, gguf_format
 from ferryman.quant.gguf_blocks import (BLOCK_SIZES, GGUF_TYPES, dequant_rows, ggml_mxfp4_to_blocks_scales,
                                         random_rows, row_bytes, rows_from_numpy)
 from ferryman.quant.mxfp4 import dequant_mxfp4
+from triton_interp import use_cpu_kernel
 
 gguf = pytest.importorskip("gguf")
 
@@ -116,8 +117,10 @@ def test_format_dequant_selects_experts(types: tuple[str, str]) -> None:
 
 
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
-def test_fused_moe_equals_dense_of_dequantised(act: str) -> None:
-    """fused_moe on GGUF banks = fused_moe on the dense banks holding their dequantised weights."""
+def test_fused_moe_equals_dense_of_dequantised(act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fused_moe on GGUF banks = fused_moe on the dense banks holding their dequantised weights, both
+    on the torch path (dense experts would take the C kernel, which sums in another order)."""
+    use_cpu_kernel(monkeypatch, False)
     fmt = gguf_format("q4_k", "q5_0")
     e, h, i, t, k = 6, 256, 64, 5, 2
     gen = torch.Generator().manual_seed(6)
