@@ -94,8 +94,8 @@ def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation
     """`tokens` tokens, each routed to the same top_k distinct experts of `banks`, on the CPU, the
     way the hybrid split computes them (experts/cpu_compute.py: a format the C kernel covers in one
     kernel call, else fused_moe). Each rep computes top_k experts."""
-    from ferryman.quant.cpu_kernel import available, pairs_of
-    from ferryman.quant.cpu_layer import BANKS, LayerJob
+    from ferryman.quant.cpu_kernel import pairs_of
+    from ferryman.quant.cpu_layer import LayerJob, kernel_reads
 
     form = get_format(fmt)
     num, hidden, _ = form.dims(banks[0])
@@ -103,7 +103,7 @@ def cpu_compute_rep(fmt: str, banks: list[Banks], top_k: int, act: MoEActivation
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).to(dtype)  # [T, H]
     w = torch.full((tokens, top_k), 1.0 / top_k)  # [T, K]
     bias: dict = {}  # the hybrid keeps the kernel's fp32 bias rows between steps too
-    kernel = fmt in BANKS and available(fmt, banks[0][BANKS[fmt][0]].dtype)
+    kernel = kernel_reads(fmt, banks[0])
 
     def rep() -> None:
         pool, ids = cycle.next()

@@ -23,7 +23,7 @@ import torch
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import cpu_kernel
-from ferryman.quant.cpu_layer import BANKS, LayerJob
+from ferryman.quant.cpu_layer import LayerJob, kernel_reads as layer_kernel_reads
 
 
 class CPUExperts:
@@ -106,4 +106,4 @@ class CPUExperts:
 
 def kernel_reads(fmt: str, banks: dict[str, torch.Tensor]) -> bool:
     """Whether the C kernel (quant/cpu_kernel.py) computes a layer of format `fmt` held in `banks`."""
-    return fmt in BANKS and BANKS[fmt][0] in banks and cpu_kernel.available(fmt, banks[BANKS[fmt][0]].dtype)
+    return layer_kernel_reads(fmt, banks)

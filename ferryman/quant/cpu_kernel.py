@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 from ferryman.envs import envs
+from ferryman.quant.gguf_blocks import block_size, type_size
+from ferryman.quant.intq import parse_name
 
 log = logging.getLogger("ferryman.quant")
 
@@ -40,6 +42,26 @@ ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1, "portable": 0}
 KERNEL_FORMATS = {("mxfp4", None): 0, ("dense", torch.bfloat16): 1, ("dense", torch.float32): 2,
                   ("dense", torch.float16): 3}
 BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX512-BF16's dot product
+# packed formats with tile decoders only (csrc/cpu_experts_packed.h): GGUF block types, int bits
+GGUF_CODES = {"q8_0": 5, "q4_k": 6, "q6_k": 7}
+INT_CODES = {4: 8, 8: 9}
+
+
+def packed_codes(fmt: str) -> tuple[int, int, int] | None:
+    """(w13 code, w2 code, inputs per scale group; 0: one group per row) of a packed format name the
+    kernel reads: `gguf:<t13>:<t2>` of GGUF_CODES types, `int4|int8:<g<n>|ch>:<sym|asym>` (act-order
+    ones, with a group index per input, keep the torch path); None for any other."""
+    family, _, rest = fmt.partition(":")
+    if family == "gguf":
+        t13, _, t2 = rest.partition(":")
+        return (GGUF_CODES[t13], GGUF_CODES[t2], 0) if t13 in GGUF_CODES and t2 in GGUF_CODES else None
+    if family in ("int4", "int8"):
+        try:
+            params = parse_name(fmt)
+        except ValueError:
+            return None
+        return None if params.act else (INT_CODES[params.bits], INT_CODES[params.bits], params.group)
+    return None
 
 
 def product_code(fmt: str, dtype: torch.dtype, x_dtype: torch.dtype, lib: ctypes.CDLL | None = None) -> int | None:
@@ -52,7 +74,11 @@ def product_code(fmt: str, dtype: torch.dtype, x_dtype: torch.dtype, lib: ctypes
 
 
 def format_code(fmt: str, dtype: torch.dtype) -> int | None:
-    """The C kernel's code for experts of format `fmt` whose weight bank has `dtype` (None: not covered)."""
+    """The C kernel's code for experts of format `fmt` whose weight bank has `dtype` (None: not covered);
+    packed formats: their w13 code (`packed_codes`)."""
+    packed = packed_codes(fmt)
+    if packed is not None:
+        return packed[0]
     return KERNEL_FORMATS.get((fmt, None), KERNEL_FORMATS.get((fmt, dtype)))
 
 
@@ -112,10 +138,10 @@ def build(openmp: bool = True, csrc: Path = CSRC) -> tuple[ctypes.CDLL | None, s
 def _declare(lib: ctypes.CDLL) -> None:
     i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     pp = ctypes.POINTER(ctypes.c_void_p)
-    lib.ferryman_cpu_matmul.argtypes = [c_int, ptr, i64, i64, ptr, ptr, i64, ptr, c_int, c_int]
+    lib.ferryman_cpu_matmul.argtypes = [c_int, i64, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, c_int, c_int]
     lib.ferryman_cpu_matmul.restype = c_int
-    lib.ferryman_cpu_experts.argtypes = [c_int, ptr, i64, i64, i64, i64, pp, pp, pp, pp, pp, pp, ptr, ptr, ptr,
-                                         c_int, c_float, c_float, ptr, c_int, c_int]
+    lib.ferryman_cpu_experts.argtypes = [c_int, c_int, i64, ptr, i64, i64, i64, i64, pp, pp, pp, pp, pp, pp, pp, pp,
+                                         ptr, ptr, ptr, c_int, c_float, c_float, ptr, c_int, c_int]
     lib.ferryman_cpu_experts.restype = c_int
     lib.ferryman_cpu_isa.restype = c_int
     lib.ferryman_cpu_has_openmp.restype = c_int
@@ -163,16 +189,20 @@ def need_library(lib: ctypes.CDLL | None) -> ctypes.CDLL:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None, fmt: str = "mxfp4",
-           isa: str = "avx512bf16", lib: ctypes.CDLL | None = None, x_bf16: bool = False) -> torch.Tensor:
+           isa: str = "avx512bf16", lib: ctypes.CDLL | None = None, x_bf16: bool = False,
+           zeros: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] fp32 @ W^T -> [T, N] fp32. mxfp4: w = blocks [N, K/32, 16] uint8, scales [N, K/32];
-    dense: w = [N, K] bf16/fp32/fp16. isa: the most the kernel may use (tests compare them);
+    dense: w = [N, K] bf16/fp32/fp16; packed formats (`packed_codes`; their w13 code): one matrix of
+    the format's w13 banks (gguf: rows of blocks [N, bytes] uint8; int: words [N, K/P] int32, scales
+    [N, G] fp32, zeros [N, G] uint8 for asym). isa: the most the kernel may use (tests compare them);
     x_bf16: bf16 weights times x's values as bf16 (BF16_TIMES_BF16, x must hold bf16 values)."""
     code = BF16_TIMES_BF16 if x_bf16 and (fmt, w.dtype) == ("dense", torch.bfloat16) else format_code(fmt, w.dtype)
     if code is None:
         raise ValueError(f"matmul: no CPU kernel for {fmt} weights of {w.dtype}")
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"matmul: x must be a float32 [T, K] host tensor, got {tuple(x.shape)} {x.dtype} {x.device}")
-    k = w.shape[1] * 32 if fmt == "mxfp4" else w.shape[1]
+    packed = packed_codes(fmt)
+    k = w.shape[1] * 32 if fmt == "mxfp4" else w.shape[1] if packed is None else packed_inputs(fmt, w)
     if fmt == "mxfp4":
         _check_mxfp4(w, scales, "matmul")
     if x.shape[1] != k:
@@ -180,12 +210,23 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     x, w = x.contiguous(), w.contiguous()
     s = scales.contiguous() if scales is not None else None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [T, N]
-    rc = need_library(lib).ferryman_cpu_matmul(code, x.data_ptr(), x.shape[0], k, w.data_ptr(),
-                                                s.data_ptr() if s is not None else None, w.shape[0], y.data_ptr(),
+    z = zeros.contiguous() if zeros is not None else None
+    rc = need_library(lib).ferryman_cpu_matmul(code, packed[2] if packed else 0, x.data_ptr(), x.shape[0], k,
+                                                w.data_ptr(), s.data_ptr() if s is not None else None,
+                                                z.data_ptr() if z is not None else None, w.shape[0], y.data_ptr(),
                                                 threads(), ISAS[isa])
     if rc != 0:
         raise MemoryError(f"matmul: the kernel failed (code {rc}) on x {tuple(x.shape)}, W {tuple(w.shape)}")
     return y
+
+
+def packed_inputs(fmt: str, w: torch.Tensor) -> int:
+    """K of one matrix w of a packed format's w13 banks (gguf rows of blocks, int words)."""
+    family, _, rest = fmt.partition(":")
+    if family == "gguf":
+        gtype = rest.partition(":")[0]
+        return w.shape[-1] // type_size(gtype) * block_size(gtype)
+    return w.shape[-1] * (32 // parse_name(fmt).bits)
 
 
 def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor | None, who: str) -> None:

@@ -1,7 +1,9 @@
 """One MoE layer's experts on the CPU in one call of the C kernel (quant/cpu_kernel.py): `LayerJob`.
 
-A format the kernel covers names its banks here (`BANKS`: weights, and scales or None, of w13 and w2)
-and its row decoder in csrc/cpu_experts.c (`KERNEL_FORMATS` in cpu_kernel.py gives its code).
+A format the kernel covers names its banks here (`BANKS`: weights, and scales or None, of w13 and w2;
+`PACKED_BANKS` per family of the packed formats, with zeros) and its decoders in csrc/cpu_experts.c
+(`KERNEL_FORMATS` and `packed_codes` in cpu_kernel.py give its codes). `kernel_reads` says whether a
+layer's banks go through the kernel.
 """
 
 from __future__ import annotations
@@ -11,14 +13,38 @@ import itertools
 
 import torch
 
-from ferryman.quant.cpu_kernel import ACTIVATIONS, ISAS, Pairs, format_code, need_library, product_code, threads
+from ferryman.quant.base import get_format
+from ferryman.quant.cpu_kernel import (ACTIVATIONS, ISAS, Pairs, available, format_code, need_library, packed_codes,
+                                       product_code, threads)
 
 # format -> (w13 weights, w13 scales, w2 weights, w2 scales); the weights' leading dims are [E, rows]
 BANKS = {"mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "dense": ("w13", None, "w2", None)}
+# family of the packed formats (cpu_kernel.packed_codes) -> (w13 weights, scales, zeros, w2 weights,
+# scales, zeros); a bank absent from a layer (symmetric int: no zeros) is passed as NULL
+PACKED_BANKS = {"gguf": ("w13_q", None, None, "w2_q", None, None),
+                "int4": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros"),
+                "int8": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros")}
+BankNames = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
+
+
+def bank_names(fmt: str) -> BankNames | None:
+    """(w13 weights, scales, zeros, w2 weights, scales, zeros) of a format the kernel reads, else None."""
+    if fmt in BANKS:
+        w13, s13, w2, s2 = BANKS[fmt]
+        return w13, s13, None, w2, s2, None
+    return PACKED_BANKS[fmt.partition(":")[0]] if packed_codes(fmt) is not None else None
+
+
+def kernel_reads(fmt: str, banks: dict[str, torch.Tensor]) -> bool:
+    """Whether the C kernel computes a layer of format `fmt` held in `banks` (when it is built)."""
+    names = bank_names(fmt)
+    return names is not None and names[0] in banks and available(fmt, banks[names[0]].dtype)
 
 
 def layer_dims(fmt: str, banks: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(hidden H, FFN width I) of a layer's banks in format `fmt`."""
+    if fmt not in BANKS:  # packed: the format's own reading of its banks
+        return get_format(fmt).dims(banks)[1:]
     w13 = banks[BANKS[fmt][0]]
     hidden = w13.shape[2] * 32 if fmt == "mxfp4" else w13.shape[2]
     return hidden, w13.shape[1] // 2
@@ -36,27 +62,27 @@ class LayerJob:
                  fmt: str = "mxfp4") -> None:
         if kind not in ACTIVATIONS:
             raise ValueError(f"LayerJob: activation must be one of {', '.join(ACTIVATIONS)}, got {kind!r}")
-        if fmt not in BANKS or format_code(fmt, banks[BANKS[fmt][0]].dtype) is None:
+        names = bank_names(fmt)
+        if names is None or format_code(fmt, banks[names[0]].dtype) is None:
             raise ValueError(f"LayerJob: no CPU kernel for {fmt} experts")
         self.lib = need_library(None)
-        self.code = product_code(fmt, banks[BANKS[fmt][0]].dtype, x.dtype, self.lib)
+        packed = packed_codes(fmt)
+        code = product_code(fmt, banks[names[0]].dtype, x.dtype, self.lib)
+        self.code13, self.code2, self.group = packed if packed is not None else (code, code, 0)
         self.x = x.float().contiguous()  # [T, H]
         hidden, self.inter = layer_dims(fmt, banks)
         if self.x.dim() != 2 or self.x.shape[1] != hidden:
             raise ValueError(f"LayerJob: x {tuple(x.shape)} does not match the experts' hidden size {hidden}")
-        w2 = banks[BANKS[fmt][2]]
-        if w2.shape[1] != hidden or layer_dims(fmt, {BANKS[fmt][0]: w2})[0] != self.inter:
-            raise ValueError(f"LayerJob: {BANKS[fmt][2]} {tuple(w2.shape)} does not match hidden {hidden} and "
-                             f"FFN {self.inter}")
+        _check_w2(fmt, banks, names, hidden, self.inter)
         bias = {} if bias is None else bias
         experts = sorted(pairs)
         self.n = len(experts)
         self.keep: list[torch.Tensor] = []  # what the pointers below point into, alive until run
-        names = ("w13", "s13", "w2", "s2", "b13", "b2")
-        self.arrays = {name: (ctypes.c_void_p * max(1, self.n))() for name in names}
+        arrays = ("w13", "s13", "z13", "w2", "s2", "z2", "b13", "b2")
+        self.arrays = {name: (ctypes.c_void_p * max(1, self.n))() for name in arrays}
         for i, e in enumerate(experts):
-            for name, bank in zip(names[:4], BANKS[fmt]):
-                if bank is not None:
+            for name, bank in zip(arrays[:6], names):
+                if bank is not None and bank in banks:
                     self.arrays[name][i] = self._pointer(banks[bank][e])
             for name, bank in (("b13", "w13_bias"), ("b2", "w2_bias")):
                 if bank in banks:
@@ -85,10 +111,27 @@ class LayerJob:
         out = torch.zeros_like(self.x)
         a = self.arrays
         rc = self.lib.ferryman_cpu_experts(
-            self.code, self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter, self.n, a["w13"], a["s13"],
-            a["b13"], a["w2"], a["s2"], a["b2"], self.offsets.data_ptr(), self.tokens.data_ptr(),
-            self.weights.data_ptr(), self.kind, self.alpha, self.limit, out.data_ptr(), self.threads, ISAS[isa])
+            self.code13, self.code2, self.group, self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter,
+            self.n, a["w13"], a["s13"], a["z13"], a["b13"], a["w2"], a["s2"], a["z2"], a["b2"],
+            self.offsets.data_ptr(), self.tokens.data_ptr(), self.weights.data_ptr(), self.kind, self.alpha,
+            self.limit, out.data_ptr(), self.threads, ISAS[isa])
         if rc != 0:
             raise RuntimeError(f"CPU experts kernel failed (code {rc}: -1 out of memory or bad sizes, -2 a token "
                                "out of range)")
         return out
+
+
+def _check_w2(fmt: str, banks: dict[str, torch.Tensor], names: BankNames, hidden: int, inter: int) -> None:
+    """ValueError unless every bank of the layer has the shape hidden and inter give it."""
+    if fmt in BANKS:
+        w2 = banks[BANKS[fmt][2]]
+        if w2.shape[1] != hidden or layer_dims(fmt, {BANKS[fmt][0]: w2})[0] != inter:
+            raise ValueError(f"LayerJob: {BANKS[fmt][2]} {tuple(w2.shape)} does not match hidden {hidden} and "
+                             f"FFN {inter}")
+        return
+    num = banks[names[0]].shape[0]
+    for name, spec in get_format(fmt).weight_specs(num, hidden, inter, torch.float32).items():
+        got = banks.get(name)
+        if got is not None and (tuple(got.shape[1:]) != tuple(spec.shape[1:]) or got.dtype != spec.dtype):
+            raise ValueError(f"LayerJob: {name} {tuple(got.shape)} {got.dtype} does not match hidden {hidden} and "
+                             f"FFN {inter} ({fmt}: expected {tuple(spec.shape)} {spec.dtype})")

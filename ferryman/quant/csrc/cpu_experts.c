@@ -8,6 +8,8 @@
  *   3 f16    W = [N, K] float16
  *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
+ *   5-9      GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros): tile
+ *            decoders only, cpu_experts_packed.h
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -53,7 +55,7 @@
 #define TILE 8        /* tokens per pass over a row */
 #define MAX_GROUPS 4096 /* K <= 131072 for the per-row scale table */
 
-enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, N_FORMATS };
+enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_INT4, FMT_INT8, N_FORMATS };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, N_ISAS };
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -189,8 +191,8 @@ static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, i
 /* ---- tile decoders: rows [n0, n1) x [k0, k1) of W as fp32 into wb[(n - n0) * ld + k - k0], in the
  * order of the prepared activations (k0, k1 as for the row decoders). Each weight is exact: an
  * MXFP4 code times its power-of-two scale (inf where the reference's is). */
-typedef void (*decode_fn)(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                          int64_t k1, float *wb, int64_t ld);
+typedef void (*decode_fn)(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                          int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld);
 
 /* dot products of a decoded tile with nt prepared tokens: y[t * ys + r] += wb[r, 0:len] . xp[t * K + 0:len]
  * for r < nr, t < nt */
@@ -202,8 +204,9 @@ static inline float mxfp4_value(uint8_t code, uint8_t s) {
 }
 
 /* the AVX-512 decoder's way for rows with scales of 0 or 255 */
-static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                                  int64_t k1, float *wb, int64_t ld) {
+static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                  int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    (void)z, (void)group;
     const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
@@ -249,12 +252,13 @@ static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K,
 #define dots_avx2 NULL
 static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
+#include "cpu_experts_packed.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
     void (*prep)(const float *x, float *xp, int64_t K);
     int64_t k_multiple;              /* K must be a multiple of this */
-    rows_fn rows[N_ISAS];            /* by ISA_* */
+    rows_fn rows[N_ISAS];            /* by ISA_*; NULL: tiles only, for every token count */
     decode_fn decode[N_ISAS];        /* by ISA_*: NULL where the ISA has no dots kernel (DOTS) */
 } format_t;
 
@@ -283,6 +287,15 @@ static const format_t FORMATS[N_FORMATS] = {
     [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
                    {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
                    {NULL, NULL, NULL, NULL}},
+#define PACKED(NAME, MULTIPLE)                                                                                \
+    {NAME##_row_bytes, prep_plain, MULTIPLE, {NULL, NULL, NULL, NULL},                                         \
+     {decode_##NAME##_portable, decode_##NAME##_avx2, decode_##NAME##_avx512, decode_##NAME##_avx512}}
+    [FMT_Q8_0] = PACKED(q8_0, 32),
+    [FMT_Q4_K] = PACKED(q4_k, QK_K),
+    [FMT_Q6_K] = PACKED(q6_k, QK_K),
+    [FMT_INT4] = PACKED(int4, 8),
+    [FMT_INT8] = PACKED(int8, 4),
+#undef PACKED
 };
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */

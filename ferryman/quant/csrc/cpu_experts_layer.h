@@ -18,21 +18,32 @@ typedef struct {
 } kernel_t;
 
 static kernel_t kernel_of(const format_t *f, int isa) {
+    if (f->rows[isa] == NULL) { /* a format with tile decoders only: tiles from one token, on any ISA */
+        kernel_t k = {NULL, f->decode[isa], DOTS[isa] ? DOTS[isa] : dots_portable, 1};
+        return k;
+    }
     kernel_t k = {f->rows[isa], DOTS[isa] ? f->decode[isa] : NULL, DOTS[isa], TILES_FROM[isa]};
     return k;
 }
 
+/* one matrix: weights, scales and zeros (NULL where the format has none), inputs per scale group
+ * (0: one group per row) */
+typedef struct {
+    const uint8_t *w, *s, *z;
+    int64_t group;
+} mat_t;
+
 /* rows [n0, n1) for several tokens: each tile of TILE_ROWS rows x TILE_K is decoded once, into this
  * thread's stack, then multiplied by all T tokens; y accumulates the tiles' sums. */
-static void run_tiles(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                      const float *xp, int64_t T, float *y, int64_t ys) {
+static void run_tiles(const kernel_t *kn, const mat_t *m, int64_t K, int64_t n0, int64_t n1, const float *xp,
+                      int64_t T, float *y, int64_t ys) {
     float wb[TILE_ROWS * (TILE_K + SPAN)] __attribute__((aligned(64)));
     const int64_t whole = K / SPAN * SPAN; /* the last tile of a row takes the columns after this */
     for (int64_t nb = n0; nb < n1; nb += TILE_ROWS) {
         int64_t ne = nb + TILE_ROWS < n1 ? nb + TILE_ROWS : n1;
         for (int64_t k0 = 0; k0 < K;) {
             int64_t k1 = k0 + TILE_K >= whole ? K : k0 + TILE_K;
-            kn->decode(w, s, K, nb, ne, k0, k1, wb, TILE_K + SPAN);
+            kn->decode(m->w, m->s, m->z, m->group, K, nb, ne, k0, k1, wb, TILE_K + SPAN);
             kn->dots(wb, TILE_K + SPAN, ne - nb, xp + k0, K, T, k1 - k0, y + nb, ys);
             k0 = k1;
         }
@@ -43,11 +54,11 @@ static void run_tiles(const kernel_t *kn, const uint8_t *w, const uint8_t *s, in
  * first. run_tiles where the ISA has a dots kernel and T reaches its tiles_from. Else per block of
  * rows, per tile of tokens, per chunk of K (the tile's chunk of x fits L1; a whole row when it fits:
  * each chunk ends in a horizontal sum per row and token). */
-static void run_rows(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                     const float *xp, int64_t T, float *y, int64_t ys) {
+static void run_rows(const kernel_t *kn, const mat_t *m, int64_t K, int64_t n0, int64_t n1, const float *xp,
+                     int64_t T, float *y, int64_t ys) {
     for (int64_t t = 0; t < T; t++) memset(y + t * ys + n0, 0, sizeof(float) * (size_t)(n1 - n0));
     if (kn->decode != NULL && T >= kn->tiles_from) {
-        run_tiles(kn, w, s, K, n0, n1, xp, T, y, ys);
+        run_tiles(kn, m, K, n0, n1, xp, T, y, ys);
         return;
     }
     rows_fn rows = kn->rows;
@@ -60,18 +71,19 @@ static void run_rows(const kernel_t *kn, const uint8_t *w, const uint8_t *s, int
             for (int64_t k0 = 0; k0 < K; k0 += chunk) {
                 /* the last chunk takes what is left, so MXFP4's groups after the last span go with it */
                 int64_t k1 = k0 + 2 * chunk > K ? K : k0 + chunk;
-                rows(w, s, K, nb, ne, k0, k1, xp + t0 * K, nt, y + t0 * ys, ys);
+                rows(m->w, m->s, K, nb, ne, k0, k1, xp + t0 * K, nt, y + t0 * ys, ys);
                 if (k1 == K) break;
             }
         }
     }
 }
 
-/* The matrices of one phase: expert e's W (w[e], s[e]) is [N, K]; its tokens are rows
- * offsets[e]..offsets[e+1] of xp [P, K] and of y [P, N]. */
+/* The matrices of one phase: expert e's W (w[e], s[e], z[e]; s, z NULL where the format has none) is
+ * [N, K]; its tokens are rows offsets[e]..offsets[e+1] of xp [P, K] and of y [P, N]. */
 typedef struct {
     kernel_t kn;
-    const uint8_t *const *w, *const *s;
+    const uint8_t *const *w, *const *s, *const *z;
+    int64_t group;
     int64_t n_experts, N, K;
     const int64_t *offsets;
     const float *xp;
@@ -99,8 +111,8 @@ static void phase_rows(const phase_t *p, const double *cum, int tid, int nth) {
     while (lo < hi) {
         int64_t e = lo / p->N, n0 = lo % p->N, n1 = hi - e * p->N < p->N ? hi - e * p->N : p->N;
         int64_t t0 = p->offsets[e], T = p->offsets[e + 1] - t0;
-        if (T > 0) run_rows(&p->kn, p->w[e], p->s ? p->s[e] : NULL, p->K, n0, n1, p->xp + t0 * p->K, T,
-                            p->y + t0 * p->N, p->N);
+        mat_t m = {p->w[e], p->s ? p->s[e] : NULL, p->z ? p->z[e] : NULL, p->group};
+        if (T > 0) run_rows(&p->kn, &m, p->K, n0, n1, p->xp + t0 * p->K, T, p->y + t0 * p->N, p->N);
         lo = e * p->N + n1;
     }
 }
@@ -156,18 +168,22 @@ static int threads_of(int threads) {
 /* Several experts of one layer, each on its own tokens, summed into out [T, H] (fp32, accumulated
  * in ascending pair order):
  *   out[tokens[p]] += weights[p] * (W2_e act(W13_e x[tokens[p]] + b13_e) + b2_e)
- * for p in [offsets[e], offsets[e+1]). w13[e]/w2[e] (+ s13[e]/s2[e] scales for MXFP4) are expert e's
- * banks in the format `fmt`; b13/b2 entries fp32 or NULL. isa_limit: 2 AVX-512, 1 AVX2, 0 portable
- * (at most; the CPU's own set decides). Returns 0, -1 out of memory or bad sizes, -2 a token out of
- * range, -3 an unknown format. One call per layer; its caller holds no Python lock meanwhile. */
-int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t I, int64_t n_experts,
-                         const uint8_t *const *w13, const uint8_t *const *s13, const float *const *b13,
-                         const uint8_t *const *w2, const uint8_t *const *s2, const float *const *b2,
+ * for p in [offsets[e], offsets[e+1]). w13[e]/w2[e] (+ s13[e]/s2[e] scales, z13[e]/z2[e] zeros; the
+ * arrays NULL where the format has none) are expert e's banks, w13 in format `fmt13`, w2 in `fmt2`,
+ * `group` inputs per scale group (int formats; 0: one per row); b13/b2 entries fp32 or NULL.
+ * isa_limit: 2 AVX-512, 1 AVX2, 0 portable (at most; the CPU's own set decides). Returns 0, -1 out of
+ * memory or bad sizes, -2 a token out of range, -3 an unknown format. One call per layer; its caller
+ * holds no Python lock meanwhile. */
+int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int64_t T, int64_t H, int64_t I,
+                         int64_t n_experts, const uint8_t *const *w13, const uint8_t *const *s13,
+                         const uint8_t *const *z13, const float *const *b13, const uint8_t *const *w2,
+                         const uint8_t *const *s2, const uint8_t *const *z2, const float *const *b2,
                          const int64_t *offsets, const int64_t *tokens, const float *weights, int kind,
                          float alpha, float limit, float *out, int threads, int isa_limit) {
-    if (fmt < 0 || fmt >= N_FORMATS) return -3;
-    const format_t *f = &FORMATS[fmt];
-    if (H % f->k_multiple || I % f->k_multiple || T < 0 || n_experts < 0) return -1;
+    if (fmt13 < 0 || fmt13 >= N_FORMATS || fmt2 < 0 || fmt2 >= N_FORMATS) return -3;
+    const format_t *f = &FORMATS[fmt13], *f2 = &FORMATS[fmt2];
+    if (H % f->k_multiple || I % f2->k_multiple || T < 0 || n_experts < 0 || group < 0) return -1;
+    if (group > 0 && (H % group || I % group)) return -1;
     int64_t P = offsets[n_experts];
     for (int64_t p = 0; p < P; p++)
         if (tokens[p] < 0 || tokens[p] >= T) return -2;
@@ -180,9 +196,9 @@ int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t 
     double *cum13 = (double *)(expert_of + P), *cum2 = cum13 + n_experts + 1;
     for (int64_t e = 0; e < n_experts; e++)
         for (int64_t p = offsets[e]; p < offsets[e + 1]; p++) expert_of[p] = e;
-    kernel_t kn = kernel_of(f, pick_isa(isa_limit));
-    phase_t up = {kn, w13, s13, n_experts, 2 * I, H, offsets, xp, gu};
-    phase_t down = {kn, w2, s2, n_experts, H, I, offsets, hp, y};
+    int isa = pick_isa(isa_limit);
+    phase_t up = {kernel_of(f, isa), w13, s13, z13, group, n_experts, 2 * I, H, offsets, xp, gu};
+    phase_t down = {kernel_of(f2, isa), w2, s2, z2, group, n_experts, H, I, offsets, hp, y};
     prefix_costs(&up, cum13);
     prefix_costs(&down, cum2);
     const int64_t chunks = (I + SPAN - 1) / SPAN; /* activation items per pair: SPAN-aligned, as prep wants */
@@ -212,7 +228,7 @@ int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t 
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        for (int64_t p = tid; p < P; p += n) f->prep(h + p * I, hp + p * I, I);
+        for (int64_t p = tid; p < P; p += n) f2->prep(h + p * I, hp + p * I, I);
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
@@ -230,20 +246,20 @@ int ferryman_cpu_experts(int fmt, const float *x, int64_t T, int64_t H, int64_t 
     return 0;
 }
 
-/* y [T, N] = x [T, K] @ W^T for one matrix W of format fmt (w, s as in ferryman_cpu_experts).
+/* y [T, N] = x [T, K] @ W^T for one matrix W of format fmt (w, s, z, group as in ferryman_cpu_experts).
  * Returns 0, -1 bad sizes or out of memory, -3 an unknown format. */
-int ferryman_cpu_matmul(int fmt, const float *x, int64_t T, int64_t K, const uint8_t *w, const uint8_t *s,
-                        int64_t N, float *y, int threads, int isa_limit) {
+int ferryman_cpu_matmul(int fmt, int64_t group, const float *x, int64_t T, int64_t K, const uint8_t *w,
+                        const uint8_t *s, const uint8_t *z, int64_t N, float *y, int threads, int isa_limit) {
     if (fmt < 0 || fmt >= N_FORMATS) return -3;
     const format_t *f = &FORMATS[fmt];
-    if (K % f->k_multiple || T < 0 || N < 0) return -1;
+    if (K % f->k_multiple || T < 0 || N < 0 || group < 0 || (group > 0 && K % group)) return -1;
     if (T == 0) return 0;
     float *xp = scratch(sizeof(float) * (size_t)(T * K));
     if (xp == NULL) return -1;
     for (int64_t t = 0; t < T; t++) f->prep(x + t * K, xp + t * K, K);
     int64_t offsets[2] = {0, T};
-    const uint8_t *ws[1] = {w}, *ss[1] = {s};
-    phase_t ph = {kernel_of(f, pick_isa(isa_limit)), ws, ss, 1, N, K, offsets, xp, y};
+    const uint8_t *ws[1] = {w}, *ss[1] = {s}, *zs[1] = {z};
+    phase_t ph = {kernel_of(f, pick_isa(isa_limit)), ws, ss, zs, group, 1, N, K, offsets, xp, y};
     double cum[2];
     prefix_costs(&ph, cum);
     int nth = threads_of(threads);

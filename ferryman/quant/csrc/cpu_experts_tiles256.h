@@ -3,8 +3,8 @@
 
 /* MXFP4 rows as fp32 in the prepared order (a span's halves as mx256_row decodes them), each weight
  * times its group's scale; rows with a scale of 0 or 255: the portable decoder */
-T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                                   int64_t k0, int64_t k1, float *wb, int64_t ld) {
+T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
     const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     const __m256 mag = _mm256_loadu_ps(E2M1);
     const __m256i eight = _mm256_set1_epi32(8);
@@ -13,7 +13,7 @@ T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K
         const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
         float *out = wb + (n - n0) * ld - k0;
         if (G > MAX_GROUPS || !mx256_scales(scl, k0 / BLOCK, k1 / BLOCK, sc)) {
-            decode_mxfp4_portable(w, s, K, n, n + 1, k0, k1, out + k0, ld);
+            decode_mxfp4_portable(w, s, z, group, K, n, n + 1, k0, k1, out + k0, ld);
             continue;
         }
         for (int64_t sp = k0 / SPAN; sp < sp1; sp++)
@@ -35,9 +35,10 @@ T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, int64_t K
 }
 
 #define DECODE256(NAME, TYPE, LOAD8, SCALAR)                                                             \
-    T256 static void decode_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
-                                   int64_t k0, int64_t k1, float *wb, int64_t ld) {                     \
-        (void)s;                                                                                        \
+    T256 static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,   \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        (void)s, (void)z, (void)group;                                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
             float *out = wb + (n - n0) * ld - k0;                                                       \

@@ -4,8 +4,8 @@
 /* MXFP4 rows as fp32 in the prepared order: a span's 8 vectors are the row decoder's, each times its
  * per-lane scales (lanes 4g..4g+3: group g), so the products need no scaling; a row whose chunk
  * holds a scale of 0 or 255 takes the portable decoder (exact there too). */
-T512 static void decode_mxfp4_avx512(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                                     int64_t k0, int64_t k1, float *wb, int64_t ld) {
+T512 static void decode_mxfp4_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
+                                     int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
     const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     const __m512 lut = _mm512_loadu_ps(E2M1);
     const __m512i rep4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -15,7 +15,7 @@ T512 static void decode_mxfp4_avx512(const uint8_t *w, const uint8_t *s, int64_t
         const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
         float *out = wb + (n - n0) * ld - k0;
         if (G > MAX_GROUPS || !mx512_scales(scl, k0 / BLOCK, k1 / BLOCK, sc)) {
-            decode_mxfp4_portable(w, s, K, n, n + 1, k0, k1, out + k0, ld);
+            decode_mxfp4_portable(w, s, z, group, K, n, n + 1, k0, k1, out + k0, ld);
             continue;
         }
         for (int64_t sp = k0 / SPAN; sp < sp1; sp++) {
@@ -42,9 +42,10 @@ T512 static void decode_mxfp4_avx512(const uint8_t *w, const uint8_t *s, int64_t
 
 /* dense rows as fp32, 16 at a time (LOAD16 / LOADM: the row decoders' converters) */
 #define DECODE512(NAME, TYPE, LOAD16, LOADM)                                                             \
-    T512 static void decode_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
-                                   int64_t k0, int64_t k1, float *wb, int64_t ld) {                     \
-        (void)s;                                                                                        \
+    T512 static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,   \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        (void)s, (void)z, (void)group;                                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
             float *out = wb + (n - n0) * ld - k0;                                                       \

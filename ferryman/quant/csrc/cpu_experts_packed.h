@@ -1,0 +1,175 @@
+/* Packed formats of cpu_experts.c that have tile decoders only (no row decoders): every token count
+ * decodes each tile of rows x TILE_K once into fp32, then a dots kernel multiplies it (the ISA's, or
+ * dots_portable). Each decoded weight is, bit for bit, what the torch reference dequantiser returns:
+ *   GGUF (quant/gguf_blocks.py dequant_rows; ggml's block layouts), a row = K / block values' blocks:
+ *     5 q8_0  34 bytes / 32 values: fp16 d, 32 int8 q                      w = d x q
+ *     6 q4_k 144 bytes / 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 sub-blocks of
+ *             32), 128 bytes of nibbles (per 64 values: 32 low nibbles, then the same bytes' high)
+ *                                                                         w = (d x sc) x q - dmin x m
+ *     7 q6_k 210 bytes / 256: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, fp16 d
+ *                                                                         w = (d x sc) x (q - 32)
+ *   int (quant/intq.py dequant_int): W = int32 words [N, K / (32 / bits)], input k at bits
+ *     (k % P) * bits of word k // P (little-endian: int4 byte k/2, low nibble first; int8 byte k);
+ *     s = fp32 scales [N, G], z = uint8 zeros [N, G] or NULL (2^(bits-1)); group: inputs per group
+ *     (0: one group per row)
+ *     8 int4, 9 int8                                                      w = (q - zero) x scale
+ * Every product of a fp16 scale and small integers above is exact in fp32, and each w has at most
+ * one rounding (the last operation), so no order of operations, fused or not, changes a bit.
+ * The decoders are written once (static inline) and compiled per ISA (target attributes), so the
+ * compiler vectorises each for the ISA it runs on. */
+
+#define QK_K 256
+
+/* fp16 at p (little-endian) as fp32, exact */
+static inline float f16_at(const uint8_t *p) { return half_float((uint16_t)(p[0] | p[1] << 8)); }
+
+static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t *w, int64_t K, int64_t n0, int64_t n1,
+                                                            int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    const int64_t rb = K / 32 * 34;
+    for (int64_t n = n0; n < n1; n++) {
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t b = k0 / 32; b < k1 / 32; b++) {
+            const uint8_t *blk = w + n * rb + b * 34;
+            const float d = f16_at(blk);
+            const int8_t *q = (const int8_t *)(blk + 2);
+            for (int j = 0; j < 32; j++) out[b * 32 + j] = d * (float)q[j];
+        }
+    }
+}
+
+/* Q4_K's 6-bit scale and min of sub-block j (quant/gguf_blocks.py k_scale_min) */
+static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline __attribute__((always_inline)) void q4_k_rows(const uint8_t *w, int64_t K, int64_t n0, int64_t n1,
+                                                            int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    const int64_t rb = K / QK_K * 144;
+    for (int64_t n = n0; n < n1; n++) {
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
+            const uint8_t *blk = w + n * rb + b * 144, *qs = blk + 16;
+            const float d = f16_at(blk), dmin = f16_at(blk + 2);
+            float *o = out + b * QK_K;
+            for (int c = 0; c < 4; c++) { /* 64 values: sub-blocks 2c (low nibbles), 2c + 1 (high) */
+                int sc0, mn0, sc1, mn1;
+                k_scale_min(blk + 4, 2 * c, &sc0, &mn0);
+                k_scale_min(blk + 4, 2 * c + 1, &sc1, &mn1);
+                const float d0 = d * (float)sc0, m0 = dmin * (float)mn0, d1 = d * (float)sc1, m1 = dmin * (float)mn1;
+                for (int l = 0; l < 32; l++) {
+                    o[c * 64 + l] = d0 * (float)(qs[c * 32 + l] & 0xF) - m0;
+                    o[c * 64 + 32 + l] = d1 * (float)(qs[c * 32 + l] >> 4) - m1;
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, int64_t K, int64_t n0, int64_t n1,
+                                                            int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    const int64_t rb = K / QK_K * 210;
+    for (int64_t n = n0; n < n1; n++) {
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
+            const uint8_t *blk = w + n * rb + b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            const float d = f16_at(blk + 208);
+            float *o = out + b * QK_K;
+            for (int h = 0; h < 2; h++) /* 128 values: ql bytes 64h.. (low, then high nibbles), qh 32h.. */
+                for (int s = 0; s < 4; s++) { /* 32 values: (ql nibble) | (qh bits 2s..2s+1) << 4 */
+                    const uint8_t *lo = ql + h * 64 + (s & 1) * 32, *hi = qh + h * 32;
+                    const int shift = (s >> 1) * 4;
+                    const float da = d * (float)sc[h * 8 + s * 2], db = d * (float)sc[h * 8 + s * 2 + 1];
+                    for (int l = 0; l < 32; l++) {
+                        int q = ((lo[l] >> shift) & 0xF) | (((hi[l] >> (2 * s)) & 3) << 4);
+                        o[h * 128 + s * 32 + l] = (l < 16 ? da : db) * (float)(q - 32);
+                    }
+                }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void int_rows(int bits, const uint8_t *w, const uint8_t *s,
+                                                           const uint8_t *z, int64_t group, int64_t K, int64_t n0,
+                                                           int64_t n1, int64_t k0, int64_t k1, float *wb,
+                                                           int64_t ld) {
+    const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * bits / 8;
+    const int mid = 1 << (bits - 1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * rb;
+        const float *scl = (const float *)s + n * G;
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t k = k0; k < k1;) {
+            const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
+            const int zero = z ? z[n * G + g] : mid;
+            const float sc = scl[g];
+            if (bits == 4) {
+                for (; k < end; k++) out[k] = (float)(((row[k >> 1] >> ((k & 1) * 4)) & 0xF) - zero) * sc;
+            } else {
+                for (; k < end; k++) out[k] = (float)(row[k] - zero) * sc;
+            }
+        }
+    }
+}
+
+#define GGUF_DECODER(NAME, ATTR, BODY)                                                                    \
+    ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        (void)s, (void)z, (void)group;                                                                  \
+        BODY(w, K, n0, n1, k0, k1, wb, ld);                                                             \
+    }
+#define INT_DECODER(NAME, ATTR, BITS)                                                                     \
+    ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        int_rows(BITS, w, s, z, group, K, n0, n1, k0, k1, wb, ld);                                      \
+    }
+#define PACKED_DECODERS(SUFFIX, ATTR)                 \
+    GGUF_DECODER(q8_0_##SUFFIX, ATTR, q8_0_rows)      \
+    GGUF_DECODER(q4_k_##SUFFIX, ATTR, q4_k_rows)      \
+    GGUF_DECODER(q6_k_##SUFFIX, ATTR, q6_k_rows)      \
+    INT_DECODER(int4_##SUFFIX, ATTR, 4)               \
+    INT_DECODER(int8_##SUFFIX, ATTR, 8)
+
+PACKED_DECODERS(portable, )
+#ifdef FM_X86
+PACKED_DECODERS(avx2, T256)
+PACKED_DECODERS(avx512, T512)
+#else
+#define decode_q8_0_avx2 decode_q8_0_portable
+#define decode_q4_k_avx2 decode_q4_k_portable
+#define decode_q6_k_avx2 decode_q6_k_portable
+#define decode_int4_avx2 decode_int4_portable
+#define decode_int8_avx2 decode_int8_portable
+#define decode_q8_0_avx512 decode_q8_0_portable
+#define decode_q4_k_avx512 decode_q4_k_portable
+#define decode_q6_k_avx512 decode_q6_k_portable
+#define decode_int4_avx512 decode_int4_portable
+#define decode_int8_avx512 decode_int8_portable
+#endif
+
+/* the portable dots kernel (formats without row decoders on the portable ISA):
+ * y[t * ys + r] += wb[r, 0:len] . xp[t * K + 0:len] */
+static void dots_portable(const float *wb, int64_t ld, int64_t nr, const float *xp, int64_t K, int64_t nt,
+                          int64_t len, float *y, int64_t ys) {
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t r = 0; r < nr; r++) {
+            const float *a = wb + r * ld, *b = xp + t * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < len; k++) acc += a[k] * b[k];
+            y[t * ys + r] += acc;
+        }
+}
+
+static int64_t q8_0_row_bytes(int64_t K) { return K / 32 * 34; }
+static int64_t q4_k_row_bytes(int64_t K) { return K / QK_K * 144; }
+static int64_t q6_k_row_bytes(int64_t K) { return K / QK_K * 210; }
+static int64_t int4_row_bytes(int64_t K) { return K / 2; } /* the words only; scales and zeros apart */
+static int64_t int8_row_bytes(int64_t K) { return K; }

@@ -1,0 +1,138 @@
+"""The CPU expert kernel's packed formats (quant/csrc/cpu_experts_packed.h): GGUF q8_0 / q4_k / q6_k
+blocks and int4 / int8 words with group scales. Per format and instruction set: every decoded weight
+bit for bit the torch dequantiser's (quant/gguf_blocks.py dequant_rows, quant/intq.py dequant);
+whole layers (1, 4, 5, 9 tokens; K not a multiple of the 1024-wide tiles) against fused_moe's torch
+path in float64 from the same weights; fused_moe on the CPU takes the kernel for them, and the
+variants it does not read (act-order int, other GGUF types) keep the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferryman.layers.fused_moe import MoEActivation, fused_moe
+from ferryman.quant import cpu_kernel, get_format
+from ferryman.quant.cpu_layer import LayerJob, kernel_reads
+from triton_interp import use_cpu_kernel
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C compiler to build the CPU kernel")
+ISAS = ["avx512bf16", "avx512", "avx2", "portable"]
+TOKENS = [1, 4, 5, 9]
+# w13 and w2 of different GGUF types in one layer; int sym / asym / one group per row, 4 and 8 bits
+FORMATS = ["gguf:q8_0:q8_0", "gguf:q4_k:q6_k", "gguf:q6_k:q4_k", "int4:g128:sym", "int4:g32:asym", "int4:ch:sym",
+           "int8:g128:asym"]
+HIDDEN, INTER = 1280, 256  # w13's K: one tile of 1024 and one of 256; w2's: a single short tile
+
+
+def _banks(fmt: str, seed: int, experts: int = 4) -> dict[str, torch.Tensor]:
+    return get_format(fmt).random_banks(experts, HIDDEN, INTER, True, torch.float32,
+                                        torch.Generator().manual_seed(seed))
+
+
+def _w13_matrix(fmt: str, banks: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, ...]:
+    """(weights, scales, zeros) of expert e's w13 as cpu_kernel.matmul takes them."""
+    if fmt.startswith("gguf"):
+        return banks["w13_q"][e], None, None
+    zeros = banks.get("w13_zeros")
+    return banks["w13_qweight"][e], banks["w13_scales"][e], None if zeros is None else zeros[e]
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_decoded_weights_are_the_dequantisers_bit_for_bit(fmt: str, isa: str) -> None:
+    """The identity's K tokens times W give W^T exactly (each sum is one product and zeros), so every
+    decoded weight of the kernel is compared with the torch reference's, bit for bit."""
+    banks = _banks(fmt, 1, experts=2)
+    w, s, z = _w13_matrix(fmt, banks, 1)
+    got = cpu_kernel.matmul(torch.eye(HIDDEN), w, s, fmt=fmt, isa=isa, zeros=z).T  # [2I, H]
+    want = get_format(fmt).dequant(banks, "w13", slice(1, 2), torch.float32)[0]  # [2I, H]
+    assert got.shape == want.shape and bool(want.abs().amax() > 0)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {want.numel()} weights differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_layer_matches_fused_moe_torch_path(fmt: str, tokens: int, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer (silu, biases) in one kernel call against fused_moe's torch path over the same pairs,
+    in float64 from the dequantised weights (the biases' dtype is the reference's compute dtype)."""
+    banks = _banks(fmt, tokens)
+    gen = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])  # [T, 2]
+    w = torch.rand(tokens, 2, generator=gen)
+    act = MoEActivation("silu")
+    got = LayerJob(x, banks, 0, cpu_kernel.pairs_of(ids, w), "silu", act.alpha, act.limit, fmt=fmt).run(isa)
+    use_cpu_kernel(monkeypatch, False)
+    wide = {name: (b.double() if name.endswith("_bias") else b) for name, b in banks.items()}
+    want = fused_moe(fmt, wide, x.double(), ids, w.double(), act)
+    assert bool(want.abs().amax() > 1e-2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["gguf:q8_0:q6_k", "int4:g128:asym"])
+def test_swiglu_oai_layer_matches(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    banks = _banks(fmt, 7)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, HIDDEN, generator=gen) * 3  # some gates past the limit
+    ids, w = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(5)]), torch.rand(5, 2, generator=gen)
+    act = MoEActivation("swiglu_oai")
+    got = LayerJob(x, banks, 0, cpu_kernel.pairs_of(ids, w), act.kind, act.alpha, act.limit, fmt=fmt).run()
+    use_cpu_kernel(monkeypatch, False)
+    wide = {name: (b.double() if name.endswith("_bias") else b) for name, b in banks.items()}
+    torch.testing.assert_close(got.double(), fused_moe(fmt, wide, x.double(), ids, w.double(), act),
+                               rtol=1e-4, atol=1e-5)
+
+
+def _count_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    inner = LayerJob.run
+    monkeypatch.setattr(LayerJob, "run", lambda job, *a: calls.__setitem__(0, calls[0] + 1) or inner(job, *a))
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_moe_on_cpu_takes_the_kernel(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 activations, as an engine has them: one kernel call for the layer, within bf16 rounding of
+    the torch path (which rounds the weights and products to bf16)."""
+    banks = _banks(fmt, 3)
+    banks = {n: (b.bfloat16() if n.endswith("_bias") else b) for n, b in banks.items()}
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, HIDDEN, generator=gen).bfloat16()
+    ids, w = torch.tensor([[0, 3], [3, 2], [1, 0], [2, 1], [3, 1]]), torch.rand(5, 2, generator=gen)
+    act = MoEActivation("silu")
+    calls = _count_runs(monkeypatch)
+    assert kernel_reads(fmt, banks)
+    fast = fused_moe(fmt, banks, x, ids, w, act)
+    assert calls[0] == 1 and fast.dtype == torch.bfloat16
+    use_cpu_kernel(monkeypatch, False)
+    slow = fused_moe(fmt, banks, x, ids, w, act)
+    assert calls[0] == 1
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=3e-2, atol=3e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["int4:g128:sym:act", "gguf:q5_k:q8_0", "gguf:q8_0:q4_0"])
+def test_variants_without_a_decoder_keep_the_torch_path(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    banks = _banks(fmt, 5)
+    x = torch.randn(3, HIDDEN)
+    ids, w = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    calls = _count_runs(monkeypatch)
+    assert not kernel_reads(fmt, banks) and cpu_kernel.packed_codes(fmt) is None
+    out = fused_moe(fmt, banks, x, ids, w, MoEActivation("silu"))
+    assert calls[0] == 0 and out.shape == x.shape and bool(torch.isfinite(out).all())
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        LayerJob(x, banks, 0, cpu_kernel.pairs_of(ids, w), "silu", 1.0, 1.0, fmt=fmt)
+
+
+@needs_kernel
+def test_layer_job_names_a_bank_of_the_wrong_shape() -> None:
+    banks = _banks("int4:g128:sym", 6)
+    banks["w2_scales"] = banks["w2_scales"][:, :, :1].contiguous()
+    pairs = cpu_kernel.pairs_of(torch.tensor([[0, 1]]), torch.rand(1, 2))
+    with pytest.raises(ValueError, match=r"w2_scales \(4, 1280, 1\)"):
+        LayerJob(torch.randn(1, HIDDEN), banks, 0, pairs, "silu", 1.0, 1.0, fmt="int4:g128:sym")
