@@ -71,6 +71,19 @@ static inline __attribute__((always_inline)) void q4_k_rows(const uint8_t *w, in
     }
 }
 
+/* values 32s + l of 128 (s < 4, l < 16 of one half): (ql nibble) | (qh bits 2s, 2s + 1) << 4, minus 32,
+ * times d x the int8 scale of their 16 (sc[2s]) */
+static inline __attribute__((always_inline)) void q6_k_16(const uint8_t *lo, const uint8_t *hi, float d,
+                                                          const int8_t *sc, float *o) {
+    const float s0 = d * (float)sc[0], s1 = d * (float)sc[2], s2 = d * (float)sc[4], s3 = d * (float)sc[6];
+    for (int l = 0; l < 16; l++) {
+        o[l] = s0 * (float)(((lo[l] & 0xF) | ((hi[l] & 3) << 4)) - 32);
+        o[32 + l] = s1 * (float)(((lo[32 + l] & 0xF) | (((hi[l] >> 2) & 3) << 4)) - 32);
+        o[64 + l] = s2 * (float)(((lo[l] >> 4) | (((hi[l] >> 4) & 3) << 4)) - 32);
+        o[96 + l] = s3 * (float)(((lo[32 + l] >> 4) | ((hi[l] >> 6) << 4)) - 32);
+    }
+}
+
 static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, int64_t K, int64_t n0, int64_t n1,
                                                             int64_t k0, int64_t k1, float *wb, int64_t ld) {
     const int64_t rb = K / QK_K * 210;
@@ -82,15 +95,9 @@ static inline __attribute__((always_inline)) void q6_k_rows(const uint8_t *w, in
             const float d = f16_at(blk + 208);
             float *o = out + b * QK_K;
             for (int h = 0; h < 2; h++) /* 128 values: ql bytes 64h.. (low, then high nibbles), qh 32h.. */
-                for (int s = 0; s < 4; s++) { /* 32 values: (ql nibble) | (qh bits 2s..2s+1) << 4 */
-                    const uint8_t *lo = ql + h * 64 + (s & 1) * 32, *hi = qh + h * 32;
-                    const int shift = (s >> 1) * 4;
-                    const float da = d * (float)sc[h * 8 + s * 2], db = d * (float)sc[h * 8 + s * 2 + 1];
-                    for (int l = 0; l < 32; l++) {
-                        int q = ((lo[l] >> shift) & 0xF) | (((hi[l] >> (2 * s)) & 3) << 4);
-                        o[h * 128 + s * 32 + l] = (l < 16 ? da : db) * (float)(q - 32);
-                    }
-                }
+                for (int half = 0; half < 2; half++)
+                    q6_k_16(ql + h * 64 + half * 16, qh + h * 32 + half * 16, d, sc + h * 8 + half,
+                            o + h * 128 + half * 16);
         }
     }
 }
@@ -109,8 +116,14 @@ static inline __attribute__((always_inline)) void int_rows(int bits, const uint8
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
             const int zero = z ? z[n * G + g] : mid;
             const float sc = scl[g];
-            if (bits == 4) {
-                for (; k < end; k++) out[k] = (float)(((row[k >> 1] >> ((k & 1) * 4)) & 0xF) - zero) * sc;
+            if (bits == 4) { /* k and end even: groups and K are multiples of 8 */
+                const uint8_t *b = row + k / 2;
+                float *o = out + k;
+                for (int64_t j = 0; j < (end - k) / 2; j++) {
+                    o[2 * j] = (float)((b[j] & 0xF) - zero) * sc;
+                    o[2 * j + 1] = (float)((b[j] >> 4) - zero) * sc;
+                }
+                k = end;
             } else {
                 for (; k < end; k++) out[k] = (float)(row[k] - zero) * sc;
             }
