@@ -2,10 +2,10 @@
 of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part, the `cpu` and `layers`
 strategies) and `matmul` (one product x @ W^T: tests and benchmarks).
 
-The C kernel (csrc/cpu_experts.c) has one row decoder per format (`KERNEL_FORMATS`: MXFP4, and dense
-bf16 / fp32 / fp16 banks) and one OpenMP region per layer, rows of all the layer's experts split
-between the threads. It picks AVX-512, AVX2 or its portable loop at run time from CPUID, so one
-build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
+The C kernel (csrc/cpu_experts.c) has decoders per format (`KERNEL_FORMATS`: MXFP4, and dense
+bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales) and
+one OpenMP region per layer, rows of all the layer's experts split between the threads. It picks
+AVX-512, AVX2 or its portable loop at run time from CPUID, so one build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
 by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
 one warning saying why, and callers keep the torch path. FERRYMAN_KERNELS=torch turns it off.
 """

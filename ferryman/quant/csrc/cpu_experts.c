@@ -30,11 +30,12 @@
  * carries its own target attribute, so the library builds without -march flags and runs anywhere.
  * Loaded with ctypes by ferryman/quant/cpu_kernel.py, which builds it at first use.
  *
- * A new format (int4 groups, FP8 blocks, GGUF Q4_K / Q6_K / Q8_0, ...): a `rows_*` decoder (the
- * portable one at least; vector ones per ISA where they pay), a `decode_*` tile decoder (its vector
- * ones where the ISA has a dots kernel), a `prep_*` if its activations want another order,
- * `row_bytes`, one entry in FORMATS; then its code in cpu_kernel.py KERNEL_FORMATS
- * and its bank names in cpu_layer.py BANKS. Weights and scales arrive as two pointers per expert
+ * A new format (FP8 blocks, NVFP4, other GGUF types, ...): a `decode_*` tile decoder per ISA (one
+ * portable body compiled per ISA, as cpu_experts_packed.h does), optionally `rows_*` decoders (NULL:
+ * tiles for every token count, through dots_portable where the ISA has no dots kernel), a `prep_*`
+ * if its activations want another order, `row_bytes`, one entry in FORMATS; then its code in
+ * cpu_kernel.py (KERNEL_FORMATS or packed_codes) and its bank names in cpu_layer.py (BANKS or
+ * PACKED_BANKS). Weights and scales arrive as two pointers per expert
  * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
  */
 #include <stdint.h>
