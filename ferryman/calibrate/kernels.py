@@ -1,7 +1,8 @@
 """Each CPU expert kernel's rate beside the host read bandwidth: what `ferryman bench bw --json`
 reports under "cpu_kernels" (no GPU needed).
 
-For every format the C kernel covers (quant/cpu_kernel.py KERNEL_FORMATS) and each token count, a
+For every format the C kernel covers (quant/cpu_kernel.py KERNEL_FORMATS, and GGUF q8_0 / q4_k / q6_k
+and int4 where the model's dims allow them) and each token count, a
 layer job of top_k experts of the model's shape (`LayerJob`, the hybrid's and the cpu strategy's
 path) cycles through a pool of random experts larger than the CPU caches, as misses do; the rate
 is the median of `reps` jobs, in experts/s and GB/s of the format's bytes, and as a share of the
@@ -25,7 +26,19 @@ from ferryman.quant.cpu_layer import LayerJob
 KERNEL_TOKENS = (1, 8, 32)  # tokens per expert measured
 # (label, format, bank dtype) of each kernel; MXFP4's banks are uint8 whatever the model dtype
 KERNELS = (("mxfp4", "mxfp4", torch.bfloat16), ("bf16", "dense", torch.bfloat16),
-           ("fp16", "dense", torch.float16), ("fp32", "dense", torch.float32))
+           ("fp16", "dense", torch.float16), ("fp32", "dense", torch.float32),
+           # packed formats, measured where the model's dims are whole blocks / groups of them
+           ("q8_0", "gguf:q8_0:q8_0", torch.bfloat16), ("q4_k", "gguf:q4_k:q4_k", torch.bfloat16),
+           ("q6_k", "gguf:q6_k:q6_k", torch.bfloat16), ("int4", "int4:g128:sym", torch.bfloat16))
+
+
+def kernel_fits(fmt: str, hidden: int, inter: int) -> bool:
+    """Whether experts of format `fmt` can have these dims (GGUF blocks, int groups)."""
+    try:
+        get_format(fmt).weight_specs(1, hidden, inter, torch.bfloat16)
+    except ValueError:
+        return False
+    return True
 
 
 def kernel_rates(cfg: ModelConfig, act: MoEActivation, read_gbps: float, reps: int, pool_bytes: int,
@@ -36,6 +49,8 @@ def kernel_rates(cfg: ModelConfig, act: MoEActivation, read_gbps: float, reps: i
     hidden, inter, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.top_k
     rows = []
     for label, fmt, dtype in KERNELS:
+        if not kernel_fits(fmt, hidden, inter):
+            continue
         form = get_format(fmt)
         eb = form.expert_bytes(hidden, inter, cfg.expert_bias, dtype)
         n = max(k + 1, -(-pool_bytes // eb))
