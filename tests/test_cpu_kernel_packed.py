@@ -136,3 +136,15 @@ def test_layer_job_names_a_bank_of_the_wrong_shape() -> None:
     pairs = cpu_kernel.pairs_of(torch.tensor([[0, 1]]), torch.rand(1, 2))
     with pytest.raises(ValueError, match=r"w2_scales \(4, 1280, 1\)"):
         LayerJob(torch.randn(1, HIDDEN), banks, 0, pairs, "silu", 1.0, 1.0, fmt="int4:g128:sym")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_int_groups_across_tile_edges(isa: str) -> None:
+    """Groups of 192 inputs: the 1024-wide tiles end inside a group (its scale and zero read on both
+    sides), decoded bit for bit."""
+    fmt = "int4:g192:asym"
+    banks = get_format(fmt).random_banks(1, 1152, 384, False, torch.float32, torch.Generator().manual_seed(9))
+    got = cpu_kernel.matmul(torch.eye(1152), banks["w13_qweight"][0], banks["w13_scales"][0], fmt=fmt, isa=isa,
+                            zeros=banks["w13_zeros"][0]).T  # [2I, H]
+    assert torch.equal(got, get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0])
