@@ -3,7 +3,7 @@ of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part, the
 strategies) and `matmul` (one product x @ W^T: tests and benchmarks).
 
 The C kernel (csrc/cpu_experts.c) has decoders per format (`KERNEL_FORMATS`: MXFP4, and dense
-bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales) and
+bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales, fp8) and
 one OpenMP region per layer, rows of all the layer's experts split between the threads. It picks
 AVX-512, AVX2 or its portable loop at run time from CPUID, so one build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
 by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
@@ -45,12 +45,14 @@ BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX5
 # packed formats with tile decoders only (csrc/cpu_experts_packed.h): GGUF block types, int bits
 GGUF_CODES = {"q8_0": 5, "q4_k": 6, "q6_k": 7}
 INT_CODES = {4: 8, 8: 9}
+FP8_CODE = 10  # e4m3 with a scale per row or per square block
 
 
 def packed_codes(fmt: str) -> tuple[int, int, int] | None:
     """(w13 code, w2 code, inputs per scale group; 0: one group per row) of a packed format name the
     kernel reads: `gguf:<t13>:<t2>` of GGUF_CODES types, `int4|int8:<g<n>|ch>:<sym|asym>` (act-order
-    ones, with a group index per input, keep the torch path); None for any other."""
+    ones, with a group index per input, keep the torch path), `fp8:channel` and `fp8:<b>x<b>` (square
+    blocks; others keep the torch path); None for any other."""
     family, _, rest = fmt.partition(":")
     if family == "gguf":
         t13, _, t2 = rest.partition(":")
@@ -61,6 +63,11 @@ def packed_codes(fmt: str) -> tuple[int, int, int] | None:
         except ValueError:
             return None
         return None if params.act else (INT_CODES[params.bits], INT_CODES[params.bits], params.group)
+    if family == "fp8":
+        bn, _, bk = rest.partition("x")
+        if rest == "channel":
+            return FP8_CODE, FP8_CODE, 0
+        return (FP8_CODE, FP8_CODE, int(bn)) if bn.isdigit() and bn == bk and int(bn) > 0 else None
     return None
 
 
@@ -226,6 +233,8 @@ def packed_inputs(fmt: str, w: torch.Tensor) -> int:
     if family == "gguf":
         gtype = rest.partition(":")[0]
         return w.shape[-1] // type_size(gtype) * block_size(gtype)
+    if family == "fp8":
+        return w.shape[-1]
     return w.shape[-1] * (32 // parse_name(fmt).bits)
 
 

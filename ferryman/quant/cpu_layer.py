@@ -23,7 +23,8 @@ BANKS = {"mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "dense
 # scales, zeros); a bank absent from a layer (symmetric int: no zeros) is passed as NULL
 PACKED_BANKS = {"gguf": ("w13_q", None, None, "w2_q", None, None),
                 "int4": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros"),
-                "int8": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros")}
+                "int8": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros"),
+                "fp8": ("w13", "w13_scale", None, "w2", "w2_scale", None)}
 BankNames = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
 
 

@@ -183,7 +183,7 @@ int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int
     if (fmt13 < 0 || fmt13 >= N_FORMATS || fmt2 < 0 || fmt2 >= N_FORMATS) return -3;
     const format_t *f = &FORMATS[fmt13], *f2 = &FORMATS[fmt2];
     if (H % f->k_multiple || I % f2->k_multiple || T < 0 || n_experts < 0 || group < 0) return -1;
-    if (group > 0 && (H % group || I % group)) return -1;
+    if (group > 0 && (fmt13 == FMT_INT4 || fmt13 == FMT_INT8) && (H % group || I % group)) return -1; /* whole groups */
     int64_t P = offsets[n_experts];
     for (int64_t p = 0; p < P; p++)
         if (tokens[p] < 0 || tokens[p] >= T) return -2;
@@ -252,7 +252,8 @@ int ferryman_cpu_matmul(int fmt, int64_t group, const float *x, int64_t T, int64
                         const uint8_t *s, const uint8_t *z, int64_t N, float *y, int threads, int isa_limit) {
     if (fmt < 0 || fmt >= N_FORMATS) return -3;
     const format_t *f = &FORMATS[fmt];
-    if (K % f->k_multiple || T < 0 || N < 0 || group < 0 || (group > 0 && K % group)) return -1;
+    if (K % f->k_multiple || T < 0 || N < 0 || group < 0) return -1;
+    if (group > 0 && (fmt == FMT_INT4 || fmt == FMT_INT8) && K % group) return -1; /* whole groups */
     if (T == 0) return 0;
     float *xp = scratch(sizeof(float) * (size_t)(T * K));
     if (xp == NULL) return -1;

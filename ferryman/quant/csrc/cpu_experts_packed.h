@@ -13,6 +13,9 @@
  *     s = fp32 scales [N, G], z = uint8 zeros [N, G] or NULL (2^(bits-1)); group: inputs per group
  *     (0: one group per row)
  *     8 int4, 9 int8                                                      w = (q - zero) x scale
+ *   fp8 (quant/fp8.py dequant_fp8): W = float8 e4m3fn [N, K]; s = fp32 scales of square blocks
+ *     [ceil(N / group), ceil(K / group)] (the last ones may be partial), or [N] for group 0
+ *     10 fp8                                                              w = fp32(q) x scale
  * Every product of a fp16 scale and small integers above is exact in fp32, and each w has at most
  * one rounding (the last operation), so no order of operations, fused or not, changes a bit.
  * The decoders are written once (static inline) and compiled per ISA (target attributes), so the
@@ -131,6 +134,30 @@ static inline __attribute__((always_inline)) void int_rows(int bits, const uint8
     }
 }
 
+/* float8 e4m3fn as fp32, exactly: no infinities, S.1111.111 is NaN, exponent 0 subnormal (m x 2^-9) */
+static inline float e4m3_value(uint8_t c) {
+    const uint32_t e = (c >> 3) & 0xF, m = c & 7;
+    float mag = e ? bits_float(((e + 120) << 23) | (m << 20)) : (float)m * 0.001953125f;
+    if ((c & 0x7F) == 0x7F) mag = NAN;
+    return c & 0x80 ? -mag : mag;
+}
+
+static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, const uint8_t *s, int64_t group,
+                                                           int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,
+                                                           float *wb, int64_t ld) {
+    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * K;
+        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t k = k0; k < k1;) {
+            const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
+            const float sc = sr[g];
+            for (; k < end; k++) out[k] = e4m3_value(row[k]) * sc;
+        }
+    }
+}
+
 #define GGUF_DECODER(NAME, ATTR, BODY)                                                                    \
     ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
                                    int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
@@ -144,12 +171,20 @@ static inline __attribute__((always_inline)) void int_rows(int bits, const uint8
                                    int64_t ld) {                                                        \
         int_rows(BITS, w, s, z, group, K, n0, n1, k0, k1, wb, ld);                                      \
     }
+#define FP8_DECODER(NAME, ATTR)                                                                           \
+    ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        (void)z;                                                                                        \
+        fp8_rows(w, s, group, K, n0, n1, k0, k1, wb, ld);                                               \
+    }
 #define PACKED_DECODERS(SUFFIX, ATTR)                 \
     GGUF_DECODER(q8_0_##SUFFIX, ATTR, q8_0_rows)      \
     GGUF_DECODER(q4_k_##SUFFIX, ATTR, q4_k_rows)      \
     GGUF_DECODER(q6_k_##SUFFIX, ATTR, q6_k_rows)      \
     INT_DECODER(int4_##SUFFIX, ATTR, 4)               \
-    INT_DECODER(int8_##SUFFIX, ATTR, 8)
+    INT_DECODER(int8_##SUFFIX, ATTR, 8)               \
+    FP8_DECODER(fp8_##SUFFIX, ATTR)
 
 PACKED_DECODERS(portable, )
 #ifdef FM_X86
@@ -166,6 +201,8 @@ PACKED_DECODERS(avx512, T512)
 #define decode_q6_k_avx512 decode_q6_k_portable
 #define decode_int4_avx512 decode_int4_portable
 #define decode_int8_avx512 decode_int8_portable
+#define decode_fp8_avx2 decode_fp8_portable
+#define decode_fp8_avx512 decode_fp8_portable
 #endif
 
 /* the portable dots kernel (formats without row decoders on the portable ISA):
@@ -186,3 +223,4 @@ static int64_t q4_k_row_bytes(int64_t K) { return K / QK_K * 144; }
 static int64_t q6_k_row_bytes(int64_t K) { return K / QK_K * 210; }
 static int64_t int4_row_bytes(int64_t K) { return K / 2; } /* the words only; scales and zeros apart */
 static int64_t int8_row_bytes(int64_t K) { return K; }
+static int64_t fp8_row_bytes(int64_t K) { return K; } /* the codes only; scales apart */
