@@ -134,12 +134,17 @@ static inline __attribute__((always_inline)) void int_rows(int bits, const uint8
     }
 }
 
-/* float8 e4m3fn as fp32, exactly: no infinities, S.1111.111 is NaN, exponent 0 subnormal (m x 2^-9) */
-static inline float e4m3_value(uint8_t c) {
-    const uint32_t e = (c >> 3) & 0xF, m = c & 7;
-    float mag = e ? bits_float(((e + 120) << 23) | (m << 20)) : (float)m * 0.001953125f;
-    if ((c & 0x7F) == 0x7F) mag = NAN;
-    return c & 0x80 ? -mag : mag;
+/* float8 e4m3fn as fp32, exactly: no infinities, S.1111.111 is NaN, exponent 0 subnormal (m x 2^-9);
+ * all 256 values in a table filled when the library loads */
+static float E4M3[256];
+
+__attribute__((constructor)) static void fill_e4m3(void) {
+    for (int c = 0; c < 256; c++) {
+        const uint32_t e = (c >> 3) & 0xF, m = c & 7;
+        float mag = e ? bits_float(((e + 120) << 23) | (m << 20)) : (float)m * 0.001953125f;
+        if ((c & 0x7F) == 0x7F) mag = NAN;
+        E4M3[c] = c & 0x80 ? -mag : mag;
+    }
 }
 
 static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, const uint8_t *s, int64_t group,
@@ -153,7 +158,7 @@ static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, con
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
             const float sc = sr[g];
-            for (; k < end; k++) out[k] = e4m3_value(row[k]) * sc;
+            for (; k < end; k++) out[k] = E4M3[row[k]] * sc;
         }
     }
 }
@@ -212,9 +217,12 @@ static void dots_portable(const float *wb, int64_t ld, int64_t nr, const float *
     for (int64_t t = 0; t < nt; t++)
         for (int64_t r = 0; r < nr; r++) {
             const float *a = wb + r * ld, *b = xp + t * K;
-            float acc = 0.0f;
-            for (int64_t k = 0; k < len; k++) acc += a[k] * b[k];
-            y[t * ys + r] += acc;
+            float acc[8] = {0};  /* 8 independent sums: the compiler keeps them in vectors */
+            int64_t k = 0;
+            for (; k + 8 <= len; k += 8)
+                for (int j = 0; j < 8; j++) acc[j] += a[k + j] * b[k + j];
+            for (; k < len; k++) acc[0] += a[k] * b[k];
+            y[t * ys + r] += ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
         }
 }
 
