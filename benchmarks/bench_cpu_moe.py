@@ -4,9 +4,9 @@ loop, and which torch path `fused_moe` picks without the kernel (GATHER_MAX_COPI
 
     python benchmarks/bench_cpu_moe.py [--tokens 1,4,8,16,32,64,128] [--dtype bfloat16] [--format dense]
 
---format: a packed expert format (gguf:q8_0:q8_0, gguf:q4_k:q6_k, int4:g128:sym, ...): the kernel
-beside the torch path fused_moe takes without it (weights dequantised to --dtype, gathered or looped
-as gather_pays says), only that one (the other may need many GiB at these shapes).
+--format: a packed expert format (gguf:q8_0:q8_0, gguf:q4_k:q6_k, int4:g128:sym, fp8:128x128, ...):
+the kernel beside the torch path fused_moe takes without it (weights dequantised to --dtype, gathered
+or looped as gather_pays says), only that one (the other may need many GiB at these shapes).
 
 Shapes: the bundled demo model's layer (bf16 dense experts, 32 experts, top-4, 256 x 64) unless
 --experts/--top-k/--hidden/--inter say otherwise; random weights and routing (each token's top-k
