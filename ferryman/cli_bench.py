@@ -103,8 +103,8 @@ Measure, for MODEL's own experts (shape, format, dtype), the rates the hybrid sp
   (b) copies of one expert: pinned host -> device (with CUDA), and host -> host
   (c) CPU expert compute on the hybrid's own path: 1 token x top-k experts, then 4 tokens per expert
   (d) with CUDA, the link and the CPU compute at the same time (they share host memory)
-  (e) each CPU expert kernel (MXFP4, bf16, fp16, fp32; GGUF q8_0 / q4_k / q6_k, int4, fp8 where MODEL's dims
-      allow them) at 1, 8 and 32 tokens per expert, in GB/s
+  (e) each CPU expert kernel (MXFP4, bf16, fp16, fp32; GGUF q8_0 / q4_k / q6_k, int4, fp8, nvfp4 where
+      MODEL's dims allow them) at 1, 8 and 32 tokens per expert, in GB/s
       and as a share of (a)
 Each figure is the median of --reps repetitions. Writes a JSON file keyed by the expert geometry and
 the machine; the engine reads it when the expert geometry, machine and thread count match (the

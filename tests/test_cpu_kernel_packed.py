@@ -1,9 +1,11 @@
 """The CPU expert kernel's packed formats (quant/csrc/cpu_experts_packed.h): GGUF q8_0 / q4_k / q6_k
-blocks, int4 / int8 words with group scales, fp8 e4m3 with block or row scales. Per format and instruction set: every decoded weight
-bit for bit the torch dequantiser's (quant/gguf_blocks.py dequant_rows, quant/intq.py, quant/fp8.py);
-whole layers (1, 4, 5, 9 tokens; K not a multiple of the 1024-wide tiles) against fused_moe's torch
-path in float64 from the same weights; fused_moe on the CPU takes the kernel for them, and the
-variants it does not read (act-order int, other GGUF types, non-square fp8 blocks) keep the torch path."""
+blocks, int4 / int8 words with group scales, fp8 e4m3 with block or row scales, nvfp4 (modelopt's and
+compressed-tensors' global scales). Per format and instruction set: every decoded weight bit for bit
+the torch dequantiser's (quant/gguf_blocks.py dequant_rows, quant/intq.py, quant/fp8.py,
+quant/nvfp4.py); whole layers (1, 4, 5, 9 tokens; K not a multiple of the 1024-wide tiles) against
+fused_moe's torch path in float64 from the same weights; fused_moe on the CPU takes the kernel for
+them, and the variants it does not read (act-order int, other GGUF types, non-square fp8 blocks)
+keep the torch path."""
 
 from __future__ import annotations
 
@@ -20,13 +22,16 @@ ISAS = ["avx512bf16", "avx512", "avx2", "portable"]
 TOKENS = [1, 4, 5, 9]
 # w13 and w2 of different GGUF types in one layer; int sym / asym / one group per row, 4 and 8 bits
 FORMATS = ["gguf:q8_0:q8_0", "gguf:q4_k:q6_k", "gguf:q6_k:q4_k", "int4:g128:sym", "int4:g32:asym", "int4:ch:sym",
-           "int8:g128:asym", "fp8:128x128", "fp8:channel"]
+           "int8:g128:asym", "fp8:128x128", "fp8:channel", "nvfp4", "nvfp4-ct"]
 HIDDEN, INTER = 1280, 256  # w13's K: one tile of 1024 and one of 256; w2's: a single short tile
 
 
 def _banks(fmt: str, seed: int, experts: int = 4) -> dict[str, torch.Tensor]:
-    return get_format(fmt).random_banks(experts, HIDDEN, INTER, True, torch.float32,
-                                        torch.Generator().manual_seed(seed))
+    banks = get_format(fmt).random_banks(experts, HIDDEN, INTER, True, torch.float32,
+                                         torch.Generator().manual_seed(seed))
+    if "w13_gscale" in banks:  # nvfp4: gate's and up's global scales differ (random ones are equal)
+        banks["w13_gscale"][:, 1] *= 2.0
+    return banks
 
 
 def _w13_matrix(fmt: str, banks: dict[str, torch.Tensor], e: int) -> tuple[torch.Tensor, ...]:
@@ -35,6 +40,8 @@ def _w13_matrix(fmt: str, banks: dict[str, torch.Tensor], e: int) -> tuple[torch
         return banks["w13_q"][e], None, None
     if fmt.startswith("fp8"):
         return banks["w13"][e], banks["w13_scale"][e], None
+    if fmt.startswith("nvfp4"):
+        return banks["w13_packed"][e], banks["w13_scale"][e], banks["w13_gscale"][e]
     zeros = banks.get("w13_zeros")
     return banks["w13_qweight"][e], banks["w13_scales"][e], None if zeros is None else zeros[e]
 

@@ -2,7 +2,7 @@
 reports under "cpu_kernels" (no GPU needed).
 
 For every format the C kernel covers (quant/cpu_kernel.py KERNEL_FORMATS, and GGUF q8_0 / q4_k / q6_k
-int4 and fp8 where the model's dims allow them) and each token count, a
+int4, fp8 and nvfp4 where the model's dims allow them) and each token count, a
 layer job of top_k experts of the model's shape (`LayerJob`, the hybrid's and the cpu strategy's
 path) cycles through a pool of random experts larger than the CPU caches, as misses do; the rate
 is the median of `reps` jobs, in experts/s and GB/s of the format's bytes, and as a share of the
@@ -30,7 +30,7 @@ KERNELS = (("mxfp4", "mxfp4", torch.bfloat16), ("bf16", "dense", torch.bfloat16)
            # packed formats, measured where the model's dims are whole blocks / groups of them
            ("q8_0", "gguf:q8_0:q8_0", torch.bfloat16), ("q4_k", "gguf:q4_k:q4_k", torch.bfloat16),
            ("q6_k", "gguf:q6_k:q6_k", torch.bfloat16), ("int4", "int4:g128:sym", torch.bfloat16),
-           ("fp8", "fp8:128x128", torch.bfloat16))
+           ("fp8", "fp8:128x128", torch.bfloat16), ("nvfp4", "nvfp4", torch.bfloat16))
 
 
 def kernel_fits(fmt: str, hidden: int, inter: int) -> bool:

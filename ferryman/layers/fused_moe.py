@@ -6,8 +6,8 @@
 `topk_ids` are slot ids into the banks (the caller maps expert ids to slots). This module picks
 the path: on CUDA the Triton decode GEMVs (T*K <= DECODE_MAX_PAIRS, fused_moe_triton.py), else
 `prefill_path`'s grouped GEMM (grouped_moe_triton.py) or padded batched GEMMs (batched_moe.py); on
-the CPU the C kernel for MXFP4, dense, GGUF, int and fp8 experts (quant/cpu_kernel.py), else (others, or no
-C compiler) a gathered batch for few pairs of small experts, else the torch reference
+the CPU the C kernel for MXFP4, dense, GGUF, int, fp8 and nvfp4 experts (quant/cpu_kernel.py), else
+(others, or no C compiler) a gathered batch for few pairs of small experts, else the torch reference
 (moe_reference.py). FERRYMAN_KERNELS: layers/backend.py.
 """
 
@@ -135,7 +135,7 @@ def gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: tor
 def cpu_kernel_reads(form: ExpertFormat, banks: Banks, x: torch.Tensor) -> bool:
     """Whether experts on the CPU go through the C kernel (quant/cpu_kernel.py): MXFP4, dense
     bf16 / fp16 / fp32 banks, GGUF q8_0 / q4_k / q6_k, int4 / int8 without act-order, fp8 with row or
-    square block scales, when it is built.
+    square block scales, nvfp4, when it is built.
     It reads each weight once and computes in fp32, where the torch paths dequantise each expert first
     and round in x's dtype: 2.4-6.6x faster for dense bf16 experts at 1 to 512 tokens
     (docs/benchmarks.md, "CPU MoE")."""

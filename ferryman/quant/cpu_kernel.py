@@ -3,7 +3,8 @@ of one layer in one call: fused_moe's CPU path, the hybrid split's CPU part, the
 strategies) and `matmul` (one product x @ W^T: tests and benchmarks).
 
 The C kernel (csrc/cpu_experts.c) has decoders per format (`KERNEL_FORMATS`: MXFP4, and dense
-bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales, fp8) and
+bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales, fp8,
+nvfp4) and
 one OpenMP region per layer, rows of all the layer's experts split between the threads. It picks
 AVX-512, AVX2 or its portable loop at run time from CPUID, so one build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
 by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
@@ -46,13 +47,16 @@ BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX5
 GGUF_CODES = {"q8_0": 5, "q4_k": 6, "q6_k": 7}
 INT_CODES = {4: 8, 8: 9}
 FP8_CODE = 10  # e4m3 with a scale per row or per square block
+NVFP4_CODES = {"nvfp4": 11, "nvfp4-ct": 12}  # code x (scale x g), code x (scale / g)
 
 
 def packed_codes(fmt: str) -> tuple[int, int, int] | None:
     """(w13 code, w2 code, inputs per scale group; 0: one group per row) of a packed format name the
     kernel reads: `gguf:<t13>:<t2>` of GGUF_CODES types, `int4|int8:<g<n>|ch>:<sym|asym>` (act-order
     ones, with a group index per input, keep the torch path), `fp8:channel` and `fp8:<b>x<b>` (square
-    blocks; others keep the torch path); None for any other."""
+    blocks; others keep the torch path), `nvfp4` and `nvfp4-ct`; None for any other."""
+    if fmt in NVFP4_CODES:
+        return NVFP4_CODES[fmt], NVFP4_CODES[fmt], 0
     family, _, rest = fmt.partition(":")
     if family == "gguf":
         t13, _, t2 = rest.partition(":")
@@ -201,7 +205,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     """x [T, K] fp32 @ W^T -> [T, N] fp32. mxfp4: w = blocks [N, K/32, 16] uint8, scales [N, K/32];
     dense: w = [N, K] bf16/fp32/fp16; packed formats (`packed_codes`; their w13 code): one matrix of
     the format's w13 banks (gguf: rows of blocks [N, bytes] uint8; int: words [N, K/P] int32, scales
-    [N, G] fp32, zeros [N, G] uint8 for asym). isa: the most the kernel may use (tests compare them);
+    [N, G] fp32, zeros [N, G] uint8 for asym; nvfp4: zeros = the global scales [parts], each for N / parts
+    rows). isa: the most the kernel may use (tests compare them);
     x_bf16: bf16 weights times x's values as bf16 (BF16_TIMES_BF16, x must hold bf16 values)."""
     code = BF16_TIMES_BF16 if x_bf16 and (fmt, w.dtype) == ("dense", torch.bfloat16) else format_code(fmt, w.dtype)
     if code is None:
@@ -218,7 +223,12 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     s = scales.contiguous() if scales is not None else None
     y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)  # [T, N]
     z = zeros.contiguous() if zeros is not None else None
-    rc = need_library(lib).ferryman_cpu_matmul(code, packed[2] if packed else 0, x.data_ptr(), x.shape[0], k,
+    group = packed[2] if packed else 0
+    if fmt in NVFP4_CODES:
+        if z is None or z.dtype != torch.float32 or w.shape[0] % z.numel():
+            raise ValueError(f"matmul: {fmt} needs its fp32 global scales (zeros=), one per equal share of rows")
+        group = w.shape[0] // z.numel()
+    rc = need_library(lib).ferryman_cpu_matmul(code, group, x.data_ptr(), x.shape[0], k,
                                                 w.data_ptr(), s.data_ptr() if s is not None else None,
                                                 z.data_ptr() if z is not None else None, w.shape[0], y.data_ptr(),
                                                 threads(), ISAS[isa])
@@ -235,6 +245,8 @@ def packed_inputs(fmt: str, w: torch.Tensor) -> int:
         return w.shape[-1] // type_size(gtype) * block_size(gtype)
     if family == "fp8":
         return w.shape[-1]
+    if fmt in NVFP4_CODES:
+        return w.shape[-1] * 2
     return w.shape[-1] * (32 // parse_name(fmt).bits)
 
 

@@ -20,11 +20,14 @@ from ferryman.quant.cpu_kernel import (ACTIVATIONS, ISAS, Pairs, available, form
 # format -> (w13 weights, w13 scales, w2 weights, w2 scales); the weights' leading dims are [E, rows]
 BANKS = {"mxfp4": ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"), "dense": ("w13", None, "w2", None)}
 # family of the packed formats (cpu_kernel.packed_codes) -> (w13 weights, scales, zeros, w2 weights,
-# scales, zeros); a bank absent from a layer (symmetric int: no zeros) is passed as NULL
+# scales, zeros; nvfp4: global scales for zeros); a bank absent from a layer (symmetric int: no zeros)
+# is passed as NULL
 PACKED_BANKS = {"gguf": ("w13_q", None, None, "w2_q", None, None),
                 "int4": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros"),
                 "int8": ("w13_qweight", "w13_scales", "w13_zeros", "w2_qweight", "w2_scales", "w2_zeros"),
-                "fp8": ("w13", "w13_scale", None, "w2", "w2_scale", None)}
+                "fp8": ("w13", "w13_scale", None, "w2", "w2_scale", None),
+                "nvfp4": ("w13_packed", "w13_scale", "w13_gscale", "w2_packed", "w2_scale", "w2_gscale"),
+                "nvfp4-ct": ("w13_packed", "w13_scale", "w13_gscale", "w2_packed", "w2_scale", "w2_gscale")}
 BankNames = tuple[str | None, str | None, str | None, str | None, str | None, str | None]
 
 

@@ -8,8 +8,9 @@
  *   3 f16    W = [N, K] float16
  *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
- *   5-10     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
- *            e4m3 with square block or row scales: tile decoders only, cpu_experts_packed.h
+ *   5-12     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
+ *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders only,
+ *            cpu_experts_packed.h
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -30,7 +31,7 @@
  * carries its own target attribute, so the library builds without -march flags and runs anywhere.
  * Loaded with ctypes by ferryman/quant/cpu_kernel.py, which builds it at first use.
  *
- * A new format (NVFP4, other GGUF types, ...): a `decode_*` tile decoder per ISA (one
+ * A new format (other GGUF types, ...): a `decode_*` tile decoder per ISA (one
  * portable body compiled per ISA, as cpu_experts_packed.h does), optionally `rows_*` decoders (NULL:
  * tiles for every token count, through dots_portable where the ISA has no dots kernel), a `prep_*`
  * if its activations want another order, `row_bytes`, one entry in FORMATS; then its code in
@@ -56,7 +57,8 @@
 #define TILE 8        /* tokens per pass over a row */
 #define MAX_GROUPS 4096 /* K <= 131072 for the per-row scale table */
 
-enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_INT4, FMT_INT8, FMT_FP8, N_FORMATS };
+enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_INT4, FMT_INT8, FMT_FP8, FMT_NVFP4,
+       FMT_NVFP4CT, N_FORMATS };
 enum { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3, N_ISAS };
 
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
@@ -297,6 +299,8 @@ static const format_t FORMATS[N_FORMATS] = {
     [FMT_INT4] = PACKED(int4, 8),
     [FMT_INT8] = PACKED(int8, 4),
     [FMT_FP8] = PACKED(fp8, 1),
+    [FMT_NVFP4] = PACKED(nvfp4, 16),
+    [FMT_NVFP4CT] = PACKED(nvfp4ct, 16),
 #undef PACKED
 };
 

@@ -169,7 +169,7 @@ static int threads_of(int threads) {
  * in ascending pair order):
  *   out[tokens[p]] += weights[p] * (W2_e act(W13_e x[tokens[p]] + b13_e) + b2_e)
  * for p in [offsets[e], offsets[e+1]). w13[e]/w2[e] (+ s13[e]/s2[e] scales, z13[e]/z2[e] zeros; the
- * arrays NULL where the format has none) are expert e's banks, w13 in format `fmt13`, w2 in `fmt2`,
+ * arrays NULL where the format has none; nvfp4: z = the global scales) are expert e's banks, w13 in format `fmt13`, w2 in `fmt2`,
  * `group` inputs per scale group (int formats; 0: one per row); b13/b2 entries fp32 or NULL.
  * isa_limit: 2 AVX-512, 1 AVX2, 0 portable (at most; the CPU's own set decides). Returns 0, -1 out of
  * memory or bad sizes, -2 a token out of range, -3 an unknown format. One call per layer; its caller
@@ -197,8 +197,10 @@ int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int
     for (int64_t e = 0; e < n_experts; e++)
         for (int64_t p = offsets[e]; p < offsets[e + 1]; p++) expert_of[p] = e;
     int isa = pick_isa(isa_limit);
-    phase_t up = {kernel_of(f, isa), w13, s13, z13, group, n_experts, 2 * I, H, offsets, xp, gu};
-    phase_t down = {kernel_of(f2, isa), w2, s2, z2, group, n_experts, H, I, offsets, hp, y};
+    /* nvfp4: z holds global scales, one per `group` rows: gate's and up's for w13, one for w2 */
+    const int nv13 = fmt13 == FMT_NVFP4 || fmt13 == FMT_NVFP4CT, nv2 = fmt2 == FMT_NVFP4 || fmt2 == FMT_NVFP4CT;
+    phase_t up = {kernel_of(f, isa), w13, s13, z13, nv13 ? I : group, n_experts, 2 * I, H, offsets, xp, gu};
+    phase_t down = {kernel_of(f2, isa), w2, s2, z2, nv2 ? H : group, n_experts, H, I, offsets, hp, y};
     prefix_costs(&up, cum13);
     prefix_costs(&down, cum2);
     const int64_t chunks = (I + SPAN - 1) / SPAN; /* activation items per pair: SPAN-aligned, as prep wants */

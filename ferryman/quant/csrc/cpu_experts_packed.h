@@ -16,6 +16,10 @@
  *   fp8 (quant/fp8.py dequant_fp8): W = float8 e4m3fn [N, K]; s = fp32 scales of square blocks
  *     [ceil(N / group), ceil(K / group)] (the last ones may be partial), or [N] for group 0
  *     10 fp8                                                              w = fp32(q) x scale
+ *   nvfp4 (quant/nvfp4.py dequant_nvfp4): W = e2m1 codes [N, K/2] (element 2j low nibble), s = e4m3
+ *     scales [N, K/16], z = fp32 global scales, one per `group` rows (w13: gate, up; w2: one)
+ *     11 nvfp4 (modelopt)                                                 w = code x (fp32(s) x g)
+ *     12 nvfp4-ct (compressed-tensors)                                    w = code x (fp32(s) / g)
  * Every product of a fp16 scale and small integers above is exact in fp32, and each w has at most
  * one rounding (the last operation), so no order of operations, fused or not, changes a bit.
  * The decoders are written once (static inline) and compiled per ISA (target attributes), so the
@@ -163,6 +167,25 @@ static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, con
     }
 }
 
+static inline __attribute__((always_inline)) void nvfp4_rows(int divide, const uint8_t *w, const uint8_t *s,
+                                                             const uint8_t *z, int64_t group, int64_t K, int64_t n0,
+                                                             int64_t n1, int64_t k0, int64_t k1, float *wb,
+                                                             int64_t ld) {
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);
+        const float g = ((const float *)z)[group > 0 ? n / group : 0];
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t j = k0 / 16; j < k1 / 16; j++) {
+            const float eff = divide ? E4M3[scl[j]] / g : E4M3[scl[j]] * g;
+            for (int b = 0; b < 8; b++) {
+                const uint8_t c = row[j * 8 + b];
+                out[j * 16 + 2 * b] = E2M1[c & 0xF] * eff;
+                out[j * 16 + 2 * b + 1] = E2M1[c >> 4] * eff;
+            }
+        }
+    }
+}
+
 #define GGUF_DECODER(NAME, ATTR, BODY)                                                                    \
     ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
                                    int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
@@ -183,12 +206,20 @@ static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, con
         (void)z;                                                                                        \
         fp8_rows(w, s, group, K, n0, n1, k0, k1, wb, ld);                                               \
     }
+#define NVFP4_DECODER(NAME, ATTR, DIVIDE)                                                                 \
+    ATTR static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, \
+                                   int64_t ld) {                                                        \
+        nvfp4_rows(DIVIDE, w, s, z, group, K, n0, n1, k0, k1, wb, ld);                                  \
+    }
 #define PACKED_DECODERS(SUFFIX, ATTR)                 \
     GGUF_DECODER(q8_0_##SUFFIX, ATTR, q8_0_rows)      \
     GGUF_DECODER(q4_k_##SUFFIX, ATTR, q4_k_rows)      \
     GGUF_DECODER(q6_k_##SUFFIX, ATTR, q6_k_rows)      \
     INT_DECODER(int4_##SUFFIX, ATTR, 4)               \
-    INT_DECODER(int8_##SUFFIX, ATTR, 8)
+    INT_DECODER(int8_##SUFFIX, ATTR, 8)               \
+    NVFP4_DECODER(nvfp4_##SUFFIX, ATTR, 0)            \
+    NVFP4_DECODER(nvfp4ct_##SUFFIX, ATTR, 1)
 
 PACKED_DECODERS(portable, )
 FP8_DECODER(fp8_portable, )
@@ -241,6 +272,10 @@ T512 static void decode_fp8_avx512(const uint8_t *w, const uint8_t *s, const uin
 #define decode_q6_k_avx512 decode_q6_k_portable
 #define decode_int4_avx512 decode_int4_portable
 #define decode_int8_avx512 decode_int8_portable
+#define decode_nvfp4_avx2 decode_nvfp4_portable
+#define decode_nvfp4_avx512 decode_nvfp4_portable
+#define decode_nvfp4ct_avx2 decode_nvfp4ct_portable
+#define decode_nvfp4ct_avx512 decode_nvfp4ct_portable
 #define decode_fp8_avx2 decode_fp8_portable
 #define decode_fp8_avx512 decode_fp8_portable
 #endif
@@ -267,3 +302,5 @@ static int64_t q6_k_row_bytes(int64_t K) { return K / QK_K * 210; }
 static int64_t int4_row_bytes(int64_t K) { return K / 2; } /* the words only; scales and zeros apart */
 static int64_t int8_row_bytes(int64_t K) { return K; }
 static int64_t fp8_row_bytes(int64_t K) { return K; } /* the codes only; scales apart */
+static int64_t nvfp4_row_bytes(int64_t K) { return K / 2; }
+static int64_t nvfp4ct_row_bytes(int64_t K) { return K / 2; }
