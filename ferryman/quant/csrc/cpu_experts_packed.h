@@ -218,15 +218,49 @@ static inline __attribute__((always_inline)) void nvfp4_rows(int divide, const u
     GGUF_DECODER(q6_k_##SUFFIX, ATTR, q6_k_rows)      \
     INT_DECODER(int4_##SUFFIX, ATTR, 4)               \
     INT_DECODER(int8_##SUFFIX, ATTR, 8)               \
-    NVFP4_DECODER(nvfp4_##SUFFIX, ATTR, 0)            \
-    NVFP4_DECODER(nvfp4ct_##SUFFIX, ATTR, 1)
+
 
 PACKED_DECODERS(portable, )
 FP8_DECODER(fp8_portable, )
+NVFP4_DECODER(nvfp4_portable, , 0)
+NVFP4_DECODER(nvfp4ct_portable, , 1)
 #ifdef FM_X86
 PACKED_DECODERS(avx2, T256)
 PACKED_DECODERS(avx512, T512)
 FP8_DECODER(fp8_avx2, T256)
+NVFP4_DECODER(nvfp4_avx2, T256, 0)
+NVFP4_DECODER(nvfp4ct_avx2, T256, 1)
+
+/* nvfp4 with AVX-512: a group's 8 bytes as 16 codes in element order (low, high nibble of each byte),
+ * looked up in the 16 e2m1 values held in one register, times the group's effective scale */
+INLINE512 void nvfp4_rows512(int divide, const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
+                             int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);
+        const float g = ((const float *)z)[group > 0 ? n / group : 0];
+        float *out = wb + (n - n0) * ld - k0;
+        for (int64_t j = k0 / 16; j < k1 / 16; j++) {
+            const float eff = divide ? E4M3[scl[j]] / g : E4M3[scl[j]] * g;
+            __m128i v = _mm_loadl_epi64((const __m128i *)(row + j * 8));
+            __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+            __m512 vals = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lut);
+            _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(vals, _mm512_set1_ps(eff)));
+        }
+    }
+}
+
+T512 static void decode_nvfp4_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                     int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
+    nvfp4_rows512(0, w, s, z, group, K, n0, n1, k0, k1, wb, ld);
+}
+
+T512 static void decode_nvfp4ct_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
+                                       int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb,
+                                       int64_t ld) {
+    nvfp4_rows512(1, w, s, z, group, K, n0, n1, k0, k1, wb, ld);
+}
 
 /* fp8 with AVX-512: 16 codes at a time, their magnitudes looked up in the table's first 128 entries
  * (8 registers: two-register permutes by bits 0-4, blends by bits 5 and 6), the sign bit ORed in */
