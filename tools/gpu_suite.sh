@@ -66,8 +66,8 @@
 #                bandwidth), then gpt-oss-20b at 8 GiB with moe_strategy offload and hybrid: one
 #                sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~5 min
 #   strategies2  the same with layers (N filling the budget), auto and cpu; ~5 min
-#   cpupacked    the CPU kernel's packed-format tests on this CPU (GGUF q8_0 / q4_k / q6_k, int4 / int8, fp8;
-#                AVX512-BF16 runs only here), one qwen3-30b-a3b layer per packed format, kernel vs torch path
+#   cpupacked    the CPU kernel's packed-format tests on this CPU (GGUF q8_0 / q4_k / q6_k, int4 / int8, fp8,
+#                nvfp4; AVX512-BF16 runs only here), one qwen3-30b-a3b layer per packed format, kernel vs torch path
 #                at 1 / 8 / 64 tokens (bench_cpu_moe --format), then `ferryman bench bw qwen3-30b-a3b --json`
 #                (each kernel's GB/s beside the host read bandwidth); ~3 min
 #   strategies8  offload, hybrid, layers and auto decoding 8 sequences together (bench_batch_decode); ~4 min
@@ -305,7 +305,7 @@ for s in ${@:-tests}; do
                  strategy offload; strategy hybrid ;;
     strategies2) strategy layers; strategy auto; strategy cpu ;;
     cpupacked)   stage cpu_packed_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel_packed.py
-                 for f in gguf:q8_0:q8_0 gguf:q4_k:q6_k int4:g128:sym fp8:128x128; do
+                 for f in gguf:q8_0:q8_0 gguf:q4_k:q6_k int4:g128:sym fp8:128x128 nvfp4; do
                    stage "cpu_packed_${f//:/_}" 45 python3 benchmarks/bench_cpu_moe.py --format "$f" --experts 128 \
                      --top-k 8 --hidden 2048 --inter 768 --tokens 1,8,64 --reps 5
                  done
