@@ -84,10 +84,10 @@ class LayerJob:
         self.keep: list[torch.Tensor] = []  # what the pointers below point into, alive until run
         arrays = ("w13", "s13", "z13", "w2", "s2", "z2", "b13", "b2")
         self.arrays = {name: (ctypes.c_void_p * max(1, self.n))() for name in arrays}
+        for name, bank in zip(arrays[:6], names):
+            if bank is not None and bank in banks:
+                self.arrays[name][:self.n] = self._pointers(banks[bank], experts)
         for i, e in enumerate(experts):
-            for name, bank in zip(arrays[:6], names):
-                if bank is not None and bank in banks:
-                    self.arrays[name][i] = self._pointer(banks[bank][e])
             for name, bank in (("b13", "w13_bias"), ("b2", "w2_bias")):
                 if bank in banks:
                     if (layer, e, bank) not in bias:
@@ -99,6 +99,16 @@ class LayerJob:
         self.weights = torch.tensor([w for e in experts for w in pairs[e][1]], dtype=torch.float32)
         self.kind, self.alpha, self.limit = ACTIVATIONS[kind], alpha, limit
         self.threads = threads()
+
+    def _pointers(self, bank: torch.Tensor, experts: list[int]) -> list[int]:
+        """Addresses of bank[e] for each e of experts: by stride arithmetic when an expert's slice is
+        one contiguous block (every bank the stores make), else through `_pointer` (a copy each)."""
+        if bank.device.type != "cpu":
+            raise ValueError(f"LayerJob: expert banks must be in host memory, got {bank.device}")
+        if bank.shape[0] and bank[0].is_contiguous():
+            base, step = bank.data_ptr(), bank.stride(0) * bank.element_size()
+            return [base + e * step for e in experts]
+        return [self._pointer(bank[e]) for e in experts]
 
     def _pointer(self, t: torch.Tensor) -> int:
         """Address of t's data, copied first if it is not one contiguous block on the host."""
