@@ -95,7 +95,8 @@ def _fla_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
                use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None,
                **kwargs):
-    assert cu_seqlens_cpu is None or cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == cu_seqlens.tolist()
+    assert cu_seqlens_cpu is None or (cu_seqlens_cpu.device.type == "cpu"
+                                      and cu_seqlens_cpu.tolist() == cu_seqlens.tolist())
     return _fla_reference(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, cu_seqlens)
 
 

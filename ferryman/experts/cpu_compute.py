@@ -23,7 +23,7 @@ import torch
 from ferryman.experts.host_store import HostExpertStore
 from ferryman.layers.fused_moe import MoEActivation, fused_moe
 from ferryman.quant import cpu_kernel
-from ferryman.quant.cpu_layer import LayerJob, kernel_reads as layer_kernel_reads
+from ferryman.quant.cpu_layer import LayerJob, kernel_reads
 
 
 class CPUExperts:
@@ -102,8 +102,3 @@ class CPUExperts:
     def stats(self) -> dict:
         return {"cpu_computed": self.experts, "cpu_pairs": self.pairs, "cpu_seconds": self.seconds,
                 "cpu_wait_seconds": self.wait_seconds, "cpu_threads": torch.get_num_threads()}
-
-
-def kernel_reads(fmt: str, banks: dict[str, torch.Tensor]) -> bool:
-    """Whether the C kernel (quant/cpu_kernel.py) computes a layer of format `fmt` held in `banks`."""
-    return layer_kernel_reads(fmt, banks)

@@ -129,11 +129,10 @@ def delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     longer than FLA_RECURRENT_MAX_TOKENS) take the recurrent kernel; longer prefills the chunk kernel,
     given the host starts as `cu_seqlens_cpu` so that it builds its chunk indices without reading the
     device's starts back."""
-    extra = {}
-    if not decode and host_starts is not None:
-        decode = max(e - s for s, e in zip(host_starts, host_starts[1:])) <= FLA_RECURRENT_MAX_TOKENS
-        extra = {} if decode else {"cu_seqlens_cpu": torch.tensor(host_starts, dtype=torch.int64)}
-    kernel = kernels["recurrent" if decode else "chunk"]
+    recurrent = decode or (host_starts is not None and
+                           max(e - s for s, e in zip(host_starts, host_starts[1:])) <= FLA_RECURRENT_MAX_TOKENS)
+    extra = {} if recurrent or host_starts is None else {"cu_seqlens_cpu": torch.tensor(host_starts, dtype=torch.int64)}
+    kernel = kernels["recurrent" if recurrent else "chunk"]
     # every argument by name: the two kernels' positional orders differ (the recurrent one takes
     # gk, gv after g, so a positional beta would land in gk and beta default to ones)
     o, final = kernel(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),

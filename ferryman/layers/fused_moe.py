@@ -25,8 +25,8 @@ from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, che
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
-__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "cpu_kernel_reads", "fused_moe", "grouped_max_pairs",
-           "prefill_path", "to_device"]
+__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs", "prefill_path",
+           "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 # Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
@@ -101,7 +101,7 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
 
 def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                act: MoEActivation, host_ids: torch.Tensor | None, num_slots: int) -> torch.Tensor:
-    if cpu_kernel_reads(form, banks, x):  # the layer in one call of the C kernel, in fp32
+    if _cpu_kernel(form, banks, x):  # the layer in one call of the C kernel, in fp32
         from ferryman.quant.cpu_kernel import pairs_of
         from ferryman.quant.cpu_layer import LayerJob
 
@@ -132,13 +132,10 @@ def gather_pays(form: ExpertFormat, banks: Banks, topk_ids: torch.Tensor, x: tor
     return topk_ids.shape[0] <= copies or pairs <= copies * torch.unique(topk_ids).numel()
 
 
-def cpu_kernel_reads(form: ExpertFormat, banks: Banks, x: torch.Tensor) -> bool:
-    """Whether experts on the CPU go through the C kernel (quant/cpu_kernel.py): MXFP4, dense
-    bf16 / fp16 / fp32 banks, GGUF q8_0 / q4_k / q6_k, int4 / int8 without act-order, fp8 with row or
-    square block scales, nvfp4, when it is built.
-    It reads each weight once and computes in fp32, where the torch paths dequantise each expert first
-    and round in x's dtype: 2.4-6.6x faster for dense bf16 experts at 1 to 512 tokens
-    (docs/benchmarks.md, "CPU MoE")."""
+def _cpu_kernel(form: ExpertFormat, banks: Banks, x: torch.Tensor) -> bool:
+    """Whether experts on the CPU go through the C kernel (quant/cpu_layer.kernel_reads says which
+    formats): it reads each weight once and computes in fp32, where the torch paths dequantise each
+    expert first (docs/benchmarks.md, "CPU MoE")."""
     if x.device.type != "cpu":
         return False
     from ferryman.quant.cpu_layer import kernel_reads

@@ -4,11 +4,11 @@ strategies) and `matmul` (one product x @ W^T: tests and benchmarks).
 
 The C kernel (csrc/cpu_experts.c) has decoders per format (`KERNEL_FORMATS`: MXFP4, and dense
 bf16 / fp32 / fp16 banks; `packed_codes`: GGUF q8_0 / q4_k / q6_k, int4 / int8 with group scales, fp8,
-nvfp4) and
-one OpenMP region per layer, rows of all the layer's experts split between the threads. It picks
-AVX-512, AVX2 or its portable loop at run time from CPUID, so one build runs anywhere. It is built at first use with `$CC` (else `cc`) into the cache directory, keyed
-by the sources, the flags and the machine, and loaded with ctypes. No compiler or a failed build:
-one warning saying why, and callers keep the torch path. FERRYMAN_KERNELS=torch turns it off.
+nvfp4) and one OpenMP region per layer, rows of all the layer's experts split between the threads. It
+picks AVX-512, AVX2 or its portable loop at run time from CPUID, so one build runs anywhere. It is
+built at first use with `$CC` (else `cc`) into the cache directory, keyed by the sources, the flags
+and the machine, and loaded with ctypes. No compiler or a failed build: one warning saying why, and
+callers keep the torch path. FERRYMAN_KERNELS=torch turns it off.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ FP8_CODE = 10  # e4m3 with a scale per row or per square block
 NVFP4_CODES = {"nvfp4": 11, "nvfp4-ct": 12}  # code x (scale x g), code x (scale / g)
 
 
+@lru_cache(maxsize=None)  # a pure function of the name, asked on every CPU MoE call
 def packed_codes(fmt: str) -> tuple[int, int, int] | None:
     """(w13 code, w2 code, inputs per scale group; 0: one group per row) of a packed format name the
     kernel reads: `gguf:<t13>:<t2>` of GGUF_CODES types, `int4|int8:<g<n>|ch>:<sym|asym>` (act-order
