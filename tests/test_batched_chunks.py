@@ -164,3 +164,34 @@ def test_the_window_budget_is_within_the_planned_chunk(preset: str, tokens: int)
     per_chunk = activation_bytes(cfg, torch.bfloat16, 1024 + tokens, 1) - activation_bytes(cfg, torch.bfloat16, 1024, 1)
     moe = bc.chunk_moe_bytes(tokens, cfg.top_k, cfg.hidden_size, cfg.moe_intermediate_size, 2)
     assert 0 < moe <= per_chunk
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt,act", [("mxfp4", "swiglu_oai"), ("dense", "silu")])
+def test_gpu_chunks_equal_the_batched_path_alone(fmt: str, act: str) -> None:
+    """On CUDA (the Triton dequantisers, bias and activation kernel, cuBLAS bmm): four 1024-token
+    chunks of 32 experts and a 40-token one, bf16: each output bit for bit fused_moe on that chunk
+    (the batched path for the four, the decode kernel for the last); with groups of 8, bit for bit
+    fused_moe_batched with groups of 8."""
+    form = get_format(fmt)
+    gen = torch.Generator().manual_seed(5)
+    banks = {k: v.cuda() for k, v in form.random_banks(32, 512, 256, fmt == "mxfp4", torch.bfloat16, gen).items()}
+    sizes = [1024, 1024, 1024, 1024, 40]
+    x = torch.randn(sum(sizes), 512, generator=gen).to(torch.bfloat16).cuda()
+    bounds, ids, ws, lo = [], [], [], 0
+    for t in sizes:
+        bounds.append((lo, lo + t))
+        ids.append(torch.stack([torch.randperm(32, generator=gen)[:4] for _ in range(t)]).int().cuda())
+        ws.append(torch.softmax(torch.randn(t, 4, generator=gen), -1).cuda())
+        lo += t
+    a = MoEActivation(act)
+    assert all(fm._batched(fmt, x, i) for i in ids[:4])
+    want = [fm.fused_moe(fmt, banks, x[lo:hi], ids[c], ws[c], a) for c, (lo, hi) in enumerate(bounds)]
+    got: dict[int, torch.Tensor] = {}
+    fm.fused_moe_chunks(fmt, banks, x, bounds, ids, ws, a, lambda c, y: got.__setitem__(c, y.clone()),
+                        host_ids=[i.cpu() for i in ids])
+    assert all(torch.equal(got[c], want[c]) for c in range(5))
+    alone = _run(form, banks, x, bounds[:4], ids[:4], ws[:4], a, group=8)
+    assert all(torch.equal(alone[c], fused_moe_batched(form, banks, x[lo:hi], ids[c], ws[c], a, group=8))
+               for c, (lo, hi) in enumerate(bounds[:4]))
