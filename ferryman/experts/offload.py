@@ -27,7 +27,7 @@ from ferryman.experts.hybrid import HybridSplit
 from ferryman.experts.guesses import NextLayerGuesser
 from ferryman.experts.plan import Guess, LayerPlan, Prefetch, make_plan
 from ferryman.experts.routing import host_ids_of
-from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, fused_moe_chunks, to_device
+from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, to_device
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,10 @@ class OffloadExperts:
                        emit: Callable[[int, torch.Tensor], None]) -> None:
         """A layer-major prefill's layer (engine/layer_prefill.py): x [T, H] holds every chunk's rows,
         chunk c at rows bounds[c] routed to routed[c] = (expert ids, weights) [T_c, K]. One plan and
-        one acquire cover the union, so each uncached expert is copied once for all chunks; then each
-        chunk's output, as chunk-major prefill computes it from the same rows and weights, handed to
-        emit(c, [T_c, H]) (emit may overwrite x's rows of c; fused_moe_chunks: chunks of the batched
-        path share each expert group's dequantisation). The next layers' copies start once the
-        chunks' inputs are issued."""
+        one acquire cover the union, so each uncached expert is copied once for all chunks; then one
+        kernel per chunk, on exactly the rows and weights chunk-major prefill gives it, each output
+        handed to emit(c, [T_c, H]) once its kernel is issued (emit may overwrite x's rows of c).
+        The next layers' copies start with the first kernel's inputs, as a streaming chunk's do."""
         ids, w = torch.cat([r[0] for r in routed]), torch.cat([r[1] for r in routed])  # [T, K]
         plan, host_ids = self.route(layer, x, ids, True)
         if plan.rounds or plan.cpu:  # more experts than free slots: chunk by chunk, in rounds
@@ -112,11 +111,12 @@ class OffloadExperts:
             return
         step = self.start(plan, x, host_ids, w)
         assert step.slot_ids is not None  # no CPU part: a streaming plan never splits
-        slot_ids, host = step.slot_ids, step.host_slot_ids
-        fused_moe_chunks(self.cache.format_of(layer), self.cache.banks_of(layer), x, bounds,
-                         [slot_ids[a:b] for a, b in bounds], [r[1] for r in routed], self.act, emit,
-                         None if host is None else [host[a:b] for a, b in bounds],
-                         inputs_issued=lambda: self.issue_prefetches(plan), upload=self._upload(True))
+        upload = self._upload(True)
+        for c, (a, b) in enumerate(bounds):
+            early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
+            host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
+            emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids[a:b],
+                              routed[c][1], self.act, host_ids=host, inputs_issued=early, upload=upload))
         self.finish_step(replace(step, prefetched=True))
         self.cache.demote_fetched(layer)
 

@@ -106,7 +106,6 @@ class PaddedLayout:
     rows: torch.Tensor  # [R] slot-sorted pair row of each padded row (device)
     valid: torch.Tensor  # [R] bool: a real pair, not padding (device)
     groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
-    host_slots: tuple[int, ...]  # slots, on the host
 
 
 def slot_order_groups(count: int, group: int) -> list[list[int]]:
@@ -158,7 +157,7 @@ def padded_layout(slots: list[int], counts: list[int], group: int, upload: Uploa
         r0 += ok.size
     flat = upload(torch.from_numpy(np.concatenate([np.array(order, dtype=np.int64), *rows, *valid]).astype(np.int64)))
     u = len(slots)
-    return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups, tuple(order))
+    return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,

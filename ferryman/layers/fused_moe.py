@@ -19,15 +19,14 @@ import torch
 
 from ferryman.envs import envs
 from ferryman.layers import backend
-from ferryman.layers.batched_chunks import Emit, fused_moe_batched_chunks
 from ferryman.layers.batched_moe import fused_moe_batched
 from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, grouped_reads,
                                         to_device, triton_reads)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
-__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "fused_moe_chunks", "grouped_max_pairs",
-           "prefill_path", "to_device"]
+__all__ = ["DECODE_MAX_PAIRS", "MoEActivation", "Upload", "fused_moe", "grouped_max_pairs", "prefill_path",
+           "to_device"]
 
 DECODE_MAX_PAIRS = 64  # above this many (token, k) pairs the per-pair GEMV rereads too much
 # Packed experts: the grouped GEMM (decoding in its tiles, once per block of pairs of one expert) up to
@@ -98,38 +97,6 @@ def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, t
     if inputs_issued is not None:
         inputs_issued()
     return out
-
-
-def fused_moe_chunks(fmt: str, banks: Banks, x: torch.Tensor, bounds: list[tuple[int, int]],
-                     topk_ids: list[torch.Tensor], topk_w: list[torch.Tensor], act: MoEActivation, emit: Emit,
-                     host_ids: list[torch.Tensor | None] | None = None,
-                     inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> None:
-    """A layer-major job's layer: x [T, H] holds every chunk, chunk c at rows bounds[c] with slot ids
-    topk_ids[c] and weights topk_w[c] [T_c, K]. For each chunk, emit(c, out [T_c, H]) with out as
-    fused_moe(x[bounds[c]], ...) gives it (emit may overwrite x's rows of c). The chunks that take
-    the batched path on CUDA share each expert group's dequantisation (batched_chunks.py); the
-    others run one by one. inputs_issued, upload: as fused_moe's (called once, before the kernels)."""
-    form = get_format(fmt)
-    _, hidden, _ = form.dims(banks)
-    for (a, b), ids, w in zip(bounds, topk_ids, topk_w, strict=True):
-        check_inputs(x[a:b], ids, w, hidden)
-    batched = [c for c, ids in enumerate(topk_ids) if _batched(fmt, x, ids)]
-    if batched:
-        fused_moe_batched_chunks(form, banks, x, bounds, topk_ids, topk_w, act, emit, batched, host_ids,
-                                 inputs_issued, upload)
-        inputs_issued = None
-    for c, (a, b) in enumerate(bounds):
-        if c not in batched:
-            emit(c, fused_moe(fmt, banks, x[a:b], topk_ids[c], topk_w[c], act,
-                              None if host_ids is None else host_ids[c], inputs_issued, upload))
-            inputs_issued = None
-
-
-def _batched(fmt: str, x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether fused_moe sends these pairs to the batched path (fused_moe_batched)."""
-    if not x.is_cuda or (triton_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS)):
-        return False
-    return prefill_path(fmt, topk_ids.numel()) == "batched"
 
 
 def _cpu_paths(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
