@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
-import numpy as np
 import torch
 
 from ferryman.layers import backend
@@ -83,7 +82,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
         _group_forward(form, banks, layout.slots[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
                        None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
         # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
-        torch.mul(y_g, w[rows].view(g, m, 1), out=y_g)
+        y_g.copy_(y_g * w[rows].view(g, m, 1))
     del xs  # [R, H], and y below once copied: the peak stays at the groups' loop
     sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
     y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
@@ -146,16 +145,16 @@ def padded_layout(slots: list[int], counts: list[int], group: int, upload: Uploa
     starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
     rows, valid, groups, order, r0 = [], [], [], [], 0
     for members in expert_groups(counts, group):
-        cnt = np.array([counts[e] for e in members])[:, None]  # [g, 1]
-        first = np.array([starts[e] for e in members])[:, None]
-        ar = np.arange(int(cnt.max()))[None, :]  # [1, m]
+        cnt = torch.tensor([counts[e] for e in members])[:, None]  # [g, 1]
+        first = torch.tensor([starts[e] for e in members])[:, None]
+        ar = torch.arange(int(cnt.max()))[None, :]  # [1, m]
         ok = ar < cnt  # [g, m]
-        rows.append(np.where(ok, first + ar, first).reshape(-1))
-        valid.append(ok.reshape(-1))
+        rows.append(torch.where(ok, first + ar, first).reshape(-1))
+        valid.append(ok.reshape(-1).long())
         groups.append((len(order), ok.shape[0], ok.shape[1], r0))
         order += [slots[e] for e in members]
-        r0 += ok.size
-    flat = upload(torch.from_numpy(np.concatenate([np.array(order, dtype=np.int64), *rows, *valid]).astype(np.int64)))
+        r0 += ok.numel()
+    flat = upload(torch.cat([torch.tensor(order, dtype=torch.long), *rows, *valid]))
     u = len(slots)
     return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
 
@@ -165,26 +164,18 @@ def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torc
     """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> out [G, m, H] in xs.dtype.
     bias: their (w13 [G, 2I], w2 [G, H]) biases in xs.dtype, added after each product (HF: x @ W + b)."""
     w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
-    h = up_act(w13, xs, act, None if bias is None else bias[0])  # [G, m, I]
-    del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
-    w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
-    down(w2, h, None if bias is None else bias[1], out)
-
-
-def up_act(w13: torch.Tensor, xs: torch.Tensor, act: MoEActivation, bias13: torch.Tensor | None) -> torch.Tensor:
-    """xs [G, m, H] through dequantised w13 [G, 2I, H] (+ bias13 [G, 2I]) and the activation -> [G, m, I]."""
     gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
+    del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
     if backend.moe_fused_act(xs):
         from ferryman.layers.moe_act_triton import bias_act
 
-        return bias_act(gate_up, bias13, act.kind, act.alpha, act.limit)  # [G, m, I]
-    if bias13 is not None:
-        gate_up += bias13[:, None, :]
-    return apply_activation(gate_up, act)  # [G, m, I]
-
-
-def down(w2: torch.Tensor, h: torch.Tensor, bias2: torch.Tensor | None, out: torch.Tensor) -> None:
-    """h [G, m, I] through dequantised w2 [G, H, I] (+ bias2 [G, H]) into out [G, m, H]."""
+        h = bias_act(gate_up, None if bias is None else bias[0], act.kind, act.alpha, act.limit)  # [G, m, I]
+    else:
+        if bias is not None:
+            gate_up += bias[0][:, None, :]
+        h = apply_activation(gate_up, act)  # [G, m, I]
+    del gate_up
+    w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
     torch.bmm(h, w2.transpose(1, 2), out=out)  # [G, m, H]
-    if bias2 is not None:
-        out += bias2[:, None, :]
+    if bias is not None:
+        out += bias[1][:, None, :]
