@@ -94,7 +94,8 @@ def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
 
 def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str = "none") -> dict:
     demo = model == "demo"
-    files = demo or model.endswith(".gguf")  # weights from files, not a preset's dummy weights
+    # weights from files (a .gguf file or a model folder), not a preset's dummy weights
+    files = demo or model.endswith(".gguf") or Path(model).is_dir()
     kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=a.eager,
               max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
     if not files:
@@ -203,8 +204,8 @@ def fmt(v: object) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", action="append", default=None,
-                    help="MODEL:BUDGET[:QUANTIZATION], MODEL a preset or a .gguf file (repeatable; 'demo:cpu'; "
-                         "QUANTIZATION: fp8, nvfp4, ... for dummy experts in that format)")
+                    help="MODEL:BUDGET[:QUANTIZATION], MODEL a preset, a model folder or a .gguf file (repeatable; "
+                         "'demo:cpu'; QUANTIZATION: fp8, nvfp4, ... for dummy experts in that format)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--decode-tokens", type=int, default=256)

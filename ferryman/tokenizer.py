@@ -28,13 +28,9 @@ def load_tokenizer(folder: Path | None) -> Any | None:
         raise ModelLoadError(f"cannot load the tokenizer of {folder}: {type(e).__name__}: {e}") from None
 
 
-def load_gguf_tokenizer(path: Path) -> Any | None:
-    """The tokenizer (and chat template) a GGUF file's metadata describes, converted offline by
-    transformers; None when the file has no tokenizer metadata."""
-    from gguf import GGUFReader
-
-    if GGUFReader(path).get_field("tokenizer.ggml.model") is None:
-        return None
+def load_gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer (and chat template) a GGUF file's metadata describes (the caller has seen its
+    `tokenizer.ggml.model`), converted offline by transformers."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     last: Exception | None = None

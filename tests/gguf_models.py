@@ -157,7 +157,8 @@ def _metadata(w: GGUFWriter, hf: dict, arch: str, vocab: int) -> None:
     w.add_expert_count(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"))
     w.add_expert_used_count(hf["num_experts_per_tok"])
     w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
-    w.add_vocab_size(vocab)
+    if arch != "gpt_oss":  # llama.cpp's converter writes no vocab_size for gpt-oss (the token list says it)
+        w.add_vocab_size(vocab)
     if arch == "olmoe" and hf.get("clip_qkv"):
         w.add_clamp_kqv(hf["clip_qkv"])
     if arch == "glm4_moe":  # as llama.cpp's Glm4MoeModel writes it
@@ -174,6 +175,8 @@ def _metadata(w: GGUFWriter, hf: dict, arch: str, vocab: int) -> None:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
 
 def write_gguf(folder: Path, arch: str, path: Path, type_of: TypeOf = all_f32, split_tensors: int = 0,
@@ -249,3 +252,4 @@ def write_reference(folder: Path, arch: str, ref: dict[str, torch.Tensor], out: 
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     save_file({k: v.contiguous() for k, v in ref.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+

@@ -74,6 +74,12 @@
 #   ggufqwen     a random-weight qwen3-30b-a3b GGUF in llama.cpp's Q4_K_M mix (tools/gguf_random.py, ~17 GiB
 #                in $GGUF_DIR, default /tmp; kept for the next stages while the machine stays warm), then
 #                bench_offload on it at 8 GiB: decode at 1 user, TTFT of a 4k prompt, link bytes per token
+#   ggufoss      gpt-oss-20b from its folder against the GGUF llama.cpp's own converter makes of it (MXFP4
+#                experts): the peer kit's ($PEER_KIT, default .peer-kit) gen_gptoss.py writes the random
+#                checkpoint (13.8 GB, ~25 s), gen_gguf.py converts it with the kit's llama.cpp source (no
+#                build; ~95 s; both in $GGUF_DIR, default /tmp, kept while the machine stays warm), then
+#                bench_gguf_vs_folder.py: bench_offload at 8 GiB (offload, 128 decode tokens, TTFT of a 4k
+#                prompt) on folder, GGUF, folder, GGUF, and the GGUF / folder ratios (target: within 5%); ~6 min
 #   llamacpp_build  llama.cpp from the peer kit ($PEER_KIT, default .peer-kit: copy /work/shared/peer-kit
 #                there and carry it), ~6 min: a call of its own
 #   llamacpp     on the ggufqwen stage's file, one client for both (the peer kit's bench_client.py: 512 and
@@ -216,6 +222,17 @@ longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL: bench_long_pr
 GGUF=${GGUF_DIR:-/tmp}/qwen3-30b-a3b-q4_k_m.gguf
 PEER=${PEER_KIT:-$ROOT/.peer-kit}
 
+OSS=${GGUF_DIR:-/tmp}/gptoss20b
+OSS_GGUF=$OSS-mxfp4.gguf
+
+oss_write() {  # gpt-oss-20b's random folder and llama.cpp's conversion of it, once per machine
+  [ -f "$OSS/model.safetensors.index.json" ] || stage ggufoss_gen 120 python3 "$PEER/gen_gptoss.py" --out "$OSS" \
+    --workers 8  # its index is written last
+  [ -f /tmp/llama.cpp/convert_hf_to_gguf.py ] || tar xJf "$PEER/llama_src.tar.xz" -C /tmp
+  [ -f "$OSS_GGUF" ] || stage ggufoss_convert 240 bash -c "python3 '$PEER/gen_gguf.py' --llama-dir /tmp/llama.cpp \
+    --model '$OSS' --outfile '$OSS-part.gguf' && mv '$OSS-part.gguf' '$OSS_GGUF'"
+}
+
 gguf_write() {  # the benchmark GGUF, once per machine
   [ -f "$GGUF" ] || stage gguf_write 300 python3 -m tools.gguf_random --preset qwen3-30b-a3b --mix q4_k_m --out "$GGUF"
 }
@@ -327,6 +344,10 @@ for s in ${@:-tests}; do
                  done ;;
     ggufqwen)    gguf_write
                  offload gguf_offload "$GGUF:8GiB" 240 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
+    ggufoss)     oss_write
+                 stage ggufoss 560 python3 benchmarks/bench_gguf_vs_folder.py --folder "$OSS" --gguf "$OSS_GGUF" \
+                   --budget 8GiB --runs 2 --json "$OUT/ggufoss.json" -- --moe-strategy offload --decode-tokens 128 \
+                   --prefill-prompt 0 ;;
     llamacpp_build) stage llamacpp_build 560 bash -c "tar xJf '$PEER/llama_src.tar.xz' -C /tmp \
                    && bash '$PEER/build_llama.sh' /tmp/llama.cpp 14" ;;
     llamacpp)    gguf_write

@@ -25,6 +25,11 @@ from ferryman.weights.gguf_file import GGUFModel
 GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "olmoe": "olmoe", "gpt-oss": "gpt_oss",
               "glm4moe": "glm4_moe"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# token texts llama.cpp also ends generation on, beside the eos / eot / eom ids (llama-vocab.cpp's list)
+EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                       "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                       "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~["))
 
 
 def hf_config(g: GGUFModel) -> dict[str, Any]:
@@ -80,14 +85,27 @@ def _common(g: GGUFModel) -> dict[str, Any]:
         attention_bias=g.has("blk.0.attn_q.bias"),
         _experts=(int(g.get("{arch}.expert_count", experts)), inter),
     )
-    # end of sequence, end of turn, end of message: llama.cpp stops on each
-    eos = [int(i) for k in ("eos", "eot", "eom") if (i := g.get(f"tokenizer.ggml.{k}_token_id")) is not None]
+    eos = end_of_generation_ids(g, tokens or [])
     if eos:
-        hf["eos_token_id"] = list(dict.fromkeys(eos))
+        hf["eos_token_id"] = eos
     rope = _rope_scaling(g)
     if rope:
         hf["rope_scaling"] = rope
     return hf
+
+
+def end_of_generation_ids(g: GGUFModel, tokens: list[str]) -> list[int]:
+    """The ids llama.cpp stops on: end of sequence, end of turn, end of message, and every token whose
+    text is one of EOG_TEXTS; harmony vocabularies (gpt-oss: <|return|> and <|call|>) drop <|end|>,
+    which ends a message there, not the answer. The folder of the same model lists the same ids in
+    generation_config.json (gpt-oss: <|return|>, <|endoftext|>, <|call|>)."""
+    ids = [int(i) for k in ("eos", "eot", "eom") if (i := g.get(f"tokenizer.ggml.{k}_token_id")) is not None]
+    by_text = {t: i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+    if "<|return|>" in by_text and ("<|call|>" in by_text or "<|calls|>" in by_text) or \
+            "<|calls|>" in by_text and "<|flush|>" in by_text:
+        end = by_text.pop("<|end|>", None)
+        ids = [i for i in ids if i != end]
+    return list(dict.fromkeys(ids + sorted(by_text.values())))
 
 
 def _rope_scaling(g: GGUFModel) -> dict[str, Any] | None:
@@ -130,8 +148,10 @@ def _gpt_oss(g: GGUFModel, hf: dict[str, Any]) -> dict[str, Any]:
                                intermediate_size=hf["_experts"][1],
                                sliding_window=g.get("{arch}.attention.sliding_window"))
     rope = hf.get("rope_scaling")
-    if rope and rope["rope_type"] == "yarn":  # the published configs' yarn: betas 32 / 1, not truncated
-        out["rope_scaling"] = {**rope, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+    if rope and rope["rope_type"] == "yarn":  # betas as the converter writes them (else the published
+        # configs' 32 / 1), not truncated as the published configs say
+        out["rope_scaling"] = {**rope, "beta_fast": float(g.get("{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                               "beta_slow": float(g.get("{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
     return out
 
 
