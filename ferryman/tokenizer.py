@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,18 @@ def load_tokenizer(folder: Path | None) -> Any | None:
         raise ModelLoadError(f"cannot load the tokenizer of {folder}: {type(e).__name__}: {e}") from None
 
 
-def load_gguf_tokenizer(path: Path) -> Any:
+Meta = Callable[[str], Any]  # a GGUF metadata key -> its value (None when absent)
+
+
+def load_gguf_tokenizer(path: Path, meta: Meta) -> Any:
     """The tokenizer (and chat template) a GGUF file's metadata describes (the caller has seen its
-    `tokenizer.ggml.model`), converted offline by transformers."""
+    `tokenizer.ggml.model`). A byte-level BPE vocabulary of a known split (gpt-oss, Qwen3, Llama 3
+    files) is built from the metadata already read (`byte_level_bpe`, checked against transformers'
+    conversion: transformers before 5.24 cannot convert gpt-oss files and cuts the control tokens
+    of others into pieces); any other is converted offline by transformers."""
+    own = byte_level_bpe(meta)
+    if own is not None:
+        return own
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     last: Exception | None = None
@@ -43,6 +53,65 @@ def load_gguf_tokenizer(path: Path) -> Any:
             last = e
     raise ModelLoadError(f"cannot build the tokenizer of {path} from its metadata: {type(last).__name__}: {last}; "
                          f"pass config_folder (--config-folder) with the model's tokenizer files") from None
+
+
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) -> the split its vocabulary's merges were
+# learned on (llama.cpp's llama-vocab.cpp; tiktoken's o200k for gpt-4o)
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"  # o200k: a word's letters, upper then lower case
+_GPT4O_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}*{_GPT4O_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                rf"|[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}+{_GPT4O_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_SPLITS = {"gpt-4o": _GPT4O_SPLIT, "qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def byte_level_bpe(meta: Meta) -> Any | None:
+    """A byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2", a `tokenizer.ggml.pre` of
+    BPE_SPLITS) from the file's vocabulary, merges and token types, as transformers converts one:
+    control tokens special, user-defined ones plain added tokens, the chat template and special
+    tokens from the metadata. None for any other vocabulary."""
+    split = BPE_SPLITS.get(meta("tokenizer.ggml.pre"))
+    if meta("tokenizer.ggml.model") != "gpt2" or split is None or meta("tokenizer.ggml.merges") is None:
+        return None
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
+    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+    merges = [tuple(m.split(" ")) for m in meta("tokenizer.ggml.merges")]
+    bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, dropout=None,
+                               continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    types = list(meta("tokenizer.ggml.token_type") or ())
+    # a control token outside the byte alphabet is a converter's mislabel: adding it would grow the vocabulary
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+                            if k == _CONTROL and set(t) <= alphabet])
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    named = {name: meta(f"tokenizer.ggml.{key}") for name, key in (("bos_token", "bos_token_id"),
+             ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=meta("tokenizer.chat_template"),
+                                   **{name: tokens[int(i)] for name, i in named.items() if i is not None})
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE spells every token in it)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    table, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 class TokenIdText:

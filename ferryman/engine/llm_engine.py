@@ -64,7 +64,7 @@ class LLMEngine:
         # a GGUF model's tokenizer comes from its metadata unless config_folder ships one
         self.tokenizer = load_tokenizer(loaded.folder)
         if self.tokenizer is None and loaded.gguf is not None and loaded.gguf.get("tokenizer.ggml.model") is not None:
-            self.tokenizer = load_gguf_tokenizer(loaded.gguf.path)
+            self.tokenizer = load_gguf_tokenizer(loaded.gguf.path, loaded.gguf.get)
         # the KV cache's storage dtype: the model's, or fp8 (kv_cache_dtype; planned above)
         kv = self.plan.request.kv_dtype or next(loaded.model.parameters()).dtype
         num_blocks = self._num_blocks(kv)
