@@ -35,7 +35,9 @@
 #                serve` at 1, 4 and 32 users (1024 in / 128 out), one 7,900-token conversation, `ferryman
 #                ctl`, then bench_split.py: predictions beside the measurement and the targets (~2.5 min);
 #                then gpt-oss-120b at 16 GiB, same server flags, 1, 2, 4, 8, 16 and 32 users, one request
-#                each (~3 min, its dummy weights take 1-2 of them); split20 and split120 run one each
+#                each (~3 min, its dummy weights take 1-2 of them; on 2026-12-01 its 1-16 user levels took
+#                more than 200 s, so its bench gets 400 s: ~8 min, a call of its own); split20 and split120
+#                run one each
 #   longprompt   `ferryman serve` with default settings (layer-major prefill): gpt-oss-20b at 8 GiB, TTFT at
 #                4,170 / 16k / 32k tokens and the token gap of a decoding user while a 32k prompt is
 #                prefilled (benchmarks/bench_long_prompt.py); then gpt-oss-120b at 16 GiB, TTFT at 32k
@@ -165,7 +167,8 @@ split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 3
   stage "${name}_plan" 60 python3 -m ferryman plan "${model_args[@]}"
   server_up "$name" "$port" 240 python3 -m ferryman serve "${model_args[@]}" --load-format dummy --port "$port" \
     --log-level warning || return
-  stage "$name" 200 python3 -m ferryman bench serve "$url" --concurrency "$levels" ${reqs:+--requests-per-level "$reqs"} \
+  stage "$name" "${SPLIT_LIMIT:-200}" python3 -m ferryman bench serve "$url" --concurrency "$levels" \
+    ${reqs:+--requests-per-level "$reqs"} \
     --prompt-tokens 1024 --output-tokens 128 --json "$OUT/$name.json"
   python3 -m ferryman ctl --url "$url" | tee "$OUT/${name}_ctl.txt"
   if [ -n "$long" ]; then
@@ -280,9 +283,9 @@ for s in ${@:-tests}; do
                    --decode-tokens 256 --ttft-prompt 0 --prefill-prompt 0 --json "$OUT/resident_offload.json" ;;
     offload20)   offload offload20 gpt-oss-20b:8GiB 150 ;;
     split)       split split 8150 gpt-oss-20b 8GiB 1,4,32 "" 7900
-                 split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
+                 SPLIT_LIMIT=400 split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
     split20)     split split 8150 gpt-oss-20b 8GiB 1,4,32 "" 7900 ;;
-    split120)    split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
+    split120)    SPLIT_LIMIT=400 split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
     offload120)  offload offload120 gpt-oss-120b:16GiB 200 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
