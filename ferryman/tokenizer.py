@@ -34,8 +34,8 @@ Meta = Callable[[str], Any]  # a GGUF metadata key -> its value (None when absen
 
 def load_gguf_tokenizer(path: Path, meta: Meta) -> Any:
     """The tokenizer (and chat template) a GGUF file's metadata describes (the caller has seen its
-    `tokenizer.ggml.model`). A byte-level BPE vocabulary of a known split (gpt-oss, Qwen3, Llama 3
-    files) is built from the metadata already read (`byte_level_bpe`, checked against transformers'
+    `tokenizer.ggml.model`). A byte-level BPE vocabulary of a known split (gpt-oss, Qwen3 files) is
+    built from the metadata already read (`byte_level_bpe`, checked against transformers'
     conversion: transformers before 5.24 cannot convert gpt-oss files and cuts the control tokens
     of others into pieces); any other is converted offline by transformers."""
     own = byte_level_bpe(meta)
@@ -59,14 +59,12 @@ def load_gguf_tokenizer(path: Path, meta: Meta) -> Any:
 # learned on (llama.cpp's llama-vocab.cpp; tiktoken's o200k for gpt-4o)
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _GPT4O_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"  # o200k: a word's letters, upper then lower case
 _GPT4O_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}*{_GPT4O_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 rf"|[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}+{_GPT4O_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-BPE_SPLITS = {"gpt-4o": _GPT4O_SPLIT, "qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT}
+BPE_SPLITS = {"gpt-4o": _GPT4O_SPLIT, "qwen2": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
@@ -74,9 +72,12 @@ def byte_level_bpe(meta: Meta) -> Any | None:
     """A byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2", a `tokenizer.ggml.pre` of
     BPE_SPLITS) from the file's vocabulary, merges and token types, as transformers converts one:
     control tokens special, user-defined ones plain added tokens, the chat template and special
-    tokens from the metadata. None for any other vocabulary."""
+    tokens from the metadata. None for any other vocabulary, and for one whose encodings start or
+    end with a special token (`add_bos_token` / `add_eos_token`: left to transformers)."""
     split = BPE_SPLITS.get(meta("tokenizer.ggml.pre"))
     if meta("tokenizer.ggml.model") != "gpt2" or split is None or meta("tokenizer.ggml.merges") is None:
+        return None
+    if meta("tokenizer.ggml.add_bos_token") or meta("tokenizer.ggml.add_eos_token"):
         return None
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -95,8 +96,9 @@ def byte_level_bpe(meta: Meta) -> Any | None:
     # a control token outside the byte alphabet is a converter's mislabel: adding it would grow the vocabulary
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
                             if k == _CONTROL and set(t) <= alphabet])
+    known = set(spelled)  # a user-defined token outside the vocabulary would grow it: skipped
     bpe.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == _USER_DEFINED])
+                    for t, k in zip(tokens, types) if k == _USER_DEFINED and t in known])
     named = {name: meta(f"tokenizer.ggml.{key}") for name, key in (("bos_token", "bos_token_id"),
              ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
     return PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=meta("tokenizer.chat_template"),
