@@ -91,7 +91,8 @@
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
-#                COMPARE=serve16 in a second call, if the budget runs out
+#                COMPARE=serve16 in a second call, if the budget runs out. COMPARE=longprompt20: TTFT at
+#                4,170 / 16k / 32k through default servers of both trees, alternated twice (~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -212,11 +213,30 @@ for k in KEYS:
 EOF
 }
 
-longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL: bench_long_prompt through a default server
+ttft_table() {  # ttft_table JSON...: bench_long_prompt's TTFT per prompt length, a column per run
+  python3 - "$@" <<'EOF'
+import json, sys
+runs = {}
+for path in sys.argv[1:]:
+    name = path.rsplit("/", 1)[-1][:-5]
+    try:
+        runs[name] = {lv["prompt_tokens"]: lv.get("ttft_s") for lv in json.load(open(path))["levels"]}
+    except (OSError, ValueError, KeyError):
+        runs[name] = {}
+lengths = sorted({n for r in runs.values() for n in r})
+print("prompt  " + " ".join(f"{k:>20s}" for k in runs))
+for n in lengths:
+    print(f"{n:6d}  " + " ".join(f"{'-' if r.get(n) is None else format(r[n], '.3f'):>20s}" for r in runs.values()))
+EOF
+}
+
+longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL [TREE]: bench_long_prompt through a default
+  # server (TREE's ferryman; the client is this tree's)
   local name=$1 port=$2
   have 120 || { echo "=== $name skipped: the suite budget is spent"; return; }
-  server_up "$name" "$port" 240 python3 -m ferryman serve "$3" --load-format dummy --gpu-memory "$4" --port "$port" \
-    --log-level warning || return
+  in_tree "${7:-$ROOT}"
+  server_up "$name" "$port" 240 "${IN_TREE[@]}" python3 -m ferryman serve "$3" --load-format dummy --gpu-memory "$4" \
+    --port "$port" --log-level warning || return
   stage "$name" 180 python3 benchmarks/bench_long_prompt.py "http://127.0.0.1:$port" --lengths "$5" \
     --stall-prompt "$6" --json "$OUT/$name.json"
   server_down
@@ -267,7 +287,14 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
                  offload offload20_old gpt-oss-20b:8GiB 150 "$old" ;;
       serve16)   serve16 serve16_new $((port++))
                  serve16 serve16_old $((port++)) "$old" ;;
-      *) echo "compare: no stage $s (offload20, serve16)"; exit 2 ;;
+      longprompt20)  # TTFT at 4,170 / 16k / 32k, no stall run, the trees alternated twice
+                 for r in 1 2; do
+                   longprompt "longprompt20_new$r" $((port++)) gpt-oss-20b 8GiB 4170,16384,32000 0
+                   longprompt "longprompt20_old$r" $((port++)) gpt-oss-20b 8GiB 4170,16384,32000 0 "$old"
+                 done
+                 ttft_table "$OUT"/longprompt20_{new,old}{1,2}.json | tee "$OUT/${s}_compare.txt"
+                 continue ;;
+      *) echo "compare: no stage $s (offload20, serve16, longprompt20)"; exit 2 ;;
     esac
     table "$OUT/${s}_new.json" "$OUT/${s}_old.json" | tee "$OUT/${s}_compare.txt"
   done
