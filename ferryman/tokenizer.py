@@ -72,12 +72,10 @@ def byte_level_bpe(meta: Meta) -> Any | None:
     """A byte-level BPE tokenizer (`tokenizer.ggml.model` "gpt2", a `tokenizer.ggml.pre` of
     BPE_SPLITS) from the file's vocabulary, merges and token types, as transformers converts one:
     control tokens special, user-defined ones plain added tokens, the chat template and special
-    tokens from the metadata. None for any other vocabulary, and for one whose encodings start or
-    end with a special token (`add_bos_token` / `add_eos_token`: left to transformers)."""
+    tokens from the metadata, a BOS / EOS around each encoding where `add_bos_token` /
+    `add_eos_token` say so. None for any other vocabulary."""
     split = BPE_SPLITS.get(meta("tokenizer.ggml.pre"))
     if meta("tokenizer.ggml.model") != "gpt2" or split is None or meta("tokenizer.ggml.merges") is None:
-        return None
-    if meta("tokenizer.ggml.add_bos_token") or meta("tokenizer.ggml.add_eos_token"):
         return None
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -99,10 +97,29 @@ def byte_level_bpe(meta: Meta) -> Any | None:
     known = set(spelled)  # a user-defined token outside the vocabulary would grow it: skipped
     bpe.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == _USER_DEFINED and t in known])
-    named = {name: meta(f"tokenizer.ggml.{key}") for name, key in (("bos_token", "bos_token_id"),
-             ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    ids = {name: meta(f"tokenizer.ggml.{key}") for name, key in (("bos_token", "bos_token_id"),
+           ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    named = {name: tokens[int(i)] for name, i in ids.items() if i is not None}
+    add = {"bos_token": bool(meta("tokenizer.ggml.add_bos_token")) and "bos_token" in named,
+           "eos_token": bool(meta("tokenizer.ggml.add_eos_token")) and "eos_token" in named}
+    if any(add.values()):
+        bpe.post_processor = _around(named, ids, add)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=meta("tokenizer.chat_template"),
-                                   **{name: tokens[int(i)] for name, i in named.items() if i is not None})
+                                   add_bos_token=add["bos_token"], add_eos_token=add["eos_token"], **named)
+
+
+def _around(named: dict[str, str], ids: dict[str, Any], add: dict[str, bool]) -> Any:
+    """The post-processor that puts the BOS before and the EOS after an encoding, as transformers'
+    TokenizersBackend.update_post_processor builds it."""
+    from tokenizers import processors
+
+    first = [f"{named[t]}:0" for t in ("bos_token",) if add[t]]
+    last = [f"{named[t]}:0" for t in ("eos_token",) if add[t]]
+    single = " ".join([*first, "$A:0", *last])
+    pair = " ".join([single, *(f"{named[t]}:1" for t in ("bos_token",) if add[t]), "$B:1",
+                     *(f"{named[t]}:1" for t in ("eos_token",) if add[t])])
+    return processors.TemplateProcessing(single=single, pair=pair,
+                                         special_tokens=[(named[t], int(ids[t])) for t in add if add[t]])
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -42,6 +42,9 @@ def _write(meta: dict[str, Any], path: Path) -> Path:
     w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
     w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
     w.add_chat_template(meta["tokenizer.chat_template"])
+    for key in ("add_bos_token", "add_eos_token"):
+        if f"tokenizer.ggml.{key}" in meta:
+            getattr(w, f"add_{key}")(meta[f"tokenizer.ggml.{key}"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -50,10 +53,15 @@ def _write(meta: dict[str, Any], path: Path) -> Path:
 
 
 @pytest.mark.parametrize("pre", sorted(BPE_SPLITS))
-def test_byte_level_bpe_equals_transformers(pre: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bos,eos", [(None, None), (False, False), (True, False), (True, True)])
+def test_byte_level_bpe_equals_transformers(pre: str, bos: bool | None, eos: bool | None, tmp_path: Path) -> None:
+    """Ids with and without the special tokens around them (the file's add_bos_token / add_eos_token,
+    absent or set), decoding, special tokens, chat template, added tokens."""
     from transformers import PreTrainedTokenizerFast
 
     meta = _meta(pre)
+    if bos is not None:
+        meta |= {"tokenizer.ggml.add_bos_token": bos, "tokenizer.ggml.add_eos_token": eos}
     path = _write(meta, tmp_path / "t.gguf")
     import transformers
 
@@ -63,7 +71,11 @@ def test_byte_level_bpe_equals_transformers(pre: str, tmp_path: Path) -> None:
     want = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True)
     got = byte_level_bpe(meta.get)
     assert got is not None
+    around = got.encode("x")
+    assert (around[0] == meta["tokenizer.ggml.bos_token_id"]) == bool(bos)
+    assert (around[-1] == meta["tokenizer.ggml.eos_token_id"]) == bool(eos)
     for text in TEXTS:
+        assert got.encode(text) == want.encode(text), (pre, text)
         ids = got.encode(text, add_special_tokens=False)
         assert ids == want.encode(text, add_special_tokens=False), (pre, text)
         assert got.decode(ids) == want.decode(ids) == text
@@ -88,8 +100,6 @@ def test_the_splits_differ_where_the_merges_say() -> None:
 def test_other_vocabularies_are_left_to_transformers() -> None:
     assert byte_level_bpe({**_meta("gpt-4o"), "tokenizer.ggml.pre": "default"}.get) is None
     assert byte_level_bpe({**_meta("gpt-4o"), "tokenizer.ggml.model": "llama"}.get) is None
-    assert byte_level_bpe({**_meta("qwen2"), "tokenizer.ggml.add_bos_token": True}.get) is None
-    assert byte_level_bpe({**_meta("qwen2"), "tokenizer.ggml.add_bos_token": False}.get) is not None
 
 
 def test_known_vocabularies_do_not_ask_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
