@@ -1,5 +1,5 @@
 """A GGUF model on disk: one file, a split set (`NAME-00001-of-0000N.gguf`), or a folder holding one
-of those. Opened with gguf-py's `GGUFReader` (memory-mapped: nothing is read until a tensor is).
+of those. Opened by weights/gguf_reader.py (memory-mapped: nothing is read until a tensor is).
 
 `GGUFModel` answers metadata look-ups (`get`, `require`) and holds every tensor of every split by
 name. A file that is not GGUF, is cut short, or holds a tensor of a type ferryman does not run
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import mmap
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ferryman.errors import ModelLoadError
+from ferryman.weights.gguf_reader import GGUFFile, GGUFTensor
 
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # tensor types ferryman loads (dense ones dequantised, experts kept in their blocks)
@@ -60,12 +62,11 @@ def gguf_files(model: str | Path) -> list[Path]:
     return parts
 
 
-def open_reader(path: Path) -> Any:
-    """gguf-py's reader of `path`; a bad or cut-short file is a ModelLoadError naming it."""
-    from gguf import GGUFReader
-
+def open_reader(path: Path) -> GGUFFile:
+    """The metadata and tensor table of `path` (weights/gguf_reader.py); a bad or cut-short file is a
+    ModelLoadError naming it."""
     try:
-        return GGUFReader(path)
+        return GGUFFile(path)
     except ValueError as e:
         if "magic" in str(e).lower():
             raise ModelLoadError(f"{path} is not a GGUF file (its first bytes are not 'GGUF')") from None
@@ -74,7 +75,7 @@ def open_reader(path: Path) -> Any:
                                  f"{', '.join(SUPPORTED_TYPES)}") from None
         raise ModelLoadError(f"{path} is not a readable GGUF file ({path.stat().st_size:,} bytes: {e}); "
                              f"it may be truncated or still downloading: fetch it again") from None
-    except (IndexError, OSError, KeyError, UnicodeDecodeError) as e:
+    except (IndexError, OSError, KeyError, UnicodeDecodeError, struct.error) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file ({path.stat().st_size:,} bytes: "
                              f"{type(e).__name__}: {e}); it may be truncated: fetch it again") from None
 
@@ -86,9 +87,9 @@ class GGUFModel:
         self.files = gguf_files(model)
         self.path = self.files[0]
         self.readers = [open_reader(f) for f in self.files]
-        self.tensors: dict[str, Any] = {}  # name -> gguf ReaderTensor
+        self.tensors: dict[str, GGUFTensor] = {}
         self.file_of_tensor: dict[str, Path] = {}
-        self.reader_of: dict[str, Any] = {}
+        self.reader_of: dict[str, GGUFFile] = {}
         for f, reader in zip(self.files, self.readers):
             for t in reader.tensors:
                 self.tensors[t.name] = t
@@ -100,11 +101,8 @@ class GGUFModel:
     def get(self, key: str, default: Any = None) -> Any:
         """A metadata value (`{arch}` in `key` is the file's architecture), or `default`."""
         key = key.replace("{arch}", getattr(self, "arch", ""))
-        field = self.readers[0].get_field(key)
-        if field is None:
-            return default
-        value = field.contents()
-        return value
+        value = self.readers[0].get_field(key)
+        return default if value is None else value
 
     def require(self, key: str) -> Any:
         value = self.get(key)
