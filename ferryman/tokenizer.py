@@ -38,7 +38,11 @@ def load_gguf_tokenizer(path: Path, meta: Meta) -> Any:
     built from the metadata already read (`byte_level_bpe`, checked against transformers'
     conversion: transformers before 5.24 cannot convert gpt-oss files and cuts the control tokens
     of others into pieces); any other is converted offline by transformers."""
-    own = byte_level_bpe(meta)
+    try:
+        own = byte_level_bpe(meta)
+    except Exception as e:  # tokenizers raises its own kinds for bad merges or tokens
+        raise ModelLoadError(f"cannot build the tokenizer of {path} from its metadata: {type(e).__name__}: {e}; "
+                             f"pass config_folder (--config-folder) with the model's tokenizer files") from None
     if own is not None:
         return own
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -59,10 +63,10 @@ def load_gguf_tokenizer(path: Path, meta: Meta) -> Any:
 # learned on (llama.cpp's llama-vocab.cpp; tiktoken's o200k for gpt-4o)
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"  # o200k: a word's letters, upper then lower case
-_GPT4O_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}*{_GPT4O_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                rf"|[^\r\n\p{{L}}\p{{N}}]?{_GPT4O_WORD}+{_GPT4O_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"  # o200k splits a word at its case: upper, then lower
+_O200K_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_GPT4O_SPLIT = (rf"[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}*{_O200K_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                rf"|[^\r\n\p{{L}}\p{{N}}]?{_O200K_UPPER}+{_O200K_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 BPE_SPLITS = {"gpt-4o": _GPT4O_SPLIT, "qwen2": _QWEN2_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
@@ -75,12 +79,14 @@ def byte_level_bpe(meta: Meta) -> Any | None:
     tokens from the metadata, a BOS / EOS around each encoding where `add_bos_token` /
     `add_eos_token` say so. None for any other vocabulary."""
     split = BPE_SPLITS.get(meta("tokenizer.ggml.pre"))
-    if meta("tokenizer.ggml.model") != "gpt2" or split is None or meta("tokenizer.ggml.merges") is None:
+    if meta("tokenizer.ggml.model") != "gpt2" or split is None or None in (meta("tokenizer.ggml.merges"),
+                                                                             meta("tokenizer.ggml.tokens")):
         return None
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()  # byte -> the printable character a byte-level vocabulary spells it with
     alphabet = set(spelling.values())
     tokens = [str(t) for t in meta("tokenizer.ggml.tokens")]
     spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
@@ -99,6 +105,9 @@ def byte_level_bpe(meta: Meta) -> Any | None:
                     for t, k in zip(tokens, types) if k == _USER_DEFINED and t in known])
     ids = {name: meta(f"tokenizer.ggml.{key}") for name, key in (("bos_token", "bos_token_id"),
            ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    for name, i in ids.items():
+        if i is not None and not 0 <= int(i) < len(tokens):
+            raise ValueError(f"{name}_id {i} is outside the vocabulary of {len(tokens)} tokens")
     named = {name: tokens[int(i)] for name, i in ids.items() if i is not None}
     add = {"bos_token": bool(meta("tokenizer.ggml.add_bos_token")) and "bos_token" in named,
            "eos_token": bool(meta("tokenizer.ggml.add_eos_token")) and "eos_token" in named}
@@ -113,24 +122,12 @@ def _around(named: dict[str, str], ids: dict[str, Any], add: dict[str, bool]) ->
     TokenizersBackend.update_post_processor builds it."""
     from tokenizers import processors
 
-    first = [f"{named[t]}:0" for t in ("bos_token",) if add[t]]
-    last = [f"{named[t]}:0" for t in ("eos_token",) if add[t]]
-    single = " ".join([*first, "$A:0", *last])
-    pair = " ".join([single, *(f"{named[t]}:1" for t in ("bos_token",) if add[t]), "$B:1",
-                     *(f"{named[t]}:1" for t in ("eos_token",) if add[t])])
+    bos = [named["bos_token"]] if add["bos_token"] else []
+    eos = [named["eos_token"]] if add["eos_token"] else []
+    single = " ".join([*(f"{t}:0" for t in bos), "$A:0", *(f"{t}:0" for t in eos)])
+    pair = " ".join([single, *(f"{t}:1" for t in bos), "$B:1", *(f"{t}:1" for t in eos)])
     return processors.TemplateProcessing(single=single, pair=pair,
                                          special_tokens=[(named[t], int(ids[t])) for t in add if add[t]])
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE spells every token in it)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    table, extra = {b: chr(b) for b in keep}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 class TokenIdText:

@@ -65,7 +65,9 @@ def test_byte_level_bpe_equals_transformers(pre: str, bos: bool | None, eos: boo
     path = _write(meta, tmp_path / "t.gguf")
     import transformers
 
-    if tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 24):  # the reference conversion
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.24"):  # the reference conversion
         pytest.skip(f"transformers {transformers.__version__} converts GGUF vocabularies without their control "
                     "tokens and pre-tokenizer splits; the reference is 5.24's")
     want = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), gguf_file=path.name, local_files_only=True)
@@ -125,3 +127,12 @@ def test_known_vocabularies_do_not_ask_transformers(tmp_path: Path, monkeypatch:
     with pytest.raises(ModelLoadError, match="config-folder"):
         load_gguf_tokenizer(path, {**meta, "tokenizer.ggml.pre": "default"}.get)
     assert asked == ["t.gguf", "t.gguf"]
+
+
+def test_a_special_id_outside_the_vocabulary_is_a_clear_error(tmp_path: Path) -> None:
+    from ferryman.errors import ModelLoadError
+
+    meta = {**_meta("qwen2"), "tokenizer.ggml.eos_token_id": 10_000}
+    with pytest.raises(ModelLoadError, match=r"t.gguf from its metadata: ValueError: eos_token_id 10000 is outside "
+                                             r"the vocabulary of \d+ tokens"):
+        load_gguf_tokenizer(tmp_path / "t.gguf", meta.get)

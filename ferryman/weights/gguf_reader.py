@@ -27,7 +27,7 @@ DEFAULT_ALIGNMENT = 32
 # GGUFValueType -> struct format of one scalar (8 STRING and 9 ARRAY are read apart)
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+_OWN_DTYPE = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                 "I32": np.int32, "I64": np.int64}  # tensor types gguf-py views in their own dtype
 
 
@@ -137,7 +137,7 @@ class GGUFFile:
         n_bytes = n_elems * size // block
         offs = start + rel
         shape = tuple(reversed(dims.tolist()))
-        dtype = _FLOAT_TYPES.get(kind.name)
+        dtype = _OWN_DTYPE.get(kind.name)
         if dtype is None:
             dtype, shape = np.uint8, quant_shape_to_byte_shape(shape, kind)
         if offs + n_bytes > len(self.data):
