@@ -70,7 +70,7 @@ def activation_bytes(cfg: ModelConfig, dtype: torch.dtype, chunk_tokens: int, ma
     if cfg.mla is not None:  # q and its absorbed form, the latent output, W_UV's output
         q, kv = cfg.num_heads * (cfg.mla.qk_head_dim + cfg.mla.cache_dim), cfg.num_heads * (
             cfg.mla.kv_lora_rank + cfg.mla.v_head_dim)
-    moe = k * batched_moe.pair_bytes(h, i, item) + item * 3 * cfg.shared_intermediate_size
+    moe = k * (item * (3 * i + h) + 4 * h) + item * 3 * cfg.shared_intermediate_size
     dense = item * 3 * cfg.intermediate_size if cfg.num_layers > len(cfg.moe_layers) else 0
     per_token = item * (6 * h + 2 * q + kv) + max(moe, dense)
     # experts the chunk's CUDA prefill path dequantises at once: a group if batched, none if grouped

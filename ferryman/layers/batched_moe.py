@@ -36,13 +36,6 @@ PREFILL_GROUP_MAX = 64  # most experts per launch
 PREFILL_GROUP_BYTES = 256 << 20  # a group's dequantised w13 up to this size, when above PREFILL_GROUP experts
 
 
-def pair_bytes(hidden: int, intermediate: int, itemsize: int) -> int:
-    """Transient device bytes the planner counts per (token, k) pair of a prefill chunk's MoE
-    (planner.activation_bytes): gate_up and activation (3 I), the sorted input row (H) and an fp32
-    output row (4 H)."""
-    return itemsize * (3 * intermediate + hidden) + 4 * hidden
-
-
 def prefill_group(intermediate: int, hidden: int, itemsize: int) -> int:
     """Experts per launch for experts of this shape: as many as PREFILL_GROUP_BYTES of dequantised w13
     (2 I H values each) hold, within PREFILL_GROUP .. PREFILL_GROUP_MAX."""
