@@ -83,11 +83,15 @@
 #                bench_gguf_vs_folder.py: bench_offload at 8 GiB (offload, 128 decode tokens, TTFT of a 4k
 #                prompt) on folder, GGUF, folder, GGUF, and the GGUF / folder ratios (target: within 5%); ~6 min
 #   llamacpp_build  llama.cpp from the peer kit ($PEER_KIT, default .peer-kit: copy /work/shared/peer-kit
-#                there and carry it), ~6 min: a call of its own
+#                there, without its wheels/, and carry it), ~6 min: a call of its own
+#   llamacpp_prep   llama.cpp's build in the background while ggufqwen's file is written: both in ~5.5 min
+#                (2026-12-01: file 167 s, build 315 s), then ggufqwen's bench_offload if the budget allows
 #   llamacpp     on the ggufqwen stage's file, one client for both (the peer kit's bench_client.py: 512 and
-#                4096-token prompts, 128 tokens; load_client.py: 16 users, 1024 in / 128 out) against
-#                llama-server (-ngl 99 --n-cpu-moe $NCPUMOE, default 33: about 8 GiB, VRAM logged per run;
-#                raise or lower NCPUMOE until it matches) and `ferryman serve FILE --gpu-memory 8GiB`
+#                4096-token prompts, 128 tokens; load_client.py: 16 users, 1024 in / 128 out; both with
+#                tools/peer_client.py's fixes) against llama-server (-ngl 99, --n-cpu-moe NCPUMOE1, default
+#                31, for 1 user and NCPUMOE16, default 34, for 16 users: nvidia-smi showed 8.2-9.3 GiB for
+#                llama.cpp against 8.5-8.6 GiB for ferryman at 32; VRAM logged per run) and
+#                `ferryman serve FILE --gpu-memory 8GiB`; ~4 min
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -187,8 +191,8 @@ split() {  # split NAME PORT MODEL BUDGET LEVELS REQUESTS [8K]: one server for 3
     --model "$model" --gpu-memory "$budget" --stats "$OUT/${name}_stats.json" --json "$OUT/${name}_vs_plan.json"
 }
 
-strategy() {  # strategy NAME: bench_offload of gpt-oss-20b at 8 GiB with --moe-strategy NAME
-  stage "strategy_$1" 120 python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --moe-strategy "$1" \
+strategy() {  # strategy NAME [LIMIT]: bench_offload of gpt-oss-20b at 8 GiB with --moe-strategy NAME
+  stage "strategy_$1" "${2:-120}" python3 benchmarks/bench_offload.py --target gpt-oss-20b:8GiB --moe-strategy "$1" \
     --decode-tokens 128 --prefill-prompt 0 --json "$OUT/strategy_$1.json"
 }
 
@@ -244,6 +248,7 @@ longprompt() {  # longprompt NAME PORT MODEL BUDGET LENGTHS STALL [TREE]: bench_
 
 GGUF=${GGUF_DIR:-/tmp}/qwen3-30b-a3b-q4_k_m.gguf
 PEER=${PEER_KIT:-$ROOT/.peer-kit}
+CLIENTS=/tmp/peer-clients  # the peer kit's load clients with tools/peer_client.py's fixes
 
 OSS=${GGUF_DIR:-/tmp}/gptoss20b
 OSS_GGUF=$OSS-mxfp4.gguf
@@ -264,12 +269,12 @@ peer_serve() {  # peer_serve NAME PORT USERS COMMAND...: a server, then the peer
   local name=$1 port=$2 users=$3; shift 3
   "$@" > "$OUT/${name}_server.log" 2>&1 &
   SRV=$!
-  python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --wait 240 --wait-only >/dev/null 2>&1
+  python3 "$CLIENTS/bench_client.py" --url "http://127.0.0.1:$port" --wait 240 --wait-only >/dev/null 2>&1
   if [ "$users" = 1 ]; then
-    stage "$name" 200 python3 "$PEER/bench_client.py" --url "http://127.0.0.1:$port" --prompt-tokens 512,4096 \
+    stage "$name" 200 python3 "$CLIENTS/bench_client.py" --url "http://127.0.0.1:$port" --prompt-tokens 512,4096 \
       --max-tokens 128 --runs 2 --label "$name"
   else
-    stage "$name" 150 python3 "$PEER/load_client.py" --url "http://127.0.0.1:$port" --concurrency "$users" \
+    stage "$name" 150 python3 "$CLIENTS/load_client.py" --url "http://127.0.0.1:$port" --concurrency "$users" \
       --prompt-tokens 1024 --max-tokens 128 --per-user 1 --label "$name"
   fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader | tee "$OUT/${name}_vram.txt"
@@ -350,7 +355,7 @@ for s in ${@:-tests}; do
                  stage bench_bw 100 python3 -m ferryman bench bw gpt-oss-20b --reps 3 \
                    --output "$OUT/calibration.json" --json "$OUT/bench_bw.json"
                  strategy offload; strategy hybrid ;;
-    strategies2) strategy layers; strategy auto; strategy cpu ;;
+    strategies2) strategy layers 240; strategy auto; strategy cpu 240 ;;  # layers, cpu: >120 s on 2026-12-01
     cpupacked)   stage cpu_packed_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel_packed.py
                  for f in gguf:q8_0:q8_0 gguf:q4_k:q6_k int4:g128:sym fp8:128x128 nvfp4; do
                    stage "cpu_packed_${f//:/_}" 45 python3 benchmarks/bench_cpu_moe.py --format "$f" --experts 128 \
@@ -380,14 +385,20 @@ for s in ${@:-tests}; do
                    --prefill-prompt 0 ;;
     llamacpp_build) stage llamacpp_build 560 bash -c "tar xJf '$PEER/llama_src.tar.xz' -C /tmp \
                    && bash '$PEER/build_llama.sh' /tmp/llama.cpp 14" ;;
+    llamacpp_prep) ( tar xJf "$PEER/llama_src.tar.xz" -C /tmp && bash "$PEER/build_llama.sh" /tmp/llama.cpp 14 \
+                     > "$OUT/llamacpp_build.log" 2>&1; echo "build rc=$?" >> "$OUT/llamacpp_build.log" ) &
+                   gguf_write
+                   wait; tail -2 "$OUT/llamacpp_build.log"
+                   offload gguf_offload "$GGUF:8GiB" 240 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
     llamacpp)    gguf_write
-                 LLAMA=(/tmp/llama.cpp/build/bin/llama-server -m "$GGUF" -ngl 99 --n-cpu-moe "${NCPUMOE:-33}" \
-                   --host 127.0.0.1)
+                 python3 tools/peer_client.py "$PEER" "$CLIENTS" || exit 1
+                 LLAMA=(/tmp/llama.cpp/build/bin/llama-server -m "$GGUF" -ngl 99 --host 127.0.0.1)
                  FERRY=(python3 -m ferryman serve "$GGUF" --gpu-memory 8GiB --log-level warning)
-                 peer_serve llamacpp_1user 8150 1 "${LLAMA[@]}" -c 8192 -np 1 --port 8150
+                 peer_serve llamacpp_1user 8150 1 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE1:-31}" -c 8192 -np 1 --port 8150
                  peer_serve ferryman_1user 8151 1 "${FERRY[@]}" --max-model-len 8192 --max-num-seqs 1 --port 8151
-                 peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" -c 18432 -np 16 --port 8152
-                 peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1152 --max-num-seqs 16 --port 8153 ;;
+                 peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE16:-34}" -c 20480 -np 16 \
+                   --port 8152
+                 peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1280 --max-num-seqs 16 --port 8153 ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac
