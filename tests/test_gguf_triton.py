@@ -124,13 +124,13 @@ def test_decode_kernels_compile_for_sm90(types: tuple[str, str]) -> None:
     st13, st2 = 2 * i * row_bytes(types[0], h), h * row_bytes(types[1], i)
     # QF 0: no fp8 / nvfp4 / int branch; g_ptr, z_ptr: the weights again, unread
     common = {"MXFP4": False, "HAS_BIAS": False, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, "H": h, "I": i,
-              "B_STRIDE": 0, "G_STRIDE": 0, "Z_STRIDE": 0, "QF": 0, "QA": 0, "QB": 0}
+              "B_STRIDE": 0, "G_STRIDE": 0, "Z_STRIDE": 0, "QF": 0, "QA": 0, "QB": 0, "HOST": True}
     sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*u8", "b_ptr": "*bf16",
-             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": "*u8"}
+             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": "*u8", "host_ptr": "*i64"}
     assert _compile("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,
                     {**common, "W_STRIDE": st13, "S_STRIDE": st13, "TOPK": 8, "ACT": 0, "GGUF": type_code(types[0])})
     sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*u8", "b_ptr": "*bf16",
-            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*u8"}
+            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": "*u8", "host_ptr": "*i64"}
     assert _compile("ferryman.layers.fused_moe_triton:_w2_kernel", sig2,
                     {**common, "W_STRIDE": st2, "S_STRIDE": st2, "GGUF": type_code(types[1])})
 

@@ -80,10 +80,12 @@ INT_CASES = {"int4:g128:sym": (4, 128, 0, 0), "int4:g128:asym": (4, 128, 1, 0), 
              "int4:g128:asym:act": (4, 128, 1, 1), "int4:g64:sym": (4, 64, 0, 0)}
 
 
+@pytest.mark.parametrize("host", [False, True])
 @pytest.mark.parametrize("fmt_name", ["mxfp4", "dense", *INT_CASES])
-def test_moe_decode_kernels_compile_for_sm90(fmt_name: str) -> None:
+def test_moe_decode_kernels_compile_for_sm90(fmt_name: str, host: bool) -> None:
     """The decode GEMVs with the default tiles, bf16 activations: gpt-oss-20b shapes (mxfp4, dense),
-    qwen3-30b-a3b's for the int formats (their tile loader, quant/intq_triton.py)."""
+    qwen3-30b-a3b's for the int formats (their tile loader, quant/intq_triton.py); host: with the
+    pairs that read their expert from host memory (fused_moe_decode(host=))."""
     from ferryman.layers import fused_moe_triton as fmt
     from ferryman.quant.intq import quant_code
 
@@ -99,15 +101,15 @@ def test_moe_decode_kernels_compile_for_sm90(fmt_name: str) -> None:
         w = s = z = g = "*u8" if mxfp4 else "*bf16"
         w_stride, s_stride = (5760 * 90 * 16, 5760 * 90) if mxfp4 else (5760 * 2880, 5760 * 2880)
     common = {"MXFP4": mxfp4, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, **q, "H": h, "I": i,
-              "GGUF": 0}
+              "GGUF": 0, "HOST": host}
     sig13 = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
-             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": z}
+             "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": z, "host_ptr": "*i64"}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig13,
                            {**common, "W_STRIDE": w_stride, "S_STRIDE": s_stride, "G_STRIDE": 2 * h,
                             "Z_STRIDE": s_stride, "B_STRIDE": 2 * i, "TOPK": 4, "ACT": 1}, stage="ptx")
     assert "ld.global" in ptx and "st.global" in ptx
     sig2 = {"h_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": w, "s_ptr": s, "g_ptr": g, "b_ptr": "*bf16",
-            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": z}
+            "topk_w_ptr": "*fp32", "y_ptr": "*fp32", "z_ptr": z, "host_ptr": "*i64"}
     ptx = _compile_or_skip("ferryman.layers.fused_moe_triton:_w2_kernel", sig2,
                            {**common, "W_STRIDE": w_stride // 2, "S_STRIDE": s_stride // 2, "G_STRIDE": i,
                             "Z_STRIDE": s_stride // 2, "B_STRIDE": h}, stage="ptx")

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import TRITON_FAMILIES, TRITON_FORMATS, kernel_bank, quant_params, triton_reads
+from ferryman.layers.moe_common import (TRITON_FAMILIES, TRITON_FORMATS, KernelBank, kernel_bank, quant_params,
+                                        triton_reads)
 from ferryman.quant.base import Banks, get_format
 from ferryman.quant.fp8_triton import fp8_rows_dot
 from ferryman.quant.gguf_triton import gguf_rows_dot, type_code
@@ -107,43 +108,62 @@ def _dense_rows_dot(w_base, rows, rmask, x_row, KDIM: tl.constexpr, NROWS: tl.co
 
 
 @triton.jit
-def _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr,
-              G_STRIDE: tl.constexpr, Z_STRIDE: tl.constexpr, rows, rmask, x_row, KDIM: tl.constexpr,
+def _rows_dot(w_base, s_base, g_base, z_base, rows, rmask, x_row, KDIM: tl.constexpr,
               NROWS: tl.constexpr, PART_ROWS: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
               QB: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
-    # expert `slot` of a bank [E, OUT, KDIM] (dense) or [E, OUT, KDIM/32, 16] + scales (mxfp4), each
-    # expert contiguous, experts W_STRIDE / S_STRIDE elements apart (strided: the expert-major slot
-    # pool; constexpr: a model has one or two layouts, and contiguous banks compile as their own).
+    # one expert of a bank [E, OUT, KDIM] (dense) or [E, OUT, KDIM/32, 16] + scales (mxfp4): the
+    # bases point at its weights, scales, global scales / group indices and zero points (_bases).
     # QF 1: fp8 (QA x QB blocks, QB 0: a scale per row); QF 2: nvfp4 (QA 1: the global scale divides;
-    # g_ptr: global scales, row r of the bank uses g[r // PART_ROWS]); QF 3: int words (quant/intq_triton.py;
-    # g_ptr: group indices of part r // PART_ROWS, z_ptr: zero points)
+    # g: global scales, row r of the bank uses g[r // PART_ROWS]); QF 3: int words (quant/intq_triton.py;
+    # g: group indices of part r // PART_ROWS, z: zero points)
     # GGUF: the bank's ggml type code (quant/gguf_triton.py), rows of blocks [E, OUT, row_bytes] uint8
     if GGUF != 0:
-        acc = gguf_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, GGUF)
+        acc = gguf_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS, GGUF)
     elif MXFP4:
-        acc = _mxfp4_rows_dot_fma(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM,
-                                  NROWS, BLOCK_K)
+        acc = _mxfp4_rows_dot_fma(w_base, s_base, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
     elif QF == 1:
-        acc = fp8_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, rows, rmask, x_row, KDIM, NROWS,
-                           QA, QB, BLOCK_K)
+        acc = fp8_rows_dot(w_base, s_base, rows, rmask, x_row, KDIM, NROWS, QA, QB, BLOCK_K)
     elif QF == 2:
-        acc = nvfp4_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, g_ptr + slot * G_STRIDE, rows, rmask,
-                             x_row, KDIM, NROWS, PART_ROWS, QA, 16)
+        acc = nvfp4_rows_dot(w_base, s_base, g_base, rows, rmask, x_row, KDIM, NROWS, PART_ROWS, QA, 16)
     elif QF == 3:
-        acc = int_rows_dot(w_ptr + slot * W_STRIDE, s_ptr + slot * S_STRIDE, z_ptr + slot * Z_STRIDE,
-                           g_ptr + slot * G_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K, QA, QB, PART_ROWS)
+        acc = int_rows_dot(w_base, s_base, z_base, g_base, rows, rmask, x_row, KDIM, NROWS, BLOCK_K, QA, QB,
+                           PART_ROWS)
     else:
-        acc = _dense_rows_dot(w_ptr + slot * W_STRIDE, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
+        acc = _dense_rows_dot(w_base, rows, rmask, x_row, KDIM, NROWS, BLOCK_K)
     return acc
 
 
 @triton.jit
-def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, limit, z_ptr,
+def _expert(ptr, slot, STRIDE: tl.constexpr, host_ptr, J: tl.constexpr, HOST: tl.constexpr):
+    # the first element of one expert's tensor J (0 weights, 1 scales, 2 global scales / group
+    # indices, 3 zero points, 4 bias): slot >= 0 is a slot of the device bank at ptr, STRIDE
+    # elements apart. With HOST, slot < 0 names expert -1 - slot of the layer's host bank (pinned
+    # and mapped: the GPU reads it over the link), which begins host_ptr[J] elements from ptr with
+    # experts host_ptr[5 + J] elements apart (host_table)
+    if HOST:
+        delta = tl.load(host_ptr + J)
+        hstride = tl.load(host_ptr + 5 + J)
+        off = tl.where(slot < 0, delta + (-1 - slot) * hstride, slot * STRIDE)
+    else:
+        off = slot * STRIDE
+    return ptr + off
+
+
+@triton.jit
+def _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, G_STRIDE: tl.constexpr,
+           Z_STRIDE: tl.constexpr, host_ptr, HOST: tl.constexpr):
+    return (_expert(w_ptr, slot, W_STRIDE, host_ptr, 0, HOST), _expert(s_ptr, slot, S_STRIDE, host_ptr, 1, HOST),
+            _expert(g_ptr, slot, G_STRIDE, host_ptr, 2, HOST), _expert(z_ptr, slot, Z_STRIDE, host_ptr, 3, HOST))
+
+
+@triton.jit
+def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, limit, z_ptr, host_ptr,
                     W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, G_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr,
                     Z_STRIDE: tl.constexpr,
                     H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr, ACT: tl.constexpr, MXFP4: tl.constexpr,
                     QF: tl.constexpr, QA: tl.constexpr, QB: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GGUF: tl.constexpr,
+                    HOST: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of h
@@ -153,10 +173,10 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, li
     rows = tl.reshape(tl.join(gate_rows, up_rows), [2 * BLOCK_N])
     rmask = tl.reshape(tl.join(nmask, nmask), [2 * BLOCK_N])
     x_row = x_ptr + (pair // TOPK) * H
-    acc = _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, rows, rmask, x_row, H,
-                    2 * BLOCK_N, I, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
+    wb, sb, gb, zb = _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, host_ptr, HOST)
+    acc = _rows_dot(wb, sb, gb, zb, rows, rmask, x_row, H, 2 * BLOCK_N, I, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
+        acc += tl.load(_expert(b_ptr, slot, B_STRIDE, host_ptr, 4, HOST) + rows, mask=rmask, other=0.0).to(tl.float32)
     # round like the reference, which holds gate_up in the compute dtype
     acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32)
     gate, up = tl.split(tl.reshape(acc, [BLOCK_N, 2]))
@@ -165,27 +185,48 @@ def _w13_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, h_ptr, alpha, li
 
 
 @triton.jit
-def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, topk_w_ptr, y_ptr, z_ptr,
+def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, topk_w_ptr, y_ptr, z_ptr, host_ptr,
                W_STRIDE: tl.constexpr, S_STRIDE: tl.constexpr, G_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr,
                Z_STRIDE: tl.constexpr,
                H: tl.constexpr, I: tl.constexpr, MXFP4: tl.constexpr, QF: tl.constexpr, QA: tl.constexpr,
                QB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GGUF: tl.constexpr):
+               GGUF: tl.constexpr, HOST: tl.constexpr):
     pair = tl.program_id(0)
     slot = tl.load(ids_ptr + pair).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output features
     rmask = rows < H
-    acc = _rows_dot(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, rows, rmask,
-                    h_ptr + pair * I, I, BLOCK_N, H, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
+    wb, sb, gb, zb = _bases(w_ptr, s_ptr, g_ptr, z_ptr, slot, W_STRIDE, S_STRIDE, G_STRIDE, Z_STRIDE, host_ptr, HOST)
+    acc = _rows_dot(wb, sb, gb, zb, rows, rmask, h_ptr + pair * I, I, BLOCK_N, H, MXFP4, QF, QA, QB, BLOCK_K, GGUF)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + slot * B_STRIDE + rows, mask=rmask, other=0.0).to(tl.float32)
+        acc += tl.load(_expert(b_ptr, slot, B_STRIDE, host_ptr, 4, HOST) + rows, mask=rmask, other=0.0).to(tl.float32)
     acc *= tl.load(topk_w_ptr + pair).to(tl.float32)
     tl.store(y_ptr + pair * H + rows, acc, mask=rmask)
 
 
+def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
+    """The 10 numbers the kernels' HOST mode reads (_expert): where each of the host bank's tensors
+    (weights, scales, global scales / group indices, zero points, bias) begins, in elements from
+    the device bank's, then its expert stride in elements. Both banks hold the same format."""
+    pairs = ((dev.w, host.w), (dev.s, host.s), (dev.g, host.g), (dev.z, host.z), (dev.b, host.b))
+    deltas, strides = [], []
+    for j, (d, h) in enumerate(pairs):
+        if d is None or h is None or d.dtype != h.dtype:
+            raise ValueError(f"host bank tensor {j}: {None if h is None else h.dtype} beside the device bank's "
+                             f"{None if d is None else d.dtype}")
+        gap = h.data_ptr() - d.data_ptr()
+        if gap % d.element_size():
+            raise ValueError(f"host bank tensor {j} lies {gap} bytes from the device bank's: not a whole number "
+                             f"of {d.element_size()}-byte elements")
+        deltas.append(gap // d.element_size())
+        strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)
+    return deltas + strides
+
+
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                     kind: str, alpha: float, limit: float) -> torch.Tensor:
-    """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller."""
+                     kind: str, alpha: float, limit: float, host: Banks | None = None) -> torch.Tensor:
+    """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller.
+    host: the layer's experts in host memory the GPU can read (pinned), same format as `banks`; an id
+    -1 - e then names expert e there, read over the link by the kernels themselves."""
     if not triton_reads(fmt):
         raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)} and the "
                          f"families {', '.join(TRITON_FAMILIES)}")
@@ -195,6 +236,10 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     ids = topk_ids.reshape(-1).contiguous()  # [P] slot of each pair
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
+    tables = [ids, ids]  # unread without host
+    if host is not None:
+        tables = [torch.tensor(host_table(d, kernel_bank(fmt, host, p, x)), dtype=torch.int64).to(x.device)
+                  for d, p in ((w13, "w13"), (w2, "w2"))]
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides), G_STRIDE=p.g_stride, Z_STRIDE=p.z_stride)
                  for p in (w13, w2))
@@ -202,11 +247,12 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     # GGUF: the w13 and w2 types' codes, "gguf:<w13>:<w2>"; 0 for other formats
     gguf_codes = [type_code(name) for name in fmt.split(":")[1:]] if fmt.startswith("gguf:") else [0, 0]
     common = dict(MXFP4=fmt == "mxfp4", **quant_params(fmt), HAS_BIAS=w13.has_bias, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                  num_warps=NUM_WARPS)
+                  HOST=host is not None, num_warps=NUM_WARPS)
     _w13_act_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
-        x, ids, w13.w, w13.s, w13.g, w13.b, h, float(alpha), float(limit), w13.z, **st13,
+        x, ids, w13.w, w13.s, w13.g, w13.b, h, float(alpha), float(limit), w13.z, tables[0], **st13,
         H=hidden, I=inter, TOPK=k, ACT=ACT_KINDS[kind], GGUF=gguf_codes[0], **common)
     y = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)  # [P, H]
     _w2_kernel[(t * k, triton.cdiv(hidden, BLOCK_N))](
-        h, ids, w2.w, w2.s, w2.g, w2.b, tw, y, w2.z, **st2, H=hidden, I=inter, GGUF=gguf_codes[1], **common)
+        h, ids, w2.w, w2.s, w2.g, w2.b, tw, y, w2.z, tables[1], **st2, H=hidden, I=inter, GGUF=gguf_codes[1],
+        **common)
     return y.view(t, k, hidden).sum(dim=1).to(x.dtype)  # [T, H]
