@@ -17,7 +17,7 @@ from triton_interp import run_interpreted
 _SCRIPT = """
 import json, torch
 from moe_cases import TOL, rel_err, slot_pool
-from ferryman.layers.fused_moe_triton import fused_moe_decode
+from ferryman.layers.fused_moe_triton import fused_moe_decode, host_tables
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.layers.moe_common import MoEActivation
 from ferryman.quant import get_format
@@ -41,7 +41,8 @@ for seed, (fmt, kind, dtype, h, i) in enumerate([
     x = torch.randn(t, h, generator=gen).to(dtype)
     act = MoEActivation(kind)
     ref = fused_moe_reference(form, host, x, experts, w, act)
-    got = fused_moe_decode(fmt, pool, x, ids, w, kind, act.alpha, act.limit, host=host)
+    tables = host_tables(fmt, pool, host, x.device)
+    got = fused_moe_decode(fmt, pool, x, ids, w, kind, act.alpha, act.limit, host=tables)
     out.append(dict(case=fmt, err=rel_err(got, ref), dtype=str(dtype), tol=TOL[str(dtype)],
                     ok=got.dtype == dtype and got.shape == x.shape))
 print(json.dumps(out))
@@ -76,7 +77,7 @@ def test_gpu_decode_reads_pinned_host_experts(fmt: str) -> None:
     """gpt-oss-20b's expert shape (mxfp4) and qwen3-30b-a3b's (Q4_K_M): four of eight pairs read a
     pinned host bank over the link, the rest slots on the GPU; bit for bit the output of the same
     kernel with every expert copied to the GPU first, and inside a CUDA graph too."""
-    from ferryman.layers.fused_moe_triton import fused_moe_decode
+    from ferryman.layers.fused_moe_triton import fused_moe_decode, host_tables
     from ferryman.quant import get_format
 
     h, i, e, kind = (2880, 2880, 32, "swiglu_oai") if fmt == "mxfp4" else (2048, 768, 128, "silu")
@@ -90,11 +91,12 @@ def test_gpu_decode_reads_pinned_host_experts(fmt: str) -> None:
     x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
     w = torch.softmax(torch.randn(1, 8, device="cuda"), -1)
     want = fused_moe_decode(fmt, dev, x, experts, w, kind, 1.702, 7.0)
-    got = fused_moe_decode(fmt, dev, x, mixed, w, kind, 1.702, 7.0, host=host)
+    tables = host_tables(fmt, dev, host, x.device)
+    got = fused_moe_decode(fmt, dev, x, mixed, w, kind, 1.702, 7.0, host=tables)
     assert torch.equal(got, want)
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
-        out = fused_moe_decode(fmt, dev, x, mixed, w, kind, 1.702, 7.0, host=host)
+        out = fused_moe_decode(fmt, dev, x, mixed, w, kind, 1.702, 7.0, host=tables)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)

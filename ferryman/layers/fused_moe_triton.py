@@ -222,11 +222,21 @@ def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
     return deltas + strides
 
 
+def host_tables(fmt: str, banks: Banks, host: Banks, device: torch.device) -> torch.Tensor:
+    """[2, 10] int64 on `device`: host_table of w13, then of w2, for `fused_moe_decode(host=)`. Built
+    once per pair of banks (a CUDA graph replays the kernels with the same table); host: the layer's
+    experts in host memory the GPU can read (pinned), in the format of `banks`."""
+    stand_in = torch.empty(0, device=device)
+    rows = [host_table(kernel_bank(fmt, banks, p, stand_in), kernel_bank(fmt, host, p, stand_in))
+            for p in ("w13", "w2")]
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                     kind: str, alpha: float, limit: float, host: Banks | None = None) -> torch.Tensor:
+                     kind: str, alpha: float, limit: float, host: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller.
-    host: the layer's experts in host memory the GPU can read (pinned), same format as `banks`; an id
-    -1 - e then names expert e there, read over the link by the kernels themselves."""
+    host: `host_tables` of these banks and the layer's host bank; an id -1 - e then names expert e
+    of the host bank, which the kernels read over the link themselves."""
     if not triton_reads(fmt):
         raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)} and the "
                          f"families {', '.join(TRITON_FAMILIES)}")
@@ -236,10 +246,7 @@ def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Te
     ids = topk_ids.reshape(-1).contiguous()  # [P] slot of each pair
     tw = topk_w.reshape(-1).contiguous()  # [P]
     w13, w2 = kernel_bank(fmt, banks, "w13", x), kernel_bank(fmt, banks, "w2", x)
-    tables = [ids, ids]  # unread without host
-    if host is not None:
-        tables = [torch.tensor(host_table(d, kernel_bank(fmt, host, p, x)), dtype=torch.int64).to(x.device)
-                  for d, p in ((w13, "w13"), (w2, "w2"))]
+    tables = (ids, ids) if host is None else (host[0], host[1])  # unread without host
     # slot strides in elements of each tensor (contiguous banks: the size of one expert)
     st13, st2 = (dict(zip(("W_STRIDE", "S_STRIDE", "B_STRIDE"), p.strides), G_STRIDE=p.g_stride, Z_STRIDE=p.z_stride)
                  for p in (w13, w2))
