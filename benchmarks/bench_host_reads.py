@@ -21,8 +21,8 @@ import argparse
 import torch
 
 from bench_fused_moe import DTYPES, graph_time, time_cuda
-from ferryman.layers.fused_moe_triton import fused_moe_decode, host_tables
-from ferryman.layers.moe_common import MoEActivation
+from ferryman.layers.fused_moe_triton import fused_moe_decode
+from ferryman.layers.moe_common import MoEActivation, host_tables
 from ferryman.quant import get_format
 
 

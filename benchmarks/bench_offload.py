@@ -97,7 +97,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     # weights from files (a .gguf file or a model folder), not a preset's dummy weights
     files = demo or model.endswith(".gguf") or Path(model).is_dir()
     kw = dict(device=a.device, dtype=a.dtype, max_num_seqs=1, max_model_len=a.max_model_len, enforce_eager=a.eager,
-              max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty())
+              max_num_batched_tokens=a.chunk, moe_strategy=a.moe_strategy, progress=sys.stderr.isatty(),
+              decode_misses=a.decode_misses)
     if not files:
         kw["load_format"] = "dummy"
         kw["quantization"] = quantization
@@ -155,7 +156,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "chunk": chunk,
         "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
-        "moe_strategy": a.moe_strategy, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
+        "moe_strategy": a.moe_strategy, "decode_misses": a.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
         "hybrid": experts.get("hybrid"),
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
@@ -222,6 +223,9 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
     ap.add_argument("--no-decode-prefetch", action="store_true",
                     help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
+    ap.add_argument("--decode-misses", default="copy", choices=["copy", "link"],
+                    help="copy: uncached experts copied into slots layer by layer; link: the decode step is one "
+                         "CUDA graph whose kernel reads them over the link (experts/link_table.py)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the first N layers (models bigger than the machine's RAM; the table says N)")
     ap.add_argument("--json", type=Path, default=None)

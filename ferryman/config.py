@@ -262,6 +262,11 @@ def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device
 # where routed experts live and compute (docs/configuration.md); "layers:N" names N explicitly
 STRATEGIES = ("auto", "resident", "offload", "hybrid", "cpu", "layers")
 PREFILL_MODES = ("auto", "layer", "chunk")
+# how an offloaded decode step reaches experts not cached: "copy" them into slots, layer by layer (one
+# host step per MoE layer), or "link": the whole step is one CUDA graph whose decode kernel reads
+# them from pinned host memory (experts/link_table.py). An experiment until measured (issue 23):
+# its A/B is benchmarks/bench_offload.py --decode-misses; then the planner's choice, or deleted
+DECODE_MISSES = ("copy", "link")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 
@@ -334,6 +339,7 @@ class EngineConfig:
     calibration: str | None = None
     decode_prefetch: bool = True
     prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner_search.prefill_plan)
+    decode_misses: str = "copy"  # copy | link (DECODE_MISSES)
 
     @cached_property
     def offload(self) -> OffloadConfig:
@@ -358,6 +364,7 @@ class EngineConfig:
         kv_dtype(self.kv_cache_dtype, torch.bfloat16)  # the name; the device's support is checked at start
         _ = self.offload  # builds, so validates, the routed-expert fields
         _check_choice("prefill_mode", self.prefill_mode, PREFILL_MODES)
+        _check_choice("decode_misses", self.decode_misses, DECODE_MISSES)
 
     def context_len(self, cfg: ModelConfig) -> int:
         """max_model_len, or the model's context capped at DEFAULT_CONTEXT_CAP; ConfigError past the model's."""

@@ -17,9 +17,9 @@ from triton_interp import run_interpreted
 _SCRIPT = """
 import json, torch
 from moe_cases import TOL, rel_err, slot_pool
-from ferryman.layers.fused_moe_triton import fused_moe_decode, host_tables
+from ferryman.layers.fused_moe_triton import fused_moe_decode
 from ferryman.layers.moe_reference import fused_moe_reference
-from ferryman.layers.moe_common import MoEActivation
+from ferryman.layers.moe_common import MoEActivation, host_tables
 from ferryman.quant import get_format
 E, CACHED = 6, [4, 0, 2]
 out = []
@@ -57,8 +57,7 @@ def test_decode_reads_uncached_experts_from_the_host_bank_in_interpreter() -> No
 
 
 def test_host_table_rejects_banks_of_another_dtype() -> None:
-    from ferryman.layers.fused_moe_triton import host_table
-    from ferryman.layers.moe_common import kernel_bank
+    from ferryman.layers.moe_common import host_table, kernel_bank
     from ferryman.quant import get_format
 
     form = get_format("dense")
@@ -77,7 +76,8 @@ def test_gpu_decode_reads_pinned_host_experts(fmt: str) -> None:
     """gpt-oss-20b's expert shape (mxfp4) and qwen3-30b-a3b's (Q4_K_M): four of eight pairs read a
     pinned host bank over the link, the rest slots on the GPU; bit for bit the output of the same
     kernel with every expert copied to the GPU first, and inside a CUDA graph too."""
-    from ferryman.layers.fused_moe_triton import fused_moe_decode, host_tables
+    from ferryman.layers.fused_moe_triton import fused_moe_decode
+    from ferryman.layers.moe_common import host_tables
     from ferryman.quant import get_format
 
     h, i, e, kind = (2880, 2880, 32, "swiglu_oai") if fmt == "mxfp4" else (2048, 768, 128, "silu")

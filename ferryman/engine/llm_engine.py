@@ -105,7 +105,7 @@ class LLMEngine:
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
                                   num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
-                                  region=region)
+                                  region=region, decode_misses=ecfg.decode_misses)
         # the boundary that moves with the load (engine/memory_split.py)
         self.split = make_split(self.plan, ecfg, self.cfg, region, self.scheduler.pool,
                                 lambda: self.runner.experts.cache)

@@ -56,6 +56,7 @@ class ModelRunner:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         region: SharedRegion | None = None,
+        decode_misses: str = "copy",
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -64,7 +65,7 @@ class ModelRunner:
         # offload_backend's (strategy, calibration, decode_prefetch)
         # region: KV blocks and expert slots in one buffer (kvcache/shared_region.py), the experts'
         # slots are its pages, the first plan.expert_slots of them active at first
-        self.region = region
+        self.region, self.decode_misses = region, decode_misses
         shared = {} if region is None or plan is None else \
             dict(rows=region.slot_rows(), active=list(range(plan.expert_slots)))
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
@@ -121,7 +122,7 @@ class ModelRunner:
             return DecodeGraphs(self.model, graph_bs, max_blocks, max_len, self.device)
         try:
             return SegmentedDecode(self.model, min(max_num_seqs, SEGMENT_MAX_BS), max_blocks, max_len, self.device,
-                                   capture=True)
+                                   capture=True, link=self.decode_misses == "link")
         except RuntimeError as e:  # a capture failure costs speed, not correctness: decode eagerly
             log.warning("per-layer CUDA graphs could not be captured (%s); offloaded decode runs eagerly", e)
             torch.cuda.synchronize(self.device)

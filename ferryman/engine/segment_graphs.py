@@ -26,6 +26,12 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 - Segments replay in order on one stream, so one memory pool serves every graph: no two graphs'
   temporaries are live at once, and whatever outlives a segment is copied into the buffers above.
 `capture=False` runs the same segment functions eagerly over the same buffers (CPU tests).
+
+Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
+DECODE_MAX_PAIRS) runs as one graph, ("step", n): every segment, then layer i's MoE mapping its expert
+ids through the link table (uncached experts are read over the link by the kernel itself), the
+shared experts' add, the final segment. Padding rows take row 0's experts (`valid`), so they read
+nothing more. No host step between layers; the cache's bookkeeping runs once per step (`settle`).
 """
 
 from __future__ import annotations
@@ -37,17 +43,19 @@ import torch
 
 from ferryman.engine.cuda_graph import StaticDecodeInputs, buckets
 from ferryman.engine.inputs import StepInputs
+from ferryman.experts.link_table import LinkTable
 from ferryman.experts.offload import OffloadExperts
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, fused_moe
+from ferryman.layers.moe_common import triton_reads
 from ferryman.layers.moe import SparseMoE
 from ferryman.models.transformer import MoETransformer
 
-Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers)
+Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers) | ("step", num_layers)
 
 
 class SegmentedDecode:
     def __init__(self, model: MoETransformer, max_bs: int, max_blocks: int, max_seq_len: int,
-                 device: torch.device, capture: bool) -> None:
+                 device: torch.device, capture: bool, link: bool = False) -> None:
         self.model, self.device, self.capture = model, torch.device(device), capture
         self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, self.device, model)
         dtype = model.embed_tokens.weight.dtype
@@ -62,6 +70,8 @@ class SegmentedDecode:
         # the backend each MoE graph was captured against: its slot banks are baked into the graph
         self.captured = {i: self._graph_backend(i) for i in self.moe}
         self.sizes = buckets(max_bs)
+        self.link = self._link_table(max_bs) if link else None
+        self.valid = torch.zeros(max_bs, dtype=torch.bool, device=self.device)  # [max_bs] rows < B (link steps)
         self.graphs: dict[int, dict[Key, torch.cuda.CUDAGraph]] = {}  # bs -> a graph per segment / MoE
         self.logits: dict[int, torch.Tensor] = {}  # bs -> the final segment's output [bs, V]
         self.pool = None
@@ -106,11 +116,56 @@ class SegmentedDecode:
         experts = self.moe[i].experts
         return experts if isinstance(experts, OffloadExperts) else None
 
+    def _moe_link(self, i: int, bs: int) -> None:
+        """Layer i's experts on the static rows, uncached ones read over the link (link steps)."""
+        experts, link = self.moe[i].experts, self.link
+        assert isinstance(experts, OffloadExperts) and link is not None and self.ids is not None
+        assert self.w is not None  # written by the segment, with ids
+        ids = torch.where(self.valid[:bs, None], self.ids[:bs], self.ids[:1]).to(torch.int32)  # [bs, K]
+        m = link.row(i)
+        link.log[m, :bs].copy_(ids)
+        slots = link.table[m][ids.long()]  # [bs, K]: slot, or -1 - e
+        self.x[:bs].copy_(fused_moe(experts.cache.format_of(i), experts.cache.banks_of(i), self.h[:bs], slots,
+                                    self.w[:bs], experts.act, host=link.banks[i]))
+
+    def _link_step(self, bs: int) -> torch.Tensor:
+        """A whole decode step with link reads: logits [bs, V]."""
+        for i, layer in enumerate(self.model.layers):
+            self._segment(i, bs)
+            if i in self.moe:
+                self._moe_link(i, bs)
+                if self.moe[i].shared_experts is not None:
+                    self.x[:bs].add_(self.shared[:bs])
+        return self._final(bs)
+
+    def _link_table(self, max_bs: int) -> LinkTable | None:
+        """The link table of the one offloaded backend every MoE layer uses, when link steps can
+        run: no layer on the CPU, no hybrid split, formats the decode kernel reads, and host
+        banks the GPU can read (pinned; the CPU reads its own)."""
+        backends = {id(b): b for b in self.captured.values()}
+        ex = next(iter(backends.values()), None)
+        if len(backends) != 1 or ex is None or ex.cpu_layers or ex.hybrid is not None:
+            return None
+        if self.device.type == "cuda" and not ex.cache.store.pinned:
+            return None
+        if not all(triton_reads(ex.cache.format_of(i)) for i in self.moe):
+            return None
+        return LinkTable(ex.cache, max_bs, self.model.cfg.top_k)
+
+    def _link_graph(self, bs: int) -> bool:
+        return self.link is not None and bs * self.model.cfg.top_k <= DECODE_MAX_PAIRS
+
     def _final(self, bs: int) -> torch.Tensor:
         hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]
         return self.model.compute_logits(hidden)  # [bs, V] fp32
 
     def _functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
+        """What is captured at batch bs: the whole link step, or the segments (_segment_functions)."""
+        if self._link_graph(bs):
+            return {("step", len(self.model.layers)): partial(self._link_step, bs)}
+        return self._segment_functions(bs)
+
+    def _segment_functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
         """In replay order: segment i, then layer i's MoE graph when it has one; the final segment."""
         fns: dict[Key, Callable[[], torch.Tensor | None]] = {}
         n = len(self.model.layers)
@@ -149,8 +204,9 @@ class SegmentedDecode:
         """Forget the MoE graphs and the backends they were captured against (rebind_experts): the
         old slot pool can then be freed before a new one is allocated; those layers run eagerly."""
         self.captured = {i: None for i in self.moe}
+        self.link = None  # its table names the old pool's slots
         for graphs in self.graphs.values():
-            for key in [k for k in graphs if k[0] == "moe"]:
+            for key in [k for k in graphs if k[0] in ("moe", "step")]:
                 del graphs[key]
 
     # ---- a step -----------------------------------------------------------------------------
@@ -160,8 +216,18 @@ class SegmentedDecode:
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """logits [B, V] fp32 of a decode-only step."""
         B, bs = self.static.fill(inputs, self.sizes)
-        fns = None if self.capture else self._functions(bs)
         n = len(self.model.layers)
+        if self.link is not None:
+            self.link.settle()  # the last link step's bookkeeping, before this step reads the cache
+            if self._link_graph(bs) and all(self.moe[i].trace is None for i in self.moe):
+                self.valid.fill_(False)
+                self.valid[:B] = True
+                self.link.publish()
+                logits = self._run(("step", n), bs, None if self.capture else self._functions(bs))
+                self.link.logged(B)
+                return logits[:B]
+        # eager where this batch's graphs were not captured (a link batch traced, or rebound)
+        fns = None if self.capture and ("seg", 0) in self.graphs.get(bs, {}) else self._segment_functions(bs)
         for i in range(n):
             self._run(("seg", i), bs, fns)
             block = self.moe.get(i)

@@ -61,6 +61,10 @@ class Transfer(ABC):
         """Whether a kernel issued to read `slot` may still be pending (a copy into it would wait)."""
         return False
 
+    def pending(self) -> set[int]:
+        """Slots whose last copy has not landed yet (a kernel must not read them unordered)."""
+        return set()
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A layer's small host-built input (slot ids, pair layout) on the device; kernels issued
         from now on may read it. Here: a plain copy."""
@@ -145,6 +149,18 @@ class StreamTransfer(Transfer):
     def busy(self, slot: int) -> bool:
         ev = self.free[slot]
         return ev is not None and not ev.query()
+
+    def pending(self) -> set[int]:
+        out, landed = set(), set()
+        for s, ev in enumerate(self.ready):
+            if ev is None or id(ev) in landed:
+                self.ready[s] = None
+            elif ev.query():  # landed: nothing needs to wait for it any more
+                landed.add(id(ev))
+                self.ready[s] = None
+            else:
+                out.add(s)
+        return out
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """On the copy stream, behind the copies issued so far, and the compute stream waits for it.

@@ -20,8 +20,8 @@ import torch
 from ferryman.envs import envs
 from ferryman.layers import backend
 from ferryman.layers.batched_moe import fused_moe_batched
-from ferryman.layers.moe_common import (MoEActivation, Upload, check_inputs, check_slot_range, grouped_reads,
-                                        to_device, triton_reads)
+from ferryman.layers.moe_common import (HostBank, MoEActivation, Upload, check_inputs, check_slot_range,
+                                        grouped_reads, to_device, triton_reads)
 from ferryman.layers.moe_reference import fused_moe_gathered, fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
@@ -72,19 +72,27 @@ def prefill_path(fmt: str, pairs: int | None = None, kernels: str | None = None)
 
 def fused_moe(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
               act: MoEActivation, host_ids: torch.Tensor | None = None,
-              inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None) -> torch.Tensor:
+              inputs_issued: Callable[[], None] | None = None, upload: Upload | None = None,
+              host: HostBank | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids: the same
     ids on the host, if the caller has them: the batched path then groups the pairs with no device
     sync. inputs_issued: called exactly once, as soon as every host -> device copy the kernels need
     is issued (the batched path: before its many launches). upload: how the batched path's small
-    host-built inputs reach the device (default: an async copy on the current stream)."""
+    host-built inputs reach the device (default: an async copy on the current stream). host: the
+    layer's host bank; an id -1 - e then names its expert e (link-read decode, experts/link_table.py)."""
     form = get_format(fmt)
     num_slots, hidden, _ = form.dims(banks)
     check_inputs(x, topk_ids, topk_w, hidden)
-    if triton_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS):
+    decode_kernel = triton_reads(fmt) and backend.moe_triton(x, topk_ids.numel() <= DECODE_MAX_PAIRS)
+    if host is not None and not decode_kernel:  # no kernel reads the host bank: one bank of both
+        ids = torch.where(topk_ids >= 0, topk_ids, num_slots - 1 - topk_ids)  # host expert e: num_slots + e
+        both = {n: torch.cat([banks[n], host.banks[n].to(banks[n].device)]) for n in banks}
+        return fused_moe(fmt, both, x, ids, topk_w, act, inputs_issued=inputs_issued, upload=upload)
+    if decode_kernel:
         from ferryman.layers.fused_moe_triton import fused_moe_decode
 
-        out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit)
+        out = fused_moe_decode(fmt, banks, x, topk_ids, topk_w, act.kind, act.alpha, act.limit,
+                               host=None if host is None else host.tables)
     elif x.is_cuda and prefill_path(fmt, topk_ids.numel()) == "grouped":
         from ferryman.layers.grouped_moe_triton import grouped_moe
 

@@ -16,8 +16,7 @@ import triton
 import triton.language as tl
 
 from ferryman.layers.moe_act_triton import ACT_KINDS, gate_up_rows, moe_act
-from ferryman.layers.moe_common import (TRITON_FAMILIES, TRITON_FORMATS, KernelBank, kernel_bank, quant_params,
-                                        triton_reads)
+from ferryman.layers.moe_common import TRITON_FAMILIES, TRITON_FORMATS, kernel_bank, quant_params, triton_reads
 from ferryman.quant.base import Banks, get_format
 from ferryman.quant.fp8_triton import fp8_rows_dot
 from ferryman.quant.gguf_triton import gguf_rows_dot, type_code
@@ -203,40 +202,11 @@ def _w2_kernel(h_ptr, ids_ptr, w_ptr, s_ptr, g_ptr, b_ptr, topk_w_ptr, y_ptr, z_
     tl.store(y_ptr + pair * H + rows, acc, mask=rmask)
 
 
-def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
-    """The 10 numbers the kernels' HOST mode reads (_expert): where each of the host bank's tensors
-    (weights, scales, global scales / group indices, zero points, bias) begins, in elements from
-    the device bank's, then its expert stride in elements. Both banks hold the same format."""
-    pairs = ((dev.w, host.w), (dev.s, host.s), (dev.g, host.g), (dev.z, host.z), (dev.b, host.b))
-    deltas, strides = [], []
-    for j, (d, h) in enumerate(pairs):
-        if d is None or h is None or d.dtype != h.dtype:
-            raise ValueError(f"host bank tensor {j}: {None if h is None else h.dtype} beside the device bank's "
-                             f"{None if d is None else d.dtype}")
-        gap = h.data_ptr() - d.data_ptr()
-        if gap % d.element_size():
-            raise ValueError(f"host bank tensor {j} lies {gap} bytes from the device bank's: not a whole number "
-                             f"of {d.element_size()}-byte elements")
-        deltas.append(gap // d.element_size())
-        strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)
-    return deltas + strides
-
-
-def host_tables(fmt: str, banks: Banks, host: Banks, device: torch.device) -> torch.Tensor:
-    """[2, 10] int64 on `device`: host_table of w13, then of w2, for `fused_moe_decode(host=)`. Built
-    once per pair of banks (a CUDA graph replays the kernels with the same table); host: the layer's
-    experts in host memory the GPU can read (pinned), in the format of `banks`."""
-    stand_in = torch.empty(0, device=device)
-    rows = [host_table(kernel_bank(fmt, banks, p, stand_in), kernel_bank(fmt, host, p, stand_in))
-            for p in ("w13", "w2")]
-    return torch.tensor(rows, dtype=torch.int64).to(device)
-
-
 def fused_moe_decode(fmt: str, banks: Banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
                      kind: str, alpha: float, limit: float, host: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H], topk_ids/topk_w [T, K] -> [T, H] in x.dtype. Inputs are validated by the caller.
-    host: `host_tables` of these banks and the layer's host bank; an id -1 - e then names expert e
-    of the host bank, which the kernels read over the link themselves."""
+    host: `moe_common.host_tables` of these banks and the layer's host bank; an id -1 - e then names
+    expert e of the host bank, which the kernels read over the link themselves."""
     if not triton_reads(fmt):
         raise ValueError(f"no Triton kernel for expert format {fmt!r}; have {sorted(TRITON_FORMATS)} and the "
                          f"families {', '.join(TRITON_FAMILIES)}")

@@ -127,6 +127,44 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
                       0 if z is None else z.stride(0))
 
 
+def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
+    """The 10 numbers the kernels' HOST mode reads (_expert): where each of the host bank's tensors
+    (weights, scales, global scales / group indices, zero points, bias) begins, in elements from
+    the device bank's, then its expert stride in elements. Both banks hold the same format."""
+    pairs = ((dev.w, host.w), (dev.s, host.s), (dev.g, host.g), (dev.z, host.z), (dev.b, host.b))
+    deltas, strides = [], []
+    for j, (d, h) in enumerate(pairs):
+        if d is None or h is None or d.dtype != h.dtype:
+            raise ValueError(f"host bank tensor {j}: {None if h is None else h.dtype} beside the device bank's "
+                             f"{None if d is None else d.dtype}")
+        gap = h.data_ptr() - d.data_ptr()
+        if gap % d.element_size():
+            raise ValueError(f"host bank tensor {j} lies {gap} bytes from the device bank's: not a whole number "
+                             f"of {d.element_size()}-byte elements")
+        deltas.append(gap // d.element_size())
+        strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)
+    return deltas + strides
+
+
+def host_tables(fmt: str, banks: Banks, host: Banks, device: torch.device) -> torch.Tensor:
+    """[2, 10] int64 on `device`: host_table of w13, then of w2, for `fused_moe_decode(host=)`. Built
+    once per pair of banks (a CUDA graph replays the kernels with the same table); host: the layer's
+    experts in host memory the GPU can read (pinned), in the format of `banks`."""
+    stand_in = torch.empty(0, device=device)
+    rows = [host_table(kernel_bank(fmt, banks, p, stand_in), kernel_bank(fmt, host, p, stand_in))
+            for p in ("w13", "w2")]
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+@dataclass(frozen=True)
+class HostBank:
+    """A layer's experts in host memory the GPU can read (pinned), for `fused_moe(host=)`: an id
+    -1 - e names expert e of `banks` [E, ...]; `tables` [2, 10] int64 on the device: host_tables."""
+
+    banks: Banks
+    tables: torch.Tensor
+
+
 def check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, hidden: int) -> None:
     if x.dim() != 2 or x.shape[1] != hidden or not x.is_floating_point():
         raise ValueError(f"fused_moe: x must be a float [T, {hidden}] tensor, got {tuple(x.shape)} {x.dtype}")

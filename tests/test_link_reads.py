@@ -1,0 +1,83 @@
+"""Link-read decode steps (experts/link_table.py, engine/segment_graphs.py `link=True`): each MoE
+layer maps expert ids through the device table, experts not in a slot are read from the host bank,
+and the cache's bookkeeping runs once per step. Greedy tokens equal the resident engine's; the
+misses of a step are cached for the next ones; the table never names a slot whose expert left it.
+CPU: the same functions run eagerly; CUDA (gpu): one captured graph per step, pinned host banks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferryman import LLM
+from ferryman.engine.segment_graphs import SegmentedDecode
+from ferryman.models.registry import model_config
+from tiny_models import count_calls, greedy_ids
+
+PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)]]
+
+
+def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[list[list[int]], LLM]:
+    if model_config(folder).linear_attn is not None:
+        pytest.skip("linear-attention models decode without the per-layer graphs")
+    kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
+    want = greedy_ids(LLM(str(folder), enforce_eager=True, **kw), PROMPTS, tokens)
+    if device == "cuda":
+        return want, LLM(str(folder), moe_strategy="offload", expert_cache="25%", decode_misses="link", **kw)
+    offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", enforce_eager=True, **kw)
+    runner = offload.engine.runner
+    runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
+                                    capture=False, link=True)
+    return want, offload
+
+
+def test_link_steps_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
+    arch, folder = tiny
+    want, offload = _offload_with_link(folder, 12)
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None
+    steps = count_calls(seg, "_link_step")
+    assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: link-read decode differs from resident"
+    assert steps[0] >= 11  # every decode step ran as one link step
+    st = offload.stats()["experts"]
+    assert st["misses"] > 0 and st["hits"] > 0  # settle counted both
+    assert seg.link.link_reads > 0  # some pairs read their expert from the host bank
+    assert offload.engine.runner.experts.cache.table.num_pinned == 0
+
+
+def test_settle_caches_a_steps_misses_and_publish_names_only_cached_slots(tiny: tuple[str, Path]) -> None:
+    """After a step, its misses are offered to the cache (the policy picks victims), and the next published
+    table maps every expert to its slot, or to -1 - e when it has none."""
+    _, folder = tiny
+    _, offload = _offload_with_link(folder, 4)
+    greedy_ids(offload, PROMPTS[:1], 4)
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None
+    link, cache = seg.link, offload.engine.runner.experts.cache
+    link.log[:, :1] = torch.arange(link.log.shape[2], dtype=torch.int32)  # one row: experts 0..K-1 everywhere
+    link.logged(1)
+    link.settle()
+    e, k = cache.num_experts, link.log.shape[2]
+    uncached = [(layer, x) for layer in link.layers for x in range(k) if not cache.contains(layer, x)]
+    # a miss stays uncached only when the policy kept every slot's expert (none free)
+    assert not uncached or not cache.table.free, f"misses {uncached} left out while slots were free"
+    assert any(cache.contains(layer, x) for layer in link.layers for x in range(k))
+    link.publish()
+    table = link.table.cpu()
+    for m in range(len(link.layers)):
+        for x in range(e):
+            slot = cache.table.slot_of.get(m * e + x)
+            assert table[m, x].item() == (slot if slot is not None else -1 - x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_link_steps_equal_resident(tiny: tuple[str, Path]) -> None:
+    arch, folder = tiny
+    want, offload = _offload_with_link(folder, 12, "cuda")
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None, "link steps were not set up"
+    assert greedy_ids(offload, PROMPTS, 12) == want, f"{arch}: CUDA link-read decode differs from resident"
+    assert seg.link.link_reads > 0
