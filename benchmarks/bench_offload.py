@@ -75,7 +75,7 @@ def uncached_bytes(llm: LLM) -> int:
 
 
 COUNTERS = ("hits", "misses", "bytes_h2d", "copies_h2d", "h2d_seconds", "stall_seconds",
-            "prefetch_fetched", "prefetch_hits", "cpu_computed")
+            "prefetch_fetched", "prefetch_hits", "cpu_computed", "link_read_bytes")
 
 
 def generate(llm: LLM, prompt: list[int], tokens: int) -> dict:
@@ -161,6 +161,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": moved_per_token / 2**20,
+        "link_read_mib_per_token": dec.get("link_read_bytes", 0) / decode_steps / 2**20,  # decode_misses link
         "copies_per_token": dec.get("copies_h2d", 0) / decode_steps,
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
@@ -236,9 +237,9 @@ def main() -> None:
         budget, _, quantization = rest.partition(":")
         rows.append(run_target(model, budget or "cpu", a, quantization or "none"))
         print(json.dumps(rows[-1]), file=sys.stderr)
-    cols = ["model", "experts", "layers", "budget", "strategy", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s",
+    cols = ["model", "experts", "layers", "budget", "strategy", "decode_misses", "cuda_graph_mode", "cache_fraction", "link_gb_s", "decode_tok_s",
             "pred_decode_tok_s", "decode_ms_per_layer", "decode_hit_rate",
-            "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s", "pred_ttft_s",
+            "decode_link_limit", "decode_vs_link", "decode_vs_needed", "h2d_mib_per_token", "link_read_mib_per_token", "prefetch_precision", "prefetch_layers", "ttft_s", "pred_ttft_s",
             "prefill_tok_s", "prefill_stream_limit", "prefill_vs_stream"]
     print("| " + " | ".join(cols) + " |")
     print("|" + " --- |" * len(cols))

@@ -92,6 +92,12 @@
 #                31, for 1 user and NCPUMOE16, default 34, for 16 users: nvidia-smi showed 8.2-9.3 GiB for
 #                llama.cpp against 8.5-8.6 GiB for ferryman at 32; VRAM logged per run) and
 #                `ferryman serve FILE --gpu-memory 8GiB`; ~4 min
+#   link         link-read decode (decode_misses="link", experts/link_table.py): its GPU tests, the decode kernel
+#                reading misses over the link against copying them first (bench_host_reads.py, gpt-oss-20b and
+#                qwen3-30b-a3b Q4_K_M layers), then gpt-oss-20b at 8 GiB decoding with copy and link, alternated
+#                twice (bench_offload --decode-misses); ~7 min
+#   linkqwen     the same A/B on ggufqwen's file at 8 GiB (a 48-layer model whose copy-path decode is bound by
+#                the host: docs/benchmarks.md), copy and link alternated twice; ~6 min with the file written
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -399,6 +405,19 @@ for s in ${@:-tests}; do
                  peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE16:-34}" -c 20480 -np 16 \
                    --port 8152
                  peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1280 --max-num-seqs 16 --port 8153 ;;
+    link)        stage link_tests 150 "${PYTEST[@]}" tests/test_fused_moe_host.py tests/test_link_reads.py
+                 stage host_reads_oss 60 python3 benchmarks/bench_host_reads.py
+                 stage host_reads_qwen 60 python3 benchmarks/bench_host_reads.py --format gguf:q4_k:q6_k --hidden 2048 \
+                   --inter 768 --experts 128 --topk 8 --act silu
+                 for r in 1 2; do for m in copy link; do  # alternated: single runs spread (docs/benchmarks.md)
+                   offload "link_oss_${m}_$r" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
+                     --prefill-prompt 0 --ttft-prompt 0
+                 done; done ;;
+    linkqwen)    gguf_write
+                 for r in 1 2; do for m in copy link; do
+                   offload "linkqwen_${m}_$r" "$GGUF:8GiB" 200 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
+                     --prefill-prompt 0 --ttft-prompt 0
+                 done; done ;;
     compare)     compare ;;
     *) echo "unknown stage $s: the stages are listed at the top of $0"; exit 2 ;;
   esac

@@ -387,7 +387,10 @@ def _metrics(seq: Sequence) -> RequestMetrics:
 
 
 def _graph_mode(graphs: object) -> str:
-    """'step' (whole decode steps), 'layer' (dense part of each layer, offloaded MoE eager) or 'off'."""
+    """'step' (whole decode steps), 'layer' (dense part of each layer, offloaded MoE eager), 'link'
+    (offloaded, small batches as whole steps reading misses over the link, larger ones by layer) or 'off'."""
     if graphs is None:
         return "off"
-    return "layer" if isinstance(graphs, SegmentedDecode) else "step"
+    if isinstance(graphs, SegmentedDecode):
+        return "link" if graphs.link is not None else "layer"
+    return "step"

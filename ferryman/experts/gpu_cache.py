@@ -82,6 +82,8 @@ class CacheCounters:
     prefetch_fetched: dict[int, int] = field(default_factory=dict)
     prefetch_hits: dict[int, int] = field(default_factory=dict)
     evictions: int = 0
+    link_reads: int = 0  # link-read decode steps: (token, expert) pairs the kernel read from host memory
+    link_read_bytes: int = 0  # and their expert bytes (each pair reads its expert once)
 
     @staticmethod
     def add(table: dict[int, int], layer: int, n: int) -> None:
@@ -249,6 +251,8 @@ class ExpertCache:
             "prefetch_fetched": sum(c.prefetch_fetched.values()),
             "prefetch_hits": sum(c.prefetch_hits.values()),
             "evictions": c.evictions,
+            "link_reads": c.link_reads,
+            "link_read_bytes": c.link_read_bytes,
             "bytes_h2d": self.transfer.bytes,
             "copies_h2d": self.transfer.copies,
             "h2d_seconds": h2d_s,

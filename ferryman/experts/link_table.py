@@ -45,10 +45,10 @@ class LinkTable:
         self.rows = 0  # rows of the logged step not settled yet
         self.done: torch.cuda.Event | None = None
         self.named: list[int] = []  # slots the last published table names
+        self.expert_bytes = {layer: cache.store.layouts[layer].row_bytes for layer in self.layers}
         self.banks = {layer: HostBank(cache.store.banks[layer], host_tables(cache.format_of(layer),
                                       cache.banks_of(layer), cache.store.banks[layer], dev))
                       for layer in self.layers}
-        self.link_reads = 0  # (token, expert) pairs read over the link so far
 
     def row(self, layer: int) -> int:
         return self.cache.moe_index[layer]
@@ -75,7 +75,7 @@ class LinkTable:
     def logged(self, rows: int) -> None:
         """The step reading the published table is enqueued and logged its first `rows` rows."""
         self.cache.transfer.mark_used(self.named)
-        self.log_host[:, :rows].copy_(self.log[:, :rows], non_blocking=True)
+        self.log_host.copy_(self.log, non_blocking=True)  # whole: a contiguous copy stays async
         self.rows = rows
         if self.log.is_cuda:
             self.done = torch.cuda.Event()
@@ -100,7 +100,10 @@ class LinkTable:
             c.add(c.misses, layer, len(keys) - len(hits))
             cache.table.policy.reference(hits)
             misses = [k - m * e for k in keys if k not in cache.table.slot_of]
-            self.link_reads += int(np.isin(ids[m], misses).sum()) if misses else 0
+            if misses:
+                reads = int(np.isin(ids[m], misses).sum())
+                c.link_reads += reads
+                c.link_read_bytes += reads * self.expert_bytes[layer]
             if misses:  # used, not guessed: cached as the step's hits are, not as speculative copies
                 admitted = [m * e + x for x in cache.prefetch(layer, misses)]
                 cache.prefetched.difference_update(admitted)
