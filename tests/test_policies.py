@@ -248,3 +248,25 @@ def test_admission_keeps_a_core_cached_under_cyclic_batched_routing() -> None:
     admitted = _cyclic_hit_rate(LRFUPolicy(16.0))
     assert admitted > plain + 0.05
     assert admitted > 0.65 * 48 / 128  # the misses' rotating slots come out of the core
+
+
+def test_lrfu_admits_a_link_read_key_once_its_history_beats_the_victims() -> None:
+    """Link reads (experts/link_table.py): a miss is used without a slot, `seen` keeps its history,
+    and `admits` lets it take a slot only once that history beats the victim's by the margin; a
+    selective admit skips the others (no copy), LRU admits every key."""
+    policy = LRFUPolicy(16.0)
+    table = SlotTable(2, policy)
+    for _ in range(3):  # keys 0 and 1 cached and used every step
+        policy.advance()
+        table.acquire([0, 1])
+        table.release([0, 1])
+    policy.advance()
+    assert not policy.admits(7, victim=0)  # never seen: 1 against 0's history
+    assert table.admit([7], selective=True).filled == []  # skipped: no copy, nothing evicted
+    for _ in range(4):
+        policy.seen([7])
+        policy.advance()
+    assert 7 not in policy.prio  # the history alone: still not cached for the policy
+    assert policy.admits(7, victim=policy.victim(lambda k: False))
+    assert [k for k, _ in table.admit([7], selective=True).filled] == [7]
+    assert LRUPolicy().admits(7, victim=0)

@@ -185,15 +185,16 @@ class ExpertCache:
         self.last_fetched = []
         return len(demoted)
 
-    def prefetch(self, layer: int, experts: list[int], streaming: bool = False) -> list[int]:
+    def prefetch(self, layer: int, experts: list[int], streaming: bool = False, selective: bool = False) -> list[int]:
         """Start copying the uncached ones of `experts` into slots not in use (as many as there
         are such slots); returns the experts whose copies started. streaming: a prefill chunk's
-        guess, whose victims are chosen by the policy alone."""
+        guess, whose victims are chosen by the policy alone. selective: only those the policy
+        admits over their victims (SlotTable.admit)."""
         keys = [self.key(layer, e) for e in experts]
         # decode: victims whose reading kernel may still be pending are taken last: one such slot
         # would make the whole batch of copies wait for that kernel. Not for a prefill stream: its
         # victims would then be experts the next chunk needs again (docs/benchmarks.md)
-        look = self.table.admit(keys, avoid=None if streaming else self.transfer.busy)
+        look = self.table.admit(keys, avoid=None if streaming else self.transfer.busy, selective=selective)
         self.counters.add(self.counters.prefetch_fetched, layer, len(look.filled))
         self.prefetched.update(k for k, _ in look.filled)
         self._fetch(layer, look, demand=False)

@@ -6,7 +6,8 @@ step is one CUDA graph (engine/segment_graphs.py): each MoE layer maps its exper
 `table` [L, E] on the device, to a slot (cached, its copy landed) or to -1 - e, and the decode
 kernel reads expert e from the layer's pinned host bank itself (`fused_moe_decode(host=)`). The
 step logs its routing [L, bs, K]; once it is done, `settle` does the cache's bookkeeping for all
-layers at once: the policy sees the hits and the misses are copied into slots for later steps.
+layers at once: the policy sees the hits, and the misses it admits over their victims are copied
+into slots for later steps (the others are read over the link again when used).
 
 Invariants, for every slot s:
 - the device table names s only while the cache keeps that expert in s and after its copy
@@ -104,7 +105,10 @@ class LinkTable:
                 reads = int(np.isin(ids[m], misses).sum())
                 c.link_reads += reads
                 c.link_read_bytes += reads * self.expert_bytes[layer]
-            if misses:  # used, not guessed: cached as the step's hits are, not as speculative copies
-                admitted = [m * e + x for x in cache.prefetch(layer, misses)]
+            if misses:  # used, not guessed: copied only where the policy admits them over a victim
+                # (a copy costs the link what one more read of the expert does)
+                admitted = [m * e + x for x in cache.prefetch(layer, misses, selective=True)]
                 cache.prefetched.difference_update(admitted)
                 cache.table.policy.reference(admitted)
+                taken = set(admitted)
+                cache.table.policy.seen([m * e + x for x in misses if m * e + x not in taken])

@@ -70,6 +70,15 @@ class ReplacementPolicy(ABC):
         """`key` took a slot, evicting `victim` (None: a free slot), before its first reference;
         policies with admission control decide here whether it stays on probation."""
 
+    def admits(self, key: int, victim: int | None) -> bool:
+        """Whether `key`, about to be used, is worth a copy that evicts `victim` (None: a free
+        slot); asked where a miss need not be cached to be used (link reads, experts/link_table.py)."""
+        return True
+
+    def seen(self, keys: Iterable[int]) -> None:
+        """`keys` were used without being cached (read over the link): policies that keep a
+        history count the use, so a key used often enough is admitted later."""
+
     @abstractmethod
     def remove(self, key: int) -> None:
         """`key` left the cache."""
@@ -144,11 +153,18 @@ class LRFUPolicy(ReplacementPolicy):
         return self.crf.get(key, 0.0) * 2.0 ** (-(self.now - self.last.get(key, self.now)) / self.half_life)
 
     def filled(self, key: int, victim: int | None) -> None:
-        # both sides count one reference more (+1, the key's is about to happen): a key is kept
-        # only if it beats its victim by the margin, so a tie (two never-seen keys) is on probation
-        if victim is not None and self.admit_margin is not None and \
-                self.decayed(key) + 1.0 < (1.0 + self.admit_margin) * (self.decayed(victim) + 1.0):
+        if not self.admits(key, victim):
             self.probation.add(key)
+
+    def admits(self, key: int, victim: int | None) -> bool:
+        # both sides count one reference more (+1, the key's is about to happen): a key is kept
+        # only if it beats its victim by the margin, so a tie (two never-seen keys) is not
+        return victim is None or self.admit_margin is None or \
+            self.decayed(key) + 1.0 >= (1.0 + self.admit_margin) * (self.decayed(victim) + 1.0)
+
+    def seen(self, keys: Iterable[int]) -> None:
+        for key in keys:  # the history only: an uncached key gets no heap entry
+            self.crf[key], self.last[key] = 1.0 + self.decayed(key), self.now
 
     def reference(self, keys: Iterable[int]) -> None:
         for key in keys:

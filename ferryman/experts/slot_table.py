@@ -104,11 +104,12 @@ class SlotTable:
         self.policy.reference(keys)
         return look
 
-    def admit(self, keys: list[int], avoid: Callable[[int], bool] | None = None) -> Lookup:
+    def admit(self, keys: list[int], avoid: Callable[[int], bool] | None = None, selective: bool = False) -> Lookup:
         """Prefetch: cache the keys not cached yet, unreferenced and unpinned, while a slot is
         free or evictable; a key admitted here is not evicted by a later key of the same call.
         avoid(slot): victims in such slots are taken only when no other is left (a copy into a slot
-        whose reading kernel is still pending would hold the whole batch of copies back)."""
+        whose reading kernel is still pending would hold the whole batch of copies back).
+        selective: a key the policy does not admit over its victim is skipped (policy.admits)."""
         unavailable = self.is_pinned if avoid is None else \
             (lambda k: self.is_pinned(k) or avoid(self.slot_of[k]))  # noqa: E731
         look = Lookup(slots=[])
@@ -118,7 +119,10 @@ class SlotTable:
                 continue
             if self.available() == 0:
                 break
-            self._fill(k, look, None if self.free else self.policy.victim(unavailable))
+            victim = None if self.free else self.policy.victim(unavailable)
+            if selective and not self.policy.admits(k, victim):
+                continue
+            self._fill(k, look, victim)
             self.policy.insert_prefetched(k)
             self._pin(self.slot_of[k])
             taken.append(k)
