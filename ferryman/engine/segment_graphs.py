@@ -218,14 +218,15 @@ class SegmentedDecode:
         B, bs = self.static.fill(inputs, self.sizes)
         n = len(self.model.layers)
         if self.link is not None:
-            self.link.settle()  # the last link step's bookkeeping, before this step reads the cache
             if self._link_graph(bs) and all(self.moe[i].trace is None for i in self.moe):
                 self.valid.fill_(False)
                 self.valid[:B] = True
                 self.link.publish()
                 logits = self._run(("step", n), bs, None if self.capture else self._functions(bs))
                 self.link.logged(B)
+                self.link.settle(keep=1)  # the previous link step's bookkeeping, while this one computes
                 return logits[:B]
+            self.link.settle()  # every link step's, before the copy path reads the cache
         # eager where this batch's graphs were not captured (a link batch traced, or rebound)
         fns = None if self.capture and ("seg", 0) in self.graphs.get(bs, {}) else self._segment_functions(bs)
         for i in range(n):

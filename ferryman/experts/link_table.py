@@ -5,8 +5,8 @@ layer's experts, copies the misses in and maps expert ids to slots. In a link-re
 step is one CUDA graph (engine/segment_graphs.py): each MoE layer maps its expert ids through
 `table` [L, E] on the device, to a slot (cached, its copy landed) or to -1 - e, and the decode
 kernel reads expert e from the layer's pinned host bank itself (`fused_moe_decode(host=)`). The
-step logs its routing [L, bs, K]; once it is done, `settle` does the cache's bookkeeping for all
-layers at once: the policy sees the hits, and the misses it admits over their victims are copied
+step logs its routing [L, bs, K]; `settle` does the cache's bookkeeping of a finished step for all
+layers at once, while the GPU computes the next step: the policy sees the hits, and the misses it admits over their victims are copied
 into slots for later steps (the others are read over the link again when used).
 
 Invariants, for every slot s:
@@ -16,11 +16,13 @@ Invariants, for every slot s:
 - a copy never overwrites s while a step that may read it runs: `logged` marks every slot the
   published table names as used once the step is enqueued, so a copy into it waits for the step
   (transfer.StreamTransfer's free events);
-- `publish` writes from one of two pinned mirrors in turn: the host refills a mirror only after
-  the copy from it two steps ago (`settle` syncs on the step in between).
+- `publish` writes from one of two pinned mirrors in turn, and `logged` into one of two host logs:
+  the host refills either only two steps later, when the step between has been sampled (synced).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 import torch
@@ -42,9 +44,10 @@ class LinkTable:
         self.mirrors = [torch.empty(n, e, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.turn = 0
         self.log = torch.zeros(n, max_bs, top_k, dtype=torch.int32, device=dev)  # [L, max_bs, K] expert ids
-        self.log_host = torch.zeros(n, max_bs, top_k, dtype=torch.int32, pin_memory=pin)
-        self.rows = 0  # rows of the logged step not settled yet
-        self.done: torch.cuda.Event | None = None
+        # two host copies of the log in turn: a step's is read (settle) while the next one's may land
+        self.log_hosts = [torch.zeros(n, max_bs, top_k, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.log_turn = 0
+        self.pending_logs: deque[tuple[torch.Tensor, int, torch.cuda.Event | None]] = deque()  # (log, rows, done)
         self.named: list[int] = []  # slots the last published table names
         self.expert_bytes = {layer: cache.store.layouts[layer].row_bytes for layer in self.layers}
         self.banks = {layer: HostBank(cache.store.banks[layer], host_tables(cache.format_of(layer),
@@ -76,39 +79,47 @@ class LinkTable:
     def logged(self, rows: int) -> None:
         """The step reading the published table is enqueued and logged its first `rows` rows."""
         self.cache.transfer.mark_used(self.named)
-        self.log_host.copy_(self.log, non_blocking=True)  # whole: a contiguous copy stays async
-        self.rows = rows
+        host = self.log_hosts[self.log_turn]
+        self.log_turn ^= 1
+        host.copy_(self.log, non_blocking=True)  # whole: a contiguous copy stays async
+        done = None
         if self.log.is_cuda:
-            self.done = torch.cuda.Event()
-            self.done.record()
+            done = torch.cuda.Event()
+            done.record()
+        self.pending_logs.append((host, rows, done))
 
-    def settle(self) -> None:
-        """The logged step's bookkeeping (waits for it): counters, the policy's references, and
-        copies of its misses into slots (victims by the policy, after the step's reads)."""
-        if not self.rows:
-            return
-        if self.done is not None:
-            self.done.synchronize()
-        ids = self.log_host[:, : self.rows].numpy()  # [L, B, K]
-        self.rows, self.done = 0, None
+    def settle(self, keep: int = 0) -> None:
+        """The bookkeeping of the logged steps but the newest `keep` (waits for them): counters,
+        the policy's references, and copies of their misses (victims after the steps' reads).
+        keep=1 right after a step is enqueued: the previous step's runs while the GPU computes."""
+        while len(self.pending_logs) > keep:
+            host, rows, done = self.pending_logs.popleft()
+            if done is not None:
+                done.synchronize()
+            self._account(host[:, :rows].numpy())  # [L, B, K]
+
+    def _account(self, ids: np.ndarray) -> None:
         cache, e = self.cache, self.cache.num_experts
-        c = cache.counters
-        for m, layer in enumerate(self.layers):
-            used = np.unique(ids[m])
-            keys = (m * e + used).tolist()
-            hits = [k for k in keys if k in cache.table.slot_of]
-            c.add(c.hits, layer, len(hits))
-            c.add(c.misses, layer, len(keys) - len(hits))
-            cache.table.policy.reference(hits)
-            misses = [k - m * e for k in keys if k not in cache.table.slot_of]
-            if misses:
-                reads = int(np.isin(ids[m], misses).sum())
-                c.link_reads += reads
-                c.link_read_bytes += reads * self.expert_bytes[layer]
-            if misses:  # used, not guessed: copied only where the policy admits them over a victim
-                # (a copy costs the link what one more read of the expert does)
-                admitted = [m * e + x for x in cache.prefetch(layer, misses, selective=True)]
-                cache.prefetched.difference_update(admitted)
-                cache.table.policy.reference(admitted)
-                taken = set(admitted)
-                cache.table.policy.seen([m * e + x for x in misses if m * e + x not in taken])
+        c, policy = cache.counters, cache.table.policy
+        keys = np.unique(ids + (np.arange(len(self.layers)) * e)[:, None, None])  # every (layer, expert) used
+        cached = np.fromiter((k in cache.table.slot_of for k in keys.tolist()), dtype=bool, count=len(keys))
+        rows = keys // e
+        for m in np.unique(rows).tolist():
+            layer, mine = self.layers[m], rows == m
+            hits = int((mine & cached).sum())
+            c.add(c.hits, layer, hits)
+            c.add(c.misses, layer, int(mine.sum()) - hits)
+        policy.reference(keys[cached].tolist())
+        for m in np.unique(rows[~cached]).tolist():
+            layer = self.layers[m]
+            misses = (keys[~cached & (rows == m)] - m * e).tolist()
+            reads = int(np.isin(ids[m], misses).sum())
+            c.link_reads += reads
+            c.link_read_bytes += reads * self.expert_bytes[layer]
+            # used, not guessed: copied only where the policy admits them over a victim (a copy costs
+            # the link what one more read of the expert does); the others keep their history only
+            admitted = [m * e + x for x in cache.prefetch(layer, misses, selective=True)]
+            cache.prefetched.difference_update(admitted)
+            policy.reference(admitted)
+            taken = set(admitted)
+            policy.seen([m * e + x for x in misses if m * e + x not in taken])
