@@ -22,7 +22,7 @@ from ferryman.cli_bench import (
 )
 from ferryman.cli_ctl import add_ctl, cmd_ctl
 from ferryman.cli_serve import add_serve, cmd_serve
-from ferryman.config import KV_CACHE_DTYPES, LOAD_FORMATS, PREFILL_MODES, EngineConfig, ModelConfig
+from ferryman.config import DECODE_MISSES, KV_CACHE_DTYPES, LOAD_FORMATS, PREFILL_MODES, EngineConfig, ModelConfig
 from ferryman.envs import envs
 from ferryman.errors import ConfigError, FerrymanError
 
@@ -85,6 +85,9 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                    help="prompts longer than a step: layer (each layer in all its chunks, each uncached expert "
                         "crosses the link once per prompt), chunk (each chunk through every layer); auto: layer "
                         "when experts are offloaded and the prompt's hidden states fit")
+    g.add_argument("--decode-misses", default="copy", choices=DECODE_MISSES,
+                   help="an experiment: offloaded decode steps copy uncached experts into slots layer by layer "
+                        "(copy), or run as one CUDA graph whose kernel reads them from pinned host memory (link)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

@@ -67,6 +67,9 @@
 #                `ferryman bench bw gpt-oss-20b --json` (each CPU kernel's GB/s beside the host read
 #                bandwidth), then gpt-oss-20b at 8 GiB with moe_strategy offload and hybrid: one
 #                sequence's decode tok/s and the TTFT of a 4k prompt (bench_offload); ~5 min
+#   bf16isa      one core's microseconds per matrix at 1-8 tokens with AVX512-BF16 (vdpbf16ps for bf16) and
+#                without (bf16 widened by a shift, then FMA, as fp16 is converted): which bf16 path to take
+#                at few tokens (issue 23's bf16 target); ~1 min
 #   strategies2  the same with layers (N filling the budget), auto and cpu; ~5 min
 #   cpupacked    the CPU kernel's packed-format tests on this CPU (GGUF q8_0 / q4_k / q6_k, int4 / int8, fp8,
 #                nvfp4; AVX512-BF16 runs only here), one qwen3-30b-a3b layer per packed format, kernel vs torch path
@@ -361,6 +364,9 @@ for s in ${@:-tests}; do
                  stage bench_bw 100 python3 -m ferryman bench bw gpt-oss-20b --reps 3 \
                    --output "$OUT/calibration.json" --json "$OUT/bench_bw.json"
                  strategy offload; strategy hybrid ;;
+    bf16isa)     for isa in avx512bf16 avx512; do  # bf16 at 1-8 tokens: vdpbf16ps against the shift-and-FMA path
+                   stage "cpu_matrix_$isa" 60 python3 benchmarks/bench_cpu_mxfp4.py --matrix --tokens 1,2,3,4,8 --isa "$isa"
+                 done ;;
     strategies2) strategy layers 240; strategy auto; strategy cpu 240 ;;  # layers, cpu: >120 s on 2026-12-01
     cpupacked)   stage cpu_packed_tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel_packed.py
                  for f in gguf:q8_0:q8_0 gguf:q4_k:q6_k int4:g128:sym fp8:128x128 nvfp4; do
@@ -399,7 +405,8 @@ for s in ${@:-tests}; do
     llamacpp)    gguf_write
                  python3 tools/peer_client.py "$PEER" "$CLIENTS" || exit 1
                  LLAMA=(/tmp/llama.cpp/build/bin/llama-server -m "$GGUF" -ngl 99 --host 127.0.0.1)
-                 FERRY=(python3 -m ferryman serve "$GGUF" --gpu-memory 8GiB --log-level warning)
+                 # FERRY_ARGS: more server flags, e.g. --decode-misses link
+                 FERRY=(python3 -m ferryman serve "$GGUF" --gpu-memory 8GiB --log-level warning ${FERRY_ARGS:-})
                  peer_serve llamacpp_1user 8150 1 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE1:-31}" -c 8192 -np 1 --port 8150
                  peer_serve ferryman_1user 8151 1 "${FERRY[@]}" --max-model-len 8192 --max-num-seqs 1 --port 8151
                  peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE16:-34}" -c 20480 -np 16 \
