@@ -28,7 +28,7 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 `capture=False` runs the same segment functions eagerly over the same buffers (CPU tests).
 
 Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
-DECODE_MAX_PAIRS) runs as one graph, ("step", n): every segment, then layer i's MoE mapping its expert
+DECODE_MAX_PAIRS, and at most LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n): every segment, then layer i's MoE mapping its expert
 ids through the link table (uncached experts are read over the link by the kernel itself), the
 shared experts' add, the final segment. Padding rows take row 0's experts (`valid`), so they read
 nothing more. No host step between layers; the cache's bookkeeping runs once per step (`settle`).
@@ -50,6 +50,8 @@ from ferryman.layers.moe_common import triton_reads
 from ferryman.layers.moe import SparseMoE
 from ferryman.models.transformer import MoETransformer
 
+# link steps run while a step's (token, k) pairs number at most this share of a layer's experts
+LINK_MAX_SHARE = 0.5
 Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers) | ("step", num_layers)
 
 
@@ -153,7 +155,11 @@ class SegmentedDecode:
         return LinkTable(ex.cache, max_bs, self.model.cfg.top_k)
 
     def _link_graph(self, bs: int) -> bool:
-        return self.link is not None and bs * self.model.cfg.top_k <= DECODE_MAX_PAIRS
+        """Batch bs runs as a link step: its pairs fit the decode kernel, and they are few enough
+        beside the layer's experts (at most LINK_MAX_SHARE of them) that few pairs share an
+        uncached expert: the per-pair kernel reads a shared one over the link once per pair."""
+        pairs = bs * self.model.cfg.top_k
+        return self.link is not None and pairs <= min(DECODE_MAX_PAIRS, LINK_MAX_SHARE * self.model.cfg.num_experts)
 
     def _final(self, bs: int) -> torch.Tensor:
         hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]
