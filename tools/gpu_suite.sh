@@ -101,6 +101,8 @@
 #                twice (bench_offload --decode-misses); ~7 min
 #   linkqwen     the same A/B on ggufqwen's file at 8 GiB (a 48-layer model whose copy-path decode is bound by
 #                the host: docs/benchmarks.md), copy and link alternated twice; ~6 min with the file written
+#   linkquant    qwen3-30b-a3b at 8 GiB with bf16, fp8 and int4 dummy experts (QUANTS), copy and link each: the
+#                formats' decode ratios of issue 21 in each mode (its int4 decode was bound by the host); ~7 min
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -419,6 +421,10 @@ for s in ${@:-tests}; do
                  for r in 1 2; do for m in copy link; do  # alternated: single runs spread (docs/benchmarks.md)
                    offload "link_oss_${m}_$r" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
                      --prefill-prompt 0 --ttft-prompt 0
+                 done; done ;;
+    linkquant)   for q in ${QUANTS:-none fp8 int4}; do for m in copy link; do
+                   offload "linkquant_${q}_$m" "qwen3-30b-a3b:8GiB:$q" 120 "$ROOT" --decode-misses "$m" \
+                     --decode-tokens 128 --prefill-prompt 0 --ttft-prompt 0
                  done; done ;;
     linkqwen)    gguf_write
                  for r in 1 2; do for m in copy link; do
