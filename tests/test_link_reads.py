@@ -89,3 +89,25 @@ def test_cuda_link_steps_equal_resident(tiny: tuple[str, Path]) -> None:
         assert greedy_ids(offload, [p], 12) == greedy_ids(resident, [p], 12), f"{arch}: CUDA link-read decode differs"
     assert greedy_ids(offload, PROMPTS, 12) == greedy_ids(resident, PROMPTS, 12), f"{arch}: CUDA copy steps after link"
     assert offload.stats()["experts"]["link_reads"] > 0
+
+
+def test_link_steps_follow_slots_that_leave_and_join_the_cache(tiny: tuple[str, Path]) -> None:
+    """Slots the KV cache takes back (reclaim_slot, engine/memory_split.py) and lends again between
+    link steps: the next published table never names a slot the cache gave up, and tokens stay
+    the resident engine's."""
+    arch, folder = tiny
+    resident, offload = _offload_with_link(folder, 8)
+    cache = offload.engine.runner.experts.cache
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None
+    assert greedy_ids(offload, [PROMPTS[0]], 8) == greedy_ids(resident, [PROMPTS[0]], 8)
+    taken = [cache.reclaim_slot(), cache.reclaim_slot()]
+    assert None not in taken
+    seg.link.settle()
+    seg.link.publish()
+    named = set(seg.link.table.flatten().tolist())
+    assert not named & set(taken), f"{arch}: the table names slots {named & set(taken)} the cache gave up"
+    assert greedy_ids(offload, [PROMPTS[1]], 8) == greedy_ids(resident, [PROMPTS[1]], 8), f"{arch}: after reclaim"
+    for slot in taken:
+        cache.lend_slot(slot)
+    assert greedy_ids(offload, [PROMPTS[2]], 8) == greedy_ids(resident, [PROMPTS[2]], 8), f"{arch}: after lend"
