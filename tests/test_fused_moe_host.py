@@ -30,8 +30,9 @@ for seed, (fmt, kind, dtype, h, i) in enumerate([  # the smallest shapes each lo
     gen = torch.Generator().manual_seed(seed)
     form = get_format(fmt)
     bias = kind == "swiglu_oai"
-    host = form.random_banks(E, h, i, bias, dtype, gen)  # [E, ...] each
-    pool = slot_pool(form, {n: b[CACHED] for n, b in host.items()}, h, i, bias, dtype)
+    banks = form.random_banks(E, h, i, bias, dtype, gen)  # [E, ...] each
+    host = slot_pool(form, banks, h, i, bias, dtype)  # expert-major rows, as the host store keeps them
+    pool = slot_pool(form, {n: b[CACHED] for n, b in banks.items()}, h, i, bias, dtype)
     t, k = 2, 3
     experts = torch.tensor([[1, 4, 5], [0, 3, 2]], dtype=torch.int32)  # [T, K]: three cached, three not
     slot_of = {e: s for s, e in enumerate(CACHED)}
@@ -39,7 +40,7 @@ for seed, (fmt, kind, dtype, h, i) in enumerate([  # the smallest shapes each lo
     w = torch.softmax(torch.randn(t, k, generator=gen), -1)
     x = torch.randn(t, h, generator=gen).to(dtype)
     act = MoEActivation(kind)
-    ref = fused_moe_reference(form, host, x, experts, w, act)
+    ref = fused_moe_reference(form, banks, x, experts, w, act)
     tables = host_tables(fmt, pool, host, x.device)
     got = fused_moe_decode(fmt, pool, x, ids, w, kind, act.alpha, act.limit, host=tables)
     out.append(dict(case=fmt, err=rel_err(got, ref), dtype=str(dtype), tol=TOL[str(dtype)],
@@ -65,6 +66,46 @@ def test_host_table_rejects_banks_of_another_dtype() -> None:
     x = torch.zeros(1, 32)
     with pytest.raises(ValueError, match="host bank tensor 0: torch.bfloat16 beside the device bank's torch.float32"):
         host_table(kernel_bank("dense", dev, "w13", x), kernel_bank("dense", host, "w13", x))
+
+
+def test_host_table_rejects_strides_the_kernels_cannot_load_as_vectors() -> None:
+    from ferryman.layers.moe_common import host_table, kernel_bank
+    from ferryman.quant import get_format
+
+    form = get_format("dense")
+    dev = form.random_banks(2, 30, 15, False, torch.float32, torch.Generator().manual_seed(0))
+    host = form.random_banks(4, 30, 15, False, torch.float32, torch.Generator().manual_seed(1))  # w13 [4, 30, 30]
+    x = torch.zeros(1, 30)
+    with pytest.raises(ValueError, match="expert stride 900 elements is not a multiple of 16"):
+        host_table(kernel_bank("dense", dev, "w13", x), kernel_bank("dense", host, "w13", x))
+
+
+def test_host_mode_keeps_16_byte_vector_loads_on_sm90() -> None:
+    """The host-read offset carries the 16-element alignment hint (16-byte loads): without it the
+    MXFP4 decode kernel's weight loads fell to 4-byte ones, for cached experts too."""
+    pytest.importorskip("triton")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from triton_compile_check import compile_check
+
+    from ferryman.layers import fused_moe_triton as fmt
+
+    h = i = 2880
+    sig = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*u8", "b_ptr": "*bf16",
+           "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", "z_ptr": "*u8", "host_ptr": "*i64"}
+    cx = {"MXFP4": True, "HAS_BIAS": True, "BLOCK_N": fmt.BLOCK_N, "BLOCK_K": fmt.BLOCK_K, "QF": 0, "QA": 0, "QB": 0,
+          "H": h, "I": i, "GGUF": 0, "HOST": True, "W_STRIDE": 5760 * 90 * 16, "S_STRIDE": 5760 * 90,
+          "G_STRIDE": 2 * h, "Z_STRIDE": 5760 * 90, "B_STRIDE": 2 * i, "TOPK": 4, "ACT": 1}
+    try:
+        ptx = compile_check("ferryman.layers.fused_moe_triton:_w13_act_kernel", sig, cx, stage="ptx",
+                            divisible=tuple(k for k in sig if k.endswith("_ptr")))
+    except (ImportError, RuntimeError) as e:  # no NVIDIA backend in this triton build
+        if "backend" in str(e).lower():
+            pytest.skip(str(e))
+        raise
+    assert ptx.count("ld.global.v4.b32") >= 8 and "ld.global.b8" not in ptx
 
 
 # ---------------------------------------------------------------- CUDA ----------------------

@@ -36,6 +36,7 @@ nothing more. No host step between layers; the cache's bookkeeping runs once per
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -52,6 +53,7 @@ from ferryman.models.transformer import MoETransformer
 
 # link steps run while a step's (token, k) pairs number at most this share of a layer's experts
 LINK_MAX_SHARE = 0.5
+log = logging.getLogger("ferryman.engine")
 Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers) | ("step", num_layers)
 
 
@@ -152,7 +154,11 @@ class SegmentedDecode:
             return None
         if not all(triton_reads(ex.cache.format_of(i)) for i in self.moe):
             return None
-        return LinkTable(ex.cache, max_bs, self.model.cfg.top_k)
+        try:
+            return LinkTable(ex.cache, max_bs, self.model.cfg.top_k)
+        except ValueError as e:  # banks the kernels cannot read in place: the copy path, as without link
+            log.warning("link reads are off: %s", e)
+            return None
 
     def _link_graph(self, bs: int) -> bool:
         """Batch bs runs as a link step: its pairs fit the decode kernel, and they are few enough

@@ -143,6 +143,8 @@ def _expert(ptr, slot, STRIDE: tl.constexpr, host_ptr, J: tl.constexpr, HOST: tl
         delta = tl.load(host_ptr + J)
         hstride = tl.load(host_ptr + 5 + J)
         off = tl.where(slot < 0, delta + (-1 - slot) * hstride, slot * STRIDE)
+        if STRIDE % 16 == 0:  # host_table's are multiples of 16 too: loads stay 16-byte vectors
+            off = tl.multiple_of(off, 16)
     else:
         off = slot * STRIDE
     return ptr + off

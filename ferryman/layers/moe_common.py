@@ -143,6 +143,11 @@ def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
                              f"of {d.element_size()}-byte elements")
         deltas.append(gap // d.element_size())
         strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)
+        # the kernels assume 16-element multiples (16-byte vector loads); the expert-major rows of
+        # quant/layout.py (64-byte aligned offsets and rows) keep them
+        if deltas[-1] % 16 or strides[-1] % 16:
+            raise ValueError(f"host bank tensor {j}: offset {deltas[-1]} or expert stride {strides[-1]} elements "
+                             "is not a multiple of 16 (expert-major rows keep both aligned)")
     return deltas + strides
 
 
