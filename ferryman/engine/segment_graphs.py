@@ -125,10 +125,10 @@ class SegmentedDecode:
         experts, link = self.moe[i].experts, self.link
         assert isinstance(experts, OffloadExperts) and link is not None and self.ids is not None
         assert self.w is not None  # written by the segment, with ids
-        ids = torch.where(self.valid[:bs, None], self.ids[:bs], self.ids[:1]).to(torch.int32)  # [bs, K]
+        ids = torch.where(self.valid[:bs, None], self.ids[:bs], self.ids[:1])  # [bs, K], the router's int64
         m = link.row(i)
-        link.log[m, :bs].copy_(ids)
-        slots = link.table[m][ids.long()]  # [bs, K]: slot, or -1 - e
+        link.log[m, :bs].copy_(ids)  # as int32
+        slots = link.table[m][ids]  # [bs, K] int32: slot, or -1 - e
         self.x[:bs].copy_(fused_moe(experts.cache.format_of(i), experts.cache.banks_of(i), self.h[:bs], slots,
                                     self.w[:bs], experts.act, host=link.banks[i]))
 
