@@ -270,3 +270,17 @@ def test_lrfu_admits_a_link_read_key_once_its_history_beats_the_victims() -> Non
     assert policy.admits(7, victim=policy.victim(lambda k: False))
     assert [k for k, _ in table.admit([7], selective=True).filled] == [7]
     assert LRUPolicy().admits(7, victim=0)
+
+
+def test_selective_admit_judges_the_victim_even_when_every_slot_is_avoided() -> None:
+    """Right after a link step every cached slot is read by the step in flight (avoid): the victim
+    is then any unpinned key, and a never-seen key still has to beat it."""
+    policy = LRFUPolicy(16.0)
+    table = SlotTable(2, policy)
+    for _ in range(3):
+        policy.advance()
+        table.acquire([0, 1])
+        table.release([0, 1])
+    policy.advance()
+    assert table.admit([7], avoid=lambda slot: True, selective=True).filled == []
+    assert [k for k, _ in table.admit([7], avoid=lambda slot: True).filled] == [7]  # a guess is copied anyway

@@ -120,8 +120,11 @@ class SlotTable:
             if self.available() == 0:
                 break
             victim = None if self.free else self.policy.victim(unavailable)
-            if selective and not self.policy.admits(k, victim):
-                continue
+            if selective:  # judged against the victim _fill would take (every slot avoided: any unpinned)
+                if victim is None and not self.free:
+                    victim = self.policy.victim(self.is_pinned)
+                if not self.policy.admits(k, victim):
+                    continue
             self._fill(k, look, victim)
             self.policy.insert_prefetched(k)
             self._pin(self.slot_of[k])
