@@ -6,8 +6,9 @@ step is one CUDA graph (engine/segment_graphs.py): each MoE layer maps its exper
 `table` [L, E] on the device, to a slot (cached, its copy landed) or to -1 - e, and the decode
 kernel reads expert e from the layer's pinned host bank itself (`fused_moe_decode(host=)`). The
 step logs its routing [L, bs, K]; `settle` does the cache's bookkeeping of a finished step for all
-layers at once, while the GPU computes the next step: the policy sees the hits, and the misses it admits over their victims are copied
-into slots for later steps (the others are read over the link again when used).
+layers at once, while the GPU computes the next step: the policy sees the hits, and the misses it
+admits over their victims are copied into slots for later steps (the others are read over the link
+again when used).
 
 Invariants, for every slot s:
 - the device table names s only while the cache keeps that expert in s and after its copy
