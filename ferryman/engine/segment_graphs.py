@@ -28,9 +28,9 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 `capture=False` runs the same segment functions eagerly over the same buffers (CPU tests).
 
 Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
-DECODE_MAX_PAIRS, and at most LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n): every segment, then layer i's MoE mapping its expert
-ids through the link table (uncached experts are read over the link by the kernel itself), the
-shared experts' add, the final segment. Padding rows take row 0's experts (`valid`), so they read
+DECODE_MAX_PAIRS, and at most LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n):
+every segment, then layer i's MoE mapping its expert ids through the link table (uncached experts
+are read over the link by the kernel itself), the shared experts' add, the final segment. Padding rows take row 0's experts (`valid`), so they read
 nothing more. No host step between layers; the cache's bookkeeping runs once per step (`settle`).
 """
 
