@@ -14,9 +14,17 @@ import torch
 from ferryman import LLM
 from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.models.registry import model_config
-from tiny_models import count_calls, greedy_ids
+from tiny_models import build_tiny, count_calls, greedy_ids
 
 PROMPTS = [[5, 17, 42, 7, 99], list(range(20, 33)), [(i * 37) % 250 + 3 for i in range(29)]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One tiny architecture for the bookkeeping tests, which do not depend on it."""
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    build_tiny("qwen3_moe", folder)
+    return "qwen3_moe", folder
 
 
 def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[LLM, LLM]:
@@ -53,10 +61,10 @@ def test_link_steps_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     assert offload.engine.runner.experts.cache.table.num_pinned == 0
 
 
-def test_settle_caches_a_steps_misses_and_publish_names_only_cached_slots(tiny: tuple[str, Path]) -> None:
+def test_settle_caches_a_steps_misses_and_publish_names_only_cached_slots(qwen3: tuple[str, Path]) -> None:
     """After a step, its misses are offered to the cache (the policy picks victims), and the next published
     table maps every expert to its slot, or to -1 - e when it has none."""
-    _, folder = tiny
+    _, folder = qwen3
     _, offload = _offload_with_link(folder, 4)
     greedy_ids(offload, PROMPTS[:1], 4)
     seg = offload.engine.runner.graphs
@@ -91,11 +99,11 @@ def test_cuda_link_steps_equal_resident(tiny: tuple[str, Path]) -> None:
     assert offload.stats()["experts"]["link_reads"] > 0
 
 
-def test_link_steps_follow_slots_that_leave_and_join_the_cache(tiny: tuple[str, Path]) -> None:
+def test_link_steps_follow_slots_that_leave_and_join_the_cache(qwen3: tuple[str, Path]) -> None:
     """Slots the KV cache takes back (reclaim_slot, engine/memory_split.py) and lends again between
     link steps: the next published table never names a slot the cache gave up, and tokens stay
     the resident engine's."""
-    arch, folder = tiny
+    arch, folder = qwen3
     resident, offload = _offload_with_link(folder, 8)
     cache = offload.engine.runner.experts.cache
     seg = offload.engine.runner.graphs
