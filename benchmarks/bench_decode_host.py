@@ -3,12 +3,14 @@ routing read, the plan, pinning the slots, copying misses, mapping ids to slots)
 (unpinning, the guesses' copies), for one token, as the engine runs them between a layer's graphs.
 
     python benchmarks/bench_decode_host.py [--model qwen3-30b-a3b] [--quantization int4] [--device cpu]
-        [--calls 2000] [--profile]
+        [--calls 2000] [--profile] [--layers 2] [--link]
 
-The model keeps its first 2 layers (random weights), `expert_cache="50%"`, warmed by random routing
-first. Two cases: every chosen expert cached (the bookkeeping alone) and uniform random routing over
-all experts (the misses copied too). Medians of --calls calls, microseconds. On CUDA the
-routing read includes the device sync; the kernels themselves are not run.
+The model keeps its first --layers layers (random weights), `expert_cache="50%"`, warmed by random
+routing of the first MoE layer. Two cases: every chosen expert cached (the bookkeeping alone) and
+uniform random routing over all experts (the misses copied too). Medians of --calls calls,
+microseconds. On CUDA the routing read includes the device sync; the kernels themselves are not run.
+--link: beside them, the host work of one link-read step over all kept layers (publish, logged,
+settle: experts/link_table.py), which replaces L copy-path layer steps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 from fewer_layers import fewer_layers
 from ferryman import LLM
+from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.link_table import LinkTable
 
 
 def main() -> None:
@@ -30,8 +34,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="default: cpu")
     ap.add_argument("--calls", type=int, default=2000, help="calls per case (default: 2000)")
     ap.add_argument("--profile", action="store_true", help="cProfile of the cached case")
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers kept (default: 2)")
+    ap.add_argument("--link", action="store_true",
+                    help="also a link-read step's host work over all those layers (decode_misses=link)")
     a = ap.parse_args()
-    llm = LLM(fewer_layers(a.model, 2), load_format="dummy", device=a.device, moe_strategy="offload",
+    llm = LLM(fewer_layers(a.model, a.layers), load_format="dummy", device=a.device, moe_strategy="offload",
               expert_cache="50%", quantization=a.quantization, enforce_eager=True, max_model_len=512)
     ex, cfg = llm.engine.runner.experts, llm.engine.cfg
     layer, E, K = cfg.moe_layers[0], cfg.num_experts, cfg.top_k
@@ -59,6 +66,8 @@ def main() -> None:
         r = [one(pool) for _ in range(a.calls)]
         print(f"{label:12s} prepare_decode {statistics.median(p for p, _ in r) * 1e6:7.1f} us   "
               f"finish_step {statistics.median(f for _, f in r) * 1e6:6.1f} us")
+    if a.link:
+        link_steps(ex.cache, K, a.calls, gen)
     if a.profile:
         import cProfile
         import pstats
@@ -67,6 +76,32 @@ def main() -> None:
             for _ in range(a.calls):
                 one(cached)
         pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+
+
+def link_steps(cache: ExpertCache, k: int, calls: int, gen: torch.Generator) -> None:
+    """A link-read step's host work for all MoE layers at once (experts/link_table.py): publish the
+    table, mark the step logged, settle its bookkeeping, for one token routed at random (the
+    misses' copies included) or among each layer's cached experts."""
+    link = LinkTable(cache, 1, k)
+    e = cache.num_experts
+
+    def step(cached_only: bool) -> float:
+        for m, layer in enumerate(link.layers):
+            pool = [x for x in range(e) if cache.contains(layer, x)] if cached_only else list(range(e))
+            pool = pool if len(pool) >= k else list(range(e))
+            link.log[m, 0] = torch.tensor(pool)[torch.randperm(len(pool), generator=gen)[:k]]
+        t0 = time.perf_counter()
+        link.publish()
+        link.logged(1)
+        link.settle()
+        return time.perf_counter() - t0
+
+    n = len(link.layers)
+    for label, cached_only in (("cached only", True), ("random", False)):
+        for _ in range(20):
+            step(cached_only)
+        t = statistics.median(step(cached_only) for _ in range(calls // 4))
+        print(f"{label:12s} link step, {n} MoE layers: {t * 1e6:7.1f} us ({t / n * 1e6:6.1f} us per layer)")
 
 
 if __name__ == "__main__":
