@@ -61,7 +61,8 @@ def main() -> None:
     gtype = a.format.split(":")[1 if a.proj == "w13" else 2]
     one = f"gguf:{gtype}:{gtype}"  # the projection's own type, read as a w13
     code = format_code(one, torch.uint8)
-    assert code is not None
+    if code is None:
+        raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {gtype} blocks (--format {a.format})")
     k = packed_inputs(one, w[0])
     print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s); against {a.against}")
     for t in (int(v) for v in a.tokens.split(",")):

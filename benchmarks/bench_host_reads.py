@@ -11,7 +11,8 @@ call on other experts (the host bank cycles, so nothing is served from the GPU's
   stream), then the kernel reads every expert on the GPU; this is today's miss path without its
   host bookkeeping.
 Both in CUDA graphs. Reports microseconds per call, the link rate each path achieves on the M
-experts' bytes (time over M = 0's), and the pinned host -> device copy bandwidth of the run.
+experts' bytes (time over M = 0's), and the pinned host -> device copy bandwidth of the run
+(bench_offload.link_bandwidth: expert-sized copies).
 """
 
 from __future__ import annotations
@@ -20,17 +21,11 @@ import argparse
 
 import torch
 
-from bench_fused_moe import DTYPES, graph_time, time_cuda
+from bench_fused_moe import DTYPES, graph_time
+from bench_offload import link_bandwidth
 from ferryman.layers.fused_moe_triton import fused_moe_decode
 from ferryman.layers.moe_common import MoEActivation, host_tables
 from ferryman.quant import get_format
-
-
-def h2d_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Pinned host -> device copy bandwidth, bytes/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / time_cuda(lambda: dst.copy_(src, non_blocking=True), iters=10, warmup=2)
 
 
 def main() -> None:
@@ -58,7 +53,7 @@ def main() -> None:
     per_expert = form.expert_bytes(a.hidden, a.inter, bias, dtype)
     calls = max(1, e // k)  # routings per timed round: each reads other experts
     routes = [torch.arange(c * k, (c + 1) * k, dtype=torch.int32) % e for c in range(calls)]
-    bw = h2d_bandwidth()
+    bw = link_bandwidth(per_expert, torch.device("cuda"))  # expert-sized copies, as the copy path makes
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"pinned host -> device copies: {bw / 1e9:.1f} GB/s; {a.format} H={a.hidden} I={a.inter} E={e} K={k} "
           f"{a.dtype}: {per_expert / 1e6:.2f} MB per expert")

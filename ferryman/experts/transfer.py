@@ -107,6 +107,7 @@ class StreamTransfer(Transfer):
         super().__init__(device)
         self.stream = torch.cuda.Stream(device)
         self.ready: list[torch.cuda.Event | None] = [None] * num_slots
+        self.in_flight: set[int] = set()  # slots whose ready event may still be pending (`pending`)
         self.free: list[torch.cuda.Event | None] = [None] * num_slots
         self.timed: deque[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = deque()  # (start, end, is_stall)
 
@@ -124,6 +125,7 @@ class StreamTransfer(Transfer):
             done = self._event(stream)
         for s in slots:
             self.ready[s] = done
+        self.in_flight.update(slots)
         self.timed.append((start, done, False))
         self._count(copies)
         self._drain()
@@ -151,16 +153,15 @@ class StreamTransfer(Transfer):
         return ev is not None and not ev.query()
 
     def pending(self) -> set[int]:
-        out, landed = set(), set()
-        for s, ev in enumerate(self.ready):
-            if ev is None or id(ev) in landed:
+        landed: set[int] = set()  # ids of events found complete
+        for s in list(self.in_flight):
+            ev = self.ready[s]
+            if ev is None or id(ev) in landed or ev.query():  # landed: nothing needs to wait for it any more
+                if ev is not None:
+                    landed.add(id(ev))
                 self.ready[s] = None
-            elif ev.query():  # landed: nothing needs to wait for it any more
-                landed.add(id(ev))
-                self.ready[s] = None
-            else:
-                out.add(s)
-        return out
+                self.in_flight.discard(s)
+        return set(self.in_flight)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """On the copy stream, behind the copies issued so far, and the compute stream waits for it.
