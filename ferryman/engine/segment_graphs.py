@@ -30,8 +30,9 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
 DECODE_MAX_PAIRS, and at most LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n):
 every segment, then layer i's MoE mapping its expert ids through the link table (uncached experts
-are read over the link by the kernel itself), the shared experts' add, the final segment. Padding rows take row 0's experts (`valid`), so they read
-nothing more. No host step between layers; the cache's bookkeeping runs once per step (`settle`).
+are read over the link by the kernel itself), the shared experts' add, the final segment. Padding
+rows take row 0's experts (`valid`), so they read nothing more. No host step between layers; the
+cache's bookkeeping runs once per step (`settle`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ferryman.engine.cuda_graph import StaticDecodeInputs, buckets
 from ferryman.engine.inputs import StepInputs
 from ferryman.experts.link_table import LinkTable
 from ferryman.experts.offload import OffloadExperts
+from ferryman.layers import backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, fused_moe
 from ferryman.layers.moe_common import triton_reads
 from ferryman.layers.moe import SparseMoE
@@ -145,13 +147,14 @@ class SegmentedDecode:
     def _link_table(self, max_bs: int) -> LinkTable | None:
         """The link table of the one offloaded backend every MoE layer uses, when link steps can
         run: no layer on the CPU, no hybrid split, formats the decode kernel reads, and host
-        banks the GPU can read (pinned; the CPU reads its own)."""
+        banks the GPU can read (pinned, through the Triton decode kernel; the CPU reads its own)."""
         backends = {id(b): b for b in self.captured.values()}
         ex = next(iter(backends.values()), None)
         if len(backends) != 1 or ex is None or ex.cpu_layers or ex.hybrid is not None:
             return None
-        if self.device.type == "cuda" and not ex.cache.store.pinned:
-            return None
+        if self.device.type == "cuda" and not (ex.cache.store.pinned and
+                                               backend.moe_triton(torch.empty(0, device=self.device), True)):
+            return None  # only the Triton decode kernel reads host banks in place (not FERRYMAN_KERNELS=torch)
         if not all(triton_reads(ex.cache.format_of(i)) for i in self.moe):
             return None
         try:
