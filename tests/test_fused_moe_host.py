@@ -66,7 +66,7 @@ def test_host_table_rejects_banks_of_another_dtype() -> None:
     dev = form.random_banks(2, 32, 16, False, torch.float32, torch.Generator().manual_seed(0))
     host = form.random_banks(4, 32, 16, False, torch.bfloat16, torch.Generator().manual_seed(1))
     x = torch.zeros(1, 32)
-    with pytest.raises(ValueError, match="host bank tensor 0: torch.bfloat16 beside the device bank's torch.float32"):
+    with pytest.raises(ValueError, match="host bank weights: torch.bfloat16 beside the device bank's torch.float32"):
         host_table(kernel_bank("dense", dev, "w13", x), kernel_bank("dense", host, "w13", x))
 
 

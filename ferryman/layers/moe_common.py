@@ -127,26 +127,30 @@ def kernel_bank(fmt: str, banks: Banks, proj: str, stand_in: torch.Tensor) -> Ke
                       0 if z is None else z.stride(0))
 
 
+# the tensors of a KernelBank in host_table's order
+HOST_TABLE_PARTS = ("weights", "scales", "global scales / group indices", "zero points", "bias")
+
+
 def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
     """The 10 numbers the kernels' HOST mode reads (_expert): where each of the host bank's tensors
-    (weights, scales, global scales / group indices, zero points, bias) begins, in elements from
-    the device bank's, then its expert stride in elements. Both banks hold the same format."""
+    (HOST_TABLE_PARTS) begins, in elements from the device bank's, then its expert stride in
+    elements. Both banks hold the same format."""
     pairs = ((dev.w, host.w), (dev.s, host.s), (dev.g, host.g), (dev.z, host.z), (dev.b, host.b))
     deltas, strides = [], []
-    for j, (d, h) in enumerate(pairs):
+    for part, (d, h) in zip(HOST_TABLE_PARTS, pairs):
         if d is None or h is None or d.dtype != h.dtype:
-            raise ValueError(f"host bank tensor {j}: {None if h is None else h.dtype} beside the device bank's "
+            raise ValueError(f"host bank {part}: {None if h is None else h.dtype} beside the device bank's "
                              f"{None if d is None else d.dtype}")
         gap = h.data_ptr() - d.data_ptr()
         if gap % d.element_size():
-            raise ValueError(f"host bank tensor {j} lies {gap} bytes from the device bank's: not a whole number "
+            raise ValueError(f"host bank {part} lie {gap} bytes from the device bank's: not a whole number "
                              f"of {d.element_size()}-byte elements")
         deltas.append(gap // d.element_size())
         strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)
         # the kernels assume 16-element multiples (16-byte vector loads); the expert-major rows of
         # quant/layout.py (64-byte aligned offsets and rows) keep them
         if deltas[-1] % 16 or strides[-1] % 16:
-            raise ValueError(f"host bank tensor {j}: offset {deltas[-1]} or expert stride {strides[-1]} elements "
+            raise ValueError(f"host bank {part}: offset {deltas[-1]} or expert stride {strides[-1]} elements "
                              "is not a multiple of 16 (expert-major rows keep both aligned)")
     return deltas + strides
 
