@@ -110,6 +110,7 @@
 #                4,170 / 16k / 32k through default servers of both trees, alternated twice (~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+LINKARGS=${LINKARGS---moe-strategy offload}  # link steps need every MoE layer on the GPU path
 ROOT=$PWD
 OUT=$(mkdir -p "${OUT:-$ROOT/gpu-out}" && cd "${OUT:-$ROOT/gpu-out}" && pwd)
 export PYTHONUNBUFFERED=1
@@ -414,12 +415,16 @@ for s in ${@:-tests}; do
                  peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE16:-34}" -c 20480 -np 16 \
                    --port 8152
                  peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1280 --max-num-seqs 16 --port 8153 ;;
+    linkoss)     for m in copy link; do
+                   offload "linkoss_$m" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 $LINKARGS \
+                     --prefill-prompt 0 --ttft-prompt 0
+                 done ;;
     link)        stage link_tests 150 "${PYTEST[@]}" tests/test_fused_moe_host.py tests/test_link_reads.py
                  stage host_reads_oss 60 python3 benchmarks/bench_host_reads.py
                  stage host_reads_qwen 60 python3 benchmarks/bench_host_reads.py --format gguf:q4_k:q6_k --hidden 2048 \
                    --inter 768 --experts 128 --topk 8 --act silu
                  for r in 1 2; do for m in copy link; do  # alternated: single runs spread (docs/benchmarks.md)
-                   offload "link_oss_${m}_$r" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
+                   offload "link_oss_${m}_$r" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 $LINKARGS \
                      --prefill-prompt 0 --ttft-prompt 0
                  done; done ;;
     linkquant)   for q in ${QUANTS:-none fp8 int4}; do for m in copy link; do
@@ -428,7 +433,7 @@ for s in ${@:-tests}; do
                  done; done ;;
     linkqwen)    gguf_write
                  for r in 1 2; do for m in copy link; do
-                   offload "linkqwen_${m}_$r" "$GGUF:8GiB" 200 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
+                   offload "linkqwen_${m}_$r" "$GGUF:8GiB" 200 "$ROOT" --decode-misses "$m" --decode-tokens 128 $LINKARGS \
                      --prefill-prompt 0 --ttft-prompt 0
                  done; done ;;
     compare)     compare ;;
