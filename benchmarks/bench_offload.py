@@ -137,8 +137,9 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     uncached = uncached_bytes(llm)
     decode_steps = max(1, a.decode_tokens - 1)  # the counters start after the first token
     misses_per_token = dec.get("misses", 0) / decode_steps
-    # every byte that crossed the link per token (misses, and prefetched copies right or wrong)
-    moved_per_token = dec.get("bytes_h2d", 0) / decode_steps
+    # every byte that crossed the link per token: copies (misses, prefetched ones right or wrong) and
+    # the decode kernel's reads of uncached experts in link steps
+    moved_per_token = (dec.get("bytes_h2d", 0) + dec.get("link_read_bytes", 0)) / decode_steps
     wasted = max(0, dec.get("prefetch_fetched", 0) - dec.get("prefetch_hits", 0)) * slot_bytes / decode_steps
     needed_per_token = moved_per_token - wasted  # the copies of wrong guesses left out
     row = {
@@ -156,11 +157,11 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "chunk": chunk,
         "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
-        "moe_strategy": a.moe_strategy, "decode_misses": a.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
+        "moe_strategy": a.moe_strategy, "decode_misses": eng.plan.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
         "hybrid": experts.get("hybrid"),
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
-        "h2d_mib_per_token": moved_per_token / 2**20,
+        "h2d_mib_per_token": dec.get("bytes_h2d", 0) / decode_steps / 2**20,
         "link_read_mib_per_token": dec.get("link_read_bytes", 0) / decode_steps / 2**20,  # decode_misses link
         "copies_per_token": dec.get("copies_h2d", 0) / decode_steps,
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
@@ -224,9 +225,10 @@ def main() -> None:
     ap.add_argument("--no-prefetch", action="store_true", help="no next-layer guesses / prefill streaming")
     ap.add_argument("--no-decode-prefetch", action="store_true",
                     help="no guessed experts copied in decode steps (decode_prefetch=False; prefill still streams)")
-    ap.add_argument("--decode-misses", default="copy", choices=["copy", "link"],
+    ap.add_argument("--decode-misses", default="auto", choices=["auto", "copy", "link"],
                     help="copy: uncached experts copied into slots layer by layer; link: the decode step is one "
-                         "CUDA graph whose kernel reads them over the link (experts/link_table.py)")
+                         "CUDA graph whose kernel reads them over the link (experts/link_table.py); auto: the "
+                         "planner's choice (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the first N layers (models bigger than the machine's RAM; the table says N)")
     ap.add_argument("--json", type=Path, default=None)

@@ -85,9 +85,11 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                    help="prompts longer than a step: layer (each layer in all its chunks, each uncached expert "
                         "crosses the link once per prompt), chunk (each chunk through every layer); auto: layer "
                         "when experts are offloaded and the prompt's hidden states fit")
-    g.add_argument("--decode-misses", default="copy", choices=DECODE_MISSES,
-                   help="an experiment: offloaded decode steps copy uncached experts into slots layer by layer "
-                        "(copy), or run as one CUDA graph whose kernel reads them from pinned host memory (link)")
+    g.add_argument("--decode-misses", default="auto", choices=DECODE_MISSES,
+                   help="offloaded decode steps copy uncached experts into slots layer by layer (copy), or run as "
+                        "one CUDA graph whose kernel reads them from pinned host memory (link); auto: link where "
+                        "the experts' format reads well over the link and the strategy is auto or offload "
+                        "(default: %(default)s)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

@@ -266,7 +266,7 @@ PREFILL_MODES = ("auto", "layer", "chunk")
 # host step per MoE layer), or "link": the whole step is one CUDA graph whose decode kernel reads
 # them from pinned host memory (experts/link_table.py). An experiment until measured (issue 23):
 # its A/B is benchmarks/bench_offload.py --decode-misses; then the planner's choice, or deleted
-DECODE_MISSES = ("copy", "link")
+DECODE_MISSES = ("auto", "copy", "link")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 
@@ -339,7 +339,7 @@ class EngineConfig:
     calibration: str | None = None
     decode_prefetch: bool = True
     prefill_mode: str = "auto"  # auto | layer | chunk: prompts longer than a step (planner_search.prefill_plan)
-    decode_misses: str = "copy"  # copy | link (DECODE_MISSES)
+    decode_misses: str = "auto"  # auto | copy | link: the planner's choice, or forced (planner.py)
 
     @cached_property
     def offload(self) -> OffloadConfig:

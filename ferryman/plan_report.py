@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ferryman.config import GiB, MiB, ModelConfig
 from ferryman.kvcache.window_pool import num_window_layers
-from ferryman.planner import MemoryPlan, non_expert_params
+from ferryman.planner import LINK_STRATEGIES, MemoryPlan, link_step_fits, non_expert_params
 
 
 def describe_plan(plan: MemoryPlan) -> str:
@@ -48,6 +48,7 @@ def describe_plan(plan: MemoryPlan) -> str:
     ]
     if plan.strategy == "offload" and not plan.cpu_layers:  # cpu, layers: no miss crosses the link
         rows.append(("decode link", _link_estimate(plan)))
+        rows.append(("miss path", _misses_mode(plan)))
         if (hint := _fp8_kv_hint(plan)) is not None:
             rows.append(("hint", hint))
     if r.budget is not None:
@@ -65,6 +66,20 @@ def _fp8_kv_hint(plan: MemoryPlan) -> str | None:
     freed = plan.kv_bytes - plan.kv_bytes // itemsize
     return (f"--kv-cache-dtype fp8 would free {freed / GiB:.2f} GiB of KV cache: {freed // plan.slot_bytes} more "
             f"expert slots, fewer bytes over the link per token")
+
+
+def _misses_mode(plan: MemoryPlan) -> str:
+    if plan.decode_misses == "link":
+        return (f"read over the link by the decode kernel, whole steps in one CUDA graph, up to "
+                f"{_link_seqs(plan)} sequences (copied into slots beyond)")
+    why = "" if plan.request.decode_misses == "copy" else (
+        "; the experts' format reads slowly over the link" if plan.request.strategy in LINK_STRATEGIES
+        else "; link steps need moe_strategy auto or offload")
+    return "copied into slots layer by layer" + why
+
+
+def _link_seqs(plan: MemoryPlan) -> int:
+    return max((n for n in range(1, 257) if link_step_fits(plan.request.cfg, n)), default=0)
 
 
 # host -> device links for the estimate in `describe_plan`: pinned copies, bytes/s, as such links
@@ -109,6 +124,9 @@ def _link_estimate(plan: MemoryPlan) -> str:
 # Rates: link and compute from this machine's calibration (`ferryman bench bw`, calibrate/device.py);
 # without one, the assumed figures below, and the report says so.
 LAYER_S = 0.35e-3  # seconds per offloaded layer step besides its expert bytes (host sync, launches)
+# a link step's seconds per layer besides its reads: 0.14-0.18 ms measured on qwen3-30b-a3b at 8 GiB
+# (docs/benchmarks.md); its misses are read at the link rate, no host step between layers
+LINK_LAYER_S = 0.16e-3
 HBM_BPS = 3.0e12  # device memory bytes/s a decode kernel reads at
 FLOPS = 4.0e14  # assumed flop/s of a prefill's GEMMs without a calibration of this device
 ASSUMED_LINK = REFERENCE_LINKS[1]  # without a calibration of this machine
@@ -199,7 +217,9 @@ class StepCosts:
 
     def decode_s(self, seqs: int, hit: float) -> float:
         used = used_experts(self.experts, self.k, seqs)
-        return self.moe_layers * (self.misses_s(seqs, hit) + LAYER_S + used * self.row / HBM_BPS)
+        link = self.plan.decode_misses == "link" and link_step_fits(self.cfg, seqs)
+        return self.moe_layers * (self.misses_s(seqs, hit) + (LINK_LAYER_S if link else LAYER_S)
+                                  + used * self.row / HBM_BPS)
 
     def moe_s(self, tokens: int) -> float:
         if self.rates.moe_seconds is not None:

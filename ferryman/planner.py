@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig
+from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig, parse_strategy
+from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
 from ferryman.kvcache.shared_region import PageGeometry
@@ -168,6 +169,7 @@ class PlanRequest:
     kernels: str = "auto"  # the MoE kernels: auto | torch | triton (a machine fact: FERRYMAN_KERNELS)
     min_expert_slots: int | None = None  # an offloaded plan's slot floor (None: top_k)
     prefill_mode: str = "auto"  # auto | layer | chunk: how prompts longer than a step run (planner_search.py)
+    decode_misses: str = "auto"  # auto | copy | link: how offloaded decode reaches misses (`plan_decode_misses`)
 
     @property
     def kv_per_token(self) -> int:
@@ -262,6 +264,47 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         return self.weights_bytes + self.kv_bytes + self.activation_bytes + self.expert_cache_bytes + self.state_bytes
+
+    @property
+    def decode_misses(self) -> str:
+        return plan_decode_misses(self.request, self.strategy, self.cpu_layers)
+
+
+# How an offloaded decode step reaches the experts its slots lack (experts/link_table.py,
+# engine/segment_graphs.py):
+#   copy: each MoE layer reads its routing on the host, copies its misses into slots, then computes;
+#   link: the whole step is one CUDA graph whose decode kernel reads misses from pinned host memory.
+# Link wins where the kernel reads host memory about as fast as a copy (ExpertFormat.link_reads): on
+# the H200 machine 1.45x copy's decode at one sequence in bf16, 1.6x in fp8, 2.4x in int4 and Q4_K_M;
+# MXFP4, read at half the copy rate, decoded at 0.64x (docs/benchmarks.md). Link steps need every MoE
+# layer on the GPU path: no hybrid split, no CPU layers, the Triton decode kernel.
+LINK_STRATEGIES = ("auto", "offload")
+# link steps run while a step's (token, k) pairs number at most this share of a layer's experts
+LINK_MAX_SHARE = 0.5
+
+
+def link_step_fits(cfg: ModelConfig, seqs: int) -> bool:
+    """A decode step of `seqs` sequences runs as a link step: its pairs fit the decode kernel, and they
+    are few enough beside a layer's experts that few share an uncached one (the per-pair kernel reads
+    a shared expert over the link once per pair)."""
+    return seqs * cfg.top_k <= min(fused_moe.DECODE_MAX_PAIRS, LINK_MAX_SHARE * cfg.num_experts)
+
+
+def plan_decode_misses(req: PlanRequest, strategy: str, cpu_layers: int) -> str:
+    """copy | link for an offloaded plan (copy when resident: nothing misses); auto picks link when
+    the strategy allows it and every MoE layer's format reads well over the link."""
+    if strategy != "offload" or req.decode_misses == "copy":
+        return "copy"
+    blocked = [why for why, bad in ((f"moe_strategy auto or offload, not {req.strategy!r}",
+                                     parse_strategy(req.strategy)[0] not in LINK_STRATEGIES or cpu_layers),
+                                    ("the Triton kernels, not FERRYMAN_KERNELS=torch", req.kernels == "torch")) if bad]
+    allowed = not blocked
+    if req.decode_misses == "link":
+        if blocked:
+            raise ConfigError(f"decode_misses 'link' needs {' and '.join(blocked)}")
+        return "link"
+    formats = {req.cfg.expert_format_of(i) for i in req.cfg.moe_layers}
+    return "link" if allowed and all(get_format(f).link_reads for f in formats) else "copy"
 
 
 def round_up(n: int, m: int) -> int:

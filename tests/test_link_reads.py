@@ -34,7 +34,8 @@ def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
     resident = LLM(str(folder), enforce_eager=True, **kw)
     if device == "cuda":
-        return resident, LLM(str(folder), moe_strategy="offload", expert_cache="25%", decode_misses="link", **kw)
+        # the planner's own choice: these dense experts read well over the link (planner.plan_decode_misses)
+        return resident, LLM(str(folder), expert_cache="25%", **kw)
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", enforce_eager=True, **kw)
     runner = offload.engine.runner
     runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
@@ -93,6 +94,7 @@ def test_cuda_link_steps_equal_resident(tiny: tuple[str, Path]) -> None:
     resident, offload = _offload_with_link(folder, 12, "cuda")
     seg = offload.engine.runner.graphs
     assert isinstance(seg, SegmentedDecode) and seg.link is not None, "link steps were not set up"
+    assert offload.stats()["decode_misses"] == "link" and offload.stats()["cuda_graph_mode"] == "link"
     for p in PROMPTS:
         assert greedy_ids(offload, [p], 12) == greedy_ids(resident, [p], 12), f"{arch}: CUDA link-read decode differs"
     assert greedy_ids(offload, PROMPTS, 12) == greedy_ids(resident, PROMPTS, 12), f"{arch}: CUDA copy steps after link"

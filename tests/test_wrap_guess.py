@@ -38,7 +38,7 @@ def test_wrap_guesses_copy_the_first_layers_experts_and_keep_the_answers(device:
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=32)
     prompts = [[5, 6, 7, 8, 9], [11, 3, 2], [40, 41, 42, 43]]
     want = greedy_ids(LLM(**kw), prompts, 12)
-    llm = LLM(moe_strategy="offload", expert_cache="10%", **kw)
+    llm = LLM(moe_strategy="offload", expert_cache="10%", decode_misses="copy", **kw)  # guesses: the copy path
     experts = llm.engine.runner.experts
     first = experts.guesser.first
     calls: list[tuple[int, list[int]]] = []

@@ -100,12 +100,14 @@ class LLMEngine:
         graphs = not ecfg.enforce_eager
         self.runner = ModelRunner(loaded, self.device, num_blocks, ecfg.block_size, ecfg.max_num_seqs,
                                   self.max_model_len, use_cuda_graphs=graphs, plan=self.plan,
-                                  expert_options=dict(strategy=ecfg.offload.moe_strategy,
+                                  # link steps leave the CPU nothing to split (planner.plan_decode_misses)
+                                  expert_options=dict(strategy="offload" if self.plan.decode_misses == "link"
+                                                      else ecfg.offload.moe_strategy,
                                                       calibration=ecfg.offload.calibration,
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
                                   num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
-                                  region=region, decode_misses=ecfg.decode_misses)
+                                  region=region, decode_misses=self.plan.decode_misses)
         # the boundary that moves with the load (engine/memory_split.py)
         self.split = make_split(self.plan, ecfg, self.cfg, region, self.scheduler.pool,
                                 lambda: self.runner.experts.cache)
@@ -336,6 +338,7 @@ class LLMEngine:
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
             "prefill_mode": "layer" if self.plan.prefill_job_tokens else "chunk",
+            "decode_misses": self.plan.decode_misses,  # copy | link (planner.plan_decode_misses)
             "prefill_jobs": dict(self.prefill_jobs),
             "experts": self.expert_stats(block),
             "memory_split": self.split.snapshot() if self.split is not None else {},  # memory_split() has more

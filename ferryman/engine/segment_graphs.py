@@ -28,7 +28,7 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 `capture=False` runs the same segment functions eagerly over the same buffers (CPU tests).
 
 Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
-DECODE_MAX_PAIRS, and at most LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n):
+DECODE_MAX_PAIRS, and at most planner.LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n):
 every segment, then layer i's MoE mapping its expert ids through the link table (uncached experts
 are read over the link by the kernel itself), the shared experts' add, the final segment. Padding
 rows take row 0's experts (`valid`), so they read nothing more. No host step between layers; the
@@ -52,9 +52,8 @@ from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, fused_moe
 from ferryman.layers.moe_common import triton_reads
 from ferryman.layers.moe import SparseMoE
 from ferryman.models.transformer import MoETransformer
+from ferryman.planner import link_step_fits
 
-# link steps run while a step's (token, k) pairs number at most this share of a layer's experts
-LINK_MAX_SHARE = 0.5
 log = logging.getLogger("ferryman.engine")
 Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers) | ("step", num_layers)
 
@@ -164,11 +163,8 @@ class SegmentedDecode:
             return None
 
     def _link_graph(self, bs: int) -> bool:
-        """Batch bs runs as a link step: its pairs fit the decode kernel, and they are few enough
-        beside the layer's experts (at most LINK_MAX_SHARE of them) that few pairs share an
-        uncached expert: the per-pair kernel reads a shared one over the link once per pair."""
-        pairs = bs * self.model.cfg.top_k
-        return self.link is not None and pairs <= min(DECODE_MAX_PAIRS, LINK_MAX_SHARE * self.model.cfg.num_experts)
+        """Batch bs runs as a link step (planner.link_step_fits)."""
+        return self.link is not None and link_step_fits(self.model.cfg, bs)
 
     def _final(self, bs: int) -> torch.Tensor:
         hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]

@@ -54,8 +54,11 @@ def engine_plan(ecfg: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device
     req = PlanRequest(cfg, dtype, device_budget(ecfg, device), max_model_len, ecfg.max_num_seqs or AUTO_NUM_SEQS[0],
                       ecfg.max_num_batched_tokens, ecfg.block_size, ecfg.kv_cache_tokens,
                       off.moe_strategy, cache, kv_dtype(ecfg.kv_cache_dtype, dtype, device), kernels,
-                      min_expert_slots=ecfg.min_expert_slots, prefill_mode=ecfg.prefill_mode)
-    return plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
+                      min_expert_slots=ecfg.min_expert_slots, prefill_mode=ecfg.prefill_mode,
+                      decode_misses=ecfg.decode_misses)
+    plan = plan_memory(req) if ecfg.max_num_seqs is not None else plan_auto_seqs(req)
+    _ = plan.decode_misses  # ConfigError now for link reads the plan cannot run
+    return plan
 
 
 def enforce_budget(ecfg: EngineConfig, device: torch.device) -> None:

@@ -54,6 +54,10 @@ class ExpertFormat(ABC):
     """Layout + reference dequantisation of the routed-expert banks of one layer."""
 
     name: str
+    # The GPU decode kernel reads this format's uncached experts from pinned host memory about as
+    # fast as a copy moves them (benchmarks/bench_host_reads.py; docs/benchmarks.md): the planner
+    # lets offloaded decode steps read misses over the link (planner.decode_misses) only then.
+    link_reads: bool = True
 
     @abstractmethod
     def weight_specs(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype) -> dict[str, BankSpec]:

@@ -29,6 +29,7 @@ class GgufFormat(ExpertFormat):
     def __init__(self, w13_type: str, w2_type: str) -> None:
         self.types = {"w13": check_type(w13_type), "w2": check_type(w2_type)}
         self.name = format_name(w13_type, w2_type)
+        self.link_reads = "mxfp4" not in self.types.values()  # not measured reading host memory: copied
 
     def _row_bytes(self, proj: str, k: int, dim: str) -> int:
         gtype = self.types[proj]

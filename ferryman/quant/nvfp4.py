@@ -70,6 +70,8 @@ class Nvfp4Format(ExpertFormat):
     """Banks: w13_packed [E, 2I, H/2], w2_packed [E, H, I/2] uint8; w13_scale [E, 2I, H/16],
     w2_scale [E, H, I/16] e4m3; w13_gscale [E, 2], w2_gscale [E, 1] fp32."""
 
+    link_reads = False  # scales apart from the values, as mxfp4's: not measured reading host memory
+
     def __init__(self, name: str, divide: bool) -> None:
         self.name, self.divide = name, divide
 
