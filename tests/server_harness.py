@@ -29,12 +29,14 @@ from ferryman.server import EngineLoop, ServerConfig, build_app
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def build_tiny_chat_model(folder: Path, seed: int = 0, max_positions: int = 512) -> Path:
-    """A tiny random qwen3_moe (fp32) that reads and writes the demo model's tokens."""
+def build_tiny_chat_model(folder: Path, seed: int = 0, max_positions: int = 512,
+                          heads: tuple[int, int] = (4, 2)) -> Path:
+    """A tiny random qwen3_moe (fp32) that reads and writes the demo model's tokens; heads: (query,
+    kv) attention heads (fewer: cheaper long prompts on the CPU, whose attention is most of their time)."""
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, tie_word_embeddings=False,
+        "qwen3_moe", vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=heads[0],
+        num_key_value_heads=heads[1], head_dim=16, max_position_embeddings=max_positions, tie_word_embeddings=False,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96,
         norm_topk_prob=True, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(cfg).float().eval()

@@ -43,7 +43,7 @@ SDK_HEADERS = {"content-type", "accept", "user-agent"}  # the SDK sets its own
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
     """The tiny chat model with room for an agent's prompt (20k tokens) and the demo tokenizer."""
-    model = build_tiny_chat_model(tmp_path_factory.mktemp("tiny-32k"), max_positions=32768)
+    model = build_tiny_chat_model(tmp_path_factory.mktemp("tiny-32k"), max_positions=32768, heads=(1, 1))
     srv = start_server(str(model), ServerConfig(served_model_names=["demo-moe"]),  # the name the agents used
                        max_num_seqs=2, max_num_batched_tokens=4096)
     yield srv

@@ -53,9 +53,11 @@ def test_preset_runs_with_dummy_by_name(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-next-80b-a3b", "qwen3.5-397b-a17b"])
 def test_hybrid_preset_dummy_runs_and_resumes(tmp_path: Path, name: str) -> None:
-    """Four real-width layers of a hybrid preset (3 gated DeltaNet, 1 gated attention): finite
-    logits, and a second turn restored from a state checkpoint gives the tokens of a cold prefill."""
-    folder = _shrunk_preset(name, tmp_path / "h", num_hidden_layers=4, num_experts=16, vocab_size=1024)
+    """Four layers of a hybrid preset at its real hidden width (3 gated DeltaNet, 1 gated attention;
+    16 narrowed experts): finite logits, and a second turn restored from a state checkpoint gives
+    the tokens of a cold prefill."""
+    folder = _shrunk_preset(name, tmp_path / "h", num_hidden_layers=4, num_experts=16, vocab_size=1024,
+                            moe_intermediate_size=128, shared_expert_intermediate_size=128)
     kw = dict(device="cpu", load_format="dummy", max_model_len=256, max_num_seqs=2)
     llm = LLM(str(folder), **kw)
     assert len(llm.engine.runner.model.linear_layers()) == 3
