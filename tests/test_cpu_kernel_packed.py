@@ -1,4 +1,4 @@
-"""The CPU expert kernel's packed formats (quant/csrc/cpu_experts_packed.h): GGUF q8_0 / q4_k / q6_k
+"""The CPU expert kernel's packed formats (quant/csrc/cpu_experts_packed.h, cpu_experts_rows512.h): GGUF q8_0 / q4_k / q6_k
 blocks, int4 / int8 words with group scales, fp8 e4m3 with block or row scales, nvfp4 (modelopt's and
 compressed-tensors' global scales). Per format and instruction set: every decoded weight bit for bit
 the torch dequantiser's (quant/gguf_blocks.py dequant_rows, quant/intq.py, quant/fp8.py,
@@ -58,6 +58,20 @@ def test_decoded_weights_are_the_dequantisers_bit_for_bit(fmt: str, isa: str) ->
     want = get_format(fmt).dequant(banks, "w13", slice(1, 2), torch.float32)[0]  # [2I, H]
     assert got.shape == want.shape and bool(want.abs().amax() > 0)
     assert torch.equal(got, want), f"{(got != want).sum().item()} of {want.numel()} weights differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_few_token_paths_decode_bit_for_bit(fmt: str, isa: str) -> None:
+    """Three tokens per call, below the tiles' TILES_FROM: the row decoders where a format has them
+    (AVX-512 Q8_0, Q4_K), tiles elsewhere. Tokens of the identity give columns of W exactly."""
+    banks = _banks(fmt, 2, experts=1)
+    w, s, z = _w13_matrix(fmt, banks, 0)
+    eye = torch.eye(HIDDEN)
+    got = torch.cat([cpu_kernel.matmul(eye[k:k + 3], w, s, fmt=fmt, isa=isa, zeros=z) for k in range(0, HIDDEN, 3)])
+    want = get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0]  # [2I, H]
+    assert torch.equal(got.T, want), f"{(got.T != want).sum().item()} of {want.numel()} weights differ"
 
 
 @needs_kernel

@@ -9,8 +9,8 @@
  *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
  *   5-12     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
- *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders (q4_k: and AVX-512
- *            row decoders), cpu_experts_packed.h
+ *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders, cpu_experts_packed.h
+ *            (q8_0, q4_k: and AVX-512 row decoders, cpu_experts_rows512.h)
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -256,6 +256,7 @@ static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, const uint
 static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 #include "cpu_experts_packed.h"
+#include "cpu_experts_rows512.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
@@ -293,8 +294,9 @@ static const format_t FORMATS[N_FORMATS] = {
 #define PACKED(NAME, MULTIPLE)                                                                                \
     {NAME##_row_bytes, prep_plain, MULTIPLE, {NULL, NULL, NULL, NULL},                                         \
      {decode_##NAME##_portable, decode_##NAME##_avx2, decode_##NAME##_avx512, decode_##NAME##_avx512}}
-    [FMT_Q8_0] = PACKED(q8_0, 32),
-    /* Q4_K: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_packed.h) */
+    /* Q8_0, Q4_K: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h, cpu_experts_packed.h) */
+    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, NULL, rows_q8_0_avx512, rows_q8_0_avx512},
+                  {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
     [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
     [FMT_Q6_K] = PACKED(q6_k, QK_K),
