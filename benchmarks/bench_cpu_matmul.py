@@ -4,6 +4,9 @@ kernel against another tree's, alternated in one process.
     python benchmarks/bench_cpu_matmul.py --against /path/to/other/tree [--format gguf:q4_k:q4_k]
         [--proj w13] [--tokens 1,2,3] [--experts 64] [--threads 1]
 
+--format: a GGUF format (either projection), or int4 / int8 / fp8 (w13: words or codes with their
+scales and zeros).
+
 qwen3-30b-a3b's expert shape (H 2048, I 768) unless --hidden / --inter say otherwise; each timed
 round multiplies every one of --experts random experts once (64 of them: about 110 MB of Q4_K w13,
 more than the caches, as misses are), best of --reps rounds and of 3 alternations, microseconds per
@@ -20,27 +23,47 @@ from pathlib import Path
 import torch
 
 from ferryman.quant import get_format
-from ferryman.quant.cpu_kernel import ISAS, build, format_code, need_library, packed_inputs
+from ferryman.quant.cpu_kernel import ISAS, build, format_code, need_library, packed_codes, packed_inputs
 
 
-def per_matrix(lib: ctypes.CDLL, code: int, w: torch.Tensor, x: torch.Tensor, n: int, threads: int,
+Parts = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # [E, ...] weights, scales, zeros
+
+
+def per_matrix(lib: ctypes.CDLL, code: int, group: int, parts: Parts, x: torch.Tensor, n: int, threads: int,
                reps: int) -> float:
-    """Best seconds per matrix over `reps` rounds through every expert of w [E, N, bytes]."""
+    """Best seconds per matrix over `reps` rounds through every expert of the parts."""
     y = torch.empty(x.shape[0], n)
+    w, s, z = parts
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         for e in range(w.shape[0]):
-            lib.ferryman_cpu_matmul(code, 0, x.data_ptr(), x.shape[0], x.shape[1], w[e].data_ptr(), None, None, n,
-                                    y.data_ptr(), threads, ISAS["avx512bf16"])
+            lib.ferryman_cpu_matmul(code, group, x.data_ptr(), x.shape[0], x.shape[1], w[e].data_ptr(),
+                                    s[e].data_ptr() if s is not None else None,
+                                    z[e].data_ptr() if z is not None else None, n, y.data_ptr(), threads,
+                                    ISAS["avx512bf16"])
         best = min(best, (time.perf_counter() - t0) / w.shape[0])
     return best
+
+
+def matrices(fmt: str, proj: str, banks: dict[str, torch.Tensor]) -> tuple[str, Parts]:
+    """(the format the kernel reads the projection as, its parts): a GGUF projection of its own type
+    read as a w13; int and fp8 w13 with their scales (and zeros)."""
+    if fmt.startswith("gguf:"):
+        gtype = fmt.split(":")[1 if proj == "w13" else 2]
+        return f"gguf:{gtype}:{gtype}", (banks[f"{proj}_q"], None, None)
+    if proj != "w13":
+        raise SystemExit(f"bench_cpu_matmul: --proj w2 is for GGUF formats (got --format {fmt})")
+    if fmt.startswith("fp8"):
+        return fmt, (banks["w13"], banks["w13_scale"], None)
+    return fmt, (banks["w13_qweight"], banks["w13_scales"], banks.get("w13_zeros"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", type=Path, required=True, help="the other tree (its ferryman/quant/csrc is built)")
-    ap.add_argument("--format", default="gguf:q4_k:q4_k", help="a GGUF format gguf:<w13>:<w2> (default q4_k)")
+    ap.add_argument("--format", default="gguf:q4_k:q4_k",
+                    help="gguf:<w13>:<w2>, int4|int8:<g<n>|ch>:<sym|asym> or fp8:<b>x<b>|channel (default: %(default)s)")
     ap.add_argument("--proj", default="w13", choices=["w13", "w2"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
@@ -49,28 +72,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    if not a.format.startswith("gguf:"):
-        raise SystemExit("bench_cpu_matmul: --format must be a GGUF format gguf:<w13>:<w2> (its banks have no scales)")
+    if packed_codes(a.format) is None or a.format.startswith("nvfp4"):
+        raise SystemExit(f"bench_cpu_matmul: --format {a.format}: the CPU kernel reads gguf, int and fp8 formats here")
     ours = need_library(None)
     theirs, why = build(csrc=a.against / "ferryman" / "quant" / "csrc")
     if theirs is None:
         raise SystemExit(f"bench_cpu_matmul: could not build {a.against}'s kernel: {why}")
     banks = get_format(a.format).random_banks(a.experts, a.hidden, a.inter, False, torch.float32,
                                               torch.Generator().manual_seed(0))
-    w = banks[f"{a.proj}_q"]  # [E, N, row bytes]
-    gtype = a.format.split(":")[1 if a.proj == "w13" else 2]
-    one = f"gguf:{gtype}:{gtype}"  # the projection's own type, read as a w13
-    code = format_code(one, torch.uint8)
+    one, parts = matrices(a.format, a.proj, banks)
+    w = parts[0]  # [E, N, row bytes or words]
+    code, group = format_code(one, w.dtype), packed_codes(one)[2]
     if code is None:
-        raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {gtype} blocks (--format {a.format})")
-    k = packed_inputs(one, w[0])
+        raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {one} (--format {a.format})")
+    k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2]
     print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s); against {a.against}")
     for t in (int(v) for v in a.tokens.split(",")):
         x = torch.randn(t, k)
         best = {"this": float("inf"), "other": float("inf")}
         for _ in range(3):
-            best["other"] = min(best["other"], per_matrix(theirs, code, w, x, w.shape[1], a.threads, a.reps))
-            best["this"] = min(best["this"], per_matrix(ours, code, w, x, w.shape[1], a.threads, a.reps))
+            best["other"] = min(best["other"], per_matrix(theirs, code, group, parts, x, w.shape[1], a.threads, a.reps))
+            best["this"] = min(best["this"], per_matrix(ours, code, group, parts, x, w.shape[1], a.threads, a.reps))
         print(f"{t} token(s): other {best['other'] * 1e6:8.1f} us  this {best['this'] * 1e6:8.1f} us  "
               f"x{best['other'] / best['this']:.2f}")
 

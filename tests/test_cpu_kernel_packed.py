@@ -26,8 +26,8 @@ FORMATS = ["gguf:q8_0:q8_0", "gguf:q4_k:q6_k", "gguf:q6_k:q4_k", "int4:g128:sym"
 HIDDEN, INTER = 1280, 256  # w13's K: one tile of 1024 and one of 256; w2's: a single short tile
 
 
-def _banks(fmt: str, seed: int, experts: int = 4) -> dict[str, torch.Tensor]:
-    banks = get_format(fmt).random_banks(experts, HIDDEN, INTER, True, torch.float32,
+def _banks(fmt: str, seed: int, experts: int = 4, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
+    banks = get_format(fmt).random_banks(experts, hidden, INTER, True, torch.float32,
                                          torch.Generator().manual_seed(seed))
     if "w13_gscale" in banks:  # nvfp4: gate's and up's global scales differ (random ones are equal)
         banks["w13_gscale"][:, 1] *= 2.0
@@ -61,15 +61,17 @@ def test_decoded_weights_are_the_dequantisers_bit_for_bit(fmt: str, isa: str) ->
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,hidden", [(f, HIDDEN) for f in FORMATS]
+                         + [("int4:g8:asym", 1288), ("int8:ch:asym", 1288), ("fp8:channel", 1288)])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_few_token_paths_decode_bit_for_bit(fmt: str, isa: str) -> None:
+def test_few_token_paths_decode_bit_for_bit(fmt: str, hidden: int, isa: str) -> None:
     """Three tokens per call, below the tiles' TILES_FROM: the row decoders where a format has them
-    (AVX-512 Q8_0, Q4_K), tiles elsewhere. Tokens of the identity give columns of W exactly."""
-    banks = _banks(fmt, 2, experts=1)
+    (AVX-512 Q8_0, Q4_K), tiles elsewhere; groups of 8 and rows that end inside a vector too. Tokens
+    of the identity give columns of W exactly."""
+    banks = _banks(fmt, 2, experts=1, hidden=hidden)
     w, s, z = _w13_matrix(fmt, banks, 0)
-    eye = torch.eye(HIDDEN)
-    got = torch.cat([cpu_kernel.matmul(eye[k:k + 3], w, s, fmt=fmt, isa=isa, zeros=z) for k in range(0, HIDDEN, 3)])
+    eye = torch.eye(hidden)
+    got = torch.cat([cpu_kernel.matmul(eye[k:k + 3], w, s, fmt=fmt, isa=isa, zeros=z) for k in range(0, hidden, 3)])
     want = get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0]  # [2I, H]
     assert torch.equal(got.T, want), f"{(got.T != want).sum().item()} of {want.numel()} weights differ"
 

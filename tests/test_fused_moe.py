@@ -191,7 +191,8 @@ for seed, (fmt, kind, dtype) in enumerate([
     act = MoEActivation(kind)
     ref = fused_moe_reference(form, banks, x, ids, w, act)
     strided = slot_pool(form, banks, h, i, True, dtype)  # the same experts in the expert-major slot pool
-    for layout_name, bk in (("contiguous", banks), ("strided", strided)):
+    layouts = [("strided", strided)] + ([("contiguous", banks)] if seed in (0, 2) else [])  # once per format
+    for layout_name, bk in layouts:
         got = fused_moe_decode(fmt, bk, x, ids, w, kind, act.alpha, act.limit)
         out.append(dict(case=f"{fmt}-{kind}-{dtype}-{layout_name}", err=rel_err(got, ref), dtype=str(dtype),
                         dtype_ok=got.dtype == dtype and got.shape == x.shape))
