@@ -103,6 +103,11 @@
 #                the host: docs/benchmarks.md), copy and link alternated twice; ~6 min with the file written
 #   linkquant    qwen3-30b-a3b at 8 GiB with bf16, fp8 and int4 dummy experts (QUANTS), copy and link each: the
 #                formats' decode ratios of issue 21 in each mode (its int4 decode was bound by the host); ~7 min
+#   linkoss      gpt-oss-20b at 8 GiB decoding with copy and link once each (--moe-strategy offload: LINKARGS)
+#   linkmx       which fp4 layouts the decode kernel reads well over the link (the planner reads links for a
+#                format only where it does, ExpertFormat.link_reads): bench_host_reads at gpt-oss-20b's layer
+#                shape for MXFP4 (scales apart), GGUF MXFP4 (scales inside 17-byte blocks) and NVFP4, then the
+#                ggufoss stage's GGUF at 8 GiB decoding with copy and link; ~7 min with the GGUF written
 #   compare      the stages in COMPARE (default "offload20 serve16") for this tree, then for the tree at
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
@@ -415,6 +420,14 @@ for s in ${@:-tests}; do
                  peer_serve llamacpp_16users 8152 16 "${LLAMA[@]}" --n-cpu-moe "${NCPUMOE16:-34}" -c 20480 -np 16 \
                    --port 8152
                  peer_serve ferryman_16users 8153 16 "${FERRY[@]}" --max-model-len 1280 --max-num-seqs 16 --port 8153 ;;
+    linkmx)      for f in mxfp4 gguf:mxfp4:mxfp4 nvfp4; do
+                   stage "host_reads_${f//:/_}" 60 python3 benchmarks/bench_host_reads.py --format "$f"
+                 done
+                 oss_write
+                 for m in copy link; do
+                   offload "linkmx_gguf_$m" "$OSS_GGUF:8GiB" 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 \
+                     $LINKARGS --prefill-prompt 0 --ttft-prompt 0
+                 done ;;
     linkoss)     for m in copy link; do
                    offload "linkoss_$m" gpt-oss-20b:8GiB 150 "$ROOT" --decode-misses "$m" --decode-tokens 128 $LINKARGS \
                      --prefill-prompt 0 --ttft-prompt 0
