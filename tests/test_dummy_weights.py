@@ -33,13 +33,14 @@ def test_dummy_is_reproducible_and_seeded(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gpt_oss_dummy_has_real_shapes_mxfp4_and_finite_logits(tmp_path: Path) -> None:
-    """Two real-width gpt-oss-20b layers (hidden 2880, 32 MXFP4 experts) stay finite."""
-    folder = _shrunk_preset("gpt-oss-20b", tmp_path / "g", num_hidden_layers=2, vocab_size=1024,
+    """Two real-width gpt-oss-20b layers (hidden 2880, MXFP4 experts of its shape; 8 of them, top-4)
+    stay finite."""
+    folder = _shrunk_preset("gpt-oss-20b", tmp_path / "g", num_hidden_layers=2, vocab_size=1024, num_local_experts=8,
                             layer_types=["sliding_attention", "full_attention"])
     llm = LLM(str(folder), device="cpu", load_format="dummy", max_model_len=256)
     banks = llm.engine.runner.model.moe_blocks()[0].experts.store.banks[0]
-    assert banks["w13_blocks"].shape == (32, 5760, 90, 16) and banks["w13_blocks"].dtype == torch.uint8
-    assert banks["w2_scales"].shape == (32, 2880, 90)
+    assert banks["w13_blocks"].shape == (8, 5760, 90, 16) and banks["w13_blocks"].dtype == torch.uint8
+    assert banks["w2_scales"].shape == (8, 2880, 90)
     logits = llm.score([list(range(1, 40))])[0]
     assert torch.isfinite(logits).all()
     assert logits.std() > 0
