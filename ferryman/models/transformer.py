@@ -67,7 +67,10 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         # one rotary table shared by all layers (it is a buffer, not a parameter)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # an uninitialised table (the loader fills it): nn.Embedding's own normal_ init, on the meta
+        # device the model is built on, imports torch's Python references once per process (~1.2 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_fp32, cfg.norm_unit_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
