@@ -4,8 +4,8 @@ kernel against another tree's, alternated in one process.
     python benchmarks/bench_cpu_matmul.py --against /path/to/other/tree [--format gguf:q4_k:q4_k]
         [--proj w13] [--tokens 1,2,3] [--experts 64] [--threads 1]
 
---format: a GGUF format (either projection), or int4 / int8 / fp8 (w13: words or codes with their
-scales and zeros).
+--format: a GGUF format (either projection), int4 / int8 / fp8 (w13: words or codes with their
+scales and zeros), mxfp4 or dense (bf16 w13).
 
 qwen3-30b-a3b's expert shape (H 2048, I 768) unless --hidden / --inter say otherwise; each timed
 round multiplies every one of --experts random experts once (64 of them: about 110 MB of Q4_K w13,
@@ -56,6 +56,10 @@ def matrices(fmt: str, proj: str, banks: dict[str, torch.Tensor]) -> tuple[str, 
         raise SystemExit(f"bench_cpu_matmul: --proj w2 is for GGUF formats (got --format {fmt})")
     if fmt.startswith("fp8"):
         return fmt, (banks["w13"], banks["w13_scale"], None)
+    if fmt == "mxfp4":
+        return fmt, (banks["w13_blocks"], banks["w13_scales"], None)
+    if fmt == "dense":
+        return fmt, (banks["w13"], None, None)
     return fmt, (banks["w13_qweight"], banks["w13_scales"], banks.get("w13_zeros"))
 
 
@@ -63,7 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--against", type=Path, required=True, help="the other tree (its ferryman/quant/csrc is built)")
     ap.add_argument("--format", default="gguf:q4_k:q4_k",
-                    help="gguf:<w13>:<w2>, int4|int8:<g<n>|ch>:<sym|asym> or fp8:<b>x<b>|channel (default: %(default)s)")
+                    help="gguf:<w13>:<w2>, int4|int8:<g<n>|ch>:<sym|asym>, fp8:<b>x<b>|channel, mxfp4 or dense "
+                         "(default: %(default)s)")
     ap.add_argument("--proj", default="w13", choices=["w13", "w2"])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
@@ -72,20 +77,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    if packed_codes(a.format) is None or a.format.startswith("nvfp4"):
-        raise SystemExit(f"bench_cpu_matmul: --format {a.format}: the CPU kernel reads gguf, int and fp8 formats here")
+    if a.format not in ("mxfp4", "dense") and (packed_codes(a.format) is None or a.format.startswith("nvfp4")):
+        raise SystemExit(f"bench_cpu_matmul: --format {a.format}: this reads gguf, int, fp8, mxfp4 and dense formats")
     ours = need_library(None)
     theirs, why = build(csrc=a.against / "ferryman" / "quant" / "csrc")
     if theirs is None:
         raise SystemExit(f"bench_cpu_matmul: could not build {a.against}'s kernel: {why}")
-    banks = get_format(a.format).random_banks(a.experts, a.hidden, a.inter, False, torch.float32,
+    dtype = torch.bfloat16 if a.format == "dense" else torch.float32  # dense: bf16 banks, as checkpoints
+    banks = get_format(a.format).random_banks(a.experts, a.hidden, a.inter, False, dtype,
                                               torch.Generator().manual_seed(0))
     one, parts = matrices(a.format, a.proj, banks)
     w = parts[0]  # [E, N, row bytes or words]
-    code, group = format_code(one, w.dtype), packed_codes(one)[2]
+    code, group = format_code(one, w.dtype), (packed_codes(one) or (0, 0, 0))[2]
     if code is None:
         raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {one} (--format {a.format})")
-    k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2]
+    k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2] * (32 if one == "mxfp4" else 1)
     print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s); against {a.against}")
     for t in (int(v) for v in a.tokens.split(",")):
         x = torch.randn(t, k)

@@ -55,6 +55,9 @@
 #define BLOCK_BYTES 16
 #define SPAN 128      /* MXFP4 weights of one 64-byte vector load (4 groups) */
 #define TILE 8        /* tokens per pass over a row */
+/* how far ahead the row decoders prefetch a row's bytes: from DRAM one core keeps several KB in flight
+ * (docs/benchmarks.md, "CPU expert kernel": 1 KB ahead left Q8_0 / Q4_K rows waiting on memory) */
+#define PREFETCH_AHEAD 8192
 #define MAX_GROUPS 4096 /* K <= 131072 for the per-row scale table */
 
 enum { FMT_MXFP4, FMT_BF16, FMT_F32, FMT_F16, FMT_BF16X, FMT_Q8_0, FMT_Q4_K, FMT_Q6_K, FMT_INT4, FMT_INT8, FMT_FP8, FMT_NVFP4,

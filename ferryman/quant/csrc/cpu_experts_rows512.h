@@ -12,7 +12,7 @@ INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
     for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
     for (int64_t b = k0 / 32; b < k1 / 32; b++) {
         const uint8_t *blk = row + b * 34;
-        _mm_prefetch((const char *)blk + 544, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
         const __m512 d = _mm512_set1_ps(f16_at(blk));
         const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
         const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
@@ -59,7 +59,7 @@ INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
     for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
     for (int64_t b = k0 / QK_K; b * QK_K < k1; b++) { /* a block's scales once, then its 64-value runs */
         const uint8_t *blk = row + b * 144;
-        _mm_prefetch((const char *)blk + 576, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
         const float d = f16_at(blk), dmin = f16_at(blk + 2);
         const int c0 = b * QK_K < k0 ? (int)(k0 - b * QK_K) / 64 : 0;
         const int c1 = (b + 1) * QK_K > k1 ? (int)(k1 - b * QK_K) / 64 : 4;

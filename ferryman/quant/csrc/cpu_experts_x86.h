@@ -31,7 +31,7 @@ INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     const int64_t spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     for (int64_t sp = k0 / SPAN; sp < sp1; sp++) {
-        _mm_prefetch((const char *)(blk + sp * 64 + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + sp * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
         __m512i v = _mm512_loadu_si512((const void *)(blk + sp * 64));
         __m512 scv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(sc + sp * 4)));
         __m512 wv[8];
@@ -130,7 +130,7 @@ MXFP4_ROWS(rows_mxfp4_avx512, T512, mx512_scales, mx512_row)
         for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();                               \
         int64_t k = k0;                                                                                 \
         for (; k + 32 <= k1; k += 32) {                                                                  \
-            _mm_prefetch((const char *)(row + k) + 1024, _MM_HINT_T0);                                  \
+            _mm_prefetch((const char *)(row + k) + PREFETCH_AHEAD, _MM_HINT_T0);                        \
             __m512 w0 = LOAD16(row + k), w1 = LOAD16(row + k + 16);                                     \
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {                                    \
                 a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + t * K + k), a0[t]);                    \
