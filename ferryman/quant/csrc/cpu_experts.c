@@ -114,8 +114,9 @@ static void prep_bf16(const float *x, float *xp, int64_t K) {
 /* ---- row decoders: y[t * ys + n] += W[n, k0:k1] . xp[t, k0:k1] for n in [n0, n1), t < nt -------
  * k0, k1: multiples of SPAN, or k1 = K (MXFP4's groups after the last whole span go with the last
  * chunk). Chunks keep a tile of tokens' activations in L1 while the rows stream by. */
-typedef void (*rows_fn)(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                        int64_t k1, const float *xp, int nt, float *y, int64_t ys);
+typedef void (*rows_fn)(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                        int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
+                        int64_t ys);
 
 /* whether groups [g0, g1) of an MXFP4 row hold a scale of 0 or 255 (exact only through the
  * per-group path) */
@@ -134,8 +135,9 @@ static void mxfp4_group_portable(const uint8_t *blk, uint8_t s, const float *xg,
 }
 
 /* the portable loop; also every chunk with extreme scales, where it multiplies as the reference does */
-static void rows_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                                int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
+static void rows_mxfp4_portable(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
+                                int64_t ys) {
     const int64_t G = K / BLOCK, spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;
@@ -160,9 +162,10 @@ static void rows_mxfp4_portable(const uint8_t *w, const uint8_t *s, int64_t K, i
 }
 
 #define DENSE_PORTABLE(NAME, TYPE, SCALAR)                                                              \
-    static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,     \
-                            int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {    \
-        (void)s;                                                                                        \
+    static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,        \
+                            int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                            int nt, float *y, int64_t ys) {                                             \
+        (void)s, (void)z, (void)group;                                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
             float acc[TILE] = {0};                                                                      \
@@ -180,9 +183,10 @@ DENSE_PORTABLE(bf16_portable, uint16_t, bf16_scalar)
 DENSE_PORTABLE(f32_portable, float, f32_scalar)
 DENSE_PORTABLE(f16_portable, uint16_t, half_float)
 
-static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                                int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s;
+static void rows_bf16x_portable(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
+                                int64_t ys) {
+    (void)s, (void)z, (void)group;
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *row = (const uint16_t *)w + n * K;
         float acc[TILE] = {0};
@@ -297,15 +301,18 @@ static const format_t FORMATS[N_FORMATS] = {
 #define PACKED(NAME, MULTIPLE)                                                                                \
     {NAME##_row_bytes, prep_plain, MULTIPLE, {NULL, NULL, NULL, NULL},                                         \
      {decode_##NAME##_portable, decode_##NAME##_avx2, decode_##NAME##_avx512, decode_##NAME##_avx512}}
-    /* Q8_0, Q4_K: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h, cpu_experts_packed.h) */
+    /* Q8_0, Q4_K, int4, int8, fp8: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h) */
     [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, NULL, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
     [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
     [FMT_Q6_K] = PACKED(q6_k, QK_K),
-    [FMT_INT4] = PACKED(int4, 8),
-    [FMT_INT8] = PACKED(int8, 4),
-    [FMT_FP8] = PACKED(fp8, 1),
+    [FMT_INT4] = {int4_row_bytes, prep_plain, 8, {NULL, NULL, rows_int4_avx512, rows_int4_avx512},
+                  {decode_int4_portable, decode_int4_avx2, decode_int4_avx512, decode_int4_avx512}},
+    [FMT_INT8] = {int8_row_bytes, prep_plain, 4, {NULL, NULL, rows_int8_avx512, rows_int8_avx512},
+                  {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
+    [FMT_FP8] = {fp8_row_bytes, prep_plain, 1, {NULL, NULL, rows_fp8_avx512, rows_fp8_avx512},
+                 {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
     [FMT_NVFP4] = PACKED(nvfp4, 16),
     [FMT_NVFP4CT] = PACKED(nvfp4ct, 16),
 #undef PACKED

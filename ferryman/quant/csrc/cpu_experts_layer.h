@@ -71,7 +71,7 @@ static void run_rows(const kernel_t *kn, const mat_t *m, int64_t K, int64_t n0, 
             for (int64_t k0 = 0; k0 < K; k0 += chunk) {
                 /* the last chunk takes what is left, so MXFP4's groups after the last span go with it */
                 int64_t k1 = k0 + 2 * chunk > K ? K : k0 + chunk;
-                rows(m->w, m->s, K, nb, ne, k0, k1, xp + t0 * K, nt, y + t0 * ys, ys);
+                rows(m->w, m->s, m->z, m->group, K, nb, ne, k0, k1, xp + t0 * K, nt, y + t0 * ys, ys);
                 if (k1 == K) break;
             }
         }

@@ -1,6 +1,7 @@
-/* Packed formats of cpu_experts.c and their tile decoders (Q8_0 and Q4_K also have AVX-512 row decoders
- * for few tokens, cpu_experts_rows512.h): each tile of rows x TILE_K is decoded once into fp32, then a
- * dots kernel multiplies it (the ISA's, or dots_portable). Each decoded weight is, bit for bit, what the torch reference dequantiser returns:
+/* Packed formats of cpu_experts.c and their tile decoders (some also have AVX-512 row decoders for
+ * few tokens, cpu_experts_rows512.h): each tile of rows x TILE_K is decoded once into fp32, then a
+ * dots kernel multiplies it (the ISA's, or dots_portable). Each decoded weight is, bit for bit, what the
+ * torch reference dequantiser returns:
  *   GGUF (quant/gguf_blocks.py dequant_rows; ggml's block layouts), a row = K / block values' blocks:
  *     5 q8_0  34 bytes / 32 values: fp16 d, 32 int8 q                      w = d x q
  *     6 q4_k 144 bytes / 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (8 sub-blocks of

@@ -14,8 +14,9 @@ INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
         const uint8_t *blk = row + b * 34;
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
         const __m512 d = _mm512_set1_ps(f16_at(blk));
-        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
-        const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+        const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+        const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
+        const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1));
         _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
             const float *xs = xp + t * K + b * 32;
             a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs), a0[t]);
@@ -26,9 +27,10 @@ INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
 }
 
 /* k0, k1: multiples of 32 (run_rows' chunks are of SPAN = 128, the last one ends at K) */
-T512 static void rows_q8_0_avx512(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+T512 static void rows_q8_0_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z,
+                                  int64_t group, int64_t K, int64_t n0, int64_t n1, int64_t k0,
                                   int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s;
+    (void)s, (void)z, (void)group;
     const int64_t rb = K / 32 * 34;
     float out[TILE];
     for (int64_t n = n0; n < n1; n++) {
@@ -99,9 +101,10 @@ INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 }
 
 /* the row decoder: k0, k1 multiples of 64 (run_rows' chunks are of SPAN = 128) */
-T512 static void rows_q4_k_avx512(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, int64_t k0,
+T512 static void rows_q4_k_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z,
+                                  int64_t group, int64_t K, int64_t n0, int64_t n1, int64_t k0,
                                   int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s;
+    (void)s, (void)z, (void)group;
     const int64_t rb = K / QK_K * 144;
     float out[TILE];
     for (int64_t n = n0; n < n1; n++) {
@@ -119,7 +122,143 @@ T512 static void rows_q4_k_avx512(const uint8_t *w, const uint8_t *s, int64_t K,
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }
 }
+
+/* int4 / int8 words with group scales (and zeros): per group, the table of its 16 (int4) weights
+ * (q - zero) x scale, one rounding as int_rows'; int4's 16 bytes become 32 codes in element order
+ * (low, high nibble of each byte), looked up 16 at a time; int8's codes are widened and scaled.
+ * A group's values past its last whole 32 go through the scalar loop (groups are multiples of 8). */
+INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, const uint8_t *zr, int64_t gs,
+                             int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt, float *out) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const int mid = 1 << (bits - 1);
+    __m512 a0[TILE], a1[TILE];
+    float tail[TILE] = {0};
+    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1;) {
+        const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
+        const int zero = zr ? zr[g] : mid;
+        const float sc = scl[g];
+        const __m512 scv = _mm512_set1_ps(sc);
+        const __m512i zv = _mm512_set1_epi32(zero);
+        const __m512 lut = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, zv)), scv);
+        for (; k + 32 <= end; k += 32) {
+            __m512 w0, w1;
+            _mm_prefetch((const char *)(row + k * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+            if (bits == 4) {
+                const __m128i v = _mm_loadu_si128((const __m128i *)(row + k / 2));
+                const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+                w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut);
+                w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), lut);
+            } else {
+                const __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
+                const __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k + 16)));
+                w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q0, zv)), scv);
+                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q1, zv)), scv);
+            }
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                const float *xs = xp + t * K + k;
+                a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs), a0[t]);
+                a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs + 16), a1[t]);
+            }
+        }
+        for (; k < end; k++) {
+            const int q = bits == 4 ? (row[k / 2] >> (4 * (k & 1))) & 0xF : row[k];
+            const float wk = (float)(q - zero) * sc;
+            for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t])) + tail[t];
+}
+
+#define INT_ROWS512(NAME, BITS)                                                                             \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                                 int nt, float *y, int64_t ys) {                                            \
+        const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * BITS / 8;                            \
+        float out[TILE];                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            const uint8_t *row = w + n * rb, *zr = z ? z + n * G : NULL;                                    \
+            const float *scl = (const float *)s + n * G;                                                    \
+            switch (nt) {                                                                                   \
+            case 1: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 1, out); break;                    \
+            case 2: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 2, out); break;                    \
+            case 3: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 3, out); break;                    \
+            case 4: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 4, out); break;                    \
+            case 5: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 5, out); break;                    \
+            case 6: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 6, out); break;                    \
+            case 7: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 7, out); break;                    \
+            default: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 8, out); break;                   \
+            }                                                                                               \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
+        }                                                                                                   \
+    }
+INT_ROWS512(int4_avx512, 4)
+INT_ROWS512(int8_avx512, 8)
+
+/* fp8 e4m3 with square block or row scales: 16 codes at a time decoded as decode_fp8_avx512 does
+ * (the table's 128 magnitudes in 8 registers, the sign bit ORed in), times the block's scale; a
+ * block's values past its last whole 16 through the table */
+INLINE512 void fp8_512_row_nt(const uint8_t *row, const float *sr, int64_t gs, int64_t k0, int64_t k1,
+                              const float *xp, int64_t K, const int nt, float *out) {
+    __m512 lut[8];
+    for (int i = 0; i < 8; i++) lut[i] = _mm512_loadu_ps(E4M3 + 16 * i);
+    const __m512i low7 = _mm512_set1_epi32(0x7F), b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64),
+                  sign = _mm512_set1_epi32(0x80);
+    __m512 acc[TILE];
+    float tail[TILE] = {0};
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1;) {
+        const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
+        const float sc = sr[g];
+        const __m512 scv = _mm512_set1_ps(sc);
+        for (; k + 16 <= end; k += 16) {
+            _mm_prefetch((const char *)(row + k) + PREFETCH_AHEAD, _MM_HINT_T0);
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
+            const __m512i u = _mm512_and_si512(c, low7);
+            const __m512 q0 = _mm512_permutex2var_ps(lut[0], u, lut[1]), q1 = _mm512_permutex2var_ps(lut[2], u, lut[3]);
+            const __m512 q2 = _mm512_permutex2var_ps(lut[4], u, lut[5]), q3 = _mm512_permutex2var_ps(lut[6], u, lut[7]);
+            const __mmask16 m5 = _mm512_test_epi32_mask(u, b5), m6 = _mm512_test_epi32_mask(u, b6);
+            __m512 v = _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, q0, q1), _mm512_mask_blend_ps(m5, q2, q3));
+            const __m512i sg = _mm512_slli_epi32(_mm512_and_si512(c, sign), 24);
+            v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sg)), scv);
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xp + t * K + k), acc[t]);
+        }
+        for (; k < end; k++) {
+            const float wk = E4M3[row[k]] * sc;
+            for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
+}
+
+T512 static void rows_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                 int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
+                                 int64_t ys) {
+    (void)z;
+    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    float out[TILE];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * K;
+        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        switch (nt) {
+        case 1: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 1, out); break;
+        case 2: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 2, out); break;
+        case 3: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 3, out); break;
+        case 4: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 4, out); break;
+        case 5: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 5, out); break;
+        case 6: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 6, out); break;
+        case 7: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 7, out); break;
+        default: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 8, out); break;
+        }
+        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
+    }
+}
 #else
 #define rows_q8_0_avx512 NULL
+#define rows_int4_avx512 NULL
+#define rows_int8_avx512 NULL
+#define rows_fp8_avx512 NULL
 #define rows_q4_k_avx512 NULL
 #endif

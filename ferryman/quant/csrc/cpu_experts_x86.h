@@ -104,14 +104,15 @@ INLINE512 int mx512_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc
  * (0: the row goes the portable way, as does one of more than MAX_GROUPS groups), ROW(blk, scl, sc,
  * xp, K, G, k0, k1, nt, out) dots it with nt tokens */
 #define MXFP4_ROWS(NAME, TARGET, SCALES, ROW)                                                          \
-    TARGET static void NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,      \
-                            int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {    \
+    TARGET static void NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,        \
+                            int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                            int nt, float *y, int64_t ys) {                                             \
         const int64_t G = K / BLOCK, g0 = k0 / BLOCK, g1 = k1 / BLOCK;                                  \
         float sc[MAX_GROUPS], out[TILE];                                                                \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const uint8_t *blk = w + n * G * BLOCK_BYTES, *scl = s + n * G;                             \
             if (G > MAX_GROUPS || !SCALES(scl, g0, g1, sc)) {                                           \
-                rows_mxfp4_portable(w, s, K, n, n + 1, k0, k1, xp, nt, y, ys);                          \
+                rows_mxfp4_portable(w, s, z, group, K, n, n + 1, k0, k1, xp, nt, y, ys);                          \
                 continue;                                                                               \
             }                                                                                           \
             ROW(blk, scl, sc, xp, K, G, k0, k1, nt, out);                                               \
@@ -145,9 +146,10 @@ MXFP4_ROWS(rows_mxfp4_avx512, T512, mx512_scales, mx512_row)
         }                                                                                               \
         for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));        \
     }                                                                                                   \
-    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
-                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) { \
-        (void)s;                                                                                        \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,   \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,             \
+                                 const float *xp, int nt, float *y, int64_t ys) {                       \
+        (void)s, (void)z, (void)group;                                                                  \
         float out[TILE];                                                                                \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
@@ -230,9 +232,10 @@ INLINE256 int mx256_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc
 MXFP4_ROWS(rows_mxfp4_avx2, T256, mx256_scales, mx256_row)
 
 #define DENSE256(NAME, TYPE, LOAD8, SCALAR)                                                              \
-    T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1, \
-                                 int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) { \
-        (void)s;                                                                                        \
+    T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,   \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,             \
+                                 const float *xp, int nt, float *y, int64_t ys) {                       \
+        (void)s, (void)z, (void)group;                                                                  \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
             __m256 acc[TILE];                                                                           \
@@ -269,9 +272,10 @@ DENSE256(f16_avx2, uint16_t, f16_load8, half_float)
 /* ---- AVX512-BF16 (compiled everywhere, run only where CPUID reports it) -------------------------- */
 /* bf16 weights times bf16 activations: one vdpbf16ps multiplies 32 pairs and adds them in pairs into
  * 16 fp32 lanes; up to 4 tokens per pass, a row's chunk at a time */
-TBF16 static void rows_bf16x_avx512bf16(const uint8_t *w, const uint8_t *s, int64_t K, int64_t n0, int64_t n1,
-                                        int64_t k0, int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s;
+TBF16 static void rows_bf16x_avx512bf16(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                        int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt,
+                                        float *y, int64_t ys) {
+    (void)s, (void)z, (void)group;
     for (int64_t n = n0; n < n1; n++) {
         const uint16_t *row = (const uint16_t *)w + n * K;
         for (int t0 = 0; t0 < nt; t0 += 4) {
