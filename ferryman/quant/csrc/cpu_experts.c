@@ -301,12 +301,13 @@ static const format_t FORMATS[N_FORMATS] = {
 #define PACKED(NAME, MULTIPLE)                                                                                \
     {NAME##_row_bytes, prep_plain, MULTIPLE, {NULL, NULL, NULL, NULL},                                         \
      {decode_##NAME##_portable, decode_##NAME##_avx2, decode_##NAME##_avx512, decode_##NAME##_avx512}}
-    /* Q8_0, Q4_K, int4, int8, fp8: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h) */
+    /* Q8_0, Q4_K, Q6_K, int4, int8, fp8: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h) */
     [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, NULL, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
     [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
-    [FMT_Q6_K] = PACKED(q6_k, QK_K),
+    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q6_k_avx512, rows_q6_k_avx512},
+                  {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},
     [FMT_INT4] = {int4_row_bytes, prep_plain, 8, {NULL, NULL, rows_int4_avx512, rows_int4_avx512},
                   {decode_int4_portable, decode_int4_avx2, decode_int4_avx512, decode_int4_avx512}},
     [FMT_INT8] = {int8_row_bytes, prep_plain, 4, {NULL, NULL, rows_int8_avx512, rows_int8_avx512},

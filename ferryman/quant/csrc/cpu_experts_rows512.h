@@ -255,8 +255,74 @@ T512 static void rows_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }
 }
+
+/* Q6_K: per 128 values (half a block) and 16 lanes, the low-nibble bytes ql[l], ql[32 + l] and the
+ * high-bit bytes qh[l] widened once give the four 6-bit codes of values l, 32 + l, 64 + l, 96 + l;
+ * each minus 32 times d x its int8 scale (exact: an 11-bit mantissa times 8 bits), one rounding as
+ * q6_k_16's */
+INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
+                             float *out) {
+    const __m512i m4 = _mm512_set1_epi32(0xF), m2 = _mm512_set1_epi32(3), c32 = _mm512_set1_epi32(32);
+    __m512 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t kh = k0; kh < k1; kh += 128) { /* half a block: 128 values */
+        const int64_t b = kh / QK_K;
+        const int h = (int)(kh / 128) & 1;
+        const uint8_t *blk = row + b * 210;
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 64 * h, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 128 + 40 * h, _MM_HINT_T0);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16_at(blk + 208);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *lo = blk + h * 64 + half * 16, *hi = blk + 128 + h * 32 + half * 16;
+            const int8_t *s = sc + h * 8 + half;
+            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo));
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo + 32)));
+            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hi));
+            __m512i v[4];
+            v[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi32(_mm512_and_si512(q, m2), 4));
+            v[1] = _mm512_or_si512(_mm512_and_si512(c, m4),
+                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 2), m2), 4));
+            v[2] = _mm512_or_si512(_mm512_srli_epi32(a, 4),
+                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 4), m2), 4));
+            v[3] = _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_slli_epi32(_mm512_srli_epi32(q, 6), 4));
+            const int64_t k = b * QK_K + h * 128 + half * 16;
+            for (int j = 0; j < 4; j++) {
+                const __m512 w = _mm512_mul_ps(_mm512_set1_ps(d * (float)s[2 * j]),
+                                               _mm512_cvtepi32_ps(_mm512_sub_epi32(v[j], c32)));
+                _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+                    acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + k + 32 * j), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+/* k0, k1: multiples of 128, half a block (run_rows' chunks are of SPAN = 128, the last one ends at K) */
+T512 static void rows_q6_k_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
+                                  int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
+                                  int64_t ys) {
+    (void)s, (void)z, (void)group;
+    const int64_t rb = K / QK_K * 210;
+    float out[TILE];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * rb;
+        switch (nt) {
+        case 1: q6k512_row_nt(row, k0, k1, xp, K, 1, out); break;
+        case 2: q6k512_row_nt(row, k0, k1, xp, K, 2, out); break;
+        case 3: q6k512_row_nt(row, k0, k1, xp, K, 3, out); break;
+        case 4: q6k512_row_nt(row, k0, k1, xp, K, 4, out); break;
+        case 5: q6k512_row_nt(row, k0, k1, xp, K, 5, out); break;
+        case 6: q6k512_row_nt(row, k0, k1, xp, K, 6, out); break;
+        case 7: q6k512_row_nt(row, k0, k1, xp, K, 7, out); break;
+        default: q6k512_row_nt(row, k0, k1, xp, K, 8, out); break;
+        }
+        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
+    }
+}
 #else
 #define rows_q8_0_avx512 NULL
+#define rows_q6_k_avx512 NULL
 #define rows_int4_avx512 NULL
 #define rows_int8_avx512 NULL
 #define rows_fp8_avx512 NULL
