@@ -4,8 +4,8 @@ kernel against another tree's, alternated in one process.
     python benchmarks/bench_cpu_matmul.py --against /path/to/other/tree [--format gguf:q4_k:q4_k]
         [--proj w13] [--tokens 1,2,3] [--experts 64] [--threads 1]
 
---format: a GGUF format (either projection), int4 / int8 / fp8 (w13: words or codes with their
-scales and zeros), mxfp4 or dense (bf16 w13).
+--format: a GGUF format (either projection), int4 / int8 / fp8 / nvfp4 (w13: words or codes with
+their scales, zeros or global scales), mxfp4 or dense (bf16 w13).
 
 qwen3-30b-a3b's expert shape (H 2048, I 768) unless --hidden / --inter say otherwise; each timed
 round multiplies every one of --experts random experts once (64 of them: about 110 MB of Q4_K w13,
@@ -58,6 +58,8 @@ def matrices(fmt: str, proj: str, banks: dict[str, torch.Tensor]) -> tuple[str, 
         return fmt, (banks["w13"], banks["w13_scale"], None)
     if fmt == "mxfp4":
         return fmt, (banks["w13_blocks"], banks["w13_scales"], None)
+    if fmt.startswith("nvfp4"):  # zeros: the global scales, gate's and up's
+        return fmt, (banks["w13_packed"], banks["w13_scale"], banks["w13_gscale"])
     if fmt == "dense":
         return fmt, (banks["w13"], None, None)
     return fmt, (banks["w13_qweight"], banks["w13_scales"], banks.get("w13_zeros"))
@@ -77,8 +79,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
-    if a.format not in ("mxfp4", "dense") and (packed_codes(a.format) is None or a.format.startswith("nvfp4")):
-        raise SystemExit(f"bench_cpu_matmul: --format {a.format}: this reads gguf, int, fp8, mxfp4 and dense formats")
+    if a.format not in ("mxfp4", "dense") and packed_codes(a.format) is None:
+        raise SystemExit(f"bench_cpu_matmul: --format {a.format}: the CPU kernel does not read it")
     ours = need_library(None)
     theirs, why = build(csrc=a.against / "ferryman" / "quant" / "csrc")
     if theirs is None:
@@ -89,9 +91,12 @@ def main() -> None:
     one, parts = matrices(a.format, a.proj, banks)
     w = parts[0]  # [E, N, row bytes or words]
     code, group = format_code(one, w.dtype), (packed_codes(one) or (0, 0, 0))[2]
+    if one.startswith("nvfp4"):  # rows per global scale (cpu_kernel.matmul's rule)
+        group = w.shape[1] // parts[2].shape[1]
     if code is None:
         raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {one} (--format {a.format})")
-    k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2] * (32 if one == "mxfp4" else 1)
+    per = 32 if one == "mxfp4" else 2 if one.startswith("nvfp4") else 1  # inputs per byte or block of dim 2
+    k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2] * per
     print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s); against {a.against}")
     for t in (int(v) for v in a.tokens.split(",")):
         x = torch.randn(t, k)

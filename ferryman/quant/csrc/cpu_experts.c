@@ -9,8 +9,8 @@
  *   4 bf16x  W = [N, K] bfloat16 times activations that are bf16 values (the caller's activations
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
  *   5-12     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
- *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders, cpu_experts_packed.h
- *            (q8_0, q4_k: and AVX-512 row decoders, cpu_experts_rows512.h)
+ *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders, cpu_experts_packed.h,
+ *            and AVX-512 row decoders, cpu_experts_rows512.h
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -298,10 +298,7 @@ static const format_t FORMATS[N_FORMATS] = {
     [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
                    {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
                    {NULL, NULL, NULL, NULL}},
-#define PACKED(NAME, MULTIPLE)                                                                                \
-    {NAME##_row_bytes, prep_plain, MULTIPLE, {NULL, NULL, NULL, NULL},                                         \
-     {decode_##NAME##_portable, decode_##NAME##_avx2, decode_##NAME##_avx512, decode_##NAME##_avx512}}
-    /* Q8_0, Q4_K, Q6_K, int4, int8, fp8: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h) */
+    /* packed formats: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h), tiles else */
     [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, NULL, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
     [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q4_k_avx512, rows_q4_k_avx512},
@@ -314,9 +311,10 @@ static const format_t FORMATS[N_FORMATS] = {
                   {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
     [FMT_FP8] = {fp8_row_bytes, prep_plain, 1, {NULL, NULL, rows_fp8_avx512, rows_fp8_avx512},
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
-    [FMT_NVFP4] = PACKED(nvfp4, 16),
-    [FMT_NVFP4CT] = PACKED(nvfp4ct, 16),
-#undef PACKED
+    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, 16, {NULL, NULL, rows_nvfp4_avx512, rows_nvfp4_avx512},
+                   {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4_avx512, decode_nvfp4_avx512}},
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16, {NULL, NULL, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
+                     {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ct_avx512, decode_nvfp4ct_avx512}},
 };
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */

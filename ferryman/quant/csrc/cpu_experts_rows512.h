@@ -74,10 +74,10 @@ INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
         u[0] &= 0x3F3F3F3Fu;
         u[2] = lo_mins, u[3] = hi_mins;
         float ds[8], ms[8]; /* each sub-block's d x sc and dmin x m (exact products) */
-        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u)))));
-        _mm256_storeu_ps(ms, _mm256_mul_ps(_mm256_set1_ps(dmin),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2))))));
+        const __m256i sc8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)u));
+        const __m256i mn8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(u + 2)));
+        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sc8)));
+        _mm256_storeu_ps(ms, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(mn8)));
         for (int c = c0; c < c1; c++) {
             const __m512 lut0 = _mm512_fmsub_ps(iota, _mm512_set1_ps(ds[2 * c]), _mm512_set1_ps(ms[2 * c]));
             const __m512 lut1 = _mm512_fmsub_ps(iota, _mm512_set1_ps(ds[2 * c + 1]), _mm512_set1_ps(ms[2 * c + 1]));
@@ -320,8 +320,55 @@ T512 static void rows_q6_k_avx512(const uint8_t *w, const uint8_t *s, const uint
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }
 }
+
+/* nvfp4 (modelopt: the global scale multiplies; compressed-tensors: it divides): per group of 16,
+ * its 8 bytes as 16 codes in element order (low, high nibble of each byte) looked up in the e2m1
+ * table, times the group's effective scale computed as nvfp4_rows does (one rounding each) */
+INLINE512 void nvfp4_512_row_nt(int divide, const uint8_t *row, const uint8_t *scl, float g, int64_t k0, int64_t k1,
+                                const float *xp, int64_t K, const int nt, float *out) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m512 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t j = k0 / 16; j < k1 / 16; j++) {
+        _mm_prefetch((const char *)(row + j * 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+        const float eff = divide ? E4M3[scl[j]] / g : E4M3[scl[j]] * g;
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(row + j * 8));
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+        const __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lut), _mm512_set1_ps(eff));
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+            acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + j * 16), acc[t]);
+    }
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+#define NVFP4_ROWS512(NAME, DIVIDE)                                                                         \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                                 int nt, float *y, int64_t ys) {                                            \
+        float out[TILE];                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);                                  \
+            const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
+            switch (nt) {                                                                                   \
+            case 1: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 1, out); break;                    \
+            case 2: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 2, out); break;                    \
+            case 3: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 3, out); break;                    \
+            case 4: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 4, out); break;                    \
+            case 5: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 5, out); break;                    \
+            case 6: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 6, out); break;                    \
+            case 7: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 7, out); break;                    \
+            default: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 8, out); break;                   \
+            }                                                                                               \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
+        }                                                                                                   \
+    }
+NVFP4_ROWS512(nvfp4_avx512, 0)
+NVFP4_ROWS512(nvfp4ct_avx512, 1)
 #else
 #define rows_q8_0_avx512 NULL
+#define rows_nvfp4_avx512 NULL
+#define rows_nvfp4ct_avx512 NULL
 #define rows_q6_k_avx512 NULL
 #define rows_int4_avx512 NULL
 #define rows_int8_avx512 NULL
