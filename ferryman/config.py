@@ -264,8 +264,8 @@ STRATEGIES = ("auto", "resident", "offload", "hybrid", "cpu", "layers")
 PREFILL_MODES = ("auto", "layer", "chunk")
 # how an offloaded decode step reaches experts not cached: "copy" them into slots, layer by layer (one
 # host step per MoE layer), or "link": the whole step is one CUDA graph whose decode kernel reads
-# them from pinned host memory (experts/link_table.py). An experiment until measured (issue 23):
-# its A/B is benchmarks/bench_offload.py --decode-misses; then the planner's choice, or deleted
+# them from pinned host memory (experts/link_table.py); "auto": the planner's choice by format and
+# strategy (planner.plan_decode_misses; the A/B: benchmarks/bench_offload.py --decode-misses)
 DECODE_MISSES = ("auto", "copy", "link")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence

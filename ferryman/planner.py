@@ -298,13 +298,12 @@ def plan_decode_misses(req: PlanRequest, strategy: str, cpu_layers: int) -> str:
     blocked = [why for why, bad in ((f"moe_strategy auto or offload, not {req.strategy!r}",
                                      parse_strategy(req.strategy)[0] not in LINK_STRATEGIES or cpu_layers),
                                     ("the Triton kernels, not FERRYMAN_KERNELS=torch", req.kernels == "torch")) if bad]
-    allowed = not blocked
     if req.decode_misses == "link":
         if blocked:
             raise ConfigError(f"decode_misses 'link' needs {' and '.join(blocked)}")
         return "link"
     formats = {req.cfg.expert_format_of(i) for i in req.cfg.moe_layers}
-    return "link" if allowed and all(get_format(f).link_reads for f in formats) else "copy"
+    return "link" if not blocked and all(get_format(f).link_reads for f in formats) else "copy"
 
 
 def round_up(n: int, m: int) -> int:
