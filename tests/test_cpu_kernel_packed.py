@@ -64,14 +64,16 @@ def test_decoded_weights_are_the_dequantisers_bit_for_bit(fmt: str, isa: str) ->
 @pytest.mark.parametrize("fmt,hidden", [(f, HIDDEN) for f in FORMATS]
                          + [("int4:g8:asym", 1288), ("int8:ch:asym", 1288), ("fp8:channel", 1288)])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-def test_few_token_paths_decode_bit_for_bit(fmt: str, hidden: int, isa: str) -> None:
-    """Three tokens per call, below the tiles' TILES_FROM: the row decoders where a format has them
+@pytest.mark.parametrize("tokens", [3, 5, 7])  # 5: chunks of K end mid-block (1152 of 1280)
+def test_few_token_paths_decode_bit_for_bit(fmt: str, hidden: int, isa: str, tokens: int) -> None:
+    """3, 5 and 7 tokens per call, below the tiles' TILES_FROM: the row decoders where a format has them
     (every packed format on AVX-512), tiles elsewhere; groups of 8 and rows that end inside a
     vector take the row decoders' scalar tails. Tokens of the identity give columns of W exactly."""
     banks = _banks(fmt, 2, experts=1, hidden=hidden)
     w, s, z = _w13_matrix(fmt, banks, 0)
     eye = torch.eye(hidden)
-    got = torch.cat([cpu_kernel.matmul(eye[k:k + 3], w, s, fmt=fmt, isa=isa, zeros=z) for k in range(0, hidden, 3)])
+    got = torch.cat([cpu_kernel.matmul(eye[k:k + tokens], w, s, fmt=fmt, isa=isa, zeros=z)
+                     for k in range(0, hidden, tokens)])
     want = get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0]  # [2I, H]
     assert torch.equal(got.T, want), f"{(got.T != want).sum().item()} of {want.numel()} weights differ"
 

@@ -274,10 +274,11 @@ typedef struct {
 } format_t;
 
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
- * token count from which it takes over from the row decoders (measured on one core of the dev VM:
- * AVX-512's row decoders are faster up to 3 tokens, AVX2's slower even at 1) */
+ * token count from which it takes over from the row decoders (measured on one core of the dev VM,
+ * docs/benchmarks.md: AVX-512's row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in
+ * every format, even at 8; AVX2's slower even at 1) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
-static const int TILES_FROM[N_ISAS] = {0, 1, 4, 4};
+static const int TILES_FROM[N_ISAS] = {0, 1, 8, 8};
 
 static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
 static int64_t two_byte_row(int64_t K) { return 2 * K; }
