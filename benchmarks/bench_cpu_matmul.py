@@ -30,7 +30,7 @@ Parts = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # [E, ...
 
 
 def per_matrix(lib: ctypes.CDLL, code: int, group: int, parts: Parts, x: torch.Tensor, n: int, threads: int,
-               reps: int) -> float:
+               reps: int, isa: str = "avx512bf16") -> float:
     """Best seconds per matrix over `reps` rounds through every expert of the parts."""
     y = torch.empty(x.shape[0], n)
     w, s, z = parts
@@ -41,7 +41,7 @@ def per_matrix(lib: ctypes.CDLL, code: int, group: int, parts: Parts, x: torch.T
             lib.ferryman_cpu_matmul(code, group, x.data_ptr(), x.shape[0], x.shape[1], w[e].data_ptr(),
                                     s[e].data_ptr() if s is not None else None,
                                     z[e].data_ptr() if z is not None else None, n, y.data_ptr(), threads,
-                                    ISAS["avx512bf16"])
+                                    ISAS[isa])
         best = min(best, (time.perf_counter() - t0) / w.shape[0])
     return best
 
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,3")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--isa", default="avx512bf16", choices=list(ISAS),
+                    help="the most the kernels may use, e.g. avx2 for an AVX2 machine's path (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     if a.format not in ("mxfp4", "dense") and packed_codes(a.format) is None:
@@ -97,13 +99,14 @@ def main() -> None:
         raise SystemExit(f"bench_cpu_matmul: the CPU kernel does not read {one} (--format {a.format})")
     per = 32 if one == "mxfp4" else 2 if one.startswith("nvfp4") else 1  # inputs per byte or block of dim 2
     k = packed_inputs(one, w[0]) if one.startswith(("gguf", "int")) else w.shape[2] * per
-    print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s); against {a.against}")
+    print(f"{a.format} {a.proj}: [{w.shape[1]} x {k}], {a.experts} experts, {a.threads} thread(s), ISA up to {a.isa}; "
+          f"against {a.against}")
     for t in (int(v) for v in a.tokens.split(",")):
         x = torch.randn(t, k)
         best = {"this": float("inf"), "other": float("inf")}
         for _ in range(3):
-            best["other"] = min(best["other"], per_matrix(theirs, code, group, parts, x, w.shape[1], a.threads, a.reps))
-            best["this"] = min(best["this"], per_matrix(ours, code, group, parts, x, w.shape[1], a.threads, a.reps))
+            for name, lib in (("other", theirs), ("this", ours)):
+                best[name] = min(best[name], per_matrix(lib, code, group, parts, x, w.shape[1], a.threads, a.reps, a.isa))
         print(f"{t} token(s): other {best['other'] * 1e6:8.1f} us  this {best['this'] * 1e6:8.1f} us  "
               f"x{best['other'] / best['this']:.2f}")
 
