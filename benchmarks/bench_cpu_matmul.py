@@ -106,7 +106,8 @@ def main() -> None:
         best = {"this": float("inf"), "other": float("inf")}
         for _ in range(3):
             for name, lib in (("other", theirs), ("this", ours)):
-                best[name] = min(best[name], per_matrix(lib, code, group, parts, x, w.shape[1], a.threads, a.reps, a.isa))
+                seconds = per_matrix(lib, code, group, parts, x, w.shape[1], a.threads, a.reps, a.isa)
+                best[name] = min(best[name], seconds)
         print(f"{t} token(s): other {best['other'] * 1e6:8.1f} us  this {best['this'] * 1e6:8.1f} us  "
               f"x{best['other'] / best['this']:.2f}")
 
