@@ -245,7 +245,6 @@ static void decode_mxfp4_portable(const uint8_t *w, const uint8_t *s, const uint
 #define rows_bf16_avx512 rows_bf16_portable
 #define rows_f32_avx512 rows_f32_portable
 #define rows_f16_avx512 rows_f16_portable
-#define rows_mxfp4_avx2 rows_mxfp4_portable
 #define rows_bf16_avx2 rows_bf16_portable
 #define rows_f32_avx2 rows_f32_portable
 #define rows_f16_avx2 rows_f16_portable
@@ -275,10 +274,10 @@ typedef struct {
 
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
  * token count from which it takes over from the row decoders (measured on one core of the dev VM,
- * docs/benchmarks.md: AVX-512's row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in
- * every format, even at 8; AVX2's slower even at 1) */
+ * docs/benchmarks.md: the row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in every
+ * format that has one, even at 8; on AVX2 only the dense formats have one) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
-static const int TILES_FROM[N_ISAS] = {0, 1, 8, 8};
+static const int TILES_FROM[N_ISAS] = {0, 8, 8, 8};
 
 static int64_t mxfp4_row_bytes(int64_t K) { return K / 2 + K / BLOCK; }
 static int64_t two_byte_row(int64_t K) { return 2 * K; }
@@ -286,7 +285,7 @@ static int64_t four_byte_row(int64_t K) { return 4 * K; }
 
 static const format_t FORMATS[N_FORMATS] = {
     [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
-                   {rows_mxfp4_portable, rows_mxfp4_avx2, rows_mxfp4_avx512, rows_mxfp4_avx512},
+                   {rows_mxfp4_portable, NULL, rows_mxfp4_avx512, rows_mxfp4_avx512}, /* AVX2: tiles */
                    {NULL, decode_mxfp4_avx2, decode_mxfp4_avx512, decode_mxfp4_avx512}},
     [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
                   {NULL, decode_bf16_avx2, decode_bf16_avx512, decode_bf16_avx512}},

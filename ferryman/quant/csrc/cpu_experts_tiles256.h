@@ -1,7 +1,7 @@
 /* AVX2 tile decoders and dots kernel of cpu_experts.c: the AVX-512 ones' (cpu_experts_tiles512.h)
  * with 8-lane vectors and 16 registers. */
 
-/* MXFP4 rows as fp32 in the prepared order (a span's halves as mx256_row decodes them), each weight
+/* MXFP4 rows as fp32 in the prepared order (a span's two 32-byte halves, e2m1x8), each weight
  * times its group's scale; rows with a scale of 0 or 255: the portable decoder */
 T256 static void decode_mxfp4_avx2(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
                                    int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
