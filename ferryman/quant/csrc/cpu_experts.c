@@ -55,6 +55,19 @@
 #define BLOCK_BYTES 16
 #define SPAN 128      /* MXFP4 weights of one 64-byte vector load (4 groups) */
 #define TILE 8        /* tokens per pass over a row */
+/* FN(args..., nt, out) with nt (1..TILE) as a literal, so FN's token loops unroll into registers: the
+ * row decoders' `*_nt` functions are only called through this */
+#define ROWS_NT(nt, FN, out, ...)                                                                       \
+    switch (nt) {                                                                                       \
+    case 1: FN(__VA_ARGS__, 1, out); break;                                                             \
+    case 2: FN(__VA_ARGS__, 2, out); break;                                                             \
+    case 3: FN(__VA_ARGS__, 3, out); break;                                                             \
+    case 4: FN(__VA_ARGS__, 4, out); break;                                                             \
+    case 5: FN(__VA_ARGS__, 5, out); break;                                                             \
+    case 6: FN(__VA_ARGS__, 6, out); break;                                                             \
+    case 7: FN(__VA_ARGS__, 7, out); break;                                                             \
+    default: FN(__VA_ARGS__, 8, out); break;                                                            \
+    }
 /* how far ahead the row decoders prefetch a row's bytes: from DRAM one core keeps several KB in flight
  * (docs/benchmarks.md, "CPU expert kernel": 1 KB ahead left Q8_0 / Q4_K rows waiting on memory) */
 #define PREFETCH_AHEAD 8192

@@ -1,9 +1,23 @@
 /* AVX-512 row decoders of packed formats for few tokens (below TILES_FROM): the weights are decoded
  * in registers as they multiply, never stored; each weight is the exact fp32 value the tile decoder
- * (cpu_experts_packed.h) would write. Invariant: callers pass nt as a literal (the switch of each
- * rows_* below), so the token loops unroll into registers. */
+ * (cpu_experts_packed.h) would write. Invariant: the `*_nt` functions are called through ROWS_NT
+ * (cpu_experts.c), nt a literal, so the token loops unroll into registers. */
 
 #ifdef FM_X86
+/* rows_NAME: GGUF rows of ROW_BYTES(K) bytes of blocks, each through FN(row, k0, k1, xp, K, nt, out) */
+#define GGUF_ROWS512(NAME, ROW_BYTES, FN)                                                                   \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                                 int nt, float *y, int64_t ys) {                                            \
+        (void)s, (void)z, (void)group;                                                                      \
+        const int64_t rb = ROW_BYTES(K);                                                                    \
+        float out[TILE];                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            ROWS_NT(nt, FN, out, w + n * rb, k0, k1, xp, K);                                                \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
+        }                                                                                                   \
+    }
+
 /* Q8_0: per block of 32, two 16-byte loads of int8 widened to fp32, times the block's fp16 d (exact:
  * an 11-bit mantissa times a 7-bit integer), multiplied into two accumulators per token */
 INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
@@ -27,33 +41,13 @@ INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
 }
 
 /* k0, k1: multiples of 32 (run_rows' chunks are of SPAN = 128, the last one ends at K) */
-T512 static void rows_q8_0_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z,
-                                  int64_t group, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                                  int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s, (void)z, (void)group;
-    const int64_t rb = K / 32 * 34;
-    float out[TILE];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * rb;
-        switch (nt) {
-        case 1: q8_0_512_row_nt(row, k0, k1, xp, K, 1, out); break;
-        case 2: q8_0_512_row_nt(row, k0, k1, xp, K, 2, out); break;
-        case 3: q8_0_512_row_nt(row, k0, k1, xp, K, 3, out); break;
-        case 4: q8_0_512_row_nt(row, k0, k1, xp, K, 4, out); break;
-        case 5: q8_0_512_row_nt(row, k0, k1, xp, K, 5, out); break;
-        case 6: q8_0_512_row_nt(row, k0, k1, xp, K, 6, out); break;
-        case 7: q8_0_512_row_nt(row, k0, k1, xp, K, 7, out); break;
-        default: q8_0_512_row_nt(row, k0, k1, xp, K, 8, out); break;
-        }
-        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
-    }
-}
+GGUF_ROWS512(q8_0_avx512, q8_0_row_bytes, q8_0_512_row_nt)
 
 /* Q4_K rows with AVX-512, few tokens (below TILES_FROM): per 64 values (one 32-byte run of nibbles,
  * sub-blocks 2c and 2c + 1), a table of each sub-block's 16 weights (d x sc x q - dmin x m for q =
  * 0..15, one rounding as the reference's) is looked up by the nibbles themselves: vpermps reads the
  * low 4 bits of each lane, so the low nibbles need no mask and the high ones one shift. Two
- * accumulator sets take alternate vectors. Invariant: callers pass nt as a literal (q4k512_row). */
+ * accumulator sets take alternate vectors. Invariant: called through ROWS_NT. */
 INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
                              float *out) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -101,27 +95,7 @@ INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 }
 
 /* the row decoder: k0, k1 multiples of 64 (run_rows' chunks are of SPAN = 128) */
-T512 static void rows_q4_k_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z,
-                                  int64_t group, int64_t K, int64_t n0, int64_t n1, int64_t k0,
-                                  int64_t k1, const float *xp, int nt, float *y, int64_t ys) {
-    (void)s, (void)z, (void)group;
-    const int64_t rb = K / QK_K * 144;
-    float out[TILE];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * rb;
-        switch (nt) {
-        case 1: q4k512_row_nt(row, k0, k1, xp, K, 1, out); break;
-        case 2: q4k512_row_nt(row, k0, k1, xp, K, 2, out); break;
-        case 3: q4k512_row_nt(row, k0, k1, xp, K, 3, out); break;
-        case 4: q4k512_row_nt(row, k0, k1, xp, K, 4, out); break;
-        case 5: q4k512_row_nt(row, k0, k1, xp, K, 5, out); break;
-        case 6: q4k512_row_nt(row, k0, k1, xp, K, 6, out); break;
-        case 7: q4k512_row_nt(row, k0, k1, xp, K, 7, out); break;
-        default: q4k512_row_nt(row, k0, k1, xp, K, 8, out); break;
-        }
-        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
-    }
-}
+GGUF_ROWS512(q4_k_avx512, q4_k_row_bytes, q4k512_row_nt)
 
 /* int4 / int8 words with group scales (and zeros): per group, the table of its 16 (int4) weights
  * (q - zero) x scale, one rounding as int_rows'; int4's 16 bytes become 32 codes in element order
@@ -180,16 +154,7 @@ INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, con
         for (int64_t n = n0; n < n1; n++) {                                                                 \
             const uint8_t *row = w + n * rb, *zr = z ? z + n * G : NULL;                                    \
             const float *scl = (const float *)s + n * G;                                                    \
-            switch (nt) {                                                                                   \
-            case 1: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 1, out); break;                    \
-            case 2: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 2, out); break;                    \
-            case 3: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 3, out); break;                    \
-            case 4: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 4, out); break;                    \
-            case 5: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 5, out); break;                    \
-            case 6: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 6, out); break;                    \
-            case 7: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 7, out); break;                    \
-            default: int512_row_nt(BITS, row, scl, zr, gs, k0, k1, xp, K, 8, out); break;                   \
-            }                                                                                               \
+            ROWS_NT(nt, int512_row_nt, out, BITS, row, scl, zr, gs, k0, k1, xp, K);                         \
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
         }                                                                                                   \
     }
@@ -242,16 +207,7 @@ T512 static void rows_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
         const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
-        switch (nt) {
-        case 1: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 1, out); break;
-        case 2: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 2, out); break;
-        case 3: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 3, out); break;
-        case 4: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 4, out); break;
-        case 5: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 5, out); break;
-        case 6: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 6, out); break;
-        case 7: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 7, out); break;
-        default: fp8_512_row_nt(row, sr, gs, k0, k1, xp, K, 8, out); break;
-        }
+        ROWS_NT(nt, fp8_512_row_nt, out, row, sr, gs, k0, k1, xp, K);
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }
 }
@@ -299,27 +255,7 @@ INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 }
 
 /* k0, k1: multiples of 128, half a block (run_rows' chunks are of SPAN = 128, the last one ends at K) */
-T512 static void rows_q6_k_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
-                                  int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
-                                  int64_t ys) {
-    (void)s, (void)z, (void)group;
-    const int64_t rb = K / QK_K * 210;
-    float out[TILE];
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * rb;
-        switch (nt) {
-        case 1: q6k512_row_nt(row, k0, k1, xp, K, 1, out); break;
-        case 2: q6k512_row_nt(row, k0, k1, xp, K, 2, out); break;
-        case 3: q6k512_row_nt(row, k0, k1, xp, K, 3, out); break;
-        case 4: q6k512_row_nt(row, k0, k1, xp, K, 4, out); break;
-        case 5: q6k512_row_nt(row, k0, k1, xp, K, 5, out); break;
-        case 6: q6k512_row_nt(row, k0, k1, xp, K, 6, out); break;
-        case 7: q6k512_row_nt(row, k0, k1, xp, K, 7, out); break;
-        default: q6k512_row_nt(row, k0, k1, xp, K, 8, out); break;
-        }
-        for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
-    }
-}
+GGUF_ROWS512(q6_k_avx512, q6_k_row_bytes, q6k512_row_nt)
 
 /* nvfp4 (modelopt: the global scale multiplies; compressed-tensors: it divides): per group of 16,
  * its 8 bytes as 16 codes in element order (low, high nibble of each byte) looked up in the e2m1
@@ -350,16 +286,7 @@ INLINE512 void nvfp4_512_row_nt(int divide, const uint8_t *row, const uint8_t *s
         for (int64_t n = n0; n < n1; n++) {                                                                 \
             const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);                                  \
             const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
-            switch (nt) {                                                                                   \
-            case 1: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 1, out); break;                    \
-            case 2: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 2, out); break;                    \
-            case 3: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 3, out); break;                    \
-            case 4: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 4, out); break;                    \
-            case 5: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 5, out); break;                    \
-            case 6: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 6, out); break;                    \
-            case 7: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 7, out); break;                    \
-            default: nvfp4_512_row_nt(DIVIDE, row, scl, g, k0, k1, xp, K, 8, out); break;                   \
-            }                                                                                               \
+            ROWS_NT(nt, nvfp4_512_row_nt, out, DIVIDE, row, scl, g, k0, k1, xp, K);                         \
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
         }                                                                                                   \
     }

@@ -22,7 +22,7 @@ static int cpu_has(int isa) {
  * low 4 bits of each lane, so shifting the lanes by 4j puts nibble j of every lane under the table:
  * 8 permutes decode 128 weights, no byte widening. Per token the span's 8 products are summed
  * unscaled, then multiplied by the per-lane scales (lanes 4g..4g+3: group g). Invariant: callers
- * pass nt as a literal (mx512_row below), so the token loops unroll into registers. */
+ * pass nt as a literal (ROWS_NT in mx512_row below), so the token loops unroll into registers. */
 INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp, int64_t K, int64_t G,
                             int64_t k0, int64_t k1, const int nt, float *out) {
     const __m512 lut = _mm512_loadu_ps(E2M1);
@@ -74,16 +74,7 @@ INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp
 T512 static void mx512_row(const uint8_t *blk, const uint8_t *scl, const float *sc, const float *xp, int64_t K,
                            int64_t G, int64_t k0, int64_t k1, int nt, float *out) {
     (void)scl; /* no extreme scales here: sc holds every group's */
-    switch (nt) {
-    case 1: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 1, out); break;
-    case 2: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 2, out); break;
-    case 3: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 3, out); break;
-    case 4: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 4, out); break;
-    case 5: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 5, out); break;
-    case 6: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 6, out); break;
-    case 7: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 7, out); break;
-    default: mx512_row_nt(blk, sc, xp, K, G, k0, k1, 8, out); break;
-    }
+    ROWS_NT(nt, mx512_row_nt, out, blk, sc, xp, K, G, k0, k1);
 }
 
 /* scl[g0:g1] as floats 2^(s-127) into sc[g0:g1]; 0 when a scale is 0 or 255 (the row's chunk then
@@ -153,16 +144,7 @@ MXFP4_ROWS(rows_mxfp4_avx512, T512, mx512_scales, mx512_row)
         float out[TILE];                                                                                \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
-            switch (nt) {                                                                               \
-            case 1: NAME##_nt(row, xp, K, k0, k1, 1, out); break;                                               \
-            case 2: NAME##_nt(row, xp, K, k0, k1, 2, out); break;                                               \
-            case 3: NAME##_nt(row, xp, K, k0, k1, 3, out); break;                                               \
-            case 4: NAME##_nt(row, xp, K, k0, k1, 4, out); break;                                               \
-            case 5: NAME##_nt(row, xp, K, k0, k1, 5, out); break;                                               \
-            case 6: NAME##_nt(row, xp, K, k0, k1, 6, out); break;                                               \
-            case 7: NAME##_nt(row, xp, K, k0, k1, 7, out); break;                                               \
-            default: NAME##_nt(row, xp, K, k0, k1, 8, out); break;                                              \
-            }                                                                                           \
+            ROWS_NT(nt, NAME##_nt, out, row, xp, K, k0, k1);                                            \
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
         }                                                                                               \
     }
@@ -234,16 +216,7 @@ INLINE256 int mx256_scales(const uint8_t *scl, int64_t g0, int64_t g1, float *sc
         float out[TILE];                                                                                \
         for (int64_t n = n0; n < n1; n++) {                                                             \
             const TYPE *row = (const TYPE *)w + n * K;                                                  \
-            switch (nt) {                                                                               \
-            case 1: NAME##_nt(row, xp, K, k0, k1, 1, out); break;                                       \
-            case 2: NAME##_nt(row, xp, K, k0, k1, 2, out); break;                                       \
-            case 3: NAME##_nt(row, xp, K, k0, k1, 3, out); break;                                       \
-            case 4: NAME##_nt(row, xp, K, k0, k1, 4, out); break;                                       \
-            case 5: NAME##_nt(row, xp, K, k0, k1, 5, out); break;                                       \
-            case 6: NAME##_nt(row, xp, K, k0, k1, 6, out); break;                                       \
-            case 7: NAME##_nt(row, xp, K, k0, k1, 7, out); break;                                       \
-            default: NAME##_nt(row, xp, K, k0, k1, 8, out); break;                                      \
-            }                                                                                           \
+            ROWS_NT(nt, NAME##_nt, out, row, xp, K, k0, k1);                                            \
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
         }                                                                                               \
     }
