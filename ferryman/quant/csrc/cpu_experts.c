@@ -68,6 +68,21 @@
     case 7: FN(__VA_ARGS__, 7, out); break;                                                             \
     default: FN(__VA_ARGS__, 8, out); break;                                                            \
     }
+
+/* rows_NAME (target ATTR): GGUF rows of ROW_BYTES(K) bytes of blocks, each through
+ * FN(row, k0, k1, xp, K, nt, out) */
+#define GGUF_ROWS(NAME, ATTR, ROW_BYTES, FN)                                                            \
+    ATTR static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,             \
+                                 const float *xp, int nt, float *y, int64_t ys) {                       \
+        (void)s, (void)z, (void)group;                                                                  \
+        const int64_t rb = ROW_BYTES(K);                                                                \
+        float out[TILE];                                                                                \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            ROWS_NT(nt, FN, out, w + n * rb, k0, k1, xp, K);                                            \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
+        }                                                                                               \
+    }
 /* how far ahead the row decoders prefetch a row's bytes: from DRAM one core keeps several KB in flight
  * (docs/benchmarks.md, "CPU expert kernel": 1 KB ahead left Q8_0 / Q4_K rows waiting on memory) */
 #define PREFETCH_AHEAD 8192
@@ -276,6 +291,7 @@ static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 #include "cpu_experts_packed.h"
 #include "cpu_experts_rows512.h"
+#include "cpu_experts_rows256.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
@@ -288,7 +304,7 @@ typedef struct {
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
  * token count from which it takes over from the row decoders (measured on one core of the dev VM,
  * docs/benchmarks.md: the row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in every
- * format that has one, even at 8; on AVX2 only the dense formats have one) */
+ * format that has one, even at 8; on AVX2 the dense formats, Q8_0 and Q4_K have one) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
 static const int TILES_FROM[N_ISAS] = {0, 8, 8, 8};
 
@@ -312,9 +328,9 @@ static const format_t FORMATS[N_FORMATS] = {
                    {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
                    {NULL, NULL, NULL, NULL}},
     /* packed formats: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h), tiles else */
-    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, NULL, rows_q8_0_avx512, rows_q8_0_avx512},
+    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, rows_q8_0_avx2, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
-    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q4_k_avx512, rows_q4_k_avx512},
+    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
     [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q6_k_avx512, rows_q6_k_avx512},
                   {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},

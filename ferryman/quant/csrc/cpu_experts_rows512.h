@@ -4,20 +4,6 @@
  * (cpu_experts.c), nt a literal, so the token loops unroll into registers. */
 
 #ifdef FM_X86
-/* rows_NAME: GGUF rows of ROW_BYTES(K) bytes of blocks, each through FN(row, k0, k1, xp, K, nt, out) */
-#define GGUF_ROWS512(NAME, ROW_BYTES, FN)                                                                   \
-    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
-                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
-                                 int nt, float *y, int64_t ys) {                                            \
-        (void)s, (void)z, (void)group;                                                                      \
-        const int64_t rb = ROW_BYTES(K);                                                                    \
-        float out[TILE];                                                                                    \
-        for (int64_t n = n0; n < n1; n++) {                                                                 \
-            ROWS_NT(nt, FN, out, w + n * rb, k0, k1, xp, K);                                                \
-            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
-        }                                                                                                   \
-    }
-
 /* Q8_0: per block of 32, two 16-byte loads of int8 widened to fp32, times the block's fp16 d (exact:
  * an 11-bit mantissa times a 7-bit integer), multiplied into two accumulators per token */
 INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
@@ -41,7 +27,7 @@ INLINE512 void q8_0_512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
 }
 
 /* k0, k1: multiples of 32 (run_rows' chunks are of SPAN = 128, the last one ends at K) */
-GGUF_ROWS512(q8_0_avx512, q8_0_row_bytes, q8_0_512_row_nt)
+GGUF_ROWS(q8_0_avx512, T512, q8_0_row_bytes, q8_0_512_row_nt)
 
 /* Q4_K rows with AVX-512, few tokens (below TILES_FROM): per 64 values (one 32-byte run of nibbles,
  * sub-blocks 2c and 2c + 1), a table of each sub-block's 16 weights (d x sc x q - dmin x m for q =
@@ -95,7 +81,7 @@ INLINE512 void q4k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 }
 
 /* the row decoder: k0, k1 multiples of 64 (run_rows' chunks are of SPAN = 128) */
-GGUF_ROWS512(q4_k_avx512, q4_k_row_bytes, q4k512_row_nt)
+GGUF_ROWS(q4_k_avx512, T512, q4_k_row_bytes, q4k512_row_nt)
 
 /* int4 / int8 words with group scales (and zeros): per group, the table of its 16 (int4) weights
  * (q - zero) x scale, one rounding as int_rows'; int4's 16 bytes become 32 codes in element order
@@ -255,7 +241,7 @@ INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 }
 
 /* k0, k1: multiples of 128, half a block (run_rows' chunks are of SPAN = 128, the last one ends at K) */
-GGUF_ROWS512(q6_k_avx512, q6_k_row_bytes, q6k512_row_nt)
+GGUF_ROWS(q6_k_avx512, T512, q6_k_row_bytes, q6k512_row_nt)
 
 /* nvfp4 (modelopt: the global scale multiplies; compressed-tensors: it divides): per group of 16,
  * its 8 bytes as 16 codes in element order (low, high nibble of each byte) looked up in the e2m1

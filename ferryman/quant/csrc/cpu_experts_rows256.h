@@ -1,0 +1,81 @@
+/* AVX2 row decoders of packed formats for few tokens (below TILES_FROM), as cpu_experts_rows512.h's
+ * with 8-lane vectors: weights decoded in registers, each the exact fp32 value of the tile decoder;
+ * the `*_nt` functions are called through ROWS_NT. */
+
+#ifdef FM_X86
+/* Q8_0: per block of 32, four 8-byte loads of int8 widened to fp32, times the block's d (exact) */
+INLINE256 void q8_0_256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
+                               float *out) {
+    __m256 a0[TILE], a1[TILE];
+    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t b = k0 / 32; b < k1 / 32; b++) {
+        const uint8_t *blk = row + b * 34;
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
+        const __m256 d = _mm256_set1_ps(f16_at(blk));
+        for (int q = 0; q < 4; q += 2) {
+            const __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * q)));
+            const __m256i q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 10 + 8 * q)));
+            const __m256 w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q0)), w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q1));
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                const float *xs = xp + t * K + b * 32 + 8 * q;
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs), a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + 8), a1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(a0[t], a1[t]));
+        out[t] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    }
+}
+
+/* Q4_K: per 64 values (sub-blocks 2c, 2c + 1), 8 bytes of nibbles at a time widened; each weight
+ * q x (d x sc) - dmin x m in one fused rounding, as the exact products' difference rounds once */
+INLINE256 void q4k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
+                             float *out) {
+    const __m256i m4 = _mm256_set1_epi32(0xF);
+    __m256 a0[TILE], a1[TILE];
+    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t b = k0 / QK_K; b * QK_K < k1; b++) {
+        const uint8_t *blk = row + b * 144;
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 64, _MM_HINT_T0);
+        const float d = f16_at(blk), dmin = f16_at(blk + 2);
+        const int c0 = b * QK_K < k0 ? (int)(k0 - b * QK_K) / 64 : 0;
+        const int c1 = (b + 1) * QK_K > k1 ? (int)(k1 - b * QK_K) / 64 : 4;
+        for (int c = c0; c < c1; c++) {
+            int sc0, mn0, sc1, mn1;
+            k_scale_min(blk + 4, 2 * c, &sc0, &mn0);
+            k_scale_min(blk + 4, 2 * c + 1, &sc1, &mn1);
+            const __m256 ds0 = _mm256_set1_ps(d * (float)sc0), ms0 = _mm256_set1_ps(dmin * (float)mn0);
+            const __m256 ds1 = _mm256_set1_ps(d * (float)sc1), ms1 = _mm256_set1_ps(dmin * (float)mn1);
+            const uint8_t *qs = blk + 16 + c * 32;
+            const int64_t k = b * QK_K + c * 64;
+            for (int l = 0; l < 32; l += 8) {
+                const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + l)));
+                const __m256 lo = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, m4)), ds0, ms0);
+                const __m256 hi = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), ds1, ms1);
+                _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                    const float *xs = xp + t * K + k + l;
+                    a0[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs), a0[t]);
+                    a1[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs + 32), a1[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(a0[t], a1[t]));
+        out[t] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    }
+}
+
+/* k0, k1: multiples of 32 */
+GGUF_ROWS(q8_0_avx2, T256, q8_0_row_bytes, q8_0_256_row_nt)
+/* k0, k1: multiples of 64 */
+GGUF_ROWS(q4_k_avx2, T256, q4_k_row_bytes, q4k256_row_nt)
+#else
+#define rows_q8_0_avx2 NULL
+#define rows_q4_k_avx2 NULL
+#endif
