@@ -3,6 +3,12 @@
  * the `*_nt` functions are called through ROWS_NT. */
 
 #ifdef FM_X86
+INLINE256 float hsum256(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
 /* Q8_0: per block of 32, four 8-byte loads of int8 widened to fp32, times the block's d (exact) */
 INLINE256 void q8_0_256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
                                float *out) {
@@ -23,11 +29,7 @@ INLINE256 void q8_0_256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const
             }
         }
     }
-    for (int t = 0; t < nt; t++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_add_ps(a0[t], a1[t]));
-        out[t] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    }
+    for (int t = 0; t < nt; t++) out[t] = hsum256(_mm256_add_ps(a0[t], a1[t]));
 }
 
 /* Q4_K: per 64 values (sub-blocks 2c, 2c + 1), 8 bytes of nibbles at a time widened; each weight
@@ -64,11 +66,7 @@ INLINE256 void q4k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
             }
         }
     }
-    for (int t = 0; t < nt; t++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, _mm256_add_ps(a0[t], a1[t]));
-        out[t] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    }
+    for (int t = 0; t < nt; t++) out[t] = hsum256(_mm256_add_ps(a0[t], a1[t]));
 }
 
 /* k0, k1: multiples of 32 */
