@@ -73,7 +73,70 @@ INLINE256 void q4k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
 GGUF_ROWS(q8_0_avx2, T256, q8_0_row_bytes, q8_0_256_row_nt)
 /* k0, k1: multiples of 64 */
 GGUF_ROWS(q4_k_avx2, T256, q4_k_row_bytes, q4k256_row_nt)
+
+/* int4 / int8 words with group scales (and zeros): per 16 values, int4's 8 bytes as 16 codes in
+ * element order (low, high nibble of each byte) or int8's 16 bytes, widened, minus the zero point,
+ * times the group's scale (one rounding, as int_rows'); a group's values past its last whole 16
+ * through the scalar loop (groups are multiples of 8) */
+INLINE256 void int256_row_nt(int bits, const uint8_t *row, const float *scl, const uint8_t *zr, int64_t gs,
+                             int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt, float *out) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const int mid = 1 << (bits - 1);
+    __m256 a0[TILE], a1[TILE];
+    float tail[TILE] = {0};
+    for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1;) {
+        const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
+        const int zero = zr ? zr[g] : mid;
+        const float sc = scl[g];
+        const __m256 scv = _mm256_set1_ps(sc);
+        const __m256i zv = _mm256_set1_epi32(zero);
+        for (; k + 16 <= end; k += 16) {
+            _mm_prefetch((const char *)(row + k * bits / 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+            __m128i codes;
+            if (bits == 4) {
+                const __m128i v = _mm_loadl_epi64((const __m128i *)(row + k / 2));
+                codes = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+            } else {
+                codes = _mm_loadu_si128((const __m128i *)(row + k));
+            }
+            const __m256i q0 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(codes), zv);
+            const __m256i q1 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)), zv);
+            const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), scv);
+            const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), scv);
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                const float *xs = xp + t * K + k;
+                a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs), a0[t]);
+                a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + 8), a1[t]);
+            }
+        }
+        for (; k < end; k++) {
+            const int q = bits == 4 ? (row[k / 2] >> (4 * (k & 1))) & 0xF : row[k];
+            const float wk = (float)(q - zero) * sc;
+            for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum256(_mm256_add_ps(a0[t], a1[t])) + tail[t];
+}
+
+#define INT_ROWS256(NAME, BITS)                                                                             \
+    T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                                 int nt, float *y, int64_t ys) {                                            \
+        const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * BITS / 8;                            \
+        float out[TILE];                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            const uint8_t *zr = z ? z + n * G : NULL;                                                       \
+            const float *scl = (const float *)s + n * G;                                                    \
+            ROWS_NT(nt, int256_row_nt, out, BITS, w + n * rb, scl, zr, gs, k0, k1, xp, K);                  \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
+        }                                                                                                   \
+    }
+INT_ROWS256(int4_avx2, 4)
+INT_ROWS256(int8_avx2, 8)
 #else
 #define rows_q8_0_avx2 NULL
+#define rows_int4_avx2 NULL
+#define rows_int8_avx2 NULL
 #define rows_q4_k_avx2 NULL
 #endif
