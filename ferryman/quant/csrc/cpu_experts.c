@@ -304,7 +304,7 @@ typedef struct {
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
  * token count from which it takes over from the row decoders (measured on one core of the dev VM,
  * docs/benchmarks.md: the row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in every
- * format that has one, even at 8; on AVX2 the dense formats, Q8_0, Q4_K, int4 and int8 have one) */
+ * format that has one, even at 8; on AVX2 all but fp8 and NVFP4 have one) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
 static const int TILES_FROM[N_ISAS] = {0, 8, 8, 8};
 
@@ -332,7 +332,7 @@ static const format_t FORMATS[N_FORMATS] = {
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
     [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
-    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, QK_K, {NULL, NULL, rows_q6_k_avx512, rows_q6_k_avx512},
+    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
                   {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},
     [FMT_INT4] = {int4_row_bytes, prep_plain, 8, {NULL, rows_int4_avx2, rows_int4_avx512, rows_int4_avx512},
                   {decode_int4_portable, decode_int4_avx2, decode_int4_avx512, decode_int4_avx512}},

@@ -134,8 +134,52 @@ INLINE256 void int256_row_nt(int bits, const uint8_t *row, const float *scl, con
     }
 INT_ROWS256(int4_avx2, 4)
 INT_ROWS256(int8_avx2, 8)
+
+/* Q6_K: per quarter block (16 values of each of the four 32-value runs), as q6k512_row_nt with 8
+ * lanes: ql[l], ql[32 + l] and qh[l] widened give the 6-bit codes of values l, 32 + l, 64 + l, 96 + l */
+INLINE256 void q6k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
+                             float *out) {
+    const __m256i m4 = _mm256_set1_epi32(0xF), m2 = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
+    __m256 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t kh = k0; kh < k1; kh += 128) { /* half a block: 128 values */
+        const int64_t b = kh / QK_K;
+        const int h = (int)(kh / 128) & 1;
+        const uint8_t *blk = row + b * 210;
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 64 * h, _MM_HINT_T0);
+        _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 128 + 40 * h, _MM_HINT_T0);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = f16_at(blk + 208);
+        for (int l8 = 0; l8 < 32; l8 += 8) { /* lanes l8..l8+7 of the 32; scales of their half (l8 / 16) */
+            const uint8_t *lo = blk + h * 64 + l8, *hi = blk + 128 + h * 32 + l8;
+            const int8_t *s = sc + h * 8 + l8 / 16;
+            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo));
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo + 32)));
+            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(q, m2), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(c, m4),
+                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q, 2), m2), 4));
+            v[2] = _mm256_or_si256(_mm256_srli_epi32(a, 4),
+                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q, 4), m2), 4));
+            v[3] = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(q, 6), 4));
+            const int64_t k = b * QK_K + h * 128 + l8;
+            for (int j = 0; j < 4; j++) {
+                const __m256 w = _mm256_mul_ps(_mm256_set1_ps(d * (float)s[2 * j]),
+                                               _mm256_cvtepi32_ps(_mm256_sub_epi32(v[j], c32)));
+                _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+                    acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp + t * K + k + 32 * j), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]);
+}
+
+/* k0, k1: multiples of 128, half a block */
+GGUF_ROWS(q6_k_avx2, T256, q6_k_row_bytes, q6k256_row_nt)
 #else
 #define rows_q8_0_avx2 NULL
+#define rows_q6_k_avx2 NULL
 #define rows_int4_avx2 NULL
 #define rows_int8_avx2 NULL
 #define rows_q4_k_avx2 NULL
