@@ -304,7 +304,7 @@ typedef struct {
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
  * token count from which it takes over from the row decoders (measured on one core of the dev VM,
  * docs/benchmarks.md: the row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in every
- * format that has one, even at 8; on AVX2 all but fp8 and NVFP4 have one) */
+ * format that has one, even at 8; on AVX2 all but MXFP4, fp8 and NVFP4 have one) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
 static const int TILES_FROM[N_ISAS] = {0, 8, 8, 8};
 
