@@ -83,6 +83,22 @@
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
         }                                                                                               \
     }
+
+/* rows_NAME (target ATTR): int words of BITS with group scales (and zeros), each row through
+ * FN(BITS, row, scales, zeros or NULL, group size, k0, k1, xp, K, nt, out) */
+#define INT_ROWS(NAME, ATTR, BITS, FN)                                                                  \
+    ATTR static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,  \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,             \
+                                 const float *xp, int nt, float *y, int64_t ys) {                       \
+        const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * BITS / 8;                        \
+        float out[TILE];                                                                                \
+        for (int64_t n = n0; n < n1; n++) {                                                             \
+            const uint8_t *zr = z ? z + n * G : NULL;                                                   \
+            const float *scl = (const float *)s + n * G;                                                \
+            ROWS_NT(nt, FN, out, BITS, w + n * rb, scl, zr, gs, k0, k1, xp, K);                         \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                       \
+        }                                                                                               \
+    }
 /* how far ahead the row decoders prefetch a row's bytes: from DRAM one core keeps several KB in flight
  * (docs/benchmarks.md, "CPU expert kernel": 1 KB ahead left Q8_0 / Q4_K rows waiting on memory) */
 #define PREFETCH_AHEAD 8192

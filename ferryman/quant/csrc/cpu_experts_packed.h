@@ -139,6 +139,17 @@ static inline __attribute__((always_inline)) void int_rows(int bits, const uint8
     }
 }
 
+/* the row decoders' scalar tail of an int group: values [k, end) times nt tokens into tail; returns end */
+static inline int64_t int_tail(int bits, const uint8_t *row, int zero, float sc, int64_t k, int64_t end,
+                               const float *xp, int64_t K, int nt, float *tail) {
+    for (; k < end; k++) {
+        const int q = bits == 4 ? (row[k / 2] >> (4 * (k & 1))) & 0xF : row[k];
+        const float wk = (float)(q - zero) * sc;
+        for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
+    }
+    return end;
+}
+
 /* float8 e4m3fn as fp32, exactly: no infinities, S.1111.111 is NaN, exponent 0 subnormal (m x 2^-9);
  * all 256 values in a table filled when the library loads */
 static float E4M3[256];

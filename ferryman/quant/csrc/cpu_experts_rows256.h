@@ -110,30 +110,13 @@ INLINE256 void int256_row_nt(int bits, const uint8_t *row, const float *scl, con
                 a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + 8), a1[t]);
             }
         }
-        for (; k < end; k++) {
-            const int q = bits == 4 ? (row[k / 2] >> (4 * (k & 1))) & 0xF : row[k];
-            const float wk = (float)(q - zero) * sc;
-            for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
-        }
+        k = int_tail(bits, row, zero, sc, k, end, xp, K, nt, tail);
     }
     for (int t = 0; t < nt; t++) out[t] = hsum256(_mm256_add_ps(a0[t], a1[t])) + tail[t];
 }
 
-#define INT_ROWS256(NAME, BITS)                                                                             \
-    T256 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
-                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
-                                 int nt, float *y, int64_t ys) {                                            \
-        const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * BITS / 8;                            \
-        float out[TILE];                                                                                    \
-        for (int64_t n = n0; n < n1; n++) {                                                                 \
-            const uint8_t *zr = z ? z + n * G : NULL;                                                       \
-            const float *scl = (const float *)s + n * G;                                                    \
-            ROWS_NT(nt, int256_row_nt, out, BITS, w + n * rb, scl, zr, gs, k0, k1, xp, K);                  \
-            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
-        }                                                                                                   \
-    }
-INT_ROWS256(int4_avx2, 4)
-INT_ROWS256(int8_avx2, 8)
+INT_ROWS(int4_avx2, T256, 4, int256_row_nt)
+INT_ROWS(int8_avx2, T256, 8, int256_row_nt)
 
 /* Q6_K: per quarter block (16 values of each of the four 32-value runs), as q6k512_row_nt with 8
  * lanes: ql[l], ql[32 + l] and qh[l] widened give the 6-bit codes of values l, 32 + l, 64 + l, 96 + l */

@@ -122,30 +122,13 @@ INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, con
                 a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs + 16), a1[t]);
             }
         }
-        for (; k < end; k++) {
-            const int q = bits == 4 ? (row[k / 2] >> (4 * (k & 1))) & 0xF : row[k];
-            const float wk = (float)(q - zero) * sc;
-            for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
-        }
+        k = int_tail(bits, row, zero, sc, k, end, xp, K, nt, tail);
     }
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t])) + tail[t];
 }
 
-#define INT_ROWS512(NAME, BITS)                                                                             \
-    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
-                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
-                                 int nt, float *y, int64_t ys) {                                            \
-        const int64_t gs = group > 0 ? group : K, G = K / gs, rb = K * BITS / 8;                            \
-        float out[TILE];                                                                                    \
-        for (int64_t n = n0; n < n1; n++) {                                                                 \
-            const uint8_t *row = w + n * rb, *zr = z ? z + n * G : NULL;                                    \
-            const float *scl = (const float *)s + n * G;                                                    \
-            ROWS_NT(nt, int512_row_nt, out, BITS, row, scl, zr, gs, k0, k1, xp, K);                         \
-            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
-        }                                                                                                   \
-    }
-INT_ROWS512(int4_avx512, 4)
-INT_ROWS512(int8_avx512, 8)
+INT_ROWS(int4_avx512, T512, 4, int512_row_nt)
+INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
 
 /* fp8 e4m3 with square block or row scales: 16 codes at a time decoded as decode_fp8_avx512 does
  * (the table's 128 magnitudes in 8 registers, the sign bit ORed in), times the block's scale; a
