@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from ferryman.config import GiB, MiB, ModelConfig
 from ferryman.kvcache.window_pool import num_window_layers
-from ferryman.planner import LINK_STRATEGIES, MemoryPlan, link_step_fits, non_expert_params
+from ferryman.planner import MemoryPlan, link_blockers, link_step_fits, non_expert_params
 
 
 def describe_plan(plan: MemoryPlan) -> str:
@@ -72,9 +72,9 @@ def _misses_mode(plan: MemoryPlan) -> str:
     if plan.decode_misses == "link":
         return (f"read over the link by the decode kernel, whole steps in one CUDA graph, up to "
                 f"{_link_seqs(plan)} sequences (copied into slots beyond)")
-    why = "" if plan.request.decode_misses == "copy" else (
-        "; the experts' format reads slowly over the link" if plan.request.strategy in LINK_STRATEGIES
-        else "; link steps need moe_strategy auto or offload")
+    blockers = link_blockers(plan.request, plan.cpu_layers)
+    why = ("" if plan.request.decode_misses == "copy" else f"; link steps need {' and '.join(blockers)}"
+           if blockers else "; the experts' format reads slowly over the link")
     return "copied into slots layer by layer" + why
 
 

@@ -290,14 +290,20 @@ def link_step_fits(cfg: ModelConfig, seqs: int) -> bool:
     return seqs * cfg.top_k <= min(fused_moe.DECODE_MAX_PAIRS, LINK_MAX_SHARE * cfg.num_experts)
 
 
+def link_blockers(req: PlanRequest, cpu_layers: int) -> list[str]:
+    """What an offloaded plan lacks for link steps, each as "<what it needs>, not <what it has>"."""
+    wants = ((f"moe_strategy auto or offload, not {req.strategy!r}",
+              parse_strategy(req.strategy)[0] not in LINK_STRATEGIES or bool(cpu_layers)),
+             ("the Triton kernels, not FERRYMAN_KERNELS=torch", req.kernels == "torch"))
+    return [why for why, missing in wants if missing]
+
+
 def plan_decode_misses(req: PlanRequest, strategy: str, cpu_layers: int) -> str:
     """copy | link for an offloaded plan (copy when resident: nothing misses); auto picks link when
     the strategy allows it and every MoE layer's format reads well over the link."""
     if strategy != "offload" or req.decode_misses == "copy":
         return "copy"
-    blocked = [why for why, bad in ((f"moe_strategy auto or offload, not {req.strategy!r}",
-                                     parse_strategy(req.strategy)[0] not in LINK_STRATEGIES or cpu_layers),
-                                    ("the Triton kernels, not FERRYMAN_KERNELS=torch", req.kernels == "torch")) if bad]
+    blocked = link_blockers(req, cpu_layers)
     if req.decode_misses == "link":
         if blocked:
             raise ConfigError(f"decode_misses 'link' needs {' and '.join(blocked)}")

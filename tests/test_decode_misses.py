@@ -87,6 +87,8 @@ def test_report_and_prediction_follow_the_choice() -> None:
     assert "up to 8 sequences" in describe_plan(link)
     assert "copied into slots layer by layer\n" in describe_plan(copy) + "\n"
     assert "reads slowly over the link" in describe_plan(_plan(_cfg("gpt-oss-20b")))
+    torch_kernels = describe_plan(_plan(cfg, kernels="torch"))  # the reason named, not the format blamed
+    assert "link steps need the Triton kernels, not FERRYMAN_KERNELS=torch" in torch_kernels
     rates = Rates(55e9, "assumed")
     fast, slow = (predict(p, rates, Load(1, 128, 64, 0)).decode_tok_s for p in (link, copy))
     assert fast > 1.2 * slow  # no host step per layer: LINK_LAYER_S against LAYER_S

@@ -94,7 +94,7 @@ def test_cuda_link_steps_equal_resident(tiny: tuple[str, Path]) -> None:
     resident, offload = _offload_with_link(folder, 12, "cuda")
     seg = offload.engine.runner.graphs
     assert isinstance(seg, SegmentedDecode) and seg.link is not None, "link steps were not set up"
-    assert offload.stats()["decode_misses"] == "link" and offload.stats()["cuda_graph_mode"] == "link"
+    assert offload.engine.plan.decode_misses == "link" and offload.stats()["cuda_graph_mode"] == "link"
     for p in PROMPTS:
         assert greedy_ids(offload, [p], 12) == greedy_ids(resident, [p], 12), f"{arch}: CUDA link-read decode differs"
     assert greedy_ids(offload, PROMPTS, 12) == greedy_ids(resident, PROMPTS, 12), f"{arch}: CUDA copy steps after link"

@@ -338,7 +338,6 @@ class LLMEngine:
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
             "prefill_mode": "layer" if self.plan.prefill_job_tokens else "chunk",
-            "decode_misses": self.plan.decode_misses,  # copy | link (planner.plan_decode_misses)
             "prefill_jobs": dict(self.prefill_jobs),
             "experts": self.expert_stats(block),
             "memory_split": self.split.snapshot() if self.split is not None else {},  # memory_split() has more

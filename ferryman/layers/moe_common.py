@@ -143,7 +143,7 @@ def host_table(dev: KernelBank, host: KernelBank) -> list[int]:
                              f"{None if d is None else d.dtype}")
         gap = h.data_ptr() - d.data_ptr()
         if gap % d.element_size():
-            raise ValueError(f"host bank {part} lie {gap} bytes from the device bank's: not a whole number "
+            raise ValueError(f"host bank {part} begins {gap} bytes from the device bank's: not a whole number "
                              f"of {d.element_size()}-byte elements")
         deltas.append(gap // d.element_size())
         strides.append(h.stride(0) if h.dim() and h.shape[0] > 1 else 0)

@@ -56,7 +56,7 @@ class ExpertFormat(ABC):
     name: str
     # The GPU decode kernel reads this format's uncached experts from pinned host memory about as
     # fast as a copy moves them (benchmarks/bench_host_reads.py; docs/benchmarks.md): the planner
-    # lets offloaded decode steps read misses over the link (planner.decode_misses) only then.
+    # lets offloaded decode steps read misses over the link (planner.plan_decode_misses) only then.
     link_reads: bool = True
 
     @abstractmethod
