@@ -33,9 +33,8 @@ def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[
         pytest.skip("linear-attention models decode without the per-layer graphs")
     kw = dict(device=device, dtype="float32", max_num_batched_tokens=16)
     resident = LLM(str(folder), enforce_eager=True, **kw)
-    if device == "cuda":
-        # the planner's own choice: these dense experts read well over the link (planner.plan_decode_misses)
-        return resident, LLM(str(folder), expert_cache="25%", **kw)
+    if device == "cuda":  # link forced: the planner keeps MXFP4 experts (tiny gpt_oss) on the copy path
+        return resident, LLM(str(folder), expert_cache="25%", decode_misses="link", **kw)
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", enforce_eager=True, **kw)
     runner = offload.engine.runner
     runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
