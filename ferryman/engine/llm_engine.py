@@ -201,8 +201,10 @@ class LLMEngine:
         started = time.perf_counter()
         sampled = self.runner.execute(out)
         prefill = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
-        self._note_slow(out, prefill, time.perf_counter() - started)
-        self._note_job(out, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._note_slow(out, prefill, seconds)
+        self._note_job(out, seconds)
+        self.runner.experts.note_step(seconds, len(out.scheduled), out.is_decode_only and not out.job_layers)
         self.scheduler.update(out, sampled.token_ids)
         if self.split is not None:  # idle KV pages become expert slots, between steps
             self.split.rebalance()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from ferryman.calibrate.bandwidth import ExpertCycle, Rep, quick_calibration
 from ferryman.calibrate.timing import sync
 from ferryman.calibrate.calibration import Calibration, expert_key, load_matching, token_slope
+from ferryman.experts.split_trial import SplitTrial
 from ferryman.layers.fused_moe import MoEActivation
 
 if TYPE_CHECKING:
@@ -168,9 +169,27 @@ class HybridSplit:
         self.min_cpu = max(1, MIN_CPU if min_cpu is None else min_cpu)
         self.history = ReuseHistory()
         self.counters = SplitCounters()
+        # auto: decode steps timed with the split and without decide whether it stays (split_trial.py)
+        self.trial = SplitTrial() if decision.mode == "auto" and decision.enabled else None
+
+    @property
+    def active(self) -> bool:
+        """Whether the coming step splits: the decision's, and under auto the trial's current window."""
+        return self.decision.enabled and (self.trial is None or self.trial.on)
 
     def applies(self, tokens: int, streaming: bool) -> bool:
-        return self.decision.enabled and not streaming and tokens <= self.max_tokens
+        return self.active and not streaming and tokens <= self.max_tokens
+
+    def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
+        """An engine step of `batch` sequences took `seconds` (decode_only: no prompt tokens in it):
+        the trial's sample; its verdict, once in, is the decision's."""
+        if self.trial is None or not self.decision.enabled:
+            return
+        verdict = self.trial.note(seconds, batch, decode_only)
+        if verdict is None:
+            return
+        self.decision = replace(self.decision, enabled=verdict, reason=self.trial.reason)
+        log.info("moe_strategy auto: %s", self.trial.reason)
 
     def split(self, layer: int, misses: list[int], room: int, device_min: int = 0,
               tokens: list[int] | None = None) -> tuple[list[int], list[int]]:
@@ -247,7 +266,8 @@ class HybridSplit:
 
     def stats(self) -> dict:
         c = self.counters
-        return {"hybrid": self.decision.as_dict(), "split_steps": c.steps,
+        trial = None if self.trial is None else {"steps": self.trial.steps, "verdict": self.trial.verdict}
+        return {"hybrid": self.decision.as_dict(), "split_steps": c.steps, "split_trial": trial,
                 "cpu_experts_per_s_observed": self.cpu_rate if self.observed else None,
                 "split_fetch_ratio": c.fetched / (c.fetched + c.cpu) if c.fetched + c.cpu else None}
 

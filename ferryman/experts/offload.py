@@ -84,6 +84,11 @@ class OffloadExperts:
         if self.guesser is not None:
             self.guesser.first_used = None
 
+    def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
+        """An engine step took `seconds` for `batch` sequences: auto's split trial times it."""
+        if self.hybrid is not None:
+            self.hybrid.note_step(seconds, batch, decode_only)
+
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert
@@ -220,7 +225,7 @@ class OffloadExperts:
         if g is None:
             return
         # hybrid decode: copy only the link's share of the guess (HybridSplit.link_share)
-        split = self.hybrid if self.hybrid is not None and self.hybrid.decision.enabled and not streaming else None
+        split = self.hybrid if self.hybrid is not None and self.hybrid.active and not streaming else None
         for p in plan.prefetch:
             if p.kind == "gap":
                 g.remember_gap(p.target, self.cache.prefetch(p.target, self._uncached(p)[: p.limit]))

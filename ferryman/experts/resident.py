@@ -19,6 +19,9 @@ class ResidentExperts:
     def end_step(self) -> None:
         """Nothing to do per step."""
 
+    def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
+        """Nothing is timed: there is no split to try."""
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
