@@ -158,7 +158,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
         "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
         "moe_strategy": a.moe_strategy, "decode_misses": eng.plan.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
-        "hybrid": experts.get("hybrid"),
+        "hybrid": eng.stats()["experts"].get("hybrid"),  # at the end: auto's split trial may have ruled
+        "split_trial": eng.stats()["experts"].get("split_trial"),
         "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": dec.get("bytes_h2d", 0) / decode_steps / 2**20,
