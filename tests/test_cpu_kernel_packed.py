@@ -61,6 +61,29 @@ def test_decoded_weights_are_the_dequantisers_bit_for_bit(fmt: str, isa: str) ->
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 8])  # the row decoders, then the tiles
+def test_every_fp8_code_decodes_exactly(isa: str, tokens: int) -> None:
+    """Every e4m3 code but the two NaNs (subnormals, zeros of both signs, the largest) in every row,
+    shifted per row, with row scales spanning magnitudes: W^T through the identity is the
+    dequantiser's bit for bit (the AVX-512 paths widen codes through fp16)."""
+    fmt = "fp8:channel"
+    banks = _banks(fmt, 3, experts=1)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # [254]
+    rows = banks["w13"].shape[1]
+    idx = (torch.arange(HIDDEN)[None, :] + torch.arange(rows)[:, None] * 7) % codes.numel()
+    banks["w13"][0] = codes[idx].view(banks["w13"].dtype)
+    banks["w13_scale"][0] = torch.logspace(-6, 3, rows, base=2.0).reshape(banks["w13_scale"][0].shape)
+    w, s, z = _w13_matrix(fmt, banks, 0)
+    eye = torch.eye(HIDDEN)
+    got = torch.cat([cpu_kernel.matmul(eye[k:k + tokens], w, s, fmt=fmt, isa=isa, zeros=z)
+                     for k in range(0, HIDDEN, tokens)]).T
+    want = get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0]
+    assert bool((want == 0).any()) and bool((want.abs() < 2.0 ** -9).any())  # zeros and subnormal codes
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {want.numel()} weights differ"
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt,hidden", [(f, HIDDEN) for f in FORMATS]
                          + [("int4:g8:asym", 1288), ("int8:ch:asym", 1288), ("fp8:channel", 1288)])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])

@@ -274,15 +274,15 @@ T512 static void decode_nvfp4ct_avx512(const uint8_t *w, const uint8_t *s, const
     nvfp4_rows512(1, w, s, z, group, K, n0, n1, k0, k1, wb, ld);
 }
 
-/* fp8 with AVX-512: 16 codes at a time, their magnitudes looked up in the table's first 128 entries
- * (8 registers: two-register permutes by bits 0-4, blends by bits 5 and 6), the sign bit ORed in */
+/* fp8 with AVX-512: 32 codes at a time through fp16, as fp8_512_row_nt (cpu_experts_rows512.h)
+ * reads them: the magnitude's bits shifted into an fp16 of the value x 2^-8, the sign moved to bit
+ * 15, widened by vcvtph2ps and multiplied by the scale x 2^8: the table's value times the scale,
+ * one rounding (a NaN code reads as +-480 times it); a group's values past its last whole 32 take
+ * the table */
 T512 static void decode_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
                                    int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
     (void)z;
-    __m512 t[8];
-    for (int i = 0; i < 8; i++) t[i] = _mm512_loadu_ps(E4M3 + 16 * i);
-    const __m512i low7 = _mm512_set1_epi32(0x7F), b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64),
-                  sign = _mm512_set1_epi32(0x80);
+    const __m512i bit14 = _mm512_set1_epi16(0x4000);
     const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
@@ -291,17 +291,12 @@ T512 static void decode_fp8_avx512(const uint8_t *w, const uint8_t *s, const uin
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
             const float sc = sr[g];
-            const __m512 scv = _mm512_set1_ps(sc);
-            for (; k + 16 <= end; k += 16) {
-                __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
-                __m512i u = _mm512_and_si512(c, low7);
-                __m512 q0 = _mm512_permutex2var_ps(t[0], u, t[1]), q1 = _mm512_permutex2var_ps(t[2], u, t[3]);
-                __m512 q2 = _mm512_permutex2var_ps(t[4], u, t[5]), q3 = _mm512_permutex2var_ps(t[6], u, t[7]);
-                __mmask16 m5 = _mm512_test_epi32_mask(u, b5), m6 = _mm512_test_epi32_mask(u, b6);
-                __m512 v = _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, q0, q1), _mm512_mask_blend_ps(m5, q2, q3));
-                __m512i sg = _mm512_slli_epi32(_mm512_and_si512(c, sign), 24);
-                v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sg));
-                _mm512_storeu_ps(out + k, _mm512_mul_ps(v, scv));
+            const __m512 scv = _mm512_set1_ps(sc * 256.0f);
+            for (; k + 32 <= end; k += 32) {
+                __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + k))), 7);
+                h = _mm512_add_epi16(h, _mm512_and_si512(h, bit14));
+                _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scv));
+                _mm512_storeu_ps(out + k + 16, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scv));
             }
             for (; k < end; k++) out[k] = E4M3[row[k]] * sc;
         }

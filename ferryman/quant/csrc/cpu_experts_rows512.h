@@ -130,35 +130,37 @@ INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, con
 INT_ROWS(int4_avx512, T512, 4, int512_row_nt)
 INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
 
-/* fp8 e4m3 with square block or row scales: 16 codes at a time decoded as decode_fp8_avx512 does
- * (the table's 128 magnitudes in 8 registers, the sign bit ORed in), times the block's scale; a
- * block's values past its last whole 16 through the table */
+/* fp8 e4m3 with square block or row scales, 32 codes at a time through fp16: a code's low 7 bits
+ * shifted left by 7 are the fp16 bits of its magnitude times 2^-8 (exponent field 0eeee, mantissa
+ * mmm0000000; subnormals too), its sign (then at bit 14) moves to bit 15 by adding bit 14 to itself;
+ * vcvtph2ps widens them exactly. Each scale group's products are summed apart, then times the
+ * group's scale x 2^8 (an exact power of two): a lone nonzero input gives the tile decoder's weight
+ * bit for bit. A group's values past its last whole 32 take the table. Unlike the table, a NaN
+ * code (S.1111.111) reads as +-480 here. */
 INLINE512 void fp8_512_row_nt(const uint8_t *row, const float *sr, int64_t gs, int64_t k0, int64_t k1,
                               const float *xp, int64_t K, const int nt, float *out) {
-    __m512 lut[8];
-    for (int i = 0; i < 8; i++) lut[i] = _mm512_loadu_ps(E4M3 + 16 * i);
-    const __m512i low7 = _mm512_set1_epi32(0x7F), b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64),
-                  sign = _mm512_set1_epi32(0x80);
+    const __m512i bit14 = _mm512_set1_epi16(0x4000);
     __m512 acc[TILE];
     float tail[TILE] = {0};
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1;) {
         const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
         const float sc = sr[g];
-        const __m512 scv = _mm512_set1_ps(sc);
-        for (; k + 16 <= end; k += 16) {
+        __m512 a0[TILE], a1[TILE];
+        for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+        for (; k + 32 <= end; k += 32) {
             _mm_prefetch((const char *)(row + k) + PREFETCH_AHEAD, _MM_HINT_T0);
-            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + k)));
-            const __m512i u = _mm512_and_si512(c, low7);
-            const __m512 q0 = _mm512_permutex2var_ps(lut[0], u, lut[1]), q1 = _mm512_permutex2var_ps(lut[2], u, lut[3]);
-            const __m512 q2 = _mm512_permutex2var_ps(lut[4], u, lut[5]), q3 = _mm512_permutex2var_ps(lut[6], u, lut[7]);
-            const __mmask16 m5 = _mm512_test_epi32_mask(u, b5), m6 = _mm512_test_epi32_mask(u, b6);
-            __m512 v = _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, q0, q1), _mm512_mask_blend_ps(m5, q2, q3));
-            const __m512i sg = _mm512_slli_epi32(_mm512_and_si512(c, sign), 24);
-            v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sg)), scv);
-            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
-                acc[t] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xp + t * K + k), acc[t]);
+            const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + k))), 7);
+            const __m512i f = _mm512_add_epi16(h, _mm512_and_si512(h, bit14));
+            const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(f));
+            const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f, 1));
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+                a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + t * K + k), a0[t]);
+                a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + t * K + k + 16), a1[t]);
+            }
         }
+        const __m512 scv = _mm512_set1_ps(sc * 256.0f);
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a0[t], a1[t]), scv, acc[t]);
         for (; k < end; k++) {
             const float wk = E4M3[row[k]] * sc;
             for (int t = 0; t < nt; t++) tail[t] += wk * xp[t * K + k];
