@@ -90,7 +90,7 @@ def test_every_fp8_code_decodes_exactly(isa: str, tokens: int) -> None:
 @pytest.mark.parametrize("tokens", [3, 5, 7])  # 5: chunks of K end mid-block (1152 of 1280)
 def test_few_token_paths_decode_bit_for_bit(fmt: str, hidden: int, isa: str, tokens: int) -> None:
     """3, 5 and 7 tokens per call, below the tiles' TILES_FROM: the row decoders where a format has them
-    (every packed format on AVX-512; all but fp8 and NVFP4 on AVX2), tiles elsewhere; groups of 8 and rows that end inside a
+    (every packed format on AVX-512 and AVX2), tiles elsewhere; groups of 8 and rows that end inside a
     vector take the row decoders' scalar tails. Tokens of the identity give columns of W exactly."""
     banks = _banks(fmt, 2, experts=1, hidden=hidden)
     w, s, z = _w13_matrix(fmt, banks, 0)

@@ -308,6 +308,7 @@ static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #include "cpu_experts_packed.h"
 #include "cpu_experts_rows512.h"
 #include "cpu_experts_rows256.h"
+#include "cpu_experts_fp256.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
@@ -320,7 +321,7 @@ typedef struct {
 /* the dots kernel of each ISA (NULL: its formats take the row decoders for any token count), and the
  * token count from which it takes over from the row decoders (measured on one core of the dev VM,
  * docs/benchmarks.md: the row decoders, prefetching 8 KB ahead, are faster up to 7 tokens in every
- * format that has one, even at 8; on AVX2 all but MXFP4, fp8 and NVFP4 have one) */
+ * format that has one, even at 8; on AVX2 all but MXFP4 have one) */
 static const dots_fn DOTS[N_ISAS] = {NULL, dots_avx2, dots_avx512, dots_avx512};
 static const int TILES_FROM[N_ISAS] = {0, 8, 8, 8};
 
@@ -354,11 +355,11 @@ static const format_t FORMATS[N_FORMATS] = {
                   {decode_int4_portable, decode_int4_avx2, decode_int4_avx512, decode_int4_avx512}},
     [FMT_INT8] = {int8_row_bytes, prep_plain, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
                   {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
-    [FMT_FP8] = {fp8_row_bytes, prep_plain, 1, {NULL, NULL, rows_fp8_avx512, rows_fp8_avx512},
+    [FMT_FP8] = {fp8_row_bytes, prep_plain, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
-    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, 16, {NULL, NULL, rows_nvfp4_avx512, rows_nvfp4_avx512},
+    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, 16, {NULL, rows_nvfp4_avx2, rows_nvfp4_avx512, rows_nvfp4_avx512},
                    {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4_avx512, decode_nvfp4_avx512}},
-    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16, {NULL, NULL, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16, {NULL, rows_nvfp4ct_avx2, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
                      {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ct_avx512, decode_nvfp4ct_avx512}},
 };
 

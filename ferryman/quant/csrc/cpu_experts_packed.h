@@ -239,9 +239,6 @@ NVFP4_DECODER(nvfp4ct_portable, , 1)
 #ifdef FM_X86
 PACKED_DECODERS(avx2, T256)
 PACKED_DECODERS(avx512, T512)
-FP8_DECODER(fp8_avx2, T256)
-NVFP4_DECODER(nvfp4_avx2, T256, 0)
-NVFP4_DECODER(nvfp4ct_avx2, T256, 1)
 
 /* nvfp4 with AVX-512: a group's 8 bytes as 16 codes in element order (low, high nibble of each byte),
  * looked up in the 16 e2m1 values held in one register, times the group's effective scale */
@@ -313,11 +310,8 @@ T512 static void decode_fp8_avx512(const uint8_t *w, const uint8_t *s, const uin
 #define decode_q6_k_avx512 decode_q6_k_portable
 #define decode_int4_avx512 decode_int4_portable
 #define decode_int8_avx512 decode_int8_portable
-#define decode_nvfp4_avx2 decode_nvfp4_portable
 #define decode_nvfp4_avx512 decode_nvfp4_portable
-#define decode_nvfp4ct_avx2 decode_nvfp4ct_portable
 #define decode_nvfp4ct_avx512 decode_nvfp4ct_portable
-#define decode_fp8_avx2 decode_fp8_portable
 #define decode_fp8_avx512 decode_fp8_portable
 #endif
 
