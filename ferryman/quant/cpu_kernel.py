@@ -43,7 +43,7 @@ ISAS = {"avx512bf16": 3, "avx512": 2, "avx2": 1, "portable": 0}
 KERNEL_FORMATS = {("mxfp4", None): 0, ("dense", torch.bfloat16): 1, ("dense", torch.float32): 2,
                   ("dense", torch.float16): 3}
 BF16_TIMES_BF16 = 4  # dense bf16 weights times activations that were bf16: AVX512-BF16's dot product
-# packed formats (tile decoders: csrc/cpu_experts_packed.h; AVX-512 row decoders: cpu_experts_rows512.h)
+# packed formats (tile decoders: csrc/cpu_experts_packed.h; row decoders: cpu_experts_rows512.h, rows256.h, fp256.h)
 GGUF_CODES = {"q8_0": 5, "q4_k": 6, "q6_k": 7}
 INT_CODES = {4: 8, 8: 9}
 FP8_CODE = 10  # e4m3 with a scale per row or per square block
