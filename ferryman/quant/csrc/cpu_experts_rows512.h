@@ -183,13 +183,17 @@ T512 static void rows_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8
     }
 }
 
-/* Q6_K: per 128 values (half a block) and 16 lanes, the low-nibble bytes ql[l], ql[32 + l] and the
- * high-bit bytes qh[l] widened once give the four 6-bit codes of values l, 32 + l, 64 + l, 96 + l;
- * each minus 32 times d x its int8 scale (exact: an 11-bit mantissa times 8 bits), one rounding as
- * q6_k_16's */
+/* Q6_K: per 128 values (half a block), the 6-bit codes are put together as bytes, 64 values at a
+ * time: the 64 ql bytes' low nibbles are values 0-63 and their high nibbles values 64-127, and the 32
+ * qh bytes, repeated in both halves of a register and shifted per 16-bit lane by 0 / 2 (values 0-63)
+ * or 4 / 6 (values 64-127), give each value's two high bits (a word shift's spill past a byte is
+ * masked away). Each 16 values (one sub-block, one int8 scale) are widened to fp32 and times
+ * d x scale (exact: an 11-bit mantissa times 8 bits), one rounding as q6_k_16's. */
 INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
                              float *out) {
-    const __m512i m4 = _mm512_set1_epi32(0xF), m2 = _mm512_set1_epi32(3), c32 = _mm512_set1_epi32(32);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
+    const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
     __m512 acc[TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t kh = k0; kh < k1; kh += 128) { /* half a block: 128 values */
@@ -198,28 +202,25 @@ INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
         const uint8_t *blk = row + b * 210;
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 64 * h, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 128 + 40 * h, _MM_HINT_T0);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = f16_at(blk + 208);
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *lo = blk + h * 64 + half * 16, *hi = blk + 128 + h * 32 + half * 16;
-            const int8_t *s = sc + h * 8 + half;
-            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)lo));
-            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lo + 32)));
-            const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)hi));
-            __m512i v[4];
-            v[0] = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi32(_mm512_and_si512(q, m2), 4));
-            v[1] = _mm512_or_si512(_mm512_and_si512(c, m4),
-                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 2), m2), 4));
-            v[2] = _mm512_or_si512(_mm512_srli_epi32(a, 4),
-                                   _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(q, 4), m2), 4));
-            v[3] = _mm512_or_si512(_mm512_srli_epi32(c, 4), _mm512_slli_epi32(_mm512_srli_epi32(q, 6), 4));
-            const int64_t k = b * QK_K + h * 128 + half * 16;
-            for (int j = 0; j < 4; j++) {
-                const __m512 w = _mm512_mul_ps(_mm512_set1_ps(d * (float)s[2 * j]),
-                                               _mm512_cvtepi32_ps(_mm512_sub_epi32(v[j], c32)));
-                _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
-                    acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + k + 32 * j), acc[t]);
-            }
+        float ds[8]; /* d x the half's 8 scales, exact */
+        const __m256i s8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + h * 8)));
+        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 208)), _mm256_cvtepi32_ps(s8)));
+        const __m512i ql = _mm512_loadu_si512((const void *)(blk + h * 64));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32)));
+        const __m512i hb_lo = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_lo), m2), 4);
+        const __m512i hb_hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, shift_hi), m2), 4);
+        __m512i q[2]; /* values 0-63, 64-127 as int8 codes - 32 */
+        q[0] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(ql, m4, hb_lo, 0xEA), c32); /* (ql & m4) | hb */
+        q[1] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, hb_hi, 0xEA), c32);
+        const int64_t k = b * QK_K + h * 128;
+        for (int j = 0; j < 8; j++) {
+            const __m128i v16 = j % 4 == 0 ? _mm512_castsi512_si128(q[j / 4])
+                              : j % 4 == 1 ? _mm512_extracti32x4_epi32(q[j / 4], 1)
+                              : j % 4 == 2 ? _mm512_extracti32x4_epi32(q[j / 4], 2)
+                                           : _mm512_extracti32x4_epi32(q[j / 4], 3);
+            const __m512 w = _mm512_mul_ps(_mm512_set1_ps(ds[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v16)));
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+                acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + k + 16 * j), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
