@@ -236,18 +236,32 @@ INLINE512 void nvfp4_512_row_nt(int divide, const uint8_t *row, const uint8_t *s
                                 const float *xp, int64_t K, const int nt, float *out) {
     const __m512 lut = _mm512_loadu_ps(E2M1);
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    __m512 acc[TILE];
-    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t j = k0 / 16; j < k1 / 16; j++) {
+    __m512 acc[TILE], acc1[TILE]; /* even and odd groups: two FMA chains */
+    for (int t = 0; t < nt; t++) acc[t] = acc1[t] = _mm512_setzero_ps();
+    int64_t j = k0 / 16;
+    for (; j + 2 <= k1 / 16; j += 2) { /* two groups from one 16-byte load */
         _mm_prefetch((const char *)(row + j * 8) + PREFETCH_AHEAD, _MM_HINT_T0);
+        const float e0 = divide ? E4M3[scl[j]] / g : E4M3[scl[j]] * g;
+        const float e1 = divide ? E4M3[scl[j + 1]] / g : E4M3[scl[j + 1]] * g;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(row + j * 8));
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut),
+                                        _mm512_set1_ps(e0));
+        const __m512 w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), lut),
+                                        _mm512_set1_ps(e1));
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+            acc[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + t * K + j * 16), acc[t]);
+            acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + t * K + j * 16 + 16), acc1[t]);
+        }
+    }
+    if (j < k1 / 16) { /* an odd last group */
         const float eff = divide ? E4M3[scl[j]] / g : E4M3[scl[j]] * g;
         const __m128i v = _mm_loadl_epi64((const __m128i *)(row + j * 8));
         const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
         const __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), lut), _mm512_set1_ps(eff));
-        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
-            acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + j * 16), acc[t]);
+        for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + j * 16), acc[t]);
     }
-    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc1[t]));
 }
 
 #define NVFP4_ROWS512(NAME, DIVIDE)                                                                         \
