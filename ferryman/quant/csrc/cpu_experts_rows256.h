@@ -118,11 +118,14 @@ INLINE256 void int256_row_nt(int bits, const uint8_t *row, const float *scl, con
 INT_ROWS(int4_avx2, T256, 4, int256_row_nt)
 INT_ROWS(int8_avx2, T256, 8, int256_row_nt)
 
-/* Q6_K: per quarter block (16 values of each of the four 32-value runs), as q6k512_row_nt with 8
- * lanes: ql[l], ql[32 + l] and qh[l] widened give the 6-bit codes of values l, 32 + l, 64 + l, 96 + l */
+/* Q6_K: per 128 values (half a block), as q6k512_row_nt: the 6-bit codes put together as bytes, 32
+ * values per register (the 32 qh bytes shifted per 16-bit lane by 0 / 2 / 4 / 6 give the two high bits
+ * of values 0-31 / 32-63 / 64-95 / 96-127; a word shift's spill past a byte is masked away), minus 32,
+ * kept in a small buffer; then each 8 are widened to fp32 and times d x their sub-block's scale */
 INLINE256 void q6k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt,
                              float *out) {
-    const __m256i m4 = _mm256_set1_epi32(0xF), m2 = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), c32 = _mm256_set1_epi8(32);
+    int8_t codes[128] __attribute__((aligned(32)));
     __m256 acc[TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t kh = k0; kh < k1; kh += 128) { /* half a block: 128 values */
@@ -131,28 +134,26 @@ INLINE256 void q6k256_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
         const uint8_t *blk = row + b * 210;
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 64 * h, _MM_HINT_T0);
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD + 128 + 40 * h, _MM_HINT_T0);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = f16_at(blk + 208);
-        for (int l8 = 0; l8 < 32; l8 += 8) { /* lanes l8..l8+7 of the 32; scales of their half (l8 / 16) */
-            const uint8_t *lo = blk + h * 64 + l8, *hi = blk + 128 + h * 32 + l8;
-            const int8_t *s = sc + h * 8 + l8 / 16;
-            const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)lo));
-            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(lo + 32)));
-            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
-            __m256i v[4];
-            v[0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi32(_mm256_and_si256(q, m2), 4));
-            v[1] = _mm256_or_si256(_mm256_and_si256(c, m4),
-                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q, 2), m2), 4));
-            v[2] = _mm256_or_si256(_mm256_srli_epi32(a, 4),
-                                   _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(q, 4), m2), 4));
-            v[3] = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_slli_epi32(_mm256_srli_epi32(q, 6), 4));
-            const int64_t k = b * QK_K + h * 128 + l8;
-            for (int j = 0; j < 4; j++) {
-                const __m256 w = _mm256_mul_ps(_mm256_set1_ps(d * (float)s[2 * j]),
-                                               _mm256_cvtepi32_ps(_mm256_sub_epi32(v[j], c32)));
-                _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
-                    acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp + t * K + k + 32 * j), acc[t]);
-            }
+        float ds[8]; /* d x the half's 8 scales, exact */
+        const __m256i s8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192 + h * 8)));
+        _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_set1_ps(f16_at(blk + 208)), _mm256_cvtepi32_ps(s8)));
+        const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(blk + h * 64));
+        const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(blk + h * 64 + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + h * 32));
+        const __m256i lows[4] = {_mm256_and_si256(ql0, m4), _mm256_and_si256(ql1, m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4)};
+        for (int r = 0; r < 4; r++) { /* values 32r..32r+31: their high bits are qh's bits 2r, 2r + 1 */
+            const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), m2);
+            const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lows[r], _mm256_slli_epi16(hb, 4)), c32);
+            _mm256_store_si256((__m256i *)(codes + 32 * r), q);
+        }
+        const int64_t k = b * QK_K + h * 128;
+        for (int j = 0; j < 16; j++) { /* 8 values: sub-block j / 2 */
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * j)));
+            const __m256 w = _mm256_mul_ps(_mm256_set1_ps(ds[j / 2]), _mm256_cvtepi32_ps(q));
+            _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
+                acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xp + t * K + k + 8 * j), acc[t]);
         }
     }
     for (int t = 0; t < nt; t++) out[t] = hsum256(acc[t]);
