@@ -194,6 +194,7 @@ INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
     const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     const __m512i shift_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    int8_t codes[128] __attribute__((aligned(64)));
     __m512 acc[TILE];
     for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t kh = k0; kh < k1; kh += 128) { /* half a block: 128 values */
@@ -213,11 +214,10 @@ INLINE512 void q6k512_row_nt(const uint8_t *row, int64_t k0, int64_t k1, const f
         q[0] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(ql, m4, hb_lo, 0xEA), c32); /* (ql & m4) | hb */
         q[1] = _mm512_sub_epi8(_mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, hb_hi, 0xEA), c32);
         const int64_t k = b * QK_K + h * 128;
+        _mm512_store_si512((void *)codes, q[0]);
+        _mm512_store_si512((void *)(codes + 64), q[1]);
         for (int j = 0; j < 8; j++) {
-            const __m128i v16 = j % 4 == 0 ? _mm512_castsi512_si128(q[j / 4])
-                              : j % 4 == 1 ? _mm512_extracti32x4_epi32(q[j / 4], 1)
-                              : j % 4 == 2 ? _mm512_extracti32x4_epi32(q[j / 4], 2)
-                                           : _mm512_extracti32x4_epi32(q[j / 4], 3);
+            const __m128i v16 = _mm_load_si128((const __m128i *)(codes + 16 * j));
             const __m512 w = _mm512_mul_ps(_mm512_set1_ps(ds[j]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v16)));
             _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++)
                 acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xp + t * K + k + 16 * j), acc[t]);
