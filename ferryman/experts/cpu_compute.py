@@ -55,7 +55,7 @@ class CPUExperts:
             pairs = cpu_kernel.pairs_of(host_ids, w_host, experts)
             job = LayerJob(x_host, self.store.banks[layer], layer, pairs, self.act.kind, self.act.alpha,
                            self.act.limit, self.bias, fmt)
-            self.pairs += int(job.tokens.numel())
+            self.pairs += job.num_pairs
             run = partial(self._timed, lambda: job.run().to(x_host.dtype), len(experts), start)
         else:
             run = partial(self._timed, partial(self.compute, layer, x_host, host_ids, w_host, experts), len(experts),
