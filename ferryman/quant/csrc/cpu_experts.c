@@ -359,7 +359,8 @@ static const format_t FORMATS[N_FORMATS] = {
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
     [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, 16, {NULL, rows_nvfp4_avx2, rows_nvfp4_avx512, rows_nvfp4_avx512},
                    {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4_avx512, decode_nvfp4_avx512}},
-    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16, {NULL, rows_nvfp4ct_avx2, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16,
+                     {NULL, rows_nvfp4ct_avx2, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
                      {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ct_avx512, decode_nvfp4ct_avx512}},
 };
 

@@ -150,7 +150,8 @@ INLINE512 void fp8_512_row_nt(const uint8_t *row, const float *sr, int64_t gs, i
         for (int t = 0; t < nt; t++) a0[t] = a1[t] = _mm512_setzero_ps();
         for (; k + 32 <= end; k += 32) {
             _mm_prefetch((const char *)(row + k) + PREFETCH_AHEAD, _MM_HINT_T0);
-            const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + k))), 7);
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(row + k));
+            const __m512i h = _mm512_slli_epi16(_mm512_cvtepu8_epi16(c), 7);
             const __m512i f = _mm512_add_epi16(h, _mm512_and_si512(h, bit14));
             const __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(f));
             const __m512 w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f, 1));
