@@ -44,6 +44,7 @@ from ferryman.plan_report import Load, predict  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fewer_layers import fewer_layers  # noqa: E402
+from host_usage import HostUsage  # noqa: E402
 
 TARGETS = ("gpt-oss-120b:16GiB", "gpt-oss-20b:8GiB", "qwen3-30b-a3b:8GiB")
 
@@ -127,7 +128,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     warm = warm_up(eng)
     print(f"warm-up: {warm.seconds:.1f} s, {warm.steps} steps, the slowest {warm.slowest_s:.2f} s", file=sys.stderr)
     generate(llm, rand(512), 8)
-    dec = generate(llm, rand(128), a.decode_tokens)
+    with HostUsage() as host:  # slow runs of one-sequence decode spent their time on the host
+        dec = generate(llm, rand(128), a.decode_tokens)
     ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
     pre_len = min(a.prefill_prompt, eng.max_model_len - 2)
     ttft = generate(llm, rand(ttft_len), 1)["ttft_s"] if ttft_len > 0 else None
@@ -167,6 +169,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "copies_per_token": dec.get("copies_h2d", 0) / decode_steps,
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
+        **host.figures("decode"),
     }
     if eng.plan.strategy == "offload":  # `ferryman plan`'s prediction at the measured link rate
         rates = calibrated_rates(eng.cfg, eng.plan.request.dtype, link=(bw, "measured"))
