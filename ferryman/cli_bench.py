@@ -159,9 +159,10 @@ def cmd_bench_bw(a: argparse.Namespace) -> int:
     cal = run_bench(cfg, dtype, act, path, a.reps, a.read_mib * MiB, a.pool_mib * MiB, log=log)
     r_link, r_cpu, which = rates(cal, cal.h2d is not None)
     link = "link" if cal.h2d is not None else "host copy (no CUDA)"
+    auto = ("try splitting misses with the CPU (kept where decode steps run faster)"
+            if r_cpu >= MIN_CPU_SHARE * r_link else "not use the CPU")
     log(f"split: {link} {r_link:,.0f} experts/s, CPU {r_cpu:,.0f} experts/s ({which}); of 8 misses fetch "
-        f"{split_fetch(8, r_link, r_cpu)}; --moe-strategy auto would "
-        f"{'split misses with' if r_cpu >= MIN_CPU_SHARE * r_link else 'not use'} the CPU")
+        f"{split_fetch(8, r_link, r_cpu)}; --moe-strategy auto would {auto}")
     log(f"(e) CPU expert kernels ({cpu_kernel.isa_name()}, {cpu_kernel.threads()} threads), top-{cfg.top_k} "
         f"experts per job ...")
     kernels = kernel_rates(cfg, act, cal.host_read_gbps or 0.0, a.reps, a.pool_mib * MiB)
