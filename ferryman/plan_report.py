@@ -75,7 +75,9 @@ def _misses_mode(plan: MemoryPlan) -> str:
     blockers = link_blockers(plan.request, plan.cpu_layers)
     why = ("" if plan.request.decode_misses == "copy" else f"; link steps need {' and '.join(blockers)}"
            if blockers else "; the experts' format reads slowly over the link")
-    return "copied into slots layer by layer" + why
+    split = ("; under auto the CPU may take some (the hybrid split, on trial: kept only where decode steps "
+             "run faster)" if plan.request.strategy == "auto" else "")
+    return "copied into slots layer by layer" + why + split
 
 
 def _link_seqs(plan: MemoryPlan) -> int:

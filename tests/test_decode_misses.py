@@ -85,7 +85,9 @@ def test_report_and_prediction_follow_the_choice() -> None:
     link, copy = _plan(cfg), _plan(cfg, decode_misses="copy")
     assert "read over the link by the decode kernel" in describe_plan(link)
     assert "up to 8 sequences" in describe_plan(link)
-    assert "copied into slots layer by layer\n" in describe_plan(copy) + "\n"
+    assert "copied into slots layer by layer; under auto the CPU may take some" in describe_plan(copy)
+    offload = describe_plan(_plan(cfg, decode_misses="copy", strategy="offload"))
+    assert "copied into slots layer by layer\n" in offload + "\n"  # no split: nothing more to say
     assert "reads slowly over the link" in describe_plan(_plan(_cfg("gpt-oss-20b")))
     torch_kernels = describe_plan(_plan(cfg, kernels="torch"))  # the reason named, not the format blamed
     assert "link steps need the Triton kernels, not FERRYMAN_KERNELS=torch" in torch_kernels
