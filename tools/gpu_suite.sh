@@ -45,6 +45,9 @@
 #                longprompt120 run one each
 #   prefix       TTFT with and without a cached 4k prefix (bench_prefix_cache, gpt-oss-20b)
 #   kernels      the MoE and attention kernel benchmarks
+#   prefillattn  a 16k and a 32k prompt's full-attention prefill in 4096-token chunks: the paged Triton
+#                kernel against torch's flash and cuDNN attention with the sinks merged by log-sum-exp
+#                (benchmarks/bench_prefill_attention.py; issue 25's lever); ~1 min
 #   groupedq     the grouped GEMM's packed-tile GPU tests (int4/int8, fp8, nvfp4 at qwen3-30b-a3b and
 #                qwen3-next shapes), then bench_prefill_moe: grouped vs batched by token count for qwen3-30b-a3b
 #                in bf16, int4, fp8, nvfp4 and qwen3-next in int4, fp8, nvfp4 (sets layers/fused_moe.py's
@@ -364,6 +367,7 @@ for s in ${@:-tests}; do
                  stage hybrid_steps 150 python3 benchmarks/profile_prefill.py --model qwen3-next-80b-a3b \
                    --load-format dummy --layers 12 --gpu-memory 16GiB --quantization int4 --max-num-seqs 1 \
                    --lengths 8192 --turn 200 ;;
+    prefillattn) stage prefill_attention 120 python3 benchmarks/bench_prefill_attention.py ;;
     kernels)     stage moe_kernel 90 python3 benchmarks/bench_fused_moe.py
                  stage attention 60 python3 benchmarks/bench_attention.py ;;
     strategies)  stage cpu_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_kernel.py \
