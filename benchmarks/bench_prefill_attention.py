@@ -5,10 +5,7 @@ on dense K/V, with the sinks added through the log-sum-exp the kernels return.
 Each chunk's queries see every earlier key and their own chunk causally; the dense path computes
 the two parts apart (the earlier keys without a mask, the chunk with the square causal mask, so
 no mask alignment question arises) and merges them by their log-sum-exps, the sink entering the
-softmax's denominator only:
-
-    lse = log(exp(lse_prev) + exp(lse_own) + exp(sink))
-    out = out_prev * exp(lse_prev - lse) + out_own * exp(lse_own - lse)
+softmax's denominator only (`merge` of layers/paged_attention_torch.py, the CPU's path).
 
 At 16k tokens the 12 full-attention layers' prefill is about 26 TFLOP, 90 ms of a 0.64 s time to
 first token at the paged kernel's ~290 TFLOP/s (docs/benchmarks.md, issue 25): what a faster kernel
@@ -31,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman.layers.paged_attention import AttnMetadata, paged_attention, paged_attention_reference  # noqa: E402
+from ferryman.layers.paged_attention_torch import merge  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
@@ -69,10 +67,7 @@ def dense_chunk(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if start > 0:
         out_prev, lse_prev = attend(qh, kh[:, :, :start], vh[:, :, :start], False, scale)
         parts.append((out_prev.float(), lse_prev.float()))
-    lse = torch.logaddexp(parts[0][1], sinks.float()[None, :, None].expand_as(parts[0][1]))
-    for _, part_lse in parts[1:]:
-        lse = torch.logaddexp(lse, part_lse)
-    out = sum(o * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts)  # [1, Hq, T, D]
+    out = merge(parts, sinks)  # [1, Hq, T, D]
     return out[0].transpose(0, 1).to(q.dtype)[:t]
 
 

@@ -147,13 +147,20 @@ def test_make_batch_cache_holds_every_sequence() -> None:
 # ----------------------------------------------------------------------------- reference
 
 
+# the reference, and `paged_attention` on the CPU: torch's flash attention for prompt rows
+# (layers/paged_attention_torch.py), the reference for decode rows
+PATHS = [pytest.param(paged_attention_reference, id="reference"), pytest.param(paged_attention, id="cpu-flash")]
+
+
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("use_sinks", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reference_matches_dense(window: int | None, use_sinks: bool, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("attend", PATHS)
+def test_reference_matches_dense(window: int | None, use_sinks: bool, dtype: torch.dtype,
+                                 attend) -> None:  # noqa: ANN001
     batch = make_batch(MIXED, dtype=dtype, pad_tokens=3, seed=2)
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 if use_sinks else None
-    out = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.3, window, sinks)
+    out = attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.3, window, sinks)
     assert out.shape == batch.q.shape and out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(len(MIXED)):
@@ -180,13 +187,14 @@ def hf_mask(seq_len: int, num_q: int, window: int | None) -> Tensor:
 
 @pytest.mark.parametrize("window", [None, 8])
 @pytest.mark.parametrize("use_sinks", [False, True])
-def test_reference_matches_transformers_eager(window: int | None, use_sinks: bool) -> None:
+@pytest.mark.parametrize("attend", PATHS)
+def test_reference_matches_transformers_eager(window: int | None, use_sinks: bool, attend) -> None:  # noqa: ANN001
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
     from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager
 
     batch = make_batch(MIXED, pad_tokens=1, seed=4)
     sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)) * 2 if use_sinks else None
-    out = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, sinks)
+    out = attend(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, sinks)
     module = SimpleNamespace(num_key_value_groups=4, sinks=sinks, training=False)
     eager = gpt_oss_eager if use_sinks else llama_eager
     starts = batch.meta.query_start_loc.tolist()
@@ -205,6 +213,17 @@ def test_reference_long_prefill_is_chunked_and_exact(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(pa, "_REF_MAX_SCORE_ELEMS", 8 * 50 * 7)  # 7 queries per chunk
     chunked = pa.paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2, 8, None)
     torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 8, 700])
+def test_cpu_flash_on_long_prompts_matches_the_reference(window: int | None) -> None:
+    """Prompt rows past several windowed query blocks (WINDOW_BLOCK = 256) after a cached prefix, and
+    a window longer than a block; two sequences, sinks: within fp32 rounding of the reference."""
+    batch = make_batch([(900, 600), (300, 300)], hq=4, hkv=1, d=16, seed=11)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(12))
+    want = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, sinks)
+    got = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, sinks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_cpu_dispatch_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,9 @@ Shapes: T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads (G = Hq /
 share one kv head), D = head_dim, L = kv length of a sequence. Query token i of sequence b sits at
 position `seq_lens[b] - qlen_b + i`; it sees kv positions p <= pos, and with a sliding window w only
 p > pos - w. Sinks (gpt-oss): one logit per q head joins the softmax denominator. Softmax runs in
-fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says.
+fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says; on
+the CPU a sequence's prompt rows go through torch's flash attention (paged_attention_torch.py),
+its decode row and every row of the reference through dense scores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from torch import Tensor
 
 from ferryman.layers import backend
 from ferryman.layers.attn_metadata import AttnMetadata
+from ferryman.layers.paged_attention_torch import MIN_QUERIES as FLASH_MIN_QUERIES
+from ferryman.layers.paged_attention_torch import attend_sequence
+from ferryman.layers.paged_attention_torch import available as flash_available
 
 __all__ = ["AttnMetadata", "write_kv", "paged_attention", "write_kv_reference", "paged_attention_reference"]
 
@@ -89,7 +94,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetad
         from ferryman.layers.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
-    return paged_attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
+    return _per_sequence(q, k_cache, v_cache, meta, scale, window, sinks,
+                         flash=q.device.type == "cpu" and flash_available())  # torch's flash for CPU
 
 
 def write_kv_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -142,6 +148,13 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta:
                               window: int | None = None, sinks: Tensor | None = None) -> Tensor:
     """Torch reference (inputs checked by `paged_attention`): per sequence, gather kv from the block
     table and attend."""
+    return _per_sequence(q, k_cache, v_cache, meta, scale, window, sinks, flash=False)
+
+
+def _per_sequence(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
+                  window: int | None, sinks: Tensor | None, flash: bool) -> Tensor:
+    """Each sequence's rows: torch's flash attention (paged_attention_torch.py) for a sequence of at
+    least FLASH_MIN_QUERIES rows when `flash`, else the reference's dense scores."""
     out = torch.zeros_like(q)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -154,6 +167,9 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta:
         first_pos = seq_len - (q_end - q_begin)
         if first_pos < 0:
             raise ValueError(f"seq_lens[{b}]={seq_len} is shorter than its {q_end - q_begin} query tokens")
+        if flash and q_end - q_begin >= FLASH_MIN_QUERIES:
+            out[q_begin:q_end] = attend_sequence(q[q_begin:q_end], k, v, scale, window, sinks)
+            continue
         # bound the [Hq, chunk, L] score tensor so long prefills stay within memory
         chunk = max(1, _REF_MAX_SCORE_ELEMS // max(1, seq_len * q.shape[1]))
         for c in range(q_begin, q_end, chunk):
