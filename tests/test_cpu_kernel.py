@@ -194,14 +194,39 @@ def test_layer_job_matches_fused_moe(fmt: str, dtype: torch.dtype, kind: str, to
 
 
 @needs_kernel
+def test_many_pairs_take_numpy_and_give_the_same_job() -> None:
+    """Past SMALL_PAIRS, pairs_of sorts with numpy (arrays per expert, tokens ascending); the layer job
+    built from them equals the one built from the same pairs as lists, bit for bit."""
+    gen = torch.Generator().manual_seed(21)
+    t, k = 300, 4
+    ids = torch.stack([torch.randperm(6, generator=gen)[:k] for _ in range(t)])  # 1,200 pairs of 6 experts
+    w = torch.rand(t, k, generator=gen)
+    assert ids.numel() > cpu_kernel.SMALL_PAIRS
+    pairs = cpu_kernel.pairs_of(ids, w, [0, 2, 5, 9])
+    for e in (0, 2, 5):
+        rows = [r for r in range(t) if e in ids[r].tolist()]
+        assert list(pairs[e][0]) == rows
+        assert list(pairs[e][1]) == [w[r, ids[r].tolist().index(e)].item() for r in rows]
+    assert len(pairs[9][0]) == 0
+    banks = _layer_banks("mxfp4", torch.float32, True, 3)
+    x = torch.randn(t, 128, generator=gen)
+    pairs = cpu_kernel.pairs_of(ids, w)  # every expert of the 6
+    as_lists = {e: (list(map(int, tk)), list(map(float, ws))) for e, (tk, ws) in pairs.items()}
+    run = [LayerJob(x, banks, 0, p, "swiglu_oai", 1.702, 7.0).run() for p in (pairs, as_lists)]
+    assert torch.equal(run[0], run[1])
+
+
+@needs_kernel
 def test_layer_job_keeps_bias_rows_and_checks_shapes() -> None:
     banks = _layer_banks("mxfp4", torch.float32, True, 11)
     x = torch.randn(4, 128)
     ids = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 3]])
     w = torch.rand(4, 2)
+    as_lists = {e: (list(t), list(ws)) for e, (t, ws) in cpu_kernel.pairs_of(ids, w, [0, 3, 4]).items()}
+    assert as_lists == {0: ([0, 2], [w[0, 0].item(), w[2, 1].item()]),
+                        3: ([0, 1, 3], [w[0, 1].item(), w[1, 0].item(), w[3, 1].item()]), 4: ([], [])}
+    assert sorted(cpu_kernel.pairs_of(ids, w)) == [0, 1, 3, 5]  # every expert routed to
     pairs = cpu_kernel.pairs_of(ids, w, [0, 3])
-    assert pairs == {0: ([0, 2], [w[0, 0].item(), w[2, 1].item()]),
-                     3: ([0, 1, 3], [w[0, 1].item(), w[1, 0].item(), w[3, 1].item()])}
     bias: dict = {}
     LayerJob(x, banks, 7, pairs, "swiglu_oai", 1.702, 7.0, bias).run()
     assert sorted(bias) == [(7, e, b) for e in (0, 3) for b in ("w13_bias", "w2_bias")]

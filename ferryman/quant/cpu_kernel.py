@@ -13,6 +13,8 @@ callers keep the torch path. FERRYMAN_KERNELS=torch turns it off.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ctypes
 import hashlib
 import itertools
@@ -25,6 +27,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ferryman.envs import envs
@@ -260,17 +263,36 @@ def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor | None, who: str) ->
 
 
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
-Pairs = dict[int, tuple[list[int], list[float]]]  # expert -> (token indices, routing weights)
+# expert -> (token indices, routing weights): lists, or int64 and float32 arrays
+Pairs = dict[int, tuple[Sequence[int], Sequence[float]]]
+SMALL_PAIRS = 256  # pairs_of builds lists up to this many pairs, numpy arrays beyond
 
 
 def pairs_of(ids: torch.Tensor, w: torch.Tensor, experts: list[int] | None = None) -> Pairs:
-    """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids).
-    ids, w: [T, K] on the host."""
-    out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
-    for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
-        for e, wt in zip(row, weights):
-            if experts is None or e in out:
-                tokens, ws = out.setdefault(e, ([], []))
-                tokens.append(t)
-                ws.append(wt)
+    """The (token, k) pairs routed to each expert of `experts` (default: every expert in ids), each
+    expert's tokens ascending. ids, w: [T, K] on the host. One stable sort of the pair ids by expert
+    (a 1,500-token prompt's 6,000 pairs took 4.9 ms a layer through Python lists, dev VM)."""
+    if ids.numel() <= SMALL_PAIRS:  # decode: a few pairs, Python lists beat numpy's calls
+        out: Pairs = {e: ([], []) for e in experts} if experts is not None else {}
+        for t, (row, weights) in enumerate(zip(ids.tolist(), w.float().tolist())):
+            for e, wt in zip(row, weights):
+                if experts is None or e in out:
+                    tokens, ws = out.setdefault(e, ([], []))
+                    tokens.append(t)
+                    ws.append(wt)
+        return out
+    k = ids.shape[-1]
+    flat = ids.reshape(-1).to(torch.int64).numpy()
+    wf = w.reshape(-1).float().numpy()
+    order = np.argsort(flat, kind="stable")  # [P] pair ids by expert, ties in token order
+    uniq, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    wanted = None if experts is None else set(experts)
+    out = {}
+    for e, s, c in zip(uniq.tolist(), starts.tolist(), counts.tolist()):
+        if wanted is None or e in wanted:
+            pair = order[s : s + c]
+            out[e] = (pair // k, wf[pair])
+    for e in experts or ():
+        if e not in out:
+            out[e] = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
     return out

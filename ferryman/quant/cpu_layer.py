@@ -9,8 +9,8 @@ layer's banks go through the kernel.
 from __future__ import annotations
 
 import ctypes
-import itertools
 
+import numpy as np
 import torch
 
 from ferryman.quant.base import get_format
@@ -94,12 +94,16 @@ class LayerJob:
                         bias[(layer, e, bank)] = banks[bank][e].float().contiguous()
                     self.keep.append(bias[(layer, e, bank)])  # the caller's dict may be this call's only
                     self.arrays[name][i] = self._pointer(self.keep[-1])
-        # ctypes arrays: a third of the cost of torch tensors for a job's few dozen pairs
-        offsets = [0, *itertools.accumulate(len(pairs[e][0]) for e in experts)]
-        self.offsets = (ctypes.c_int64 * len(offsets))(*offsets)
-        self.tokens = (ctypes.c_int64 * max(1, offsets[-1]))(*(t for e in experts for t in pairs[e][0]))
-        self.weights = (ctypes.c_float * max(1, offsets[-1]))(*(w for e in experts for w in pairs[e][1]))
-        self.num_pairs = offsets[-1]
+        # numpy arrays, their addresses passed on (the kernel reads them during run)
+        self.offsets = np.zeros(self.n + 1, dtype=np.int64)
+        self.offsets[1:] = np.cumsum([len(pairs[e][0]) for e in experts], dtype=np.int64)
+        self.num_pairs = int(self.offsets[-1])
+        if all(isinstance(pairs[e][0], list) for e in experts):  # pairs_of's few-pair lists: one array each
+            self.tokens = np.array([t for e in experts for t in pairs[e][0]] or [0], dtype=np.int64)
+            self.weights = np.array([w for e in experts for w in pairs[e][1]] or [0.0], dtype=np.float32)
+        else:
+            self.tokens = np.concatenate([np.asarray(pairs[e][0], dtype=np.int64) for e in experts])
+            self.weights = np.concatenate([np.asarray(pairs[e][1], dtype=np.float32) for e in experts])
         self.kind, self.alpha, self.limit = ACTIVATIONS[kind], alpha, limit
         self.threads = threads()
 
@@ -130,7 +134,7 @@ class LayerJob:
         rc = self.lib.ferryman_cpu_experts(
             self.code13, self.code2, self.group, self.x.data_ptr(), self.x.shape[0], self.x.shape[1], self.inter,
             self.n, a["w13"], a["s13"], a["z13"], a["b13"], a["w2"], a["s2"], a["z2"], a["b2"],
-            self.offsets, self.tokens, self.weights, self.kind, self.alpha,
+            self.offsets.ctypes.data, self.tokens.ctypes.data, self.weights.ctypes.data, self.kind, self.alpha,
             self.limit, out.data_ptr(), self.threads, ISAS[isa])
         if rc != 0:
             raise RuntimeError(f"CPU experts kernel failed (code {rc}: -1 out of memory or bad sizes, -2 a token "
