@@ -36,8 +36,14 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple
 
 def flash_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [1, Hq, L, D], lse [1, Hq, L] fp32) of torch's flash kernel; k, v: [1, Hkv, S, D]."""
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    """(out [1, Hq, L, D], lse [1, Hq, L] fp32) of torch's flash kernel; k, v: [1, Hkv, S, D] (grouped
+    heads where the op takes them, else repeated, which the timing then includes)."""
+    try:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    except RuntimeError:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return out[0], out[1]
 
 
