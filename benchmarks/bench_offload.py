@@ -135,6 +135,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     ttft = generate(llm, rand(ttft_len), 1)["ttft_s"] if ttft_len > 0 else None
     pre = generate(llm, rand(pre_len), 1) if pre_len > 0 else {"ttft_s": None}
     cfg = eng.cfg
+    end = eng.stats()  # after every phase: auto's split trial may have ruled
     total_experts = len(cfg.moe_layers) * cfg.num_experts
     uncached = uncached_bytes(llm)
     decode_steps = max(1, a.decode_tokens - 1)  # the counters start after the first token
@@ -158,11 +159,10 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "ttft_prompt": ttft_len, "ttft_s": ttft, "prefill_prompt": pre_len, "prefill_tok_s": pre_len / pre["ttft_s"] if pre["ttft_s"] else None,
         "chunk": chunk,
         "prefill_stream_limit": chunk * bw / uncached if uncached and pre_len > 0 else None,
-        "cuda_graph_mode": eng.stats()["cuda_graph_mode"],
+        "cuda_graph_mode": end["cuda_graph_mode"],
         "moe_strategy": a.moe_strategy, "decode_misses": eng.plan.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
-        "hybrid": eng.stats()["experts"].get("hybrid"),  # at the end: auto's split trial may have ruled
-        "split_trial": eng.stats()["experts"].get("split_trial"),
-        "prefetch_layers": _prefetch_layers(eng.stats()["experts"]),
+        "hybrid": end["experts"].get("hybrid"), "split_trial": end["experts"].get("split_trial"),
+        "prefetch_layers": _prefetch_layers(end["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": dec.get("bytes_h2d", 0) / decode_steps / 2**20,
         "link_read_mib_per_token": dec.get("link_read_bytes", 0) / decode_steps / 2**20,  # decode_misses link

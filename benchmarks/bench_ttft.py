@@ -5,12 +5,15 @@
 
 Each prompt is random token ids (no prefix-cache hit), one greedy token; prints the median and
 every run. Compare commits by running it on each (the CPU prefill paths have no switch).
+--profile N: then one more N-token prompt under cProfile, its 12 costliest functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import platform
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -32,10 +35,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompts", default="16,64,256,512", help="prompt lengths, comma-separated")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="then profile one N-token prompt")
     a = ap.parse_args()
     sizes = [int(s) for s in a.prompts.split(",")]
     llm = LLM(a.model, device=a.device, dtype=a.dtype, load_format=a.load_format,
-              max_model_len=max(sizes) + 16, max_num_seqs=1)
+              max_model_len=max(sizes + [a.profile]) + 16, max_num_seqs=1)
     warm_up(llm.engine)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.cfg.vocab_size
@@ -47,6 +51,11 @@ def main() -> None:
             times.append(ttft(llm, torch.randint(1, vocab, (n,), generator=gen).tolist())[0] * 1e3)
         print(f"{n}-token prompt: TTFT median {statistics.median(times):.1f} ms "
               f"({', '.join(f'{t:.1f}' for t in times)})", flush=True)
+    if a.profile:
+        prompt = torch.randint(1, vocab, (a.profile,), generator=gen).tolist()
+        prof = cProfile.Profile()
+        prof.runcall(ttft, llm, prompt)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

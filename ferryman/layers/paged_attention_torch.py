@@ -2,7 +2,8 @@
 attention (`paged_attention` calls it per sequence with the keys gathered from the blocks).
 
 The torch reference (`paged_attention_reference`) materialises every score: a 1,500-token prompt of
-the demo model spent 0.95 s of its 1.11 s prefill there on the dev VM. Here torch's fused flash
+the demo model spent 0.97 s of its 1.30 s profiled prefill there (docs/benchmarks.md, "CPU prefill
+attention"). Here torch's fused flash
 kernel attends, and returns the log-sum-exp of each query's scores, so that parts computed apart
 merge exactly and gpt-oss's sinks join the softmax's denominator only:
 

@@ -98,12 +98,8 @@ class LayerJob:
         self.offsets = np.zeros(self.n + 1, dtype=np.int64)
         self.offsets[1:] = np.cumsum([len(pairs[e][0]) for e in experts], dtype=np.int64)
         self.num_pairs = int(self.offsets[-1])
-        if all(isinstance(pairs[e][0], list) for e in experts):  # pairs_of's few-pair lists: one array each
-            self.tokens = np.array([t for e in experts for t in pairs[e][0]] or [0], dtype=np.int64)
-            self.weights = np.array([w for e in experts for w in pairs[e][1]] or [0.0], dtype=np.float32)
-        else:
-            self.tokens = np.concatenate([np.asarray(pairs[e][0], dtype=np.int64) for e in experts])
-            self.weights = np.concatenate([np.asarray(pairs[e][1], dtype=np.float32) for e in experts])
+        self.tokens = np.concatenate([np.asarray(pairs[e][0], dtype=np.int64) for e in experts] or [[0]])
+        self.weights = np.concatenate([np.asarray(pairs[e][1], dtype=np.float32) for e in experts] or [[0.0]])
         self.kind, self.alpha, self.limit = ACTIVATIONS[kind], alpha, limit
         self.threads = threads()
 
