@@ -16,10 +16,10 @@ INLINE256 void fp8x16_256(const uint8_t *codes, __m256 *w0, __m256 *w1) {
 T256 static void decode_fp8_avx2(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group, int64_t K,
                                  int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
     (void)z;
-    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    int64_t gs;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
-        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        const float *sr = fp8_scales_of(s, group, K, n, &gs);
         float *out = wb + (n - n0) * ld - k0;
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
@@ -70,10 +70,10 @@ T256 static void rows_fp8_avx2(const uint8_t *w, const uint8_t *s, const uint8_t
                                int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
                                int64_t ys) {
     (void)z;
-    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    int64_t gs;
     float out[TILE];
     for (int64_t n = n0; n < n1; n++) {
-        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        const float *sr = fp8_scales_of(s, group, K, n, &gs);
         ROWS_NT(nt, fp8_256_row_nt, out, w + n * K, sr, gs, k0, k1, xp, K);
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }

@@ -163,13 +163,20 @@ __attribute__((constructor)) static void fill_e4m3(void) {
     }
 }
 
+/* row n's fp8 scales: square blocks of `group` (group > 0: [N / group, ceil(K / group)] scales, *gs =
+ * group inputs each) or one per row (*gs = K) */
+static inline const float *fp8_scales_of(const uint8_t *s, int64_t group, int64_t K, int64_t n, int64_t *gs) {
+    *gs = group > 0 ? group : K;
+    return (const float *)s + (group > 0 ? n / group * ((K + group - 1) / group) : n);
+}
+
 static inline __attribute__((always_inline)) void fp8_rows(const uint8_t *w, const uint8_t *s, int64_t group,
                                                            int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1,
                                                            float *wb, int64_t ld) {
-    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    int64_t gs;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
-        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        const float *sr = fp8_scales_of(s, group, K, n, &gs);
         float *out = wb + (n - n0) * ld - k0;
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;
@@ -280,10 +287,10 @@ T512 static void decode_fp8_avx512(const uint8_t *w, const uint8_t *s, const uin
                                    int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb, int64_t ld) {
     (void)z;
     const __m512i bit14 = _mm512_set1_epi16(0x4000);
-    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    int64_t gs;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
-        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        const float *sr = fp8_scales_of(s, group, K, n, &gs);
         float *out = wb + (n - n0) * ld - k0;
         for (int64_t k = k0; k < k1;) {
             const int64_t g = k / gs, end = (g + 1) * gs < k1 ? (g + 1) * gs : k1;

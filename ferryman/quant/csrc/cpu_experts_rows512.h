@@ -174,11 +174,11 @@ T512 static void rows_fp8_avx512(const uint8_t *w, const uint8_t *s, const uint8
                                  int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, int nt, float *y,
                                  int64_t ys) {
     (void)z;
-    const int64_t gk = group > 0 ? (K + group - 1) / group : 1, gs = group > 0 ? group : K;
+    int64_t gs;
     float out[TILE];
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * K;
-        const float *sr = (const float *)s + (group > 0 ? n / group * gk : n);
+        const float *sr = fp8_scales_of(s, group, K, n, &gs);
         ROWS_NT(nt, fp8_512_row_nt, out, row, sr, gs, k0, k1, xp, K);
         for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];
     }
