@@ -1,11 +1,12 @@
 """A long prompt's full-attention prefill at gpt-oss shapes (Hq 64, Hkv 8, D 64, bf16, sinks), chunk by
-chunk as layer-major prefill runs it: the paged Triton kernel against torch's flash / cuDNN attention
-on dense K/V, with the sinks added through the log-sum-exp the kernels return.
+chunk as layer-major prefill runs it: the paged Triton kernel against the engine's path for a long
+chunk (`paged_attention`: torch's flash kernel on the keys gathered from the blocks,
+layers/paged_attention_torch.py), and flash / cuDNN on keys already dense.
 
-Each chunk's queries see every earlier key and their own chunk causally; the dense path computes
+Each chunk's queries see every earlier key and their own chunk causally; the dense paths compute
 the two parts apart (the earlier keys without a mask, the chunk with the square causal mask, so
-no mask alignment question arises) and merges them by their log-sum-exps, the sink entering the
-softmax's denominator only (`merge` of layers/paged_attention_torch.py, the CPU's path).
+no mask alignment question arises) and merge them by their log-sum-exps, the sink entering the
+softmax's denominator only (`attend_cuda` of layers/paged_attention_torch.py).
 
 At 16k tokens the 12 full-attention layers' prefill is about 26 TFLOP, 90 ms of a 0.64 s time to
 first token at the paged kernel's ~290 TFLOP/s (docs/benchmarks.md, issue 25): what a faster kernel
@@ -28,29 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferryman.layers.paged_attention import AttnMetadata, paged_attention, paged_attention_reference  # noqa: E402
-from ferryman.layers.paged_attention_torch import merge  # noqa: E402
+from ferryman.layers.paged_attention_torch import attend_cuda, flash_cuda  # noqa: E402
+from ferryman.layers.paged_attention_triton import paged_attention_triton  # noqa: E402
 
 HQ, HKV, D = 64, 8, 64
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
-
-
-def flash_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [1, Hq, L, D], lse [1, Hq, L] fp32) of torch's flash kernel; k, v: [1, Hkv, S, D] (grouped
-    heads where the op takes them, else repeated, which the timing then includes)."""
-    try:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    except RuntimeError:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return out[0], out[1]
 
 
 def cudnn_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    rep = q.shape[1] // k.shape[1]  # the cuDNN op wants equal head counts
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    """cuDNN's attention in attend_cuda's `flash` place: q, k, v [1, H, Q or L, D], equal head counts."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out[0], out[1].reshape(q.shape[:3])
 
@@ -59,22 +46,6 @@ def flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out[0], out[1]
-
-
-def dense_chunk(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, sinks: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """Queries q [T, Hq, D] at positions start .. start + T over keys k, v [start + T, Hkv, D], with
-    sinks [Hq] -> [T, Hq, D]."""
-    t = q.shape[0]
-    qh = q.transpose(0, 1)[None]  # [1, Hq, T, D]
-    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, S, D]
-    out_own, lse_own = attend(qh, kh[:, :, start:], vh[:, :, start:], True, scale)
-    parts = [(out_own.float(), lse_own.float())]
-    if start > 0:
-        out_prev, lse_prev = attend(qh, kh[:, :, :start], vh[:, :, :start], False, scale)
-        parts.append((out_prev.float(), lse_prev.float()))
-    out = merge(parts, sinks)  # [1, Hq, T, D]
-    return out[0].transpose(0, 1).to(q.dtype)[:t]
 
 
 def paged_case(k: torch.Tensor, v: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,7 +83,7 @@ def check_cpu() -> None:
     for start in range(0, s, chunk):
         t = min(chunk, s - start)
         want = paged_attention_reference(q[start:start + t], kc, vc, meta_of(start, t, table), 0.25, None, sinks)
-        got = dense_chunk(flash_cpu, q[start:start + t], k[:start + t], v[:start + t], start, sinks, 0.25)
+        got = attend_cuda(q[start:start + t], k[:start + t], v[:start + t], 0.25, sinks, flash_cpu)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     print("the dense chunks with sinks match the reference")
 
@@ -139,22 +110,30 @@ def bench(length: int, chunk: int, block: int) -> None:
     scale = D**-0.5
     starts = list(range(0, length, chunk))
     metas = [meta_of(s, min(chunk, length - s), table) for s in starts]
-    paged = [paged_attention(q[s:s + m.max_query_len], kc, vc, m, scale, None, sinks) for s, m in zip(starts, metas)]
+    paged = [paged_attention_triton(q[s:s + m.max_query_len], kc, vc, m, scale, None, sinks)
+             for s, m in zip(starts, metas)]
     flops = 4 * HQ * D * length * (length + 1) / 2
-    t_paged = time_ms(lambda: [paged_attention(q[s:s + m.max_query_len], kc, vc, m, scale, None, sinks)
+    t_paged = time_ms(lambda: [paged_attention_triton(q[s:s + m.max_query_len], kc, vc, m, scale, None, sinks)
                                for s, m in zip(starts, metas)])
     print(f"T={length} chunks of {chunk}: paged Triton {t_paged:7.2f} ms ({flops / t_paged / 1e9:5.0f} TFLOP/s)")
-    for name, attend in (("flash", flash_cuda), ("cuDNN", cudnn_cuda)):
+    paths: dict[str, Callable[[int, AttnMetadata], torch.Tensor]] = {
+        # what the engine runs: paged_attention's dispatch, the keys gathered from the blocks
+        "engine (flash, keys gathered)": lambda s, m: paged_attention(q[s:s + m.max_query_len], kc, vc, m, scale,
+                                                                      None, sinks),
+        "flash on dense keys": lambda s, m: attend_cuda(q[s:s + m.max_query_len], k[:s + m.max_query_len],
+                                                        v[:s + m.max_query_len], scale, sinks, flash_cuda),
+        "cuDNN on dense keys": lambda s, m: attend_cuda(q[s:s + m.max_query_len], k[:s + m.max_query_len],
+                                                        v[:s + m.max_query_len], scale, sinks, cudnn_cuda),
+    }
+    for name, path in paths.items():
         try:
-            got = [dense_chunk(attend, q[s:s + m.max_query_len], k[:s + m.max_query_len], v[:s + m.max_query_len], s,
-                               sinks, scale) for s, m in zip(starts, metas)]
+            got = [path(s, m) for s, m in zip(starts, metas)]
         except RuntimeError as e:
             print(f"  {name}: not available here ({str(e).splitlines()[0][:120]})")
             continue
         err = max(float((g.float() - p.float()).abs().max()) for g, p in zip(got, paged))
-        t = time_ms(lambda: [dense_chunk(attend, q[s:s + m.max_query_len], k[:s + m.max_query_len],  # noqa: B023
-                                         v[:s + m.max_query_len], s, sinks, scale) for s, m in zip(starts, metas)])
-        print(f"  {name} + sinks by lse: {t:7.2f} ms ({flops / t / 1e9:5.0f} TFLOP/s), {t_paged / t:4.2f}x paged; "
+        t = time_ms(lambda: [path(s, m) for s, m in zip(starts, metas)])  # noqa: B023
+        print(f"  {name}, sinks by lse: {t:7.2f} ms ({flops / t / 1e9:5.0f} TFLOP/s), {t_paged / t:4.2f}x paged; "
               f"max |diff| {err:.3g}")
 
 
