@@ -3,10 +3,9 @@ chunk as layer-major prefill runs it: the paged Triton kernel against the engine
 chunk (`paged_attention`: torch's flash kernel on the keys gathered from the blocks,
 layers/paged_attention_torch.py), and flash / cuDNN on keys already dense.
 
-Each chunk's queries see every earlier key and their own chunk causally; the dense paths compute
-the two parts apart (the earlier keys without a mask, the chunk with the square causal mask, so
-no mask alignment question arises) and merge them by their log-sum-exps, the sink entering the
-softmax's denominator only (`attend_cuda` of layers/paged_attention_torch.py).
+Each chunk's queries see every earlier key and their own chunk causally: one causal call whose mask
+aligns the queries with the last keys, then each row rescaled by its log-sum-exp, the sink entering
+the softmax's denominator only (`attend_cuda` of layers/paged_attention_torch.py).
 
 At 16k tokens the 12 full-attention layers' prefill is about 26 TFLOP, 90 ms of a 0.64 s time to
 first token at the paged kernel's ~290 TFLOP/s (docs/benchmarks.md, issue 25): what a faster kernel
@@ -14,7 +13,7 @@ saves there and at 32k is what this measures. Each path's output is compared wit
 kernel's before it is timed.
 
     python benchmarks/bench_prefill_attention.py [--lengths 16384,32768] [--chunk 4096]
-    python benchmarks/bench_prefill_attention.py --check     # the merge against the torch reference, CPU
+    python benchmarks/bench_prefill_attention.py --check     # the dense path against the torch reference, CPU
 """
 
 from __future__ import annotations
@@ -37,14 +36,22 @@ HQ, HKV, D = 64, 8, 64
 
 def cudnn_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN's attention in attend_cuda's `flash` place: q, k, v [1, H, Q or L, D], equal head counts."""
+    """cuDNN's attention in attend_cuda's `flash` place (its causal alignment is what the printed
+    difference from the paged kernel shows); the kv heads repeated: the op wants equal counts."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out[0], out[1].reshape(q.shape[:3])
 
 
 def flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    """CUDA flash's contract on the CPU: grouped kv heads, causal aligned with the last keys."""
+    rep, n, length = q.shape[1] // k.shape[1], q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    mask = torch.zeros(n, length).masked_fill(torch.ones(n, length, dtype=torch.bool).triu(length - n + 1),
+                                              float("-inf")) if causal else None
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
     return out[0], out[1]
 
 
@@ -70,7 +77,7 @@ def meta_of(start: int, t: int, table: torch.Tensor) -> AttnMetadata:
 
 
 def check_cpu() -> None:
-    """The merge with flash_cpu against the torch reference, small shapes, fp32."""
+    """attend_cuda with flash_cpu against the torch reference, small shapes, fp32."""
     torch.manual_seed(0)
     h, hkv, d, block = 4, 2, 16, 8
     global HQ, HKV, D
@@ -142,7 +149,7 @@ def main() -> None:
     p.add_argument("--lengths", default="16384,32768", help="prompt lengths (default: %(default)s)")
     p.add_argument("--chunk", type=int, default=4096, help="tokens per chunk (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (default: %(default)s)")
-    p.add_argument("--check", action="store_true", help="check the merge on the CPU, then exit")
+    p.add_argument("--check", action="store_true", help="check the dense path on the CPU, then exit")
     a = p.parse_args()
     if a.check:
         check_cpu()

@@ -20,9 +20,9 @@ On the CPU the math is fp32 (q, k, v widened); on CUDA the kernel reads q's dtyp
 the merge runs in fp32; the output has q's dtype, as the reference's. Decode rows (one query of a
 sequence) take the reference on the CPU: its scores are one row.
 
-CUDA's flash op wants as many kv heads as query heads: the keys before the chunk are read once for
-the G query heads of a kv head by stacking those heads' rows ([Hkv, G x Q, D]: no mask there, so
-rows may be stacked), and the chunk's own square causal block repeats its keys G times.
+On CUDA one call of the flash kernel covers a chunk: it reads grouped kv heads itself, and its causal
+mask aligns the queries with the last keys (the chunk after every earlier key); the sinks then
+rescale each row by its log-sum-exp.
 """
 
 from __future__ import annotations
@@ -53,22 +53,11 @@ Flash = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
 
 
 def flash_cuda(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """CUDA's flash kernel: q, k, v [1, H, Q or L, D] (equal head counts) -> (out [1, H, Q, D], lse [1, H, Q])."""
+    """CUDA's flash kernel: q [1, Hq, Q, D] over k, v [1, Hkv, L, D] (grouped heads: query head h reads
+    kv head h // G) -> (out [1, Hq, Q, D], lse [1, Hq, Q] fp32). Causal aligns the queries with the
+    last Q keys (the kernel's own convention: torch.nn.attention.bias.causal_lower_right calls it so)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out, lse
-
-
-def _grouped(flash: Flash, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """q [1, Hq, Q, D] over k, v [1, Hkv, L, D] through a kernel that wants equal head counts."""
-    group = q.shape[1] // k.shape[1]
-    if group == 1:
-        return flash(q, k, v, causal, scale)
-    if not causal:  # stack each kv head's G query heads as rows: k, v read once
-        _, hq, n, d = q.shape
-        qf = q.contiguous().reshape(1, k.shape[1], group * n, d)  # [1, Hkv, G x Q, D]
-        out, lse = flash(qf, k, v, False, scale)
-        return out.reshape(1, hq, n, d), lse.reshape(1, hq, n)
-    return flash(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), True, scale)
 
 
 def dense_cuda(q: Tensor, k_cache: Tensor, window: int | None, num_seqs: int, max_query_len: int) -> bool:
@@ -83,18 +72,14 @@ def dense_cuda(q: Tensor, k_cache: Tensor, window: int | None, num_seqs: int, ma
 def attend_cuda(q: Tensor, k: Tensor, v: Tensor, scale: float, sinks: Tensor | None,
                 flash: Flash = flash_cuda) -> Tensor:
     """Full attention of q [Q, Hq, D] at the last Q of the L positions of k, v [L, Hkv, D] (CUDA, bf16
-    or fp16) -> [Q, Hq, D]: the chunk's square causal block and the keys before it, merged. `flash`:
-    the kernel (a test passes the CPU's)."""
-    n, length = q.shape[0], k.shape[0]
-    first = length - n
+    or fp16) -> [Q, Hq, D]: one causal call of `flash` (a test passes the CPU's), then the sinks:
+    out * exp(lse - logaddexp(lse, sink)) = out * sigmoid(lse - sink)."""
     qh = q.transpose(0, 1)[None]  # [1, Hq, Q, D]
     kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
-    out, lse = _grouped(flash, qh, kh[:, :, first:], vh[:, :, first:], True, scale)
-    parts = [(out.float(), lse.float())]
-    if first > 0:
-        out, lse = _grouped(flash, qh, kh[:, :, :first], vh[:, :, :first], False, scale)
-        parts.append((out.float(), lse.float()))
-    return merge(parts, sinks)[0].transpose(0, 1).to(q.dtype)
+    out, lse = flash(qh, kh, vh, True, scale)
+    if sinks is not None:
+        out = out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :, None])[..., None]
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def merge(parts: list[tuple[Tensor, Tensor]], sinks: Tensor | None) -> Tensor:
