@@ -226,30 +226,6 @@ def test_cpu_flash_on_long_prompts_matches_the_reference(window: int | None) -> 
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("specs", [[(40, 16)], [(16, 16)]], ids=["prior", "fresh"])
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_cuda_dense_path_logic_on_the_cpu(specs: list[tuple[int, int]], use_sinks: bool) -> None:
-    """attend_cuda's one causal call and its sink rescaling, run with a CPU stand-in for CUDA's flash
-    kernel (grouped heads, causal aligned with the last keys), against the independent dense attention."""
-    from ferryman.layers.paged_attention_torch import attend_cuda
-
-    def flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        assert causal and q.shape[1] == 4 * k.shape[1]
-        n, length = q.shape[2], k.shape[2]
-        k, v = k.repeat_interleave(4, 1), v.repeat_interleave(4, 1)
-        hidden = torch.ones(n, length, dtype=torch.bool).triu(length - n + 1)  # keys past each query
-        mask = torch.zeros(n, length).masked_fill(hidden, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                              scale=scale)[:2]
-        return out, lse
-
-    batch = make_batch(specs, seed=8)
-    sinks = torch.randn(8, generator=torch.Generator().manual_seed(9)) * 2 if use_sinks else None
-    out = attend_cuda(batch.q, batch.keys[0], batch.values[0], 0.3, sinks, flash)
-    expect = dense_attention(batch.q, batch.keys[0], batch.values[0], 0.3, None, sinks)
-    torch.testing.assert_close(out.double(), expect, atol=1e-5, rtol=1e-5)
-
-
 def test_cpu_dispatch_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     batch = make_batch(MIXED[:2], seed=7)
     expect = paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
@@ -372,31 +348,6 @@ def test_cuda_chunked_prefill_mixed_batch(window: int | None) -> None:
     specs = [(3000, 1000), (40, 1), (700, 700), (1030, 1), (513, 77)]
     _check_cuda(make_batch(specs, seed=22, pad_tokens=5, **GPT_OSS), window, torch.randn(64, device="cuda"))
     _check_cuda(make_batch([(4096, 4096)], seed=23, **GPT_OSS), window, None)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("specs", [[(5000, 2000)], [(3000, 3000)], [(1100, 1024)]], ids=["prior", "fresh", "short"])
-@pytest.mark.parametrize("use_sinks", [False, True])
-def test_cuda_long_chunk_takes_torch_flash(specs: list[tuple[int, int]], use_sinks: bool) -> None:
-    """One sequence's long prompt chunk, full attention: torch's flash kernel with the earlier keys
-    merged (paged_attention_torch.attend_cuda), against the reference and the paged Triton kernel."""
-    from ferryman.layers.paged_attention_torch import dense_cuda
-    from ferryman.layers.paged_attention_triton import paged_attention_triton
-
-    batch = make_batch(specs, seed=27, **GPT_OSS)
-    assert dense_cuda(batch.q, batch.k_cache, None, 1, batch.meta.max_query_len)
-    assert not dense_cuda(batch.q, batch.k_cache, 128, 1, batch.meta.max_query_len)  # windows stay paged
-    sinks = torch.randn(64, device="cuda") * 2 if use_sinks else None
-    _check_cuda(batch, None, sinks)
-    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, None, sinks)
-    paged = paged_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.meta, 0.125, None, sinks)
-    torch.testing.assert_close(out.float(), paged.float(), atol=2e-2, rtol=2e-2)
-    seq_len, qlen = specs[0]
-    seen = seq_len - qlen + 64  # the first 64 queries' keys
-    expect = dense_attention(batch.q[:64].cpu(), batch.keys[0][:seen], batch.values[0][:seen], 0.125, None,
-                             sinks.cpu() if sinks is not None else None)
-    torch.testing.assert_close(out[:64].double().cpu(), expect, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

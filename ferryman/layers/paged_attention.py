@@ -4,11 +4,9 @@ Shapes: T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads (G = Hq /
 share one kv head), D = head_dim, L = kv length of a sequence. Query token i of sequence b sits at
 position `seq_lens[b] - qlen_b + i`; it sees kv positions p <= pos, and with a sliding window w only
 p > pos - w. Sinks (gpt-oss): one logit per q head joins the softmax denominator. Softmax runs in
-fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says, but
-for one long sequence's full-attention rows on CUDA (a long prompt's chunk), which torch's flash
-kernel attends (paged_attention_torch.py, `dense_cuda`); on the CPU a sequence's prompt rows go
-through torch's flash attention too, its decode row and every row of the reference through dense
-scores.
+fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says; on
+the CPU a sequence's prompt rows go through torch's flash attention (paged_attention_torch.py),
+its decode row and every row of the reference through dense scores.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from torch import Tensor
 from ferryman.layers import backend
 from ferryman.layers.attn_metadata import AttnMetadata
 from ferryman.layers.paged_attention_torch import MIN_QUERIES as FLASH_MIN_QUERIES
-from ferryman.layers.paged_attention_torch import attend_cuda, attend_sequence, dense_cuda
+from ferryman.layers.paged_attention_torch import attend_sequence
 from ferryman.layers.paged_attention_torch import available as flash_available
 
 __all__ = ["AttnMetadata", "write_kv", "paged_attention", "write_kv_reference", "paged_attention_reference"]
@@ -93,10 +91,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetad
     of tokens past query_start_loc[-1] (padding of a CUDA graph) are left unspecified."""
     _check_attn_inputs(q, k_cache, v_cache, meta, window, sinks)
     if backend.attention_triton(q.device):
-        if dense_cuda(q, k_cache, window, meta.seq_lens.shape[0], meta.max_query_len):
-            k = _gather_seq_kv(k_cache, meta.block_tables[0], meta.max_seq_len)  # [L, Hkv, D]
-            v = _gather_seq_kv(v_cache, meta.block_tables[0], meta.max_seq_len)
-            return attend_cuda(q, k, v, scale, sinks)
         from ferryman.layers.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)

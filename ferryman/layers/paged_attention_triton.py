@@ -288,8 +288,10 @@ def _tile_config(max_query_len: int, group_pad: int, window: int | None) -> tupl
 
 def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetadata, scale: float,
                            window: int | None = None, sinks: Tensor | None = None,
-                           num_splits: int | None = None) -> Tensor:
-    # q: [T, Hq, D]; caches: [N, S, Hkv, D] -> out: [T, Hq, D]
+                           num_splits: int | None = None,
+                           tile: tuple[int, int, int, int] | None = None) -> Tensor:
+    # q: [T, Hq, D]; caches: [N, S, Hkv, D] -> out: [T, Hq, D]. tile: (BLOCK_M, BLOCK_N, num_warps,
+    # num_stages) in place of _tile_config's (benchmarks/bench_prefill_attention.py sweeps them)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_seqs = meta.seq_lens.shape[0]
@@ -302,7 +304,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     d_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _tile_config(meta.max_query_len, group_pad, window)
+    block_m, block_n, num_warps, num_stages = tile or _tile_config(meta.max_query_len, group_pad, window)
     block_q = block_m // group_pad
     # tiles of sequence b start at query_start_loc[b] // BLOCK_Q + b: this many cover any batch
     num_tiles = num_tokens // block_q + num_seqs
