@@ -49,7 +49,6 @@ CPU_JOB_SECONDS = 1e-4
 SPLIT_MODES = ("off", "auto", "on")  # moe_strategy offload | auto | hybrid (experts/placement.py)
 FALLBACK_SHARE = 0.8  # auto: the split stops when the CPU runs below this share of its predicted rate
 FALLBACK_JOBS = 64  # ... judged after this many CPU jobs
-LAYER_TIME_WEIGHT = 0.1  # each decode step's weight in the average time per MoE layer (link_share's head start)
 
 
 def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
@@ -62,18 +61,17 @@ def split_fetch(misses: int, r_link: float, r_cpu: float) -> int:
     return split_costs([1.0 / r_cpu] * misses, r_link)
 
 
-def split_costs(costs: list[float], r_link: float, job_seconds: float = 0.0, head: float = 0.0) -> int:
+def split_costs(costs: list[float], r_link: float, job_seconds: float = 0.0) -> int:
     """F: fetch the first F misses (at r_link experts/s) while the CPU computes the others, miss i
     costing it costs[i] seconds and the job `job_seconds` once, so that the later of the two ends
-    first; a tie goes to fetching. head: seconds the link starts before the CPU can (a guess's copy
-    starts while the layer before computes; the CPU's part waits for the layer's own input)."""
+    first; a tie goes to fetching."""
     if r_link <= 0:
         return 0
     # tail[f]: the CPU's time when the first f are fetched
     tail = [0.0] * (len(costs) + 1)
     for i in range(len(costs) - 1, -1, -1):
         tail[i] = tail[i + 1] + costs[i] + (job_seconds if i == len(costs) - 1 else 0.0)
-    return min(range(len(costs) + 1), key=lambda f: (max(f / r_link - head, tail[f]), -f))
+    return min(range(len(costs) + 1), key=lambda f: (max(f / r_link, tail[f]), -f))
 
 
 @dataclass(frozen=True)
@@ -162,8 +160,7 @@ class SplitCounters:
 class HybridSplit:
     """Per layer step: which misses to fetch, which to compute on the CPU."""
 
-    def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS, min_cpu: int | None = None,
-                 layers: int = 1) -> None:
+    def __init__(self, decision: HybridDecision, max_tokens: int = MAX_SPLIT_TOKENS, min_cpu: int | None = None) -> None:
         self.decision, self.max_tokens = decision, max_tokens
         # the CPU's rate as the engine sees it (1-token experts/s): the calibrated one, moved by each
         # finished CPU job (`observe`), and drawn back to the calibration a little each step (`advance`)
@@ -174,8 +171,6 @@ class HybridSplit:
         self.counters = SplitCounters()
         # auto: decode steps timed with the split and without decide whether it stays (split_trial.py)
         self.trial = SplitTrial() if decision.mode == "auto" and decision.enabled else None
-        self.layers = max(1, layers)  # MoE layers a decode step goes through
-        self.layer_seconds = 0.0  # a decode step's seconds per MoE layer (average): a guess's head start
 
     @property
     def active(self) -> bool:
@@ -187,15 +182,8 @@ class HybridSplit:
 
     def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
         """An engine step of `batch` sequences took `seconds` (decode_only: no prompt tokens in it):
-        a decode step's time per MoE layer moves `layer_seconds`; under auto, the trial's sample,
-        whose verdict, once in, is the decision's."""
-        if not self.decision.enabled:
-            return
-        if decode_only and seconds > 0:
-            per_layer = seconds / self.layers
-            w = LAYER_TIME_WEIGHT if self.layer_seconds else 1.0  # the first step sets it
-            self.layer_seconds += w * (per_layer - self.layer_seconds)
-        if self.trial is None:
+        the trial's sample; its verdict, once in, is the decision's."""
+        if self.trial is None or not self.decision.enabled:
             return
         verdict = self.trial.note(seconds, batch, decode_only)
         if verdict is None:
@@ -227,16 +215,12 @@ class HybridSplit:
 
     def link_share(self, layer: int, misses: list[int]) -> list[int]:
         """Of a guessed layer's misses, those its split would fetch (ranked as `split` ranks, 1 token
-        each: a guess has no counts), ascending, the link starting `layer_seconds` ahead. An early
-        decode prefetch copies only these, while the layer before computes; the layer's own split
-        then shares what is left with the CPU. Without the head start, the guesses a fast link
-        would have copied during the layer before were left for the CPU, and the layer fetched
-        them on demand (gpt-oss-20b at 8 GiB on the H200 machine: 0.5 CPU experts per token, 6-12%
-        slower than offload, docs/benchmarks.md)."""
+        each: a guess has no counts), ascending. An early decode prefetch copies only these, while
+        the layer before computes; the layer's own split then shares what is left with the CPU, so
+        the CPU keeps work and the link keeps busy through the gap between layers."""
         ranked = self._ranked(layer, misses)
-        # the copies start a layer early: what the link moves within that head start costs it nothing
         f = len(misses) if self.cpu_rate <= 0 else split_costs([1.0 / self.cpu_rate] * len(misses), self.decision.link,
-                                                               CPU_JOB_SECONDS, self.layer_seconds)
+                                                               CPU_JOB_SECONDS)
         if len(misses) - f < self.min_cpu:  # the layer's split would fetch these too (`split`)
             f = len(misses)
         return sorted(ranked[:f])
@@ -310,7 +294,7 @@ def make_hybrid(mode: str, cache: "ExpertCache", act: MoEActivation,
     r_link, r_cpu, which = rates(cal, cache.device.type == "cuda")
     decision = decide(mode, r_link, r_cpu, f"{which}, {why}", slope_of(cal))
     log.info("%s", decision.describe())
-    return HybridSplit(decision, layers=len(cache.store.cfg.moe_layers))
+    return HybridSplit(decision)
 
 
 def slot_copy_rep(cache: "ExpertCache", k: int) -> Rep:
