@@ -85,7 +85,9 @@ def test_every_fp8_code_decodes_exactly(isa: str, tokens: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("fmt,hidden", [(f, HIDDEN) for f in FORMATS]  # nvfp4 at 1296: an odd last group
-                         + [("int4:g8:asym", 1288), ("int8:ch:asym", 1288), ("fp8:channel", 1288), ("nvfp4", 1296)])
+                         + [("int4:g8:asym", 1288), ("int8:ch:asym", 1288), ("fp8:channel", 1288), ("nvfp4", 1296)]
+                         # int4's AVX-512 spans: groups of 32 without zeros, a row's tail after its spans
+                         + [("int4:g32:sym", HIDDEN), ("int4:ch:sym", 1288)])
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
 @pytest.mark.parametrize("tokens", [3, 5, 7])  # 5: chunks of K end mid-block (1152 of 1280)
 def test_few_token_paths_decode_bit_for_bit(fmt: str, hidden: int, isa: str, tokens: int) -> None:
@@ -189,12 +191,17 @@ def test_layer_job_names_a_bank_of_the_wrong_shape() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt,hidden,inter", [("int4:g192:asym", 1152, 384), ("fp8:96x96", 1000, 192)])
+@pytest.mark.parametrize("fmt,hidden,inter", [("int4:g192:asym", 1152, 384), ("fp8:96x96", 1000, 192),
+                                              ("int4:g8:asym", 1288, 256), ("int4:ch:sym", 1288, 256)])
 @pytest.mark.parametrize("isa", ISAS)
-def test_groups_across_tile_edges(fmt: str, hidden: int, inter: int, isa: str) -> None:
-    """Groups of 192 / blocks of 96 inputs: the 1024-wide tiles end inside a group (its scale read on
-    both sides); fp8's last block of a row is partial (1000 = 10 x 96 + 40). Decoded bit for bit."""
+@pytest.mark.parametrize("tokens", [3, 0])  # 3 per call: the row decoders; 0: all at once, the tiles
+def test_groups_across_tile_edges(fmt: str, hidden: int, inter: int, isa: str, tokens: int) -> None:
+    """Groups of 192 / blocks of 96 inputs: the 1024-wide tiles and int4's 128-value spans end inside a
+    group (its scale read on both sides); fp8's last block of a row is partial (1000 = 10 x 96 + 40);
+    int4 rows of 1288 end 8 values after their last span. Decoded bit for bit."""
     banks = get_format(fmt).random_banks(1, hidden, inter, False, torch.float32, torch.Generator().manual_seed(9))
-    got = cpu_kernel.matmul(torch.eye(hidden), *_w13_matrix(fmt, banks, 0)[:2], fmt=fmt, isa=isa,
-                            zeros=_w13_matrix(fmt, banks, 0)[2]).T  # [2I, H]
+    w, s, z = _w13_matrix(fmt, banks, 0)
+    eye, step = torch.eye(hidden), tokens or hidden
+    got = torch.cat([cpu_kernel.matmul(eye[k:k + step], w, s, fmt=fmt, isa=isa, zeros=z)
+                     for k in range(0, hidden, step)]).T  # [2I, H]
     assert torch.equal(got, get_format(fmt).dequant(banks, "w13", slice(0, 1), torch.float32)[0])

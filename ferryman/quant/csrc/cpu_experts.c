@@ -10,7 +10,8 @@
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
  *   5-12     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
  *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders, cpu_experts_packed.h,
- *            and AVX-512 row decoders, cpu_experts_rows512.h
+ *            and AVX-512 row decoders, cpu_experts_rows512.h (int4's, in 128-value spans with activations
+ *            in MXFP4's span order, and its tile decoder: cpu_experts_spans512.h)
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -34,7 +35,7 @@
  * A new format (other GGUF types, ...): a `decode_*` tile decoder per ISA (one
  * portable body compiled per ISA, as cpu_experts_packed.h does), optionally `rows_*` decoders (NULL:
  * tiles for every token count, through dots_portable where the ISA has no dots kernel), a `prep_*`
- * if its activations want another order, `row_bytes`, one entry in FORMATS; then its code in
+ * if its activations want another order (`prep512`: another on AVX-512 only), `row_bytes`, one entry in FORMATS; then its code in
  * cpu_kernel.py (KERNEL_FORMATS or packed_codes) and its bank names in cpu_layer.py (BANKS or
  * PACKED_BANKS). Weights and scales arrive as two pointers per expert
  * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
@@ -130,12 +131,14 @@ static inline float half_float(uint16_t h) {
 /* mxfp4: K/SPAN spans, each as 8 vectors of 16: vector v = 2*k + nib holds, in lane d, element
  * 2*(4d + k) + nib of the span (the order the 64-byte decoder produces); the remaining groups as
  * [16 even, 16 odd] (the per-group decoder's order). Other formats: x as it is. */
+static void prep_span(const float *x, float *xp) {
+    for (int v = 0; v < 8; v++)
+        for (int d = 0; d < 16; d++) xp[v * 16 + d] = x[2 * (4 * d + v / 2) + v % 2];
+}
+
 static void prep_mxfp4(const float *x, float *xp, int64_t K) {
     int64_t spans = K / SPAN;
-    for (int64_t s = 0; s < spans; s++)
-        for (int v = 0; v < 8; v++)
-            for (int d = 0; d < 16; d++)
-                xp[s * SPAN + v * 16 + d] = x[s * SPAN + 2 * (4 * d + v / 2) + v % 2];
+    for (int64_t s = 0; s < spans; s++) prep_span(x + s * SPAN, xp + s * SPAN);
     for (int64_t g = spans * SPAN / BLOCK; g < K / BLOCK; g++)
         for (int j = 0; j < BLOCK_BYTES; j++) {
             xp[g * BLOCK + j] = x[g * BLOCK + 2 * j];
@@ -144,6 +147,14 @@ static void prep_mxfp4(const float *x, float *xp, int64_t K) {
 }
 
 static void prep_plain(const float *x, float *xp, int64_t K) { memcpy(xp, x, sizeof(float) * (size_t)K); }
+
+/* int4 on AVX-512 (its span decoders, cpu_experts_rows512.h): whole spans as MXFP4's, the values
+ * after the last one as they are */
+static void prep_int4_512(const float *x, float *xp, int64_t K) {
+    int64_t whole = K / SPAN * SPAN;
+    for (int64_t s = 0; s < whole; s += SPAN) prep_span(x + s, xp + s);
+    memcpy(xp + whole, x + whole, sizeof(float) * (size_t)(K - whole));
+}
 
 /* bf16x: x's values (bf16 ones, held in fp32) as bf16, in the first 2K bytes of the token's row */
 static void prep_bf16(const float *x, float *xp, int64_t K) {
@@ -307,12 +318,14 @@ static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #endif
 #include "cpu_experts_packed.h"
 #include "cpu_experts_rows512.h"
+#include "cpu_experts_spans512.h"
 #include "cpu_experts_rows256.h"
 #include "cpu_experts_fp256.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
     void (*prep)(const float *x, float *xp, int64_t K);
+    void (*prep512)(const float *x, float *xp, int64_t K); /* on AVX-512 where it differs (else NULL) */
     int64_t k_multiple;              /* K must be a multiple of this */
     rows_fn rows[N_ISAS];            /* by ISA_*; NULL: tiles only, for every token count */
     decode_fn decode[N_ISAS];        /* by ISA_*: NULL where the ISA has no dots kernel (DOTS) */
@@ -330,39 +343,47 @@ static int64_t two_byte_row(int64_t K) { return 2 * K; }
 static int64_t four_byte_row(int64_t K) { return 4 * K; }
 
 static const format_t FORMATS[N_FORMATS] = {
-    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, BLOCK,
+    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, NULL, BLOCK,
                    {rows_mxfp4_portable, NULL, rows_mxfp4_avx512, rows_mxfp4_avx512}, /* AVX2: tiles */
                    {NULL, decode_mxfp4_avx2, decode_mxfp4_avx512, decode_mxfp4_avx512}},
-    [FMT_BF16] = {two_byte_row, prep_plain, 1, {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
+    [FMT_BF16] = {two_byte_row, prep_plain, NULL, 1,
+                  {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
                   {NULL, decode_bf16_avx2, decode_bf16_avx512, decode_bf16_avx512}},
-    [FMT_F32] = {four_byte_row, prep_plain, 1, {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512},
+    [FMT_F32] = {four_byte_row, prep_plain, NULL, 1,
+                 {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512},
                  {NULL, decode_f32_avx2, decode_f32_avx512, decode_f32_avx512}},
-    [FMT_F16] = {two_byte_row, prep_plain, 1, {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512},
+    [FMT_F16] = {two_byte_row, prep_plain, NULL, 1,
+                 {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512},
                  {NULL, decode_f16_avx2, decode_f16_avx512, decode_f16_avx512}},
     /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
      * portable loop keeps the format exact everywhere */
-    [FMT_BF16X] = {two_byte_row, prep_bf16, 1,
+    [FMT_BF16X] = {two_byte_row, prep_bf16, NULL, 1,
                    {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
                    {NULL, NULL, NULL, NULL}},
     /* packed formats: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h), tiles else */
-    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, 32, {NULL, rows_q8_0_avx2, rows_q8_0_avx512, rows_q8_0_avx512},
+    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, NULL, 32, {NULL, rows_q8_0_avx2, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
-    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
+    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, NULL, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
-    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
+    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, NULL, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
                   {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},
-    [FMT_INT4] = {int4_row_bytes, prep_plain, 8, {NULL, rows_int4_avx2, rows_int4_avx512, rows_int4_avx512},
-                  {decode_int4_portable, decode_int4_avx2, decode_int4_avx512, decode_int4_avx512}},
-    [FMT_INT8] = {int8_row_bytes, prep_plain, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
+    [FMT_INT4] = {int4_row_bytes, prep_plain, prep_int4_512, 8,
+                  {NULL, rows_int4_avx2, rows_int4span_avx512, rows_int4span_avx512},
+                  {decode_int4_portable, decode_int4_avx2, decode_int4span_avx512, decode_int4span_avx512}},
+    [FMT_INT8] = {int8_row_bytes, prep_plain, NULL, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
                   {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
-    [FMT_FP8] = {fp8_row_bytes, prep_plain, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
+    [FMT_FP8] = {fp8_row_bytes, prep_plain, NULL, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
-    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, 16, {NULL, rows_nvfp4_avx2, rows_nvfp4_avx512, rows_nvfp4_avx512},
+    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, NULL, 16, {NULL, rows_nvfp4_avx2, rows_nvfp4_avx512, rows_nvfp4_avx512},
                    {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4_avx512, decode_nvfp4_avx512}},
-    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, 16,
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, NULL, 16,
                      {NULL, rows_nvfp4ct_avx2, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
                      {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ct_avx512, decode_nvfp4ct_avx512}},
 };
+
+/* how format f prepares activations for its kernels on isa */
+typedef void (*prep_fn)(const float *x, float *xp, int64_t K);
+static prep_fn prep_of(const format_t *f, int isa) { return isa >= ISA_AVX512 && f->prep512 ? f->prep512 : f->prep; }
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */
 static int pick_isa(int limit) {

@@ -197,6 +197,7 @@ int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int
     for (int64_t e = 0; e < n_experts; e++)
         for (int64_t p = offsets[e]; p < offsets[e + 1]; p++) expert_of[p] = e;
     int isa = pick_isa(isa_limit);
+    const prep_fn prep13 = prep_of(f, isa), prep2 = prep_of(f2, isa);
     /* nvfp4: z holds global scales, one per `group` rows: gate's and up's for w13, one for w2 */
     const int nv13 = fmt13 == FMT_NVFP4 || fmt13 == FMT_NVFP4CT, nv2 = fmt2 == FMT_NVFP4 || fmt2 == FMT_NVFP4CT;
     phase_t up = {kernel_of(f, isa), w13, s13, z13, nv13 ? I : group, n_experts, 2 * I, H, offsets, xp, gu};
@@ -215,7 +216,7 @@ int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int
 #else
         int tid = 0, n = 1;
 #endif
-        for (int64_t p = tid; p < P; p += n) f->prep(x + tokens[p] * H, xp + p * H, H);
+        for (int64_t p = tid; p < P; p += n) prep13(x + tokens[p] * H, xp + p * H, H);
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
@@ -230,7 +231,7 @@ int ferryman_cpu_experts(int fmt13, int fmt2, int64_t group, const float *x, int
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-        for (int64_t p = tid; p < P; p += n) f2->prep(h + p * I, hp + p * I, I);
+        for (int64_t p = tid; p < P; p += n) prep2(h + p * I, hp + p * I, I);
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
@@ -259,10 +260,12 @@ int ferryman_cpu_matmul(int fmt, int64_t group, const float *x, int64_t T, int64
     if (T == 0) return 0;
     float *xp = scratch(sizeof(float) * (size_t)(T * K));
     if (xp == NULL) return -1;
-    for (int64_t t = 0; t < T; t++) f->prep(x + t * K, xp + t * K, K);
+    const int isa = pick_isa(isa_limit);
+    const prep_fn prep = prep_of(f, isa);
+    for (int64_t t = 0; t < T; t++) prep(x + t * K, xp + t * K, K);
     int64_t offsets[2] = {0, T};
     const uint8_t *ws[1] = {w}, *ss[1] = {s}, *zs[1] = {z};
-    phase_t ph = {kernel_of(f, pick_isa(isa_limit)), ws, ss, zs, group, 1, N, K, offsets, xp, y};
+    phase_t ph = {kernel_of(f, isa), ws, ss, zs, group, 1, N, K, offsets, xp, y};
     double cum[2];
     prefix_costs(&ph, cum);
     int nth = threads_of(threads);

@@ -127,9 +127,6 @@ INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, con
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t])) + tail[t];
 }
 
-INT_ROWS(int4_avx512, T512, 4, int512_row_nt)
-INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
-
 /* fp8 e4m3 with square block or row scales, 32 codes at a time through fp16: a code's low 7 bits
  * shifted left by 7 are the fp16 bits of its magnitude times 2^-8 (exponent field 0eeee, mantissa
  * mmm0000000; subnormals too), its sign (then at bit 14) moves to bit 15 by adding bit 14 to itself;
@@ -284,7 +281,6 @@ NVFP4_ROWS512(nvfp4ct_avx512, 1)
 #define rows_nvfp4_avx512 NULL
 #define rows_nvfp4ct_avx512 NULL
 #define rows_q6_k_avx512 NULL
-#define rows_int4_avx512 NULL
 #define rows_int8_avx512 NULL
 #define rows_fp8_avx512 NULL
 #define rows_q4_k_avx512 NULL

@@ -1,0 +1,135 @@
+/* int4 with AVX-512 in 128-value spans: row decoders for few tokens and the tile decoder, in the
+ * order prep_int4_512 (cpu_experts.c) gives the activations. */
+
+#ifdef FM_X86
+/* int4 spans with AVX-512 (prep_int4_512's order, MXFP4's for whole spans): one 64-byte load is a
+ * span's 128 codes, dword lane d holding elements 8d..8d+7 (prep_span), and shifting the lanes by 4j
+ * puts code j of every lane under vpermps's 4 index bits: 8 permutes of the table q - 8 (sym), or of q
+ * minus the lane's zero (asym), give the span's 128 weights unscaled; each lane's products are summed,
+ * then times the lane's group scale (groups are multiples of 8: a lane lies in one group), so a
+ * weight's contribution is ((q - zero) x) x scale, exactly (q - zero) x scale for x = 1. */
+typedef struct {
+    int64_t gs, g, bound; /* group size; the group of the span's first value and where it ends */
+    int shift;            /* groups dividing a span: log2(gs) */
+    __m512i idx;          /* and lane d's group within the span's first 128 / gs */
+} span_groups_t;
+
+INLINE512 span_groups_t span_groups_at(int64_t gs, int64_t k) {
+    span_groups_t sg = {gs, k / gs, (k / gs + 1) * gs, 0, _mm512_setzero_si512()};
+    if (SPAN % gs == 0) {
+        sg.shift = __builtin_ctzll((unsigned long long)gs);
+        sg.idx = _mm512_srli_epi32(_mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120),
+                                   sg.shift);
+    }
+    return sg;
+}
+
+/* the scales (and zeros, as floats) of the span at k, per lane; k grows by SPAN from call to call */
+INLINE512 void span_scales(span_groups_t *sg, const float *scl, const uint8_t *zr, int64_t k, __m512 *scv,
+                           __m512 *zv) {
+    if (SPAN % sg->gs == 0) { /* several whole groups per span: 128 / gs of them */
+        const int64_t g0 = k >> sg->shift;
+        const __mmask16 m = (__mmask16)((1u << (SPAN >> sg->shift)) - 1u);
+        *scv = _mm512_permutexvar_ps(sg->idx, _mm512_maskz_loadu_ps(m, scl + g0));
+        if (zr) {
+            const __m512i z = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, zr + g0));
+            *zv = _mm512_permutexvar_ps(sg->idx, _mm512_cvtepi32_ps(z));
+        }
+        return;
+    }
+    while (k >= sg->bound) sg->g++, sg->bound += sg->gs;
+    if (k + SPAN <= sg->bound) { /* the span lies in one group */
+        *scv = _mm512_set1_ps(scl[sg->g]);
+        if (zr) *zv = _mm512_set1_ps((float)zr[sg->g]);
+        return;
+    }
+    float sc[16], ze[16]; /* groups of other sizes (96, 192, ...): lane by lane */
+    int64_t g = sg->g, bound = sg->bound;
+    for (int d = 0; d < 16; d++) {
+        while (k + 8 * d >= bound) g++, bound += sg->gs;
+        sc[d] = scl[g], ze[d] = zr ? (float)zr[g] : 0.0f;
+    }
+    *scv = _mm512_loadu_ps(sc);
+    if (zr) *zv = _mm512_loadu_ps(ze);
+}
+
+/* the span's 8 vectors of weights (q - zero), unscaled, in prep_span's order */
+INLINE512 void int4_span_codes(const uint8_t *blk, const __m512 lut, const uint8_t *zr, const __m512 zv, __m512 *wv) {
+    const __m512i v = _mm512_loadu_si512((const void *)blk);
+    wv[0] = _mm512_permutexvar_ps(v, lut);
+    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+    wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+    wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+    wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+    wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+    if (zr)
+        for (int j = 0; j < 8; j++) wv[j] = _mm512_sub_ps(wv[j], zv);
+}
+
+/* the table of q (asym) or q - 8 (sym) for q = 0..15 */
+INLINE512 __m512 int4_table(const uint8_t *zr) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return zr ? iota : _mm512_sub_ps(iota, _mm512_set1_ps(8.0f));
+}
+
+INLINE512 void int4span512_row_nt(int bits, const uint8_t *row, const float *scl, const uint8_t *zr, int64_t gs,
+                                  int64_t k0, int64_t k1, const float *xp, int64_t K, const int nt, float *out) {
+    const __m512 lut = int4_table(zr);
+    const int64_t whole = K / SPAN * SPAN, ks = k1 < whole ? k1 : whole;
+    __m512 acc[TILE], zv = _mm512_setzero_ps(), scv;
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    span_groups_t sg = span_groups_at(gs, k0);
+    for (int64_t k = k0; k < ks; k += SPAN) {
+        _mm_prefetch((const char *)(row + k / 2 + PREFETCH_AHEAD), _MM_HINT_T0);
+        span_scales(&sg, scl, zr, k, &scv, &zv);
+        __m512 wv[8];
+        int4_span_codes(row + k / 2, lut, zr, zv, wv);
+        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
+            const float *xs = xp + t * K + k;
+            __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));
+            __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));
+            a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);
+            b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);
+            a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);
+            b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);
+            a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);
+            b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);
+            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);
+        }
+    }
+    float tail[TILE] = {0};
+    if (ks < k1) int512_row_nt(bits, row, scl, zr, gs, ks, k1, xp, K, nt, tail); /* the values after the spans */
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
+}
+
+INT_ROWS(int4span_avx512, T512, 4, int4span512_row_nt)
+
+/* int4 tiles with AVX-512 in prep_int4_512's order: each span's weights (q - zero) x scale (the
+ * portable decoder's values, one rounding), the values after the last span in element order */
+T512 static void decode_int4span_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
+                                        int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb,
+                                        int64_t ld) {
+    const int64_t gs = group > 0 ? group : K, G = K / gs, whole = K / SPAN * SPAN, ks = k1 < whole ? k1 : whole;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * (K / 2), *zr = z ? z + n * G : NULL;
+        const float *scl = (const float *)s + n * G;
+        const __m512 lut = int4_table(zr);
+        float *out = wb + (n - n0) * ld - k0;
+        __m512 zv = _mm512_setzero_ps(), scv;
+        span_groups_t sg = span_groups_at(gs, k0);
+        for (int64_t k = k0; k < ks; k += SPAN) {
+            span_scales(&sg, scl, zr, k, &scv, &zv);
+            __m512 wv[8];
+            int4_span_codes(row + k / 2, lut, zr, zv, wv);
+            for (int j = 0; j < 8; j++) _mm512_storeu_ps(out + k + 16 * j, _mm512_mul_ps(wv[j], scv));
+        }
+        if (ks < k1) int_rows(4, w, s, z, group, K, n, n + 1, ks, k1, out + ks, ld);
+    }
+}
+INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
+#else
+#define rows_int4span_avx512 NULL
+#define decode_int4span_avx512 decode_int4_portable
+#endif
