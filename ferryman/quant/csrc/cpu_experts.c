@@ -10,8 +10,8 @@
  *            were bf16, so rounding them back is exact): AVX512-BF16's dot product where the CPU has it
  *   5-12     GGUF q8_0 / q4_k / q6_k blocks, int4 / int8 words with group scales (and zeros), fp8
  *            e4m3 with square block or row scales, nvfp4 / nvfp4-ct: tile decoders, cpu_experts_packed.h,
- *            and AVX-512 row decoders, cpu_experts_rows512.h (int4's, in 128-value spans with activations
- *            in MXFP4's span order, and its tile decoder: cpu_experts_spans512.h)
+ *            and AVX-512 row decoders, cpu_experts_rows512.h (int4's and nvfp4's, in 128-value spans with
+ *            activations in MXFP4's span order, and their tile decoders: cpu_experts_spans512.h)
  * Products and sums are fp32; each weight is dequantised exactly (an MXFP4 row whose scales hold 0 or
  * 255 takes the per-group path that multiplies like the torch reference).
  *
@@ -148,9 +148,9 @@ static void prep_mxfp4(const float *x, float *xp, int64_t K) {
 
 static void prep_plain(const float *x, float *xp, int64_t K) { memcpy(xp, x, sizeof(float) * (size_t)K); }
 
-/* int4 on AVX-512 (its span decoders, cpu_experts_rows512.h): whole spans as MXFP4's, the values
- * after the last one as they are */
-static void prep_int4_512(const float *x, float *xp, int64_t K) {
+/* int4 and nvfp4 on AVX-512 (their span decoders, cpu_experts_spans512.h): whole spans as MXFP4's,
+ * the values after the last one as they are */
+static void prep_spans(const float *x, float *xp, int64_t K) {
     int64_t whole = K / SPAN * SPAN;
     for (int64_t s = 0; s < whole; s += SPAN) prep_span(x + s, xp + s);
     memcpy(xp + whole, x + whole, sizeof(float) * (size_t)(K - whole));
@@ -367,18 +367,20 @@ static const format_t FORMATS[N_FORMATS] = {
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
     [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, NULL, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
                   {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},
-    [FMT_INT4] = {int4_row_bytes, prep_plain, prep_int4_512, 8,
+    [FMT_INT4] = {int4_row_bytes, prep_plain, prep_spans, 8,
                   {NULL, rows_int4_avx2, rows_int4span_avx512, rows_int4span_avx512},
                   {decode_int4_portable, decode_int4_avx2, decode_int4span_avx512, decode_int4span_avx512}},
     [FMT_INT8] = {int8_row_bytes, prep_plain, NULL, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
                   {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
     [FMT_FP8] = {fp8_row_bytes, prep_plain, NULL, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
-    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, NULL, 16, {NULL, rows_nvfp4_avx2, rows_nvfp4_avx512, rows_nvfp4_avx512},
-                   {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4_avx512, decode_nvfp4_avx512}},
-    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, NULL, 16,
-                     {NULL, rows_nvfp4ct_avx2, rows_nvfp4ct_avx512, rows_nvfp4ct_avx512},
-                     {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ct_avx512, decode_nvfp4ct_avx512}},
+    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, prep_spans, 16,
+                   {NULL, rows_nvfp4_avx2, rows_nvfp4span_avx512, rows_nvfp4span_avx512},
+                   {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4span_avx512, decode_nvfp4span_avx512}},
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, prep_spans, 16,
+                     {NULL, rows_nvfp4ct_avx2, rows_nvfp4ctspan_avx512, rows_nvfp4ctspan_avx512},
+                     {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ctspan_avx512,
+                      decode_nvfp4ctspan_avx512}},
 };
 
 /* how format f prepares activations for its kernels on isa */

@@ -1,13 +1,43 @@
-/* int4 with AVX-512 in 128-value spans: row decoders for few tokens and the tile decoder, in the
- * order prep_int4_512 (cpu_experts.c) gives the activations. */
+/* int4 and NVFP4 with AVX-512 in 128-value spans: row decoders for few tokens and tile decoders, in
+ * the order prep_spans (cpu_experts.c) gives the activations. Both formats' bytes are MXFP4's (byte
+ * j: value 2j in the low nibble, 2j + 1 in the high one), so one 64-byte load is a span's 128 codes,
+ * dword lane d holding values 8d..8d+7, and shifting the lanes by 4j puts code j of every lane under
+ * vpermps's 4 index bits: 8 permutes of a 16-entry table decode the span unscaled; each lane's
+ * products are summed, then times the lane's scale (a lane's 8 values share one: int4 groups are
+ * multiples of 8, NVFP4's are 16). A weight's contribution is ((code value) x) x scale: exactly the
+ * dequantised weight for x = 1. */
 
 #ifdef FM_X86
-/* int4 spans with AVX-512 (prep_int4_512's order, MXFP4's for whole spans): one 64-byte load is a
- * span's 128 codes, dword lane d holding elements 8d..8d+7 (prep_span), and shifting the lanes by 4j
- * puts code j of every lane under vpermps's 4 index bits: 8 permutes of the table q - 8 (sym), or of q
- * minus the lane's zero (asym), give the span's 128 weights unscaled; each lane's products are summed,
- * then times the lane's group scale (groups are multiples of 8: a lane lies in one group), so a
- * weight's contribution is ((q - zero) x) x scale, exactly (q - zero) x scale for x = 1. */
+/* acc[t] += (per lane: the span's 8 products of wv with token t's prepared values) x scv, t < nt */
+#define SPAN_DOTS(wv, scv, xp, K, k, nt, acc)                                                              \
+    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {                                                  \
+        const float *xs = xp + t * K + k;                                                                   \
+        __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));                                               \
+        __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));                                          \
+        a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);                                            \
+        b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);                                            \
+        a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);                                            \
+        b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);                                            \
+        a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);                                            \
+        b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);                                           \
+        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);                                         \
+    }
+
+/* a span's 8 vectors of codes looked up in lut, in prep_span's order */
+INLINE512 void span_codes(const uint8_t *blk, const __m512 lut, __m512 *wv) {
+    const __m512i v = _mm512_loadu_si512((const void *)blk);
+    wv[0] = _mm512_permutexvar_ps(v, lut);
+    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+    wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+    wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+    wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+    wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+}
+
+/* int4: the table of q - 8 (sym) or q (asym: minus the lane's zero after the lookup); lane scales
+ * from the groups, however they fall on the span */
 typedef struct {
     int64_t gs, g, bound; /* group size; the group of the span's first value and where it ends */
     int shift;            /* groups dividing a span: log2(gs) */
@@ -55,15 +85,7 @@ INLINE512 void span_scales(span_groups_t *sg, const float *scl, const uint8_t *z
 
 /* the span's 8 vectors of weights (q - zero), unscaled, in prep_span's order */
 INLINE512 void int4_span_codes(const uint8_t *blk, const __m512 lut, const uint8_t *zr, const __m512 zv, __m512 *wv) {
-    const __m512i v = _mm512_loadu_si512((const void *)blk);
-    wv[0] = _mm512_permutexvar_ps(v, lut);
-    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
-    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
-    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
-    wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
-    wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
-    wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
-    wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+    span_codes(blk, lut, wv);
     if (zr)
         for (int j = 0; j < 8; j++) wv[j] = _mm512_sub_ps(wv[j], zv);
 }
@@ -86,18 +108,7 @@ INLINE512 void int4span512_row_nt(int bits, const uint8_t *row, const float *scl
         span_scales(&sg, scl, zr, k, &scv, &zv);
         __m512 wv[8];
         int4_span_codes(row + k / 2, lut, zr, zv, wv);
-        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-            const float *xs = xp + t * K + k;
-            __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));
-            __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));
-            a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);
-            b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);
-            a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);
-            b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);
-            a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);
-            b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);
-            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);
-        }
+        SPAN_DOTS(wv, scv, xp, K, k, nt, acc);
     }
     float tail[TILE] = {0};
     if (ks < k1) int512_row_nt(bits, row, scl, zr, gs, ks, k1, xp, K, nt, tail); /* the values after the spans */
@@ -106,7 +117,7 @@ INLINE512 void int4span512_row_nt(int bits, const uint8_t *row, const float *scl
 
 INT_ROWS(int4span_avx512, T512, 4, int4span512_row_nt)
 
-/* int4 tiles with AVX-512 in prep_int4_512's order: each span's weights (q - zero) x scale (the
+/* int4 tiles with AVX-512 in prep_spans's order: each span's weights (q - zero) x scale (the
  * portable decoder's values, one rounding), the values after the last span in element order */
 T512 static void decode_int4span_avx512(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,
                                         int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb,
@@ -129,7 +140,73 @@ T512 static void decode_int4span_avx512(const uint8_t *w, const uint8_t *s, cons
     }
 }
 INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
+
+/* NVFP4: the e2m1 table (sign included); a lane's scale is its group's effective scale, the group's
+ * e4m3 scale times (modelopt) or over (compressed-tensors) the global one, as nvfp4_rows computes it
+ * (one rounding); groups of 16 are lanes 2g and 2g + 1 */
+INLINE512 __m512 nvfp4_span_scales(int divide, const uint8_t *scl, float g, int64_t k) {
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(scl + k / 16)));
+    __m256 e = _mm256_i32gather_ps(E4M3, codes, 4);
+    e = divide ? _mm256_div_ps(e, _mm256_set1_ps(g)) : _mm256_mul_ps(e, _mm256_set1_ps(g));
+    const __m512i half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_ps(half, _mm512_castps256_ps512(e));
+}
+
+INLINE512 void nvfp4span512_row_nt(int divide, const uint8_t *row, const uint8_t *scl, float g, int64_t k0,
+                                   int64_t k1, const float *xp, int64_t K, const int nt, float *out) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    const int64_t whole = K / SPAN * SPAN, ks = k1 < whole ? k1 : whole;
+    __m512 acc[TILE];
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < ks; k += SPAN) {
+        _mm_prefetch((const char *)(row + k / 2 + PREFETCH_AHEAD), _MM_HINT_T0);
+        const __m512 scv = nvfp4_span_scales(divide, scl, g, k);
+        __m512 wv[8];
+        span_codes(row + k / 2, lut, wv);
+        SPAN_DOTS(wv, scv, xp, K, k, nt, acc);
+    }
+    float tail[TILE] = {0};
+    if (ks < k1) nvfp4_512_row_nt(divide, row, scl, g, ks, k1, xp, K, nt, tail); /* the values after the spans */
+    for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
+}
+
+#define NVFP4_SPANS512(NAME, DIVIDE)                                                                        \
+    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
+                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
+                                 int nt, float *y, int64_t ys) {                                            \
+        float out[TILE];                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);                                  \
+            const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
+            ROWS_NT(nt, nvfp4span512_row_nt, out, DIVIDE, row, scl, g, k0, k1, xp, K);                      \
+            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
+        }                                                                                                   \
+    }                                                                                                       \
+    T512 static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,    \
+                                   int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb,   \
+                                   int64_t ld) {                                                            \
+        const int64_t whole = K / SPAN * SPAN, ks = k1 < whole ? k1 : whole;                                \
+        const __m512 lut = _mm512_loadu_ps(E2M1);                                                           \
+        for (int64_t n = n0; n < n1; n++) {                                                                 \
+            const uint8_t *scl = s + n * (K / 16);                                                          \
+            const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
+            float *out = wb + (n - n0) * ld - k0;                                                           \
+            for (int64_t k = k0; k < ks; k += SPAN) {                                                       \
+                const __m512 scv = nvfp4_span_scales(DIVIDE, scl, g, k);                                    \
+                __m512 wv[8];                                                                               \
+                span_codes(w + n * (K / 2) + k / 2, lut, wv);                                               \
+                for (int j = 0; j < 8; j++) _mm512_storeu_ps(out + k + 16 * j, _mm512_mul_ps(wv[j], scv));  \
+            }                                                                                               \
+            if (ks < k1) nvfp4_rows512(DIVIDE, w, s, z, group, K, n, n + 1, ks, k1, out + ks, ld);          \
+        }                                                                                                   \
+    }
+NVFP4_SPANS512(nvfp4span_avx512, 0)
+NVFP4_SPANS512(nvfp4ctspan_avx512, 1)
 #else
+#define rows_nvfp4span_avx512 NULL
+#define rows_nvfp4ctspan_avx512 NULL
+#define decode_nvfp4span_avx512 decode_nvfp4_portable
+#define decode_nvfp4ctspan_avx512 decode_nvfp4ct_portable
 #define rows_int4span_avx512 NULL
 #define decode_int4span_avx512 decode_int4_portable
 #endif
