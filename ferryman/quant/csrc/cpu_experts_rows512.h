@@ -262,7 +262,7 @@ INLINE512 void nvfp4_512_row_nt(int divide, const uint8_t *row, const uint8_t *s
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc1[t]));
 }
 
-#define NVFP4_ROWS512(NAME, DIVIDE)                                                                         \
+#define NVFP4_ROWS512(NAME, DIVIDE, FN)                                                                     \
     T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
                                  int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
                                  int nt, float *y, int64_t ys) {                                            \
@@ -270,12 +270,12 @@ INLINE512 void nvfp4_512_row_nt(int divide, const uint8_t *row, const uint8_t *s
         for (int64_t n = n0; n < n1; n++) {                                                                 \
             const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);                                  \
             const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
-            ROWS_NT(nt, nvfp4_512_row_nt, out, DIVIDE, row, scl, g, k0, k1, xp, K);                         \
+            ROWS_NT(nt, FN, out, DIVIDE, row, scl, g, k0, k1, xp, K);                                       \
             for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
         }                                                                                                   \
     }
-NVFP4_ROWS512(nvfp4_avx512, 0)
-NVFP4_ROWS512(nvfp4ct_avx512, 1)
+NVFP4_ROWS512(nvfp4_avx512, 0, nvfp4_512_row_nt)
+NVFP4_ROWS512(nvfp4ct_avx512, 1, nvfp4_512_row_nt)
 #else
 #define rows_q8_0_avx512 NULL
 #define rows_nvfp4_avx512 NULL

@@ -8,34 +8,6 @@
  * dequantised weight for x = 1. */
 
 #ifdef FM_X86
-/* acc[t] += (per lane: the span's 8 products of wv with token t's prepared values) x scv, t < nt */
-#define SPAN_DOTS(wv, scv, xp, K, k, nt, acc)                                                              \
-    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {                                                  \
-        const float *xs = xp + t * K + k;                                                                   \
-        __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));                                               \
-        __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));                                          \
-        a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);                                            \
-        b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);                                            \
-        a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);                                            \
-        b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);                                            \
-        a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);                                            \
-        b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);                                           \
-        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);                                         \
-    }
-
-/* a span's 8 vectors of codes looked up in lut, in prep_span's order */
-INLINE512 void span_codes(const uint8_t *blk, const __m512 lut, __m512 *wv) {
-    const __m512i v = _mm512_loadu_si512((const void *)blk);
-    wv[0] = _mm512_permutexvar_ps(v, lut);
-    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
-    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
-    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
-    wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
-    wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
-    wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
-    wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
-}
-
 /* int4: the table of q - 8 (sym) or q (asym: minus the lane's zero after the lookup); lane scales
  * from the groups, however they fall on the span */
 typedef struct {
@@ -171,17 +143,7 @@ INLINE512 void nvfp4span512_row_nt(int divide, const uint8_t *row, const uint8_t
 }
 
 #define NVFP4_SPANS512(NAME, DIVIDE)                                                                        \
-    T512 static void rows_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,      \
-                                 int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, const float *xp, \
-                                 int nt, float *y, int64_t ys) {                                            \
-        float out[TILE];                                                                                    \
-        for (int64_t n = n0; n < n1; n++) {                                                                 \
-            const uint8_t *row = w + n * (K / 2), *scl = s + n * (K / 16);                                  \
-            const float g = ((const float *)z)[group > 0 ? n / group : 0];                                  \
-            ROWS_NT(nt, nvfp4span512_row_nt, out, DIVIDE, row, scl, g, k0, k1, xp, K);                      \
-            for (int t = 0; t < nt; t++) y[t * ys + n] += out[t];                                           \
-        }                                                                                                   \
-    }                                                                                                       \
+    NVFP4_ROWS512(NAME, DIVIDE, nvfp4span512_row_nt)                                                        \
     T512 static void decode_##NAME(const uint8_t *w, const uint8_t *s, const uint8_t *z, int64_t group,    \
                                    int64_t K, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float *wb,   \
                                    int64_t ld) {                                                            \

@@ -17,6 +17,34 @@ static int cpu_has(int isa) {
 }
 
 /* ---- AVX-512 ---------------------------------------------------------------------------------- */
+/* acc[t] += (per lane: the span's 8 products of wv with token t's prepared values) x scv, t < nt */
+#define SPAN_DOTS(wv, scv, xp, K, k, nt, acc)                                                              \
+    _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {                                                  \
+        const float *xs = xp + t * K + k;                                                                   \
+        __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));                                               \
+        __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));                                          \
+        a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);                                            \
+        b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);                                            \
+        a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);                                            \
+        b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);                                            \
+        a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);                                            \
+        b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);                                           \
+        acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);                                         \
+    }
+
+/* a span's 8 vectors of codes looked up in lut, in prep_mxfp4's span order (cpu_experts.c, prep_span) */
+INLINE512 void span_codes(const uint8_t *blk, const __m512 lut, __m512 *wv) {
+    const __m512i v = _mm512_loadu_si512((const void *)blk);
+    wv[0] = _mm512_permutexvar_ps(v, lut);
+    wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
+    wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
+    wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
+    wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
+    wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
+    wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
+    wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
+}
+
 /* One MXFP4 row (no extreme scales; sc: its scales as floats) times nt tokens -> out[nt].
  * A span (64 bytes, 4 groups) is one load; dword lane d holds bytes 4d..4d+3, and vpermps reads the
  * low 4 bits of each lane, so shifting the lanes by 4j puts nibble j of every lane under the table:
@@ -32,29 +60,10 @@ INLINE512 void mx512_row_nt(const uint8_t *blk, const float *sc, const float *xp
     const int64_t spans = K / SPAN, sp1 = k1 / SPAN < spans ? k1 / SPAN : spans;
     for (int64_t sp = k0 / SPAN; sp < sp1; sp++) {
         _mm_prefetch((const char *)(blk + sp * 64 + PREFETCH_AHEAD), _MM_HINT_T0);
-        __m512i v = _mm512_loadu_si512((const void *)(blk + sp * 64));
         __m512 scv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(sc + sp * 4)));
         __m512 wv[8];
-        wv[0] = _mm512_permutexvar_ps(v, lut);
-        wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut);
-        wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut);
-        wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut);
-        wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut);
-        wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut);
-        wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut);
-        wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
-        _Pragma("GCC unroll 8") for (int t = 0; t < nt; t++) {
-            const float *xs = xp + t * K + sp * SPAN;
-            __m512 a = _mm512_mul_ps(wv[0], _mm512_loadu_ps(xs));
-            __m512 b = _mm512_mul_ps(wv[1], _mm512_loadu_ps(xs + 16));
-            a = _mm512_fmadd_ps(wv[2], _mm512_loadu_ps(xs + 32), a);
-            b = _mm512_fmadd_ps(wv[3], _mm512_loadu_ps(xs + 48), b);
-            a = _mm512_fmadd_ps(wv[4], _mm512_loadu_ps(xs + 64), a);
-            b = _mm512_fmadd_ps(wv[5], _mm512_loadu_ps(xs + 80), b);
-            a = _mm512_fmadd_ps(wv[6], _mm512_loadu_ps(xs + 96), a);
-            b = _mm512_fmadd_ps(wv[7], _mm512_loadu_ps(xs + 112), b);
-            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(a, b), scv, acc[t]);
-        }
+        span_codes(blk + sp * 64, lut, wv);
+        SPAN_DOTS(wv, scv, xp, K, sp * SPAN, nt, acc);
     }
     const __m512i low = _mm512_set1_epi32(0xF);
     for (int64_t g = k1 == K ? spans * 4 : G; g < G; g++) { /* the groups after the last whole span */
