@@ -191,16 +191,17 @@ def test_layer_job_names_a_bank_of_the_wrong_shape() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt,hidden,inter", [("int4:g192:asym", 1152, 384), ("fp8:96x96", 1000, 192),
+@pytest.mark.parametrize("fmt,hidden,inter", [("int4:g192:asym", 1152, 384), ("int4:g96:sym", 1152, 384),
+                                              ("fp8:96x96", 1000, 192),
                                               ("int4:g8:asym", 1288, 256), ("int4:ch:sym", 1288, 256),
                                               ("nvfp4", 1296, 256), ("nvfp4-ct", 1296, 256)])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("tokens", [3, 0])  # 3 per call: the row decoders; 0: all at once, the tiles
 def test_groups_across_tile_edges(fmt: str, hidden: int, inter: int, isa: str, tokens: int) -> None:
-    """Groups of 192 / blocks of 96 inputs: the 1024-wide tiles and int4's 128-value spans end inside a
-    group (its scale read on both sides); fp8's last block of a row is partial (1000 = 10 x 96 + 40);
-    int4 rows of 1288 and nvfp4 rows of 1296 end 8 and 16 values after their last span. Decoded bit for
-    bit."""
+    """Groups of 192 and 96 / blocks of 96 inputs: the 1024-wide tiles and int4's 128-value spans (and
+    AVX2's 64-value halves, for groups of 96) end inside a group (its scale read on both sides); fp8's
+    last block of a row is partial (1000 = 10 x 96 + 40); int4 rows of 1288 and nvfp4 rows of 1296 end
+    8 and 16 values after their last span. Decoded bit for bit."""
     banks = get_format(fmt).random_banks(1, hidden, inter, False, torch.float32, torch.Generator().manual_seed(9))
     w, s, z = _w13_matrix(fmt, banks, 0)
     eye, step = torch.eye(hidden), tokens or hidden

@@ -35,7 +35,7 @@
  * A new format (other GGUF types, ...): a `decode_*` tile decoder per ISA (one
  * portable body compiled per ISA, as cpu_experts_packed.h does), optionally `rows_*` decoders (NULL:
  * tiles for every token count, through dots_portable where the ISA has no dots kernel), a `prep_*`
- * if its activations want another order (`prep512`: another on AVX-512 only), `row_bytes`, one entry in FORMATS; then its code in
+ * if its activations want another order (`prep_vec`: another from ISA `prep_from` on), `row_bytes`, one entry in FORMATS; then its code in
  * cpu_kernel.py (KERNEL_FORMATS or packed_codes) and its bank names in cpu_layer.py (BANKS or
  * PACKED_BANKS). Weights and scales arrive as two pointers per expert
  * and projection (scales may be NULL), rows of W contiguous; everything else is shared.
@@ -148,8 +148,8 @@ static void prep_mxfp4(const float *x, float *xp, int64_t K) {
 
 static void prep_plain(const float *x, float *xp, int64_t K) { memcpy(xp, x, sizeof(float) * (size_t)K); }
 
-/* int4 and nvfp4 on AVX-512 (their span decoders, cpu_experts_spans512.h): whole spans as MXFP4's,
- * the values after the last one as they are */
+/* int4 (AVX2 and AVX-512) and nvfp4 (AVX-512): their span decoders (cpu_experts_spans512.h,
+ * cpu_experts_spans256.h) read whole spans as MXFP4's, the values after the last one as they are */
 static void prep_spans(const float *x, float *xp, int64_t K) {
     int64_t whole = K / SPAN * SPAN;
     for (int64_t s = 0; s < whole; s += SPAN) prep_span(x + s, xp + s);
@@ -320,12 +320,14 @@ static int cpu_has(int isa) { return isa == ISA_PORTABLE; }
 #include "cpu_experts_rows512.h"
 #include "cpu_experts_spans512.h"
 #include "cpu_experts_rows256.h"
+#include "cpu_experts_spans256.h"
 #include "cpu_experts_fp256.h"
 
 typedef struct {
     int64_t (*row_bytes)(int64_t K); /* bytes of one row of W, scales included */
     void (*prep)(const float *x, float *xp, int64_t K);
-    void (*prep512)(const float *x, float *xp, int64_t K); /* on AVX-512 where it differs (else NULL) */
+    void (*prep_vec)(const float *x, float *xp, int64_t K); /* from ISA prep_from on, where it differs */
+    int prep_from;
     int64_t k_multiple;              /* K must be a multiple of this */
     rows_fn rows[N_ISAS];            /* by ISA_*; NULL: tiles only, for every token count */
     decode_fn decode[N_ISAS];        /* by ISA_*: NULL where the ISA has no dots kernel (DOTS) */
@@ -343,41 +345,41 @@ static int64_t two_byte_row(int64_t K) { return 2 * K; }
 static int64_t four_byte_row(int64_t K) { return 4 * K; }
 
 static const format_t FORMATS[N_FORMATS] = {
-    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, NULL, BLOCK,
+    [FMT_MXFP4] = {mxfp4_row_bytes, prep_mxfp4, NULL, 0, BLOCK,
                    {rows_mxfp4_portable, NULL, rows_mxfp4_avx512, rows_mxfp4_avx512}, /* AVX2: tiles */
                    {NULL, decode_mxfp4_avx2, decode_mxfp4_avx512, decode_mxfp4_avx512}},
-    [FMT_BF16] = {two_byte_row, prep_plain, NULL, 1,
+    [FMT_BF16] = {two_byte_row, prep_plain, NULL, 0, 1,
                   {rows_bf16_portable, rows_bf16_avx2, rows_bf16_avx512, rows_bf16_avx512},
                   {NULL, decode_bf16_avx2, decode_bf16_avx512, decode_bf16_avx512}},
-    [FMT_F32] = {four_byte_row, prep_plain, NULL, 1,
+    [FMT_F32] = {four_byte_row, prep_plain, NULL, 0, 1,
                  {rows_f32_portable, rows_f32_avx2, rows_f32_avx512, rows_f32_avx512},
                  {NULL, decode_f32_avx2, decode_f32_avx512, decode_f32_avx512}},
-    [FMT_F16] = {two_byte_row, prep_plain, NULL, 1,
+    [FMT_F16] = {two_byte_row, prep_plain, NULL, 0, 1,
                  {rows_f16_portable, rows_f16_avx2, rows_f16_avx512, rows_f16_avx512},
                  {NULL, decode_f16_avx2, decode_f16_avx512, decode_f16_avx512}},
     /* bf16x where the CPU lacks AVX512-BF16: callers use FMT_BF16 there (cpu_kernel.py); the
      * portable loop keeps the format exact everywhere */
-    [FMT_BF16X] = {two_byte_row, prep_bf16, NULL, 1,
+    [FMT_BF16X] = {two_byte_row, prep_bf16, NULL, 0, 1,
                    {rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_portable, rows_bf16x_avx512bf16},
                    {NULL, NULL, NULL, NULL}},
     /* packed formats: AVX-512 row decoders below TILES_FROM tokens (cpu_experts_rows512.h), tiles else */
-    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, NULL, 32, {NULL, rows_q8_0_avx2, rows_q8_0_avx512, rows_q8_0_avx512},
+    [FMT_Q8_0] = {q8_0_row_bytes, prep_plain, NULL, 0, 32, {NULL, rows_q8_0_avx2, rows_q8_0_avx512, rows_q8_0_avx512},
                   {decode_q8_0_portable, decode_q8_0_avx2, decode_q8_0_avx512, decode_q8_0_avx512}},
-    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, NULL, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
+    [FMT_Q4_K] = {q4_k_row_bytes, prep_plain, NULL, 0, QK_K, {NULL, rows_q4_k_avx2, rows_q4_k_avx512, rows_q4_k_avx512},
                   {decode_q4_k_portable, decode_q4_k_avx2, decode_q4_k_avx512, decode_q4_k_avx512}},
-    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, NULL, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
+    [FMT_Q6_K] = {q6_k_row_bytes, prep_plain, NULL, 0, QK_K, {NULL, rows_q6_k_avx2, rows_q6_k_avx512, rows_q6_k_avx512},
                   {decode_q6_k_portable, decode_q6_k_avx2, decode_q6_k_avx512, decode_q6_k_avx512}},
-    [FMT_INT4] = {int4_row_bytes, prep_plain, prep_spans, 8,
-                  {NULL, rows_int4_avx2, rows_int4span_avx512, rows_int4span_avx512},
-                  {decode_int4_portable, decode_int4_avx2, decode_int4span_avx512, decode_int4span_avx512}},
-    [FMT_INT8] = {int8_row_bytes, prep_plain, NULL, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
+    [FMT_INT4] = {int4_row_bytes, prep_plain, prep_spans, ISA_AVX2, 8,
+                  {NULL, rows_int4span_avx2, rows_int4span_avx512, rows_int4span_avx512},
+                  {decode_int4_portable, decode_int4span_avx2, decode_int4span_avx512, decode_int4span_avx512}},
+    [FMT_INT8] = {int8_row_bytes, prep_plain, NULL, 0, 4, {NULL, rows_int8_avx2, rows_int8_avx512, rows_int8_avx512},
                   {decode_int8_portable, decode_int8_avx2, decode_int8_avx512, decode_int8_avx512}},
-    [FMT_FP8] = {fp8_row_bytes, prep_plain, NULL, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
+    [FMT_FP8] = {fp8_row_bytes, prep_plain, NULL, 0, 1, {NULL, rows_fp8_avx2, rows_fp8_avx512, rows_fp8_avx512},
                  {decode_fp8_portable, decode_fp8_avx2, decode_fp8_avx512, decode_fp8_avx512}},
-    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, prep_spans, 16,
+    [FMT_NVFP4] = {nvfp4_row_bytes, prep_plain, prep_spans, ISA_AVX512, 16,
                    {NULL, rows_nvfp4_avx2, rows_nvfp4span_avx512, rows_nvfp4span_avx512},
                    {decode_nvfp4_portable, decode_nvfp4_avx2, decode_nvfp4span_avx512, decode_nvfp4span_avx512}},
-    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, prep_spans, 16,
+    [FMT_NVFP4CT] = {nvfp4ct_row_bytes, prep_plain, prep_spans, ISA_AVX512, 16,
                      {NULL, rows_nvfp4ct_avx2, rows_nvfp4ctspan_avx512, rows_nvfp4ctspan_avx512},
                      {decode_nvfp4ct_portable, decode_nvfp4ct_avx2, decode_nvfp4ctspan_avx512,
                       decode_nvfp4ctspan_avx512}},
@@ -385,7 +387,7 @@ static const format_t FORMATS[N_FORMATS] = {
 
 /* how format f prepares activations for its kernels on isa */
 typedef void (*prep_fn)(const float *x, float *xp, int64_t K);
-static prep_fn prep_of(const format_t *f, int isa) { return isa >= ISA_AVX512 && f->prep512 ? f->prep512 : f->prep; }
+static prep_fn prep_of(const format_t *f, int isa) { return f->prep_vec && isa >= f->prep_from ? f->prep_vec : f->prep; }
 
 /* the best instruction set at most `limit` that this CPU runs (and this build holds) */
 static int pick_isa(int limit) {
