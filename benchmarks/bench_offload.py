@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,8 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     warm = warm_up(eng)
     print(f"warm-up: {warm.seconds:.1f} s, {warm.steps} steps, the slowest {warm.slowest_s:.2f} s", file=sys.stderr)
     generate(llm, rand(512), 8)
+    if a.main_cpu is not None:  # after the warm-up: threads started before keep their own CPUs
+        os.sched_setaffinity(0, {a.main_cpu})
     with HostUsage() as host:  # slow runs of one-sequence decode spent their time on the host
         dec = generate(llm, rand(128), a.decode_tokens)
     ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
@@ -169,7 +172,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "copies_per_token": dec.get("copies_h2d", 0) / decode_steps,
         "prefetched_per_token": dec.get("prefetch_fetched", 0) / decode_steps,
         "prefetch_precision": (dec["prefetch_hits"] / dec["prefetch_fetched"]) if dec.get("prefetch_fetched") else None,
-        **host.figures("decode"),
+        **host.figures("decode"), "main_cpu": a.main_cpu,
     }
     if eng.plan.strategy == "offload":  # `ferryman plan`'s prediction at the measured link rate
         rates = calibrated_rates(eng.cfg, eng.plan.request.dtype, link=(bw, "measured"))
@@ -235,6 +238,9 @@ def main() -> None:
                          "planner's choice (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep only the first N layers (models bigger than the machine's RAM; the table says N)")
+    ap.add_argument("--main-cpu", type=int, default=None,
+                    help="pin this thread, which runs the engine's steps, to one CPU for the timed decode (Linux; "
+                         "for the one-sequence decode's run-to-run spread)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     rows = []

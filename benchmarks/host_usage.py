@@ -17,12 +17,13 @@ from typing import Any
 
 
 def _last_cpu() -> int | None:
-    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat), or None."""
+    """The CPU this thread last ran on (field 39 of /proc/thread-self/stat: index 36 after the command
+    name, which starts at field 3), or None."""
     try:
         stat = Path("/proc/thread-self/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[37])
+    return int(stat.rsplit(")", 1)[1].split()[36])
 
 
 def _siblings(cpu: int | None) -> str | None:
@@ -52,7 +53,7 @@ class HostUsage:
 
     def figures(self, phase: str) -> dict[str, Any]:
         """{phase}_host: the phase's wall and CPU seconds, the thread's voluntary / involuntary context
-        switches, its last CPU and that CPU's siblings, and the CPUs the process may use."""
+        switches, its last CPU and that CPU's siblings, and how many CPUs this thread may use."""
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         return {f"{phase}_host": {
             "wall_s": round(self.wall, 4), "main_thread_cpu_s": round(self.thread_cpu, 4),
