@@ -1,0 +1,36 @@
+"""benchmarks/host_usage.py: the figures bench_offload reports for a decode phase's host side."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # not an installed package
+from host_usage import HostUsage  # noqa: E402
+
+linux = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not Path("/proc/thread-self/stat").exists(),
+                           reason="needs Linux's per-thread affinity and /proc")
+
+
+@linux
+def test_last_cpu_is_the_cpu_the_thread_is_pinned_to() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        for cpu in allowed[-2:]:  # the last CPUs: not just CPU 0, which a wrong /proc field reads as
+            os.sched_setaffinity(0, {cpu})
+            with HostUsage() as host:
+                sum(range(10000))
+            fig = host.figures("decode")["decode_host"]
+            assert fig["last_cpu"] == cpu and fig["cpus"] == 1
+            assert cpu in {int(c) for part in fig["cpu_siblings"].split(",") for c in _span(part)}
+    finally:
+        os.sched_setaffinity(0, set(allowed))
+
+
+def _span(part: str) -> range:
+    """A siblings list entry ("3" or "2-3") as a range."""
+    lo, _, hi = part.partition("-")
+    return range(int(lo), int(hi or lo) + 1)
