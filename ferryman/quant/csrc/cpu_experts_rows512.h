@@ -127,6 +127,9 @@ INLINE512 void int512_row_nt(int bits, const uint8_t *row, const float *scl, con
     for (int t = 0; t < nt; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t])) + tail[t];
 }
 
+/* int4 takes the span decoders (cpu_experts_spans512.h) */
+INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
+
 /* fp8 e4m3 with square block or row scales, 32 codes at a time through fp16: a code's low 7 bits
  * shifted left by 7 are the fp16 bits of its magnitude times 2^-8 (exponent field 0eeee, mantissa
  * mmm0000000; subnormals too), its sign (then at bit 14) moves to bit 15 by adding bit 14 to itself;

@@ -111,7 +111,6 @@ T512 static void decode_int4span_avx512(const uint8_t *w, const uint8_t *s, cons
         if (ks < k1) int_rows(4, w, s, z, group, K, n, n + 1, ks, k1, out + ks, ld);
     }
 }
-INT_ROWS(int8_avx512, T512, 8, int512_row_nt)
 
 /* NVFP4: the e2m1 table (sign included); a lane's scale is its group's effective scale, the group's
  * e4m3 scale times (modelopt) or over (compressed-tensors) the global one, as nvfp4_rows computes it
