@@ -109,6 +109,18 @@ def test_random_weights_have_the_planned_spread() -> None:
     assert linear.shape == (96, 1024) and 0.5 < linear.dequant().std().item() * 32 < 2.0
 
 
+@pytest.mark.parametrize("name", ["int4:g32:sym", "int4:g128:asym", "int8:ch:sym"])
+def test_random_weights_average_zero(name: str) -> None:
+    """Dummy codes are symmetric about the midpoint: uniform codes averaged -0.5 (x the scale), an
+    offset shared by every weight that made a gpt-oss-120b dummy repeat one token."""
+    gen = torch.Generator().manual_seed(1)
+    fmt = get_format(name)
+    w = fmt.dequant(fmt.random_weights(4, 2048, 512, torch.float32, gen, "cpu"), "w13", slice(0, 4), torch.float32)
+    assert abs(w.mean().item()) < 0.01 * w.std().item()  # [4, 1024, 2048]: the error of the mean is ~0.0003
+    linear = random_packed(IntParams(4, 128, True), 512, 2048, gen).dequant()
+    assert abs(linear.mean().item()) < 0.01 * linear.std().item()
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 

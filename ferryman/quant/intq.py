@@ -122,8 +122,25 @@ def random_gidx(k: int, group: int, generator: torch.Generator | None, device: t
     return gidx
 
 
-# rms of (code - zero) over uniformly random codes
-CODE_RMS = {b: math.sqrt(sum(v * v for v in range(-(1 << (b - 1)), 1 << (b - 1))) / (1 << b)) for b in (4, 8)}
+# rms of (code - zero) over random_words' codes: uniform, but code 0 counted as the midpoint (value 0)
+CODE_RMS = {b: math.sqrt(sum(v * v for v in range(-(1 << (b - 1)) + 1, 1 << (b - 1))) / (1 << b)) for b in (4, 8)}
+
+
+def random_words(shape: tuple[int, ...], bits: int, generator: torch.Generator | None,
+                 device: torch.device | str) -> torch.Tensor:
+    """int32 words of random codes for dummy weights, symmetric about the midpoint: uniform codes, but
+    code 0 (value -2^(bits-1), which has no positive twin) becomes the midpoint (value 0). Uniform codes
+    alone average -0.5 (x the scale): in every weight of a matrix, about 0.11 of a 4-bit weight's
+    spread, which added the same offset to every output and made a gpt-oss-120b dummy's tokens repeat
+    (its decode used 11 of 128 experts a layer)."""
+    words = torch.randint(-2**31, 2**31, shape, generator=generator, device=device, dtype=torch.int32)
+    mask, top = (1 << bits) - 1, 1 << (bits - 1)
+    for i in range(32 // bits):
+        bit = top << (bits * i)
+        bit = bit - (1 << 32) if bit >= 1 << 31 else bit  # the same bit of a signed int32
+        zero = ((words >> (bits * i)) & mask) == 0  # this position's code is 0
+        words = torch.where(zero, words | bit, words)
+    return words
 
 
 class IntFormat(ExpertFormat):
@@ -154,14 +171,14 @@ class IntFormat(ExpertFormat):
 
     def random_weights(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
                        generator: torch.Generator | None, device: torch.device | str) -> Banks:
-        """Uniform codes; scales 1 / (rms(code) sqrt(K)) x 2^{-1,0,1}: values of std ~ 1/sqrt(K)."""
+        """Codes from random_words; scales 1 / (rms(code) sqrt(K)) x 2^{-1,0,1}: values of std ~ 1/sqrt(K)."""
         p = self.params
         gdev = generator.device if generator is not None else torch.device(device)
         banks: Banks = {}
         for name, spec in self.weight_specs(num_experts, hidden, inter, dtype).items():
             k = hidden if name.startswith("w13") else inter
             if name.endswith("_qweight"):
-                t = torch.randint(-2**31, 2**31, spec.shape, generator=generator, device=gdev, dtype=torch.int32)
+                t = random_words(spec.shape, p.bits, generator, gdev)
             elif name.endswith("_scales"):
                 jitter = torch.randint(-1, 2, spec.shape, generator=generator, device=gdev).float()
                 t = torch.exp2(jitter) / (CODE_RMS[p.bits] * math.sqrt(k))

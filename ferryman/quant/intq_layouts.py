@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.quant.intq import (CODE_RMS, IntParams, dequant_int, pack_codes, random_gidx,
+from ferryman.quant.intq import (CODE_RMS, IntParams, dequant_int, pack_codes, random_gidx, random_words,
                                  unpack_codes)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds output 8j + AWQ_ORDER[i]
@@ -172,13 +172,12 @@ def from_gptq(params: IntParams, prefix: str, get: Get, names: set[str], zeros_m
 
 def random_packed(params: IntParams, out: int, k: int, generator: torch.Generator | None = None,
                   device: torch.device | str = "cpu", lead: tuple[int, ...] = ()) -> PackedInt:
-    """A valid random linear [out, K] (dummy weights), or a stack [*lead, out, K] of them: uniform
-    codes, values of std ~ 1/sqrt(K)."""
+    """A valid random linear [out, K] (dummy weights), or a stack [*lead, out, K] of them: codes from
+    intq.random_words (symmetric about the midpoint), values of std ~ 1/sqrt(K)."""
     params.check_k(k, "input dim")
     gdev = generator.device if generator is not None else torch.device(device)
     g = params.groups(k)
-    q = torch.randint(-2**31, 2**31, (*lead, out, k // params.per_word), generator=generator, device=gdev,
-                      dtype=torch.int32)
+    q = random_words((*lead, out, k // params.per_word), params.bits, generator, gdev)
     jitter = torch.randint(-1, 2, (*lead, out, g), generator=generator, device=gdev).float()
     s = torch.exp2(jitter) / (CODE_RMS[params.bits] * math.sqrt(k))
     mid = 1 << (params.bits - 1)

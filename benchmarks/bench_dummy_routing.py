@@ -1,0 +1,75 @@
+"""How widely a model's dummy weights route in decode, per expert format: random weights stand in for
+real ones in the offload benchmarks, and their hit rates mean something only if the decode spreads
+over the experts as uniform routing would.
+
+    python benchmarks/bench_dummy_routing.py [--model qwen3-30b-a3b] [--quantization none,int4,fp8]
+        [--layers 2] [--tokens 64]
+
+The model keeps its first --layers layers (random weights, CPU, every expert resident); a random
+64-token prompt, then --tokens greedy tokens. Per format and MoE layer: the distinct experts the
+decode steps chose and the share of choices taken by the top 10% of experts (uniform routing: about
+0.1 plus noise; one token repeated: 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fewer_layers import fewer_layers  # noqa: E402
+
+from ferryman import LLM, SamplingParams  # noqa: E402
+
+
+class Recorder:
+    """A RoutingRecorder (layers/moe.py): each MoE layer's expert ids per step."""
+
+    def __init__(self) -> None:
+        self.ids: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        self.ids[layer].append(topk_ids.clone())
+
+
+def spread(model: str, quantization: str, layers: int, tokens: int) -> list[tuple[int, int, int, float]]:
+    """(layer, decode steps, distinct experts, top-10% share) per MoE layer."""
+    llm = LLM(fewer_layers(model, layers), load_format="dummy", device="cpu", quantization=quantization,
+              max_model_len=64 + tokens + 8, progress=False, moe_strategy="resident")
+    rec = Recorder()
+    for m in llm.engine.runner.model.modules():
+        if hasattr(m, "trace"):
+            m.trace = rec
+    cfg = llm.engine.cfg
+    prompt = torch.randint(1, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    llm.generate(None, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), prompt_token_ids=[prompt])
+    rows = []
+    for layer, parts in sorted(rec.ids.items()):
+        decode = torch.cat([p for p in parts if p.shape[0] == 1])  # [steps, K]
+        counts = torch.bincount(decode.reshape(-1), minlength=cfg.num_experts)
+        top = counts.sort(descending=True).values[: max(1, cfg.num_experts // 10)].sum()
+        rows.append((layer, decode.shape[0], int((counts > 0).sum()), float(top / counts.sum())))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b", help="preset (default: %(default)s)")
+    ap.add_argument("--quantization", default="none,int4,fp8",
+                    help="dummy expert formats, comma-separated (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=2, help="layers kept (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens decoded (default: %(default)s)")
+    a = ap.parse_args()
+    print("| model | experts | layer | decode steps | distinct experts | top 10% share |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for q in a.quantization.split(","):
+        for layer, steps, distinct, share in spread(a.model, q, a.layers, a.tokens):
+            print(f"| {a.model} | {q} | {layer} | {steps} | {distinct} | {share:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
