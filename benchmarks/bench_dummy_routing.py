@@ -4,8 +4,9 @@ over the experts as uniform routing would.
 
     python benchmarks/bench_dummy_routing.py [--model qwen3-30b-a3b] [--quantization none,int4,fp8]
         [--layers 2] [--tokens 64]
+    python benchmarks/bench_dummy_routing.py --model FILE.gguf     # a random file, e.g. tools/gguf_random's
 
-The model keeps its first --layers layers (random weights, CPU, every expert resident); a random
+A preset keeps its first --layers layers (random weights, CPU, every expert resident); a random
 64-token prompt, then --tokens greedy tokens. Per format and MoE layer: the distinct experts the
 decode steps chose and the share of choices taken by the top 10% of experts (uniform routing: about
 0.1 plus noise; one token repeated: 1.0).
@@ -38,8 +39,11 @@ class Recorder:
 
 def spread(model: str, quantization: str, layers: int, tokens: int) -> list[tuple[int, int, int, float]]:
     """(layer, decode steps, distinct experts, top-10% share) per MoE layer."""
-    llm = LLM(fewer_layers(model, layers), load_format="dummy", device="cpu", quantization=quantization,
-              max_model_len=64 + tokens + 8, progress=False, moe_strategy="resident")
+    kw = dict(device="cpu", max_model_len=64 + tokens + 8, progress=False, moe_strategy="resident")
+    if Path(model).exists():  # a file of random weights as it is (tools/gguf_random.py's, its own formats)
+        llm = LLM(model, **kw)
+    else:
+        llm = LLM(fewer_layers(model, layers), load_format="dummy", quantization=quantization, **kw)
     rec = Recorder()
     for m in llm.engine.runner.model.modules():
         if hasattr(m, "trace"):
@@ -58,7 +62,8 @@ def spread(model: str, quantization: str, layers: int, tokens: int) -> list[tupl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-30b-a3b", help="preset (default: %(default)s)")
+    ap.add_argument("--model", default="qwen3-30b-a3b",
+                    help="preset, or a model file / folder of random weights (default: %(default)s)")
     ap.add_argument("--quantization", default="none,int4,fp8",
                     help="dummy expert formats, comma-separated (default: %(default)s)")
     ap.add_argument("--layers", type=int, default=2, help="layers kept (default: %(default)s)")
@@ -66,7 +71,8 @@ def main() -> None:
     a = ap.parse_args()
     print("| model | experts | layer | decode steps | distinct experts | top 10% share |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for q in a.quantization.split(","):
+    formats = ["its own"] if Path(a.model).exists() else a.quantization.split(",")  # a file: once
+    for q in formats:
         for layer, steps, distinct, share in spread(a.model, q, a.layers, a.tokens):
             print(f"| {a.model} | {q} | {layer} | {steps} | {distinct} | {share:.2f} |", flush=True)
 
