@@ -15,7 +15,6 @@ decode steps chose and the share of choices taken by the top 10% of experts (uni
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 from pathlib import Path
 
@@ -26,15 +25,8 @@ from fewer_layers import fewer_layers  # noqa: E402
 
 from ferryman import LLM, SamplingParams  # noqa: E402
 
-
-class Recorder:
-    """A RoutingRecorder (layers/moe.py): each MoE layer's expert ids per step."""
-
-    def __init__(self) -> None:
-        self.ids: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
-
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        self.ids[layer].append(topk_ids.clone())
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tools/: after the ferryman already imported
+from tools.demo_model.trace import RoutingTrace, attach_trace, top_share  # noqa: E402
 
 
 def spread(model: str, quantization: str, layers: int, tokens: int) -> list[tuple[int, int, int, float]]:
@@ -44,19 +36,16 @@ def spread(model: str, quantization: str, layers: int, tokens: int) -> list[tupl
         llm = LLM(model, **kw)
     else:
         llm = LLM(fewer_layers(model, layers), load_format="dummy", quantization=quantization, **kw)
-    rec = Recorder()
-    for m in llm.engine.runner.model.modules():
-        if hasattr(m, "trace"):
-            m.trace = rec
+    trace = RoutingTrace()
+    attach_trace(llm.engine.runner.model, trace)
     cfg = llm.engine.cfg
     prompt = torch.randint(1, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.generate(None, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), prompt_token_ids=[prompt])
     rows = []
-    for layer, parts in sorted(rec.ids.items()):
-        decode = torch.cat([p for p in parts if p.shape[0] == 1])  # [steps, K]
-        counts = torch.bincount(decode.reshape(-1), minlength=cfg.num_experts)
-        top = counts.sort(descending=True).values[: max(1, cfg.num_experts // 10)].sum()
-        rows.append((layer, decode.shape[0], int((counts > 0).sum()), float(top / counts.sum())))
+    for layer in trace.layers:
+        decode = torch.cat([p for p in trace.ids[layer] if p.shape[0] == 1])  # [steps, K]: the decode steps
+        distinct = int(decode.unique().numel())
+        rows.append((layer, decode.shape[0], distinct, top_share(decode, cfg.num_experts)))
     return rows
 
 
