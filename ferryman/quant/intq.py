@@ -134,13 +134,12 @@ def random_words(shape: tuple[int, ...], bits: int, generator: torch.Generator |
     spread, which added the same offset to every output and made a gpt-oss-120b dummy's tokens repeat
     (its decode used 11 of 128 experts a layer)."""
     words = torch.randint(-2**31, 2**31, shape, generator=generator, device=device, dtype=torch.int32)
-    mask, top = (1 << bits) - 1, 1 << (bits - 1)
-    for i in range(32 // bits):
-        bit = top << (bits * i)
-        bit = bit - (1 << 32) if bit >= 1 << 31 else bit  # the same bit of a signed int32
-        zero = ((words >> (bits * i)) & mask) == 0  # this position's code is 0
-        words = torch.where(zero, words | bit, words)
-    return words
+    low = sum(1 << i for i in range(0, 32, bits))  # each code's lowest bit: 0x11111111 for 4 bits
+    any_bit = words
+    for b in range(1, bits):  # any bit of a code, gathered at its lowest bit (shifts stay within the code)
+        any_bit = any_bit | (words >> b)
+    zero = ~any_bit & low  # the lowest bit of each code that is 0
+    return words | (zero << (bits - 1))  # those codes become the midpoint
 
 
 class IntFormat(ExpertFormat):
