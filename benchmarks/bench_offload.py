@@ -129,10 +129,13 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     warm = warm_up(eng)
     print(f"warm-up: {warm.seconds:.1f} s, {warm.steps} steps, the slowest {warm.slowest_s:.2f} s", file=sys.stderr)
     generate(llm, rand(512), 8)
+    cpus = os.sched_getaffinity(0) if a.main_cpu is not None else None
     if a.main_cpu is not None:  # after the warm-up: threads started before keep their own CPUs
         os.sched_setaffinity(0, {a.main_cpu})
     with HostUsage() as host:  # slow runs of one-sequence decode spent their time on the host
         dec = generate(llm, rand(128), a.decode_tokens)
+    if cpus is not None:  # the TTFT and prefill runs as without the flag
+        os.sched_setaffinity(0, cpus)
     ttft_len = min(a.ttft_prompt, eng.max_model_len - 2)  # the demo model's context is 2048
     pre_len = min(a.prefill_prompt, eng.max_model_len - 2)
     ttft = generate(llm, rand(ttft_len), 1)["ttft_s"] if ttft_len > 0 else None
