@@ -50,13 +50,14 @@ class HostUsage:
         self.thread_cpu = thread.ru_utime + thread.ru_stime - self.thread.ru_utime - self.thread.ru_stime
         self.switches = (thread.ru_nvcsw - self.thread.ru_nvcsw, thread.ru_nivcsw - self.thread.ru_nivcsw)
         self.cpu = _last_cpu()
+        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self.cpus = len(affinity) if affinity is not None else os.cpu_count()  # the phase's, as it ended
 
     def figures(self, phase: str) -> dict[str, Any]:
         """{phase}_host: the phase's wall and CPU seconds, the thread's voluntary / involuntary context
         switches, its last CPU and that CPU's siblings, and how many CPUs this thread may use."""
-        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         return {f"{phase}_host": {
             "wall_s": round(self.wall, 4), "main_thread_cpu_s": round(self.thread_cpu, 4),
             "process_cpu_s": round(self.proc_cpu, 4), "voluntary_switches": self.switches[0],
             "involuntary_switches": self.switches[1], "last_cpu": self.cpu, "cpu_siblings": _siblings(self.cpu),
-            "cpus": len(affinity) if affinity is not None else os.cpu_count()}}
+            "cpus": self.cpus}}
