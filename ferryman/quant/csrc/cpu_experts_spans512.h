@@ -106,7 +106,7 @@ T512 static void decode_int4span_avx512(const uint8_t *w, const uint8_t *s, cons
             span_scales(&sg, scl, zr, k, &scv, &zv);
             __m512 wv[8];
             int4_span_codes(row + k / 2, lut, zr, zv, wv);
-            for (int j = 0; j < 8; j++) _mm512_storeu_ps(out + k + 16 * j, _mm512_mul_ps(wv[j], scv));
+            span_store(out + k, wv, scv);
         }
         if (ks < k1) int_rows(4, w, s, z, group, K, n, n + 1, ks, k1, out + ks, ld);
     }
@@ -156,7 +156,7 @@ INLINE512 void nvfp4span512_row_nt(int divide, const uint8_t *row, const uint8_t
                 const __m512 scv = nvfp4_span_scales(DIVIDE, scl, g, k);                                    \
                 __m512 wv[8];                                                                               \
                 span_codes(w + n * (K / 2) + k / 2, lut, wv);                                               \
-                for (int j = 0; j < 8; j++) _mm512_storeu_ps(out + k + 16 * j, _mm512_mul_ps(wv[j], scv));  \
+                span_store(out + k, wv, scv);                                                               \
             }                                                                                               \
             if (ks < k1) nvfp4_rows512(DIVIDE, w, s, z, group, K, n, n + 1, ks, k1, out + ks, ld);          \
         }                                                                                                   \

@@ -19,17 +19,10 @@ T512 static void decode_mxfp4_avx512(const uint8_t *w, const uint8_t *s, const u
             continue;
         }
         for (int64_t sp = k0 / SPAN; sp < sp1; sp++) {
-            __m512i v = _mm512_loadu_si512((const void *)(blk + sp * 64));
             __m512 scv = _mm512_permutexvar_ps(rep4, _mm512_castps128_ps512(_mm_loadu_ps(sc + sp * 4)));
-            float *o = out + sp * SPAN;
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutexvar_ps(v, lut), scv));
-            _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), scv));
-            _mm512_storeu_ps(o + 32, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), lut), scv));
-            _mm512_storeu_ps(o + 48, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), lut), scv));
-            _mm512_storeu_ps(o + 64, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 16), lut), scv));
-            _mm512_storeu_ps(o + 80, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 20), lut), scv));
-            _mm512_storeu_ps(o + 96, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 24), lut), scv));
-            _mm512_storeu_ps(o + 112, _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut), scv));
+            __m512 wv[8];
+            span_codes(blk + sp * 64, lut, wv);
+            span_store(out + sp * SPAN, wv, scv);
         }
         for (int64_t g = k1 == K ? spans * 4 : G; g < G; g++) { /* the groups after the last whole span */
             __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + g * BLOCK_BYTES)));

@@ -45,6 +45,11 @@ INLINE512 void span_codes(const uint8_t *blk, const __m512 lut, __m512 *wv) {
     wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 28), lut);
 }
 
+/* a decoded span into a tile row: o[16j + d] = wv[j][d] x scv[d], one rounding each */
+INLINE512 void span_store(float *o, const __m512 *wv, const __m512 scv) {
+    for (int j = 0; j < 8; j++) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(wv[j], scv));
+}
+
 /* One MXFP4 row (no extreme scales; sc: its scales as floats) times nt tokens -> out[nt].
  * A span (64 bytes, 4 groups) is one load; dword lane d holds bytes 4d..4d+3, and vpermps reads the
  * low 4 bits of each lane, so shifting the lanes by 4j puts nibble j of every lane under the table:
