@@ -34,3 +34,27 @@ def _span(part: str) -> range:
     """A siblings list entry ("3" or "2-3") as a range."""
     lo, _, hi = part.partition("-")
     return range(int(lo), int(hi or lo) + 1)
+
+
+@linux
+def test_busy_threads_name_a_thread_that_spun_through_the_phase() -> None:
+    import threading
+    import time
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    worker = threading.Thread(target=spin, name="spinner")
+    try:
+        with HostUsage() as host:  # a thread counts while it lives: the spinner ends after the phase
+            worker.start()
+            time.sleep(0.5)  # this thread idles; the spinner takes a CPU (or shares one under the GIL)
+    finally:
+        stop.set()
+        worker.join()
+    busy = host.figures("decode")["decode_host"]["busy_threads"]
+    assert busy and busy[0]["tid"] == worker.native_id and busy[0]["cpu_s"] >= 0.1
+    assert all(b["tid"] != threading.get_native_id() for b in busy)
