@@ -18,6 +18,10 @@
 #                every expert on the GPU
 #   offload20    gpt-oss-20b at 8 GiB (bench_offload): link, decode tok/s, TTFT of a 4k prompt, 8k prefill
 #   offload120   gpt-oss-120b at 16 GiB, the same figures
+#   spread20     gpt-oss-20b at 8 GiB, one-sequence decode six times: the main thread free, then pinned to CPU
+#                MAIN_CPU (default 3), alternated (decode_host: where the host time of slow runs goes)
+#   prof16k      a 16k-token prompt of gpt-oss-20b at 8 GiB under the profiler: the compute stream's gaps, then
+#                the host's Python functions by own time (profile_prefill.py --gaps --python)
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
 #   quant        the FP8 / NVFP4 kernel GPU tests, then qwen3-30b-a3b at 8 GiB with dummy experts in bf16, fp8
 #                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
@@ -339,6 +343,12 @@ for s in ${@:-tests}; do
     split20)     split split 8150 gpt-oss-20b 8GiB 1,4,32 "" 7900 ;;
     split120)    SPLIT_LIMIT=400 split split120 8151 gpt-oss-120b 16GiB 1,2,4,8,16,32 0 ;;
     offload120)  offload offload120 gpt-oss-120b:16GiB 200 ;;
+    spread20)    for r in 1 2 3; do for pin in "" "${MAIN_CPU:-3}"; do  # one-sequence decode, main thread free / pinned
+                   offload "spread20_${r}_${pin:-free}" gpt-oss-20b:8GiB 100 "$ROOT" --moe-strategy offload \
+                     --decode-tokens 128 --ttft-prompt 0 --prefill-prompt 0 ${pin:+--main-cpu "$pin"}
+                 done; done ;;
+    prof16k)     stage prof16k 200 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
+                   --gpu-memory 8GiB --max-model-len 32832 --lengths 16384 --gaps --python ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
                  for q in ${QUANTS:-none fp8 nvfp4}; do
