@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ferryman.layers.batched_moe import PREFILL_GROUP, fused_moe_batched, prefill_group
-from ferryman.layers.moe_common import MoEActivation, to_device
+from ferryman.layers.moe_common import MoEActivation
 from ferryman.layers.moe_reference import fused_moe_reference
 from ferryman.quant import Banks, ExpertFormat, get_format
 
@@ -205,7 +205,7 @@ def test_padded_layout_matches_its_definition(group: int, skew: bool) -> None:
     if skew:
         counts[4] = 2000
     slots = sorted(torch.randperm(40, generator=gen)[:11].tolist())
-    lay = padded_layout(slots, counts, group, to_device(torch.device("cpu")))
+    lay = padded_layout(slots, counts, group)
     members = expert_groups(counts, group)
     assert sorted(e for g in members for e in g) == list(range(11)) and all(len(g) <= group for g in members)
     assert (members == [list(range(g0, min(g0 + group, 11))) for g0 in range(0, 11, group)]) == (not skew or group == 1)

@@ -2,12 +2,13 @@
 
 `fused_moe_batched` computes what `fused_moe_reference` computes, `group` experts per launch: the
 rows of every group are gathered once, each group's experts dequantised together (`[G, 2I, H]`,
-read in place from the slot banks) and multiplied by two `torch.bmm`, and the outputs go back to
-pair order in one scatter. With the pairs grouped on the host (host ids), a layer needs no sync.
+read in place from the slot banks) and multiplied by two `torch.bmm`, and the outputs go to their
+tokens' summing rows in one scatter. The layout is built on the host (numpy) and uploaded in one
+copy; with the ids on the host already (host ids), a layer needs no sync.
 
 Invariants:
-- padding rows read a real row of their own expert (finite values), get weight 0, and are written
-  to a spare row P of the output that nothing reads;
+- padding rows read a real row of their own expert (finite values) and are written to a spare row
+  P of the output that nothing reads;
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) and, on CUDA with
   Triton, the bias and activation (one fused kernel in fp32, rounded once: `bias_act`) may round
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ferryman.layers import backend
-from ferryman.layers.moe_common import (MoEActivation, Upload, apply_activation, group_by_slot, sum_in_slot_order,
-                                        to_device)
+from ferryman.layers.moe_common import MoEActivation, Upload, apply_activation, group_on_host, to_device
 from ferryman.quant import Banks, ExpertFormat
 
 PREFILL_GROUP = 8  # fewest experts dequantised and multiplied per launch (the planner counts their w13)
@@ -49,38 +49,61 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
                       inputs_issued: Callable[[], None] | None = None,
                       upload: Upload | None = None) -> torch.Tensor:
     """x [T, H], topk_ids [T, K] slot ids, topk_w [T, K] -> [T, H] in x.dtype. host_ids, upload:
-    as `fused_moe`'s. inputs_issued: called once the pair layout's host -> device copy is issued,
-    before the groups' launches (the caller's large copies then delay no input of these kernels).
-    group: experts per launch (default `prefill_group` of the banks' shape)."""
+    as `fused_moe`'s (without host ids, topk_ids are read back once). inputs_issued: called once the
+    layout's host -> device copy is issued, before the groups' launches (the caller's large copies
+    then delay no input of these kernels). group: experts per launch (default `prefill_group` of the
+    banks' shape)."""
     num_slots, hidden, inter = form.dims(banks)
     group = prefill_group(inter, hidden, x.element_size()) if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
+    if host_ids is not None and host_ids.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
     T, K = topk_ids.shape
-    slots, order, counts = group_by_slot(topk_ids, num_slots, host_ids, upload)
     P = T * K
-    layout = padded_layout(slots, counts, group, upload or to_device(x.device))  # the last host -> device input
+    ids = (topk_ids.cpu() if host_ids is None else host_ids).numpy()  # [T, K] on the host
+    slots, order, counts = group_on_host(ids.reshape(-1), num_slots)
+    layout = padded_layout(slots, counts, group)
+    pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
+    dest = np.where(layout.valid, summing_rows(ids)[pair], P)  # [R] output row; padding rows: spare row P
+    U, R = len(layout.slots), len(pair)
+    flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate((layout.slots, pair // K, pair, dest))))
     if inputs_issued is not None:
         inputs_issued()
-    pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
-    xs = x[pair // K]  # [R, H], all groups' inputs in one gather
-    w = torch.where(layout.valid, topk_w.reshape(-1)[pair], 0.0)  # [R]: padding rows weigh 0
-    y = torch.empty((layout.rows.numel(), hidden), dtype=x.dtype, device=x.device)  # [R, H]
+    used, tok, pair_d, dest_d = flat[:U], flat[U : U + R], flat[U + R : U + 2 * R], flat[U + 2 * R :]
+    xs = x[tok]  # [R, H], all groups' inputs in one gather
+    w = topk_w.reshape(-1)[pair_d]  # [R]; a padding row's weight is its pair's, its output goes to row P
+    y = torch.empty((R, hidden), dtype=x.dtype, device=x.device)  # [R, H]
     bias = None  # the used slots' biases [U, 2I] and [U, H] in the compute dtype
     if form.has_bias(banks):
-        bias = banks["w13_bias"][layout.slots].to(x.dtype), banks["w2_bias"][layout.slots].to(x.dtype)
+        bias = banks["w13_bias"][used].to(x.dtype), banks["w2_bias"][used].to(x.dtype)
     for g0, g, m, r0 in layout.groups:
         rows = slice(r0, r0 + g * m)
         y_g = y[rows].view(g, m, hidden)
-        _group_forward(form, banks, layout.slots[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
+        _group_forward(form, banks, used[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
                        None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
-        # weight product in the promoted dtype, then one rounding to x.dtype, as the reference
-        y_g.copy_(y_g * w[rows].view(g, m, 1))
-    del xs  # [R, H], and y below once copied: the peak stays at the groups' loop
-    sink = torch.where(layout.valid, pair, P)  # padding rows land in row P, which nothing reads
-    y_pairs = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, sink, y)[:P]
+        y_g.mul_(w[rows].view(g, m, 1))  # the weight product in the promoted dtype, one rounding to x.dtype
+    del xs  # [R, H], and y below once placed: the peak stays at the groups' loop
+    ranked = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, dest_d, y)[:P]
     del y
-    return sum_in_slot_order(y_pairs.view(T, K, hidden), topk_ids)
+    return sum_ranked(ranked.view(T, K, hidden))
+
+
+def summing_rows(ids: np.ndarray) -> np.ndarray:
+    """ids [T, K] (host) -> [T*K]: the row t*K + r at which pair t*K + k's output is summed, r its
+    rank among token t's slots, ascending (ties in k order), so row t*K + r holds its r-th term."""
+    T, K = ids.shape
+    rank = np.argsort(np.argsort(ids, axis=1, kind="stable"), axis=1, kind="stable")  # [T, K]
+    return (np.arange(T)[:, None] * K + rank).reshape(-1)
+
+
+def sum_ranked(y: torch.Tensor) -> torch.Tensor:
+    """y [T, K, H], each token's terms in ascending slot order -> [T, H]: added one by one in that
+    order, as the reference's (and transformers') index_add_ from zero accumulates them."""
+    out = y[:, 0].clone() if y.shape[1] == 1 else y[:, 0] + y[:, 1]
+    for k in range(2, y.shape[1]):
+        out += y[:, k]
+    return out
 
 
 # Padding rows a layout may add, as a share of the real rows, before experts are regrouped by run
@@ -94,9 +117,9 @@ class PaddedLayout:
     to the group's longest run. Group j holds g experts x m rows at rows r0 .. r0 + g*m; its experts
     are slots[g0 : g0 + g]."""
 
-    slots: torch.Tensor  # [U] used slots in group order (device)
-    rows: torch.Tensor  # [R] slot-sorted pair row of each padded row (device)
-    valid: torch.Tensor  # [R] bool: a real pair, not padding (device)
+    slots: np.ndarray  # [U] used slots in group order
+    rows: np.ndarray  # [R] slot-sorted pair row of each padded row
+    valid: np.ndarray  # [R] bool: a real pair, not padding
     groups: list[tuple[int, int, int, int]]  # (first expert g0, experts g, rows per expert m, first row r0)
 
 
@@ -132,24 +155,23 @@ def expert_groups(counts: list[int], group: int) -> list[list[int]]:
     return out
 
 
-def padded_layout(slots: list[int], counts: list[int], group: int, upload: Upload) -> PaddedLayout:
-    """Built on the host and moved in one asynchronous copy (a tensor made on the device from a
-    list would synchronise the stream). A padding row repeats its expert's first row (finite)."""
-    starts = [0, *accumulate(counts)][:-1]  # first sorted row of each expert
+def padded_layout(slots: list[int], counts: list[int], group: int) -> PaddedLayout:
+    """Built on the host (numpy; the caller uploads it with its other indices in one copy). A
+    padding row repeats its expert's first row (finite)."""
+    starts = np.cumsum([0, *counts[:-1]])  # first sorted row of each expert
     rows, valid, groups, order, r0 = [], [], [], [], 0
     for members in expert_groups(counts, group):
-        cnt = torch.tensor([counts[e] for e in members])[:, None]  # [g, 1]
-        first = torch.tensor([starts[e] for e in members])[:, None]
-        ar = torch.arange(int(cnt.max()))[None, :]  # [1, m]
-        ok = ar < cnt  # [g, m]
-        rows.append(torch.where(ok, first + ar, first).reshape(-1))
-        valid.append(ok.reshape(-1).long())
+        cnt = np.asarray([counts[e] for e in members])[:, None]  # [g, 1]
+        first = starts[members][:, None]
+        ok = np.arange(cnt.max())[None, :] < cnt  # [g, m]
+        rows.append(np.where(ok, first + np.arange(ok.shape[1])[None, :], first).reshape(-1))
+        valid.append(ok.reshape(-1))
         groups.append((len(order), ok.shape[0], ok.shape[1], r0))
         order += [slots[e] for e in members]
-        r0 += ok.numel()
-    flat = upload(torch.cat([torch.tensor(order, dtype=torch.long), *rows, *valid]))
-    u = len(slots)
-    return PaddedLayout(flat[:u], flat[u : u + r0], flat[u + r0 :].bool(), groups)
+        r0 += ok.size
+    cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))  # noqa: E731
+    return PaddedLayout(np.asarray(order, dtype=np.int64), cat(rows, np.int64).astype(np.int64, copy=False),
+                        cat(valid, np.bool_), groups)
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,

@@ -205,8 +205,8 @@ def group_by_slot(topk_ids: torch.Tensor, num_slots: int, host_ids: torch.Tensor
     if host_ids is not None and host_ids.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
     if host_ids is not None:
-        host_slots, order, host_counts = _group_on_host(host_ids.reshape(-1), num_slots)
-        return host_slots, (upload or to_device(topk_ids.device))(order), host_counts
+        host_slots, order, host_counts = group_on_host(host_ids.reshape(-1).numpy(), num_slots)
+        return host_slots, (upload or to_device(topk_ids.device))(torch.from_numpy(order)), host_counts
     flat = topk_ids.reshape(-1).long()  # [P], pair p = t*K + k
     sorted_ids, order = torch.sort(flat, stable=True)
     slots, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
@@ -220,17 +220,17 @@ def _check_slot_span(slots: list[int], num_slots: int) -> None:
         raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {slots[0]}, max {slots[-1]}")
 
 
-def _group_on_host(flat: torch.Tensor, num_slots: int) -> tuple[list[int], torch.Tensor, list[int]]:
-    """group_by_slot of host ids [P]: numpy's stable argsort, a radix sort for 16-bit keys (torch's
+def group_on_host(a: np.ndarray, num_slots: int) -> tuple[list[int], np.ndarray, list[int]]:
+    """group_by_slot of host ids a [P]: (slots used, ascending; pair ids [P] by ascending slot, ties in
+    pair order; pairs per used slot). numpy's stable argsort is a radix sort for 16-bit keys (torch's
     stable CPU sort of a 16k-token prefill's 64k pairs costs about a millisecond a layer)."""
-    a = flat.numpy()
     if a.size:
         _check_slot_span([int(a.min()), int(a.max())], num_slots)
     keys = a.astype(np.int16 if num_slots <= np.iinfo(np.int16).max else np.int32, copy=False)
     order = np.argsort(keys, kind="stable")  # [P] pair ids by ascending slot, ties in pair order
     counts = np.bincount(keys, minlength=num_slots)
     used = np.flatnonzero(counts)
-    return used.tolist(), torch.from_numpy(order), counts[used].tolist()
+    return used.tolist(), order, counts[used].tolist()
 
 
 def sum_in_slot_order(y: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
