@@ -323,7 +323,15 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
                  done
                  ttft_table "$OUT"/longprompt20_{new,old}{1,2}.json | tee "$OUT/${s}_compare.txt"
                  continue ;;
-      *) echo "compare: no stage $s (offload20, serve16, longprompt20)"; exit 2 ;;
+      prefill20) # in process (profile_prefill.py): TTFT at 4,170 / 16k / 32k, each twice, the trees alternated twice
+                 for r in 1 2; do for t in new old; do
+                   in_tree "$([ "$t" = new ] && echo "$ROOT" || echo "$old")"
+                   stage "prefill20_${t}$r" 150 "${IN_TREE[@]}" python3 benchmarks/profile_prefill.py --model gpt-oss-20b \
+                     --load-format dummy --gpu-memory 8GiB --lengths 4170,16384,32000
+                 done; done
+                 grep -h "TTFT" "$OUT"/prefill20_*.log | tee "$OUT/${s}_compare.txt"
+                 continue ;;
+      *) echo "compare: no stage $s (offload20, serve16, longprompt20, prefill20)"; exit 2 ;;
     esac
     table "$OUT/${s}_new.json" "$OUT/${s}_old.json" | tee "$OUT/${s}_compare.txt"
   done
