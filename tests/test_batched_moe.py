@@ -270,3 +270,22 @@ def test_cuda_batched_peak_stays_within_the_planners_moe_share(skew: bool) -> No
     share = t * k * (item * (3 * i + h) + 4 * h) + prefill_group(i, h, item) * 2 * i * h * item
     assert out.shape == (t, h) and out.isfinite().all()
     assert extra <= share, f"batched MoE peak {extra / 2**20:.0f} MiB > the planner's {share / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("dups", [False, True])
+def test_summing_rows_rank_each_tokens_terms_by_slot(dups: bool) -> None:
+    """Row t*K + r of the summed output holds token t's r-th term in ascending slot order, ties in k
+    order (a hybrid step maps its CPU pairs onto one slot): checked pair by pair in Python."""
+    from ferryman.layers.batched_moe import summing_rows
+    from ferryman.layers.moe_common import group_on_host
+
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.stack([torch.randperm(9, generator=gen)[:4] for _ in range(50)])  # [T, K]
+    if dups:
+        ids[::3, 2] = ids[::3, 0]
+    _, order, _ = group_on_host(ids.reshape(-1).numpy(), 9)
+    rows = summing_rows(order, 4)
+    for pos, pair in enumerate(order.tolist()):
+        t, k = divmod(pair, 4)
+        key = [(int(ids[t, j]), j) for j in range(4)]
+        assert rows[pos] == t * 4 + sorted(key).index(key[k])

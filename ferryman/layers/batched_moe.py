@@ -65,7 +65,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     slots, order, counts = group_on_host(ids.reshape(-1), num_slots)
     layout = padded_layout(slots, counts, group)
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
-    dest = np.where(layout.valid, summing_rows(ids)[pair], P)  # [R] output row; padding rows: spare row P
+    dest = np.where(layout.valid, summing_rows(order, K)[layout.rows], P)  # [R] output row; padding: spare row P
     U, R = len(layout.slots), len(pair)
     flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate((layout.slots, pair // K, pair, dest))))
     if inputs_issued is not None:
@@ -89,12 +89,16 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     return sum_ranked(ranked.view(T, K, hidden))
 
 
-def summing_rows(ids: np.ndarray) -> np.ndarray:
-    """ids [T, K] (host) -> [T*K]: the row t*K + r at which pair t*K + k's output is summed, r its
-    rank among token t's slots, ascending (ties in k order), so row t*K + r holds its r-th term."""
-    T, K = ids.shape
-    rank = np.argsort(np.argsort(ids, axis=1, kind="stable"), axis=1, kind="stable")  # [T, K]
-    return (np.arange(T)[:, None] * K + rank).reshape(-1)
+def summing_rows(order: np.ndarray, k: int) -> np.ndarray:
+    """order [P] (pair ids t*K + k by ascending slot, ties in pair order) -> [P]: the output row of
+    each sorted position, t*K + r with r its rank among token t's pairs in that order, so row t*K + r
+    holds token t's r-th term. A token's pairs come in rank order along `order`, so a stable sort of
+    their tokens lists row t*K + r at its place (one radix sort for 16-bit token numbers)."""
+    tokens = order // k
+    keys = tokens.astype(np.int16 if order.size // k <= 2**15 else np.int32, copy=False)  # tokens < T
+    rows = np.empty_like(order)
+    rows[np.argsort(keys, kind="stable")] = np.arange(order.size)
+    return rows
 
 
 def sum_ranked(y: torch.Tensor) -> torch.Tensor:
