@@ -65,5 +65,4 @@ def test_cuda_long_chunk_takes_cudnn_and_matches_the_reference(specs: list[tuple
     assert not lc.applies(batch.q, batch.k_cache, batch.meta, 128)
     two = make_batch([(3000, 1500), (40, 1)], seed=32, **GPT_OSS)
     short = make_batch([(3000, 1000)], seed=33, **GPT_OSS)
-    assert not lc.applies(two.q, two.k_cache, two.meta, None)
-    assert not lc.applies(short.q, short.k_cache, short.meta, None)
+    assert not lc.applies(two.q, two.k_cache, two.meta, None) and not lc.applies(short.q, short.k_cache, short.meta, None)
