@@ -4,8 +4,7 @@ Shapes: T = tokens in the step, B = sequences, Hq/Hkv = query/kv heads (G = Hq /
 share one kv head), D = head_dim, L = kv length of a sequence. Query token i of sequence b sits at
 position `seq_lens[b] - qlen_b + i`; it sees kv positions p <= pos, and with a sliding window w only
 p > pos - w. Sinks (gpt-oss): one logit per q head joins the softmax denominator. Softmax runs in
-fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says (one
-sequence's long prompt chunk through cuDNN instead, attention_long_chunk.py); on
+fp32; the output has q's dtype. The Triton kernel runs where `backend.attention_triton` says; on
 the CPU a sequence's prompt rows go through torch's flash attention (paged_attention_torch.py),
 its decode row and every row of the reference through dense scores.
 """
@@ -15,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ferryman.layers import attention_long_chunk as long_chunk
 from ferryman.layers import backend
 from ferryman.layers.attn_metadata import AttnMetadata
 from ferryman.layers.paged_attention_torch import MIN_QUERIES as FLASH_MIN_QUERIES
@@ -95,10 +93,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttnMetad
     if backend.attention_triton(q.device):
         from ferryman.layers.paged_attention_triton import paged_attention_triton
 
-        if long_chunk.applies(q, k_cache, meta, window):  # one sequence's long chunk: cuDNN, if it runs it
-            out = long_chunk.attend_long_chunk(q, k_cache, v_cache, meta, scale, sinks)
-            if out is not None:
-                return out
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, window, sinks)
     return _per_sequence(q, k_cache, v_cache, meta, scale, window, sinks,
                          flash=q.device.type == "cpu" and flash_available())  # torch's flash for CPU
