@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
+import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,34 @@ def _busy_threads(before: dict[int, tuple[str, float, int]], after: dict[int, tu
     return [{"tid": tid, "name": name, "cpu_s": round(used, 3), "last_cpu": last} for used, tid, name, last in rows]
 
 
+def probe_us(reps: int = 7) -> float:
+    """Microseconds of a fixed pure-Python workload on this thread (median of `reps`): the host's
+    speed for the interpreter's own work, to tell a slow host clock from other causes."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        acc = 0
+        for i in range(20000):
+            acc += i * i % 7
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e6, 1)
+
+
+def gpu_clocks() -> str | None:
+    """nvidia-smi's SM and memory clocks (MHz), power (W), temperature (C) and active throttle reasons
+    of the first GPU, now; None without nvidia-smi."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    query = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+    try:
+        out = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0].strip() if out.strip() else None
+
+
 def _siblings(cpu: int | None) -> str | None:
     if cpu is None:
         return None
@@ -62,6 +93,7 @@ def _siblings(cpu: int | None) -> str | None:
 
 class HostUsage:
     def __enter__(self) -> "HostUsage":
+        self.probe_before = probe_us()  # before the phase's clocks start
         self.wall = time.perf_counter()
         self.proc = resource.getrusage(resource.RUSAGE_SELF)
         self.thread = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
@@ -77,15 +109,20 @@ class HostUsage:
         self.switches = (thread.ru_nvcsw - self.thread.ru_nvcsw, thread.ru_nivcsw - self.thread.ru_nivcsw)
         self.cpu = _last_cpu()
         self.busy = _busy_threads(self.threads, _thread_times(), self.wall)
+        self.gpu = gpu_clocks()  # right as the phase ends, while the clocks are still the phase's
+        self.probe_after = probe_us()
         affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self.cpus = len(affinity) if affinity is not None else os.cpu_count()  # the phase's, as it ended
 
     def figures(self, phase: str) -> dict[str, Any]:
         """{phase}_host: the phase's wall and CPU seconds, the thread's voluntary / involuntary context
         switches, its last CPU and that CPU's siblings, how many CPUs this thread may use, and the process's
-        busiest threads over the phase (another thread spinning on the main thread's core shows there)."""
+        busiest threads over the phase (another thread spinning on the main thread's core shows there),
+        a fixed Python workload's microseconds before and after it (`probe_us`), and the GPU's clocks
+        as it ended (`gpu_clocks`, nvidia-smi's line)."""
         return {f"{phase}_host": {
             "wall_s": round(self.wall, 4), "main_thread_cpu_s": round(self.thread_cpu, 4),
             "process_cpu_s": round(self.proc_cpu, 4), "voluntary_switches": self.switches[0],
             "involuntary_switches": self.switches[1], "last_cpu": self.cpu, "cpu_siblings": _siblings(self.cpu),
-            "cpus": self.cpus, "busy_threads": self.busy}}
+            "cpus": self.cpus, "busy_threads": self.busy, "probe_us": [self.probe_before, self.probe_after],
+            "gpu_clocks": self.gpu}}

@@ -58,3 +58,18 @@ def test_busy_threads_name_a_thread_that_spun_through_the_phase() -> None:
     busy = host.figures("decode")["decode_host"]["busy_threads"]
     assert busy and busy[0]["tid"] == worker.native_id and busy[0]["cpu_s"] >= 0.1
     assert all(b["tid"] != threading.get_native_id() for b in busy)
+
+
+def test_the_probe_and_the_gpu_clocks_are_reported() -> None:
+    """The probe's two timings (before and after the phase) are reported; without nvidia-smi the GPU's
+    clocks read None rather than failing."""
+    import shutil
+
+    from host_usage import probe_us
+
+    with HostUsage() as host:
+        pass
+    fig = host.figures("decode")["decode_host"]
+    assert len(fig["probe_us"]) == 2 and all(t > 0 for t in fig["probe_us"])
+    assert probe_us(reps=3) > 0
+    assert (fig["gpu_clocks"] is None) == (shutil.which("nvidia-smi") is None)
