@@ -119,7 +119,8 @@
 #                $OLD (its own benchmarks and package; one bench client, this tree's), and a table of
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
 #                COMPARE=serve16 in a second call, if the budget runs out. COMPARE=longprompt20: TTFT at
-#                4,170 / 16k / 32k through default servers of both trees, alternated twice (~9 min)
+#                4,170 / 16k / 32k through default servers of both trees, alternated twice (~3-9 min);
+#                COMPARE=prefill20: the same lengths in process (profile_prefill.py), alternated twice (~2 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LINKARGS=${LINKARGS---moe-strategy offload}  # link steps need every MoE layer on the GPU path

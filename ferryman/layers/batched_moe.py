@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ferryman.layers import backend
-from ferryman.layers.moe_common import MoEActivation, Upload, apply_activation, group_on_host, to_device
+from ferryman.layers.moe_common import (MoEActivation, Upload, apply_activation, check_host_ids, group_on_host,
+                                        to_device)
 from ferryman.quant import Banks, ExpertFormat
 
 PREFILL_GROUP = 8  # fewest experts dequantised and multiplied per launch (the planner counts their w13)
@@ -57,8 +58,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     group = prefill_group(inter, hidden, x.element_size()) if group is None else group
     if group < 1:
         raise ValueError(f"fused_moe_batched: group must be >= 1, got {group}")
-    if host_ids is not None and host_ids.shape != topk_ids.shape:
-        raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+    check_host_ids(topk_ids, host_ids)
     T, K = topk_ids.shape
     P = T * K
     ids = (topk_ids.cpu() if host_ids is None else host_ids).numpy()  # [T, K] on the host
@@ -173,9 +173,9 @@ def padded_layout(slots: list[int], counts: list[int], group: int) -> PaddedLayo
         groups.append((len(order), ok.shape[0], ok.shape[1], r0))
         order += [slots[e] for e in members]
         r0 += ok.size
-    cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))  # noqa: E731
-    return PaddedLayout(np.asarray(order, dtype=np.int64), cat(rows, np.int64).astype(np.int64, copy=False),
-                        cat(valid, np.bool_), groups)
+    if not groups:  # no pair
+        return PaddedLayout(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool), [])
+    return PaddedLayout(np.asarray(order, dtype=np.int64), np.concatenate(rows), np.concatenate(valid), groups)
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,

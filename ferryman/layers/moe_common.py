@@ -198,12 +198,17 @@ def check_slot_range(ids: torch.Tensor, num_slots: int) -> None:
         raise ValueError(f"fused_moe: topk_ids out of range [0, {num_slots}): min {lo}, max {hi}")
 
 
+def check_host_ids(topk_ids: torch.Tensor, host_ids: torch.Tensor | None) -> None:
+    """host_ids, when given, must be topk_ids' shape (the same ids, on the host)."""
+    if host_ids is not None and host_ids.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+
+
 def group_by_slot(topk_ids: torch.Tensor, num_slots: int, host_ids: torch.Tensor | None = None,
                   upload: Upload | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
     """(slots used, ascending, on the host; pair ids [P] sorted by slot, on topk_ids' device; pairs
     per used slot). From host_ids (the same ids on the host) with no device sync."""
-    if host_ids is not None and host_ids.shape != topk_ids.shape:
-        raise ValueError(f"fused_moe: host_ids {tuple(host_ids.shape)} do not match topk_ids {tuple(topk_ids.shape)}")
+    check_host_ids(topk_ids, host_ids)
     if host_ids is not None:
         host_slots, order, host_counts = group_on_host(host_ids.reshape(-1).numpy(), num_slots)
         return host_slots, (upload or to_device(topk_ids.device))(torch.from_numpy(order)), host_counts
