@@ -262,3 +262,30 @@ def test_the_scheduler_runs_a_job_beside_decodes() -> None:
     sched.add(alone)
     out = sched.schedule()
     assert out.job_layers == 4 and out.job_finished[0].seq is alone and not out.scheduled
+
+
+@pytest.mark.parametrize("slots_pct", ["15%", "30%"])
+def test_a_chunk_beyond_the_free_slots_falls_back_to_chunk_by_chunk(uniform_model: str, slots_pct: str) -> None:
+    """forward_chunks plans each chunk as its routing lands, the earlier chunks' experts held pinned:
+    a first chunk on 4 experts, then chunks on all 16. With 10 slots the second chunk does not fit
+    beside the first's pins, and it and the rest go through `forward` one by one; with 19 every chunk
+    runs under its plan. Either way each chunk's output equals `forward` on its own (chunk-major)."""
+    eng = _engine(uniform_model, "layer", load_format="dummy", expert_cache=slots_pct)
+    experts, k = eng.runner.experts, UNIFORM["num_experts_per_tok"]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3 * 20, UNIFORM["hidden_size"], generator=gen)
+    bounds = [(0, 20), (20, 40), (40, 60)]
+    ids = [torch.stack([torch.randperm(16, generator=gen)[:k] for _ in range(20)]) for _ in bounds]
+    ids[0] = torch.tensor([[0, 1, 2, 3]] * 20)  # the first chunk on 4 experts only
+    routed = [(i, torch.softmax(torch.randn(20, k, generator=gen), dim=-1)) for i in ids]
+    want = [experts.forward(0, x[a:b], *r) for (a, b), r in zip(bounds, routed)]
+    reads = [experts.read_routing(0, x[a:b], r[0], c == 0) for c, ((a, b), r) in enumerate(zip(bounds, routed))]
+    got: dict[int, torch.Tensor] = {}
+    one_by_one: list[int] = []
+    real = experts.forward
+    experts.forward = lambda layer, xc, *r: one_by_one.append(xc.shape[0]) or real(layer, xc, *r)  # type: ignore
+    experts.forward_chunks(0, x.clone(), bounds, routed, reads, lambda c, out: got.__setitem__(c, out))
+    assert sorted(got) == [0, 1, 2] and one_by_one == ([20, 20] if slots_pct == "15%" else [])
+    for c in range(3):  # the same pairs; the slots, and so the order of a token's sum, may differ
+        torch.testing.assert_close(got[c], want[c], rtol=1e-5, atol=1e-6)
+    assert experts.cache.available() == experts.cache.table.num_active  # nothing left pinned

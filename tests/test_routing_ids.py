@@ -22,3 +22,14 @@ def test_host_ids_of_reads_ids_and_guesses(tokens: int) -> None:
     used, guesses, host = host_ids_of(ids, [guess])
     assert used == torch.unique(ids).tolist() and torch.equal(host, ids)
     assert sorted(guesses[0]) == torch.unique(guess).tolist()
+
+
+@pytest.mark.parametrize("tokens", [3, 300])
+def test_a_routing_read_started_early_gives_what_host_ids_of_gives(tokens: int) -> None:
+    from ferryman.experts.routing import RoutingRead
+
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(32, generator=gen)[:4] for _ in range(tokens)]).int()
+    guess = torch.randint(0, 32, (tokens, 2), generator=gen)
+    got, want = RoutingRead(ids, [guess]).result(), host_ids_of(ids, [guess])
+    assert got[0] == want[0] and got[1] == want[1] and torch.equal(got[2], want[2])

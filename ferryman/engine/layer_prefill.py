@@ -2,8 +2,11 @@
 
 The scheduler (engine/prefill_job.py) hands over a job once, then a number of layers per step.
 Per layer, in chunk order: each chunk's attention (reading the KV the earlier chunks wrote at this
-layer, writing its own), then the MoE of every chunk under one plan (OffloadExperts.forward_chunks:
-each uncached expert copied once for the job; the next layer's copies start with the first kernel).
+layer, writing its own) and, with offloaded experts, its router, whose ids start for the host at once;
+then the MoE of every chunk (OffloadExperts.forward_chunks: chunk c planned as its ids land, while
+the GPU still runs later chunks' attention; each uncached expert copied once for the job, the
+chunks' experts pinned until the last kernel is issued; the next layer's copies start with the
+first kernel).
 
 Invariants:
 - `hidden` [T, H] and `residual` [T, H] hold every job token between layers, on the device (the
@@ -19,7 +22,7 @@ import torch
 
 from ferryman.engine.inputs import StepInputs, prepare_inputs
 from ferryman.engine.sched_types import JobPiece, PrefillJob, ScheduledSeq, SchedulerOutput
-from ferryman.experts.offload import OffloadExperts
+from ferryman.experts.offload import ChunkRouting, OffloadExperts
 from ferryman.kvcache.window_pool import ring_table
 from ferryman.layers.moe import SparseMoE
 from ferryman.models.transformer import MoETransformer
@@ -69,19 +72,28 @@ class LayerPrefill:
         first, residual = self.residual is None, self.residual
         if residual is None:
             residual = self.residual = torch.empty_like(self.hidden)
-        for (a, b), inp in zip(self.bounds, self.chunks):
+        mlp = layer.mlp
+        early = isinstance(mlp, SparseMoE) and isinstance(self.experts, OffloadExperts)
+        routed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, weights) [T_c, K] per chunk
+        reads: list[ChunkRouting] = []
+        for c, ((a, b), inp) in enumerate(zip(self.bounds, self.chunks)):
             h, r = layer.attend(inp.positions, self.hidden[a:b], None if first else residual[a:b], inp.meta)
             residual[a:b] = r  # first: r may be a view of hidden's rows (the first layer's)
             self.hidden[a:b] = h
-        self._mlp(layer.mlp, index)
+            if early:  # its routing starts for the host now, while the later chunks' attention runs
+                routed.append(mlp.select(self.hidden[a:b]))
+                reads.append(self.experts.read_routing(index, self.hidden[a:b], routed[-1][0], c == 0))
+        self._mlp(mlp, index, routed, reads)
 
-    def _mlp(self, mlp: torch.nn.Module, index: int) -> None:
+    def _mlp(self, mlp: torch.nn.Module, index: int, routed: list[tuple[torch.Tensor, torch.Tensor]],
+             reads: list[ChunkRouting]) -> None:
         """hidden's rows: MLP input -> MLP output, chunk by chunk (rows of c are read by c only)."""
         if not isinstance(mlp, SparseMoE):
             for a, b in self.bounds:
                 self.hidden[a:b] = mlp(self.hidden[a:b])
             return
-        routed = [mlp.select(self.hidden[a:b]) for a, b in self.bounds]  # (ids, weights) [T_c, K]
+        if not routed:
+            routed = [mlp.select(self.hidden[a:b]) for a, b in self.bounds]
 
         def emit(c: int, out: torch.Tensor) -> None:  # chunk c's routed output: add the shared experts'
             a, b = self.bounds[c]
@@ -91,7 +103,7 @@ class LayerPrefill:
         if isinstance(self.experts, OffloadExperts):
             if mlp.trace is not None:
                 mlp.trace.record(index, torch.cat([r[0] for r in routed]))
-            self.experts.forward_chunks(index, self.hidden, self.bounds, routed, emit)
+            self.experts.forward_chunks(index, self.hidden, self.bounds, routed, reads, emit)
             return
         for c, (a, b) in enumerate(self.bounds):
             emit(c, mlp.compute(self.hidden[a:b], *routed[c]))

@@ -24,9 +24,9 @@ import torch
 from ferryman.experts.cpu_compute import CPUExperts
 from ferryman.experts.gpu_cache import ExpertCache
 from ferryman.experts.hybrid import HybridSplit
-from ferryman.experts.guesses import NextLayerGuesser
+from ferryman.experts.guesses import NextLayerGuesser, Proposal
 from ferryman.experts.plan import Guess, LayerPlan, Prefetch, make_plan
-from ferryman.experts.routing import host_ids_of
+from ferryman.experts.routing import RoutingRead, host_ids_of
 from ferryman.layers.fused_moe import MoEActivation, Upload, fused_moe, to_device
 
 
@@ -38,6 +38,15 @@ class CPUPart:
 
     job: Future
     off: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ChunkRouting:
+    """A layer-major chunk's routing read, started behind its router (`OffloadExperts.read_routing`),
+    and the guesses proposed with it (the first chunk's)."""
+
+    read: RoutingRead
+    proposals: list[Proposal]
 
 
 @dataclass(frozen=True)
@@ -99,31 +108,56 @@ class OffloadExperts:
             return out
         return self._compute(x, topk_w, self.start(plan, x, host_ids, topk_w))
 
+    def read_routing(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, first: bool) -> ChunkRouting:
+        """A layer-major chunk's routing (x [T_c, H], topk_ids [T_c, K]) on its way to the host, started
+        right after its router: the first chunk's guesses of the next layer too (router launches)."""
+        proposals = []
+        if first and self.guesser is not None and layer not in self.cpu_layers:
+            proposals = self.guesser.propose(layer, x, True)
+        return ChunkRouting(RoutingRead(topk_ids, [p[2] for p in proposals]), proposals)
+
     def forward_chunks(self, layer: int, x: torch.Tensor, bounds: list[tuple[int, int]],
-                       routed: list[tuple[torch.Tensor, torch.Tensor]],
+                       routed: list[tuple[torch.Tensor, torch.Tensor]], reads: list[ChunkRouting],
                        emit: Callable[[int, torch.Tensor], None]) -> None:
         """A layer-major prefill's layer (engine/layer_prefill.py): x [T, H] holds every chunk's rows,
-        chunk c at rows bounds[c] routed to routed[c] = (expert ids, weights) [T_c, K]. One plan and
-        one acquire cover the union, so each uncached expert is copied once for all chunks; then one
-        kernel per chunk, on exactly the rows and weights chunk-major prefill gives it, each output
-        handed to emit(c, [T_c, H]) once its kernel is issued (emit may overwrite x's rows of c).
-        The next layers' copies start with the first kernel's inputs, as a streaming chunk's do."""
-        ids, w = torch.cat([r[0] for r in routed]), torch.cat([r[1] for r in routed])  # [T, K]
-        plan, host_ids = self.route(layer, x, ids, True)
-        if plan.rounds or plan.cpu:  # more experts than free slots: chunk by chunk, in rounds
-            for c, (a, b) in enumerate(bounds):
-                emit(c, self.forward(layer, x[a:b], *routed[c]))
-            return
-        step = self.start(plan, x, host_ids, w)
-        assert step.slot_ids is not None  # no CPU part: a streaming plan never splits
-        upload = self._upload(True)
+        chunk c at rows bounds[c] routed to routed[c] = (expert ids, weights) [T_c, K], its routing on
+        the way to the host in reads[c] (`read_routing`). Chunk by chunk, as each read lands (later
+        chunks' attention still running): a plan, an acquire that keeps its experts pinned until the
+        last chunk's kernel is issued, so each uncached expert is copied once for all chunks, and one
+        kernel on exactly the rows and weights chunk-major prefill gives it, its output handed to
+        emit(c, [T_c, H]) (emit may overwrite x's rows of c). The next layers' copies start with the
+        first kernel's inputs, as a streaming chunk's do. A chunk whose experts do not fit the slots
+        left, or with a CPU share, and every chunk after it, go through `forward` one by one."""
+        held: list[LayerStep] = []
+        fetched: list[int] = []
+        pinned: set[int] = set()  # experts the held steps pinned
         for c, (a, b) in enumerate(bounds):
+            used, guessed, host_ids = reads[c].read.result()
+            spare = sum(1 for e in used if e in pinned)
+            plan = self._plan(layer, b - a, True, used, guessed, reads[c].proposals, host_ids, spare=spare)
+            if plan.rounds or plan.cpu:  # more experts than free slots: the rest chunk by chunk, in rounds
+                self._finish_chunks(layer, held, fetched)
+                for d in range(c, len(bounds)):
+                    emit(d, self.forward(layer, x[bounds[d][0] : bounds[d][1]], *routed[d]))
+                return
+            step = self.start(plan, x[a:b], host_ids, routed[c][1])
+            assert step.slot_ids is not None  # no CPU part: checked above
+            fetched += self.cache.last_fetched
             early = (lambda: self.issue_prefetches(plan)) if c == 0 else None
-            host = None if step.host_slot_ids is None else step.host_slot_ids[a:b]
-            emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids[a:b],
-                              routed[c][1], self.act, host_ids=host, inputs_issued=early, upload=upload))
-        self.finish_step(replace(step, prefetched=True))
-        self.cache.demote_fetched(layer)
+            emit(c, fused_moe(self.cache.format_of(layer), self.cache.banks_of(layer), x[a:b], step.slot_ids,
+                              routed[c][1], self.act, host_ids=step.host_slot_ids, inputs_issued=early,
+                              upload=self._upload(True)))
+            held.append(replace(step, prefetched=True))
+            pinned.update(plan.device)
+        self._finish_chunks(layer, held, fetched)
+
+    def _finish_chunks(self, layer: int, held: list[LayerStep], fetched: list[int]) -> None:
+        """Unpin the chunks' experts; what they brought in goes first (a streaming chunk's demotion)."""
+        for step in held:
+            self.finish_step(step)
+        if held:
+            self.cache.last_fetched = fetched
+            self.cache.demote_fetched(layer)
 
     def prepare_decode(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                        topk_w: torch.Tensor) -> LayerStep | None:
@@ -138,17 +172,25 @@ class OffloadExperts:
     def route(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
               streaming: bool) -> tuple[LayerPlan, torch.Tensor]:
         """The layer's plan, and topk_ids on the host, read back with the layer's one sync."""
-        rows, g = x.shape[0], self.guesser
         if layer in self.cpu_layers:  # the CPU computes every pair; nothing is guessed or cached
             used, _, host_ids = host_ids_of(topk_ids, [])
-            return make_plan(layer, rows, streaming, used, (), self.cache.available(), used, []), host_ids
-        proposals = g.propose(layer, x, streaming) if g is not None else []
+            return make_plan(layer, x.shape[0], streaming, used, (), self.cache.available(), used, []), host_ids
+        proposals = self.guesser.propose(layer, x, streaming) if self.guesser is not None else []
         used, guessed, host_ids = host_ids_of(topk_ids, [p[2] for p in proposals])
+        return self._plan(layer, x.shape[0], streaming, used, guessed, proposals, host_ids), host_ids
+
+    def _plan(self, layer: int, rows: int, streaming: bool, used: list[int], guessed: list[list[int]],
+              proposals: list[Proposal], host_ids: torch.Tensor, spare: int = 0) -> LayerPlan:
+        """The plan of a step whose ids were read (host_ids [T, K]); spare: slots of `used` experts
+        this layer's earlier chunks hold pinned (they need no free slot)."""
+        if layer in self.cpu_layers:
+            return make_plan(layer, rows, streaming, used, (), self.cache.available() + spare, used, [])
         if used and not 0 <= used[0] <= used[-1] < self.num_experts:  # used: ascending
             bad = used[0] if used[0] < 0 else used[-1]
             # CUDA's top-k returns arbitrary indices for NaN scores: an empty copy further on
             raise RuntimeError(f"MoE layer {layer}: the router chose expert {bad}, outside [0, {self.num_experts}) "
                                "(non-finite hidden states?)")
+        g = self.guesser
         guesses: list[Guess] = []
         if g is not None:
             guesses = [Guess(t, kind, tuple(ids), g.copy_limit(t, kind, rows))
@@ -161,7 +203,7 @@ class OffloadExperts:
         cpu, units = None, 0.0
         if self.hybrid is not None and self.hybrid.applies(rows, streaming):
             cpu, units = self._split(layer, used, cached, host_ids)
-        return make_plan(layer, rows, streaming, used, cached, self.cache.available(), cpu, guesses, units), host_ids
+        return make_plan(layer, rows, streaming, used, cached, self.cache.available() + spare, cpu, guesses, units)
 
     def _split(self, layer: int, used: list[int], cached: set[int],
                host_ids: torch.Tensor) -> tuple[list[int], float]:

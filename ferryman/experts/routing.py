@@ -15,15 +15,45 @@ def host_ids_of(topk_ids: torch.Tensor,
     for all."""
     parts = [topk_ids.reshape(-1), *(g.reshape(-1).to(topk_ids.dtype) for g in guesses)]
     host = (torch.cat(parts) if guesses else parts[0]).cpu()
-    bounds = [0, *itertools.accumulate(p.numel() for p in parts)]
+    return _split(host, [p.numel() for p in parts], topk_ids.shape)
+
+
+class RoutingRead:
+    """`host_ids_of`, started now and finished later: the ids (and the guesses') are copied into
+    pinned host memory behind the kernels issued so far, and `result` waits for that copy only, not
+    for kernels issued after it (a layer-major layer's later chunks). On the CPU: read at once."""
+
+    def __init__(self, topk_ids: torch.Tensor, guesses: list[torch.Tensor]) -> None:
+        parts = [topk_ids.reshape(-1), *(g.reshape(-1).to(topk_ids.dtype) for g in guesses)]
+        flat = torch.cat(parts) if guesses else parts[0]
+        self.sizes, self.shape = [p.numel() for p in parts], topk_ids.shape
+        self.done: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            self.host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self.host.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = flat
+
+    def result(self) -> tuple[list[int], list[list[int]], torch.Tensor]:
+        """What `host_ids_of` returns, once the copy landed."""
+        if self.done is not None:
+            self.done.synchronize()
+        return _split(self.host, self.sizes, self.shape)
+
+
+def _split(host: torch.Tensor, sizes: list[int],
+           shape: torch.Size) -> tuple[list[int], list[list[int]], torch.Tensor]:
+    """host: the ids then each guess's, flat -> (distinct used, distinct of each guess, ids [T, K])."""
+    bounds = [0, *itertools.accumulate(sizes)]
     if host.numel() <= 512:  # decode-sized: Python sets beat tensor ops on a few ids
         values = host.tolist()
         distinct = [sorted(set(values[a:b])) if i == 0 else list(dict.fromkeys(values[a:b]))
                     for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
     else:
         distinct = [distinct_ids(host[a:b]) for a, b in zip(bounds, bounds[1:])]
-    n = topk_ids.numel()
-    return distinct[0], distinct[1:], host[:n].view(topk_ids.shape)
+    return distinct[0], distinct[1:], host[: sizes[0]].view(shape)
 
 
 def distinct_ids(ids: torch.Tensor) -> list[int]:
