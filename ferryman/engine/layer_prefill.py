@@ -77,9 +77,9 @@ class LayerPrefill:
         routed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, weights) [T_c, K] per chunk
         reads: list[ChunkRouting] = []
         for c, ((a, b), inp) in enumerate(zip(self.bounds, self.chunks)):
-            h, r = layer.attend(inp.positions, self.hidden[a:b], None if first else residual[a:b], inp.meta)
-            residual[a:b] = r  # first: r may be a view of hidden's rows (the first layer's)
-            self.hidden[a:b] = h
+            # in place: the first layer's residual input is hidden's rows (read before they are written)
+            layer.attend(inp.positions, self.hidden[a:b], None if first else residual[a:b], inp.meta,
+                         into=(self.hidden[a:b], residual[a:b]))
             if early:  # its routing starts for the host now, while the later chunks' attention runs
                 routed.append(mlp.select(self.hidden[a:b]))
                 reads.append(self.experts.read_routing(index, self.hidden[a:b], routed[-1][0], c == 0))

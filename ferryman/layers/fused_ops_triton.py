@@ -33,11 +33,20 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
-                    weight_fp32: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x, residual: [T, H] -> (norm(x + residual), x + residual) or (norm(x), None)."""
+                    weight_fp32: bool, into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual: [T, H] -> (norm(x + residual), x + residual) or (norm(x), None). into: the two
+    outputs' tensors ([T, H] rows of one stride; each may be residual's or x's own rows: a row is
+    read before it is written)."""
     T, H = x.shape
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(out) if residual is not None else out
+    if into is not None and residual is not None:
+        out, res_out = into
+        if out.stride() != res_out.stride() or out.stride(1) != 1:
+            raise ValueError(f"rms_norm_triton: output strides {out.stride()} and {res_out.stride()} "
+                             "must be equal, of unit column stride")
+    else:
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        res_out = torch.empty_like(out) if residual is not None else out
     res = residual if residual is not None else x
     _rms_norm_kernel[(T,)](
         x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), H, eps,

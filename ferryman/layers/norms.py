@@ -33,14 +33,21 @@ class RMSNorm(nn.Module):
             return rms_norm_triton(x, self.scale(), self.eps, None, self.weight_fp32)[0]
         return self._torch(x)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); x, residual: [T, size]."""
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); x, residual: [T, size]. into: tensors [T, size] to write
+        the two into (returned), which may be residual's or x's own rows."""
         if use_triton(x):
             from ferryman.layers.fused_ops_triton import rms_norm_triton
 
-            return rms_norm_triton(x, self.scale(), self.eps, residual, self.weight_fp32)  # type: ignore[return-value]
-        h = x + residual
-        return self._torch(h), h
+            return rms_norm_triton(x, self.scale(), self.eps, residual, self.weight_fp32, into)  # type: ignore
+        if into is None:
+            h = x + residual
+            return self._torch(h), h
+        out, h = into
+        torch.add(x, residual, out=h)
+        out.copy_(self._torch(h))
+        return out, h
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -48,9 +48,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def attend(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttnMetadata,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything before the MLP: (MLP input [T, H], residual stream before it)."""
+        """Everything before the MLP: (MLP input [T, H], residual stream before it), written into
+        `into` if given (those may be x's and residual's own rows)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -58,7 +60,7 @@ class DecoderLayer(nn.Module):
         mixer = self.self_attn if self.self_attn is not None else self.linear_attn
         assert mixer is not None
         h = mixer(positions, h, meta)
-        return self.post_attention_layernorm.add_forward(h, residual)
+        return self.post_attention_layernorm.add_forward(h, residual, into)
 
 
 class MoETransformer(nn.Module):
