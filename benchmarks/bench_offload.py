@@ -128,7 +128,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
     # request as before: layer-graph capture, cuBLAS heuristics
     warm = warm_up(eng)
     print(f"warm-up: {warm.seconds:.1f} s, {warm.steps} steps, the slowest {warm.slowest_s:.2f} s", file=sys.stderr)
-    generate(llm, rand(512), 8)
+    generate(llm, rand(512), 8 + a.settle_tokens)  # settle: auto's trials decide before the measured decode
     cpus = os.sched_getaffinity(0) if a.main_cpu is not None else None
     if a.main_cpu is not None:  # after the warm-up: threads started before keep their own CPUs
         os.sched_setaffinity(0, {a.main_cpu})
@@ -168,6 +168,7 @@ def run_target(model: str, budget: str, a: argparse.Namespace, quantization: str
         "cuda_graph_mode": end["cuda_graph_mode"],
         "moe_strategy": a.moe_strategy, "decode_misses": eng.plan.decode_misses, "cpu_layers": eng.plan.cpu_layers, "cpu_computed_per_token": dec.get("cpu_computed", 0) / decode_steps,
         "hybrid": end["experts"].get("hybrid"), "split_trial": end["experts"].get("split_trial"),
+        "link_trial": end.get("link_trial"),
         "prefetch_layers": _prefetch_layers(end["experts"]),
         "stall_s_decode": dec.get("stall_seconds"), "h2d_s_decode": dec.get("h2d_seconds"),
         "h2d_mib_per_token": dec.get("bytes_h2d", 0) / decode_steps / 2**20,
@@ -222,6 +223,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--settle-tokens", type=int, default=0,
+                    help="tokens decoded before the measured decode, so that auto's trials can rule (default: 0)")
     ap.add_argument("--max-model-len", type=int, default=16384)
     ap.add_argument("--chunk", type=int, default=None,
                     help="prefill chunk (max_num_batched_tokens; default: the planner's, 4096 when offloaded)")

@@ -6,6 +6,7 @@ CPU: the same functions run eagerly; CUDA (gpu): one captured graph per step, pi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from ferryman import LLM
 from ferryman.engine.segment_graphs import SegmentedDecode
+from ferryman.experts.split_trial import SplitTrial, link_reads_trial
 from ferryman.models.registry import model_config
 from tiny_models import build_tiny, count_calls, greedy_ids
 
@@ -27,7 +29,8 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return "qwen3_moe", folder
 
 
-def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[LLM, LLM]:
+def _offload_with_link(folder: Path, tokens: int, device: str = "cpu",
+                       trial: SplitTrial | None = None) -> tuple[LLM, LLM]:
     """(the resident LLM, an offloaded one with a 25% cache whose decode steps take link reads)."""
     if model_config(folder).linear_attn is not None:
         pytest.skip("linear-attention models decode without the per-layer graphs")
@@ -38,7 +41,7 @@ def _offload_with_link(folder: Path, tokens: int, device: str = "cpu") -> tuple[
     offload = LLM(str(folder), moe_strategy="offload", expert_cache="25%", enforce_eager=True, **kw)
     runner = offload.engine.runner
     runner.graphs = SegmentedDecode(runner.model, 4, 64, offload.engine.max_model_len, runner.device,
-                                    capture=False, link=True)
+                                    capture=False, link=True, trial=trial)
     return resident, offload
 
 
@@ -120,3 +123,63 @@ def test_link_steps_follow_slots_that_leave_and_join_the_cache(qwen3: tuple[str,
     for slot in taken:
         cache.lend_slot(slot)
     assert greedy_ids(offload, [PROMPTS[2]], 8) == greedy_ids(resident, [PROMPTS[2]], 8), f"{arch}: after lend"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_link_reads_on_trial_alternate_with_copies_until_a_verdict(qwen3: tuple[str, Path], keep: bool) -> None:
+    """auto's link reads on trial (experts/split_trial.link_reads_trial): one sequence's decode steps
+    run link steps and copy steps in turns of `window`; the verdict (forced here by the margin) keeps
+    link steps, or turns them off for good. Tokens are the resident engine's throughout."""
+    arch, folder = qwen3
+    trial = dataclasses.replace(link_reads_trial(), window=3, min_steps=2, skip=1, margin=-100.0 if keep else 2.0)
+    resident, offload = _offload_with_link(folder, 12, trial=trial)
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.trial is trial
+    link_steps = count_calls(seg, "_link_step")
+    copy_steps = count_calls(seg, "_moe_step")
+    assert greedy_ids(offload, [PROMPTS[0]], 12) == greedy_ids(resident, [PROMPTS[0]], 12), f"{arch}: on trial"
+    # 11 decode steps: 3 link, 3 copy (the verdict at 2 timed steps each way: the first of each window
+    # is not timed), then 5 the verdict's way
+    assert trial.verdict is keep and trial.steps == 6
+    layers = len(seg.moe)
+    assert link_steps[0] == (8 if keep else 3) and copy_steps[0] == (3 if keep else 8) * layers
+    assert (seg.link is not None) is keep
+    st = offload.stats()
+    assert st["link_trial"]["verdict"] is keep and ("kept" if keep else "fell back to copies") in st["link_trial"]["reason"]
+    assert greedy_ids(offload, PROMPTS, 12) == greedy_ids(resident, PROMPTS, 12), f"{arch}: after the verdict"
+    assert trial.steps == 6  # final: later steps are not counted
+
+
+def test_only_autos_link_reads_stand_on_trial_and_warm_up_restarts_its_samples(qwen3: tuple[str, Path]) -> None:
+    """decode_misses auto that picked link reads puts them on trial; link asked for is not; the
+    warm-up's steps (compiles) are not samples."""
+    _, folder = qwen3
+    kw = dict(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="25%", enforce_eager=True)
+    auto, forced = LLM(str(folder), **kw), LLM(str(folder), decode_misses="link", **kw)
+    assert auto.engine.plan.decode_misses == forced.engine.plan.decode_misses == "link"
+    assert auto.engine.runner.link_trial and not forced.engine.runner.link_trial
+    runner = auto.engine.runner
+    runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, auto.engine.max_model_len, runner.device,
+                                          capture=False, link=True, trial=link_reads_trial())
+    greedy_ids(auto, [PROMPTS[0]], 6)
+    assert seg.trial is not None and seg.trial.steps == 5 and auto.stats()["link_trial"]["steps"] == 5
+    auto.engine.reset_after_warm_up()
+    assert seg.trial.steps == 0 and seg.trial.times == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_link_trial_replays_both_ways_and_falls_back_to_copies(qwen3: tuple[str, Path]) -> None:
+    """On CUDA, auto's link reads on trial: both the link step and the segments are captured at the
+    link sizes; after a verdict against link (forced by the margin), the segment graphs serve."""
+    arch, folder = qwen3
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=16)
+    resident = LLM(str(folder), enforce_eager=True, **kw)
+    auto = LLM(str(folder), expert_cache="25%", **kw)
+    seg = auto.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None and seg.trial is not None
+    assert ("step", len(seg.model.layers)) in seg.graphs[1] and ("seg", 0) in seg.graphs[1]
+    seg.trial.window, seg.trial.min_steps, seg.trial.skip, seg.trial.margin = 3, 2, 1, 2.0
+    assert greedy_ids(auto, [PROMPTS[0]], 12) == greedy_ids(resident, [PROMPTS[0]], 12), f"{arch}: on trial"
+    assert seg.trial.verdict is False and seg.link is None and auto.stats()["cuda_graph_mode"] == "layer"
+    assert greedy_ids(auto, PROMPTS, 12) == greedy_ids(resident, PROMPTS, 12), f"{arch}: after the verdict"

@@ -12,7 +12,7 @@ import torch
 from ferryman import LLM
 from ferryman.calibrate.calibration import save
 from ferryman.experts.hybrid import HybridSplit, decide
-from ferryman.experts.split_trial import SplitTrial
+from ferryman.experts.split_trial import SplitTrial, link_reads_trial
 from tiny_models import calibration_of, demo_config, greedy_ids
 
 
@@ -86,3 +86,27 @@ def test_engine_steps_feed_the_trial_and_tokens_stay_resident(tmp_path: Path) ->
     assert greedy_ids(llm, prompts, 24) == want
     assert split.trial.steps >= 16 and split.trial.verdict is not None
     assert llm.stats()["experts"]["split_trial"]["steps"] == split.trial.steps
+
+
+def test_the_first_steps_of_each_window_are_counted_but_not_timed() -> None:
+    """skip: the steps at the start of a window (the cache settling into the window's way) move the
+    window on but give no sample; restart forgets the samples until a verdict is in."""
+    trial = SplitTrial(window=4, min_steps=4, skip=2)
+    ran = _feed(trial, 1.0, 2.0, 12)
+    assert ran == [True] * 4 + [False] * 4 + [True] * 4
+    assert len(trial.times[(1, True)]) == 4 and len(trial.times[(1, False)]) == 2 and trial.verdict is None
+    trial.restart()
+    assert trial.steps == 0 and trial.times == {} and trial.on
+    _feed(trial, 1.0, 2.0, 16)
+    assert trial.verdict is True and trial.steps == 16
+    trial.restart()  # a verdict stays
+    assert trial.verdict is True and trial.steps == 16
+
+
+def test_link_reads_trial_keeps_link_on_a_tie_and_names_the_copy_path() -> None:
+    """Link reads take no host step between layers: they stay unless copies are clearly faster."""
+    tie, slower = link_reads_trial(), link_reads_trial()
+    _feed(tie, 1.0, 1.0, 4 * tie.window)
+    _feed(slower, 1.1, 1.0, 4 * slower.window)
+    assert tie.verdict is True and "kept after a trial" in tie.reason and "ms with link reads" in tie.reason
+    assert slower.verdict is False and "fell back to copies" in slower.reason and "ms with copies" in slower.reason

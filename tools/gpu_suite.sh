@@ -32,6 +32,9 @@
 #                stage's bf16 / fp8 / nvfp4 rows; QUANTS=int4 runs it there too); about 3 minutes
 #   int4oss      gpt-oss-120b at 16 GiB with int4 experts in groups of 32 (2880 is no multiple of 128): decode,
 #                beside offload120's MXFP4 figure; about 3 minutes
+#   linktrial    decode_misses auto with its link reads on trial against copies (experts/split_trial.py):
+#                gpt-oss-120b int4-g32 at 16 GiB (link lost there, 13.9 against 23.0 tok/s) and qwen3-30b-a3b
+#                int4 at 8 GiB (link won), 160 tokens decoded first so that the trial rules; ~5 min
 #   serve16      `ferryman serve gpt-oss-20b` at 8 GiB (16 sequences, 1536 tokens), then `ferryman bench
 #                serve` with 16 users, 1024 prompt / 128 output tokens
 #   split        `ferryman serve gpt-oss-20b` at 8 GiB for 32 sequences of 8192 tokens (KV and expert slots
@@ -367,6 +370,10 @@ for s in ${@:-tests}; do
                  offload int4_qwen qwen3-30b-a3b:8GiB:int4 100 "$ROOT" --decode-tokens 128 --prefill-prompt 0 ;;
     int4oss)     offload int4_oss120 gpt-oss-120b:16GiB:int4-g32 180 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
                    --prefill-prompt 0 ;;
+    linktrial)   for t in gpt-oss-120b:16GiB:int4-g32 qwen3-30b-a3b:8GiB:int4; do
+                   offload "linktrial_${t%%:*}" "$t" 240 "$ROOT" --decode-tokens 128 --settle-tokens 160 \
+                     --ttft-prompt 0 --prefill-prompt 0
+                 done ;;
     serve16)     serve16 serve16 8130 ;;
     longprompt)  longprompt longprompt20 8150 gpt-oss-20b 8GiB 4170,16384,32000 32000
                  longprompt longprompt120 8151 gpt-oss-120b 16GiB 32000 0 ;;

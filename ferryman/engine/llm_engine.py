@@ -107,7 +107,8 @@ class LLMEngine:
                                                       decode_prefetch=ecfg.offload.decode_prefetch),
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
                                   num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
-                                  region=region, decode_misses=self.plan.decode_misses)
+                                  region=region, decode_misses=self.plan.decode_misses,
+                                  link_trial=self.plan.request.decode_misses == "auto")
         # the boundary that moves with the load (engine/memory_split.py)
         self.split = make_split(self.plan, ecfg, self.cfg, region, self.scheduler.pool,
                                 lambda: self.runner.experts.cache)
@@ -204,7 +205,7 @@ class LLMEngine:
         seconds = time.perf_counter() - started
         self._note_slow(out, prefill, seconds)
         self._note_job(out, seconds)
-        self.runner.experts.note_step(seconds, len(out.scheduled), out.is_decode_only and not out.job_layers)
+        self.runner.note_step(seconds, len(out.scheduled), out.is_decode_only and not out.job_layers)
         self.scheduler.update(out, sampled.token_ids)
         if self.split is not None:  # idle KV pages become expert slots, between steps
             self.split.rebalance()
@@ -269,13 +270,15 @@ class LLMEngine:
 
     def reset_after_warm_up(self) -> None:
         """Forget what warm-up requests left: cached prompts, step counters and the expert guesses'
-        grades (the gates learn from real traffic, not from the warm-up's small batches)."""
+        grades (the gates learn from real traffic, not from the warm-up's small batches), and the samples
+        of auto's trials (the warm-up's steps pay compiles)."""
         if self.has_unfinished():
             raise RuntimeError("reset_after_warm_up() needs an idle engine")
         guesser = getattr(self.runner.experts, "guesser", None)
         if guesser is not None:
             guesser.reset_grades()
         self.scheduler.reset_prefix_cache()
+        self.runner.restart_trials()
         self.num_steps = self.num_generated = self.slow_steps = 0
         self.prefill_jobs = dict.fromkeys(self.prefill_jobs, 0)
         self.prefill_jobs["max_decode_stall_s"] = 0.0
@@ -336,6 +339,8 @@ class LLMEngine:
             * self.scheduler.config.block_size,
             "cuda_graphs": self.runner.graphs is not None,
             "cuda_graph_mode": _graph_mode(self.runner.graphs),
+            # auto's link reads on trial against the copy path (engine/segment_graphs.py), or None
+            "link_trial": _link_trial(self.runner.graphs),
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
@@ -388,6 +393,11 @@ def _metrics(seq: Sequence) -> RequestMetrics:
         if seq.num_output_tokens > 1 and after > 0:
             m.decode_tokens_per_s = (seq.num_output_tokens - 1) / after
     return m
+
+
+def _link_trial(graphs: object) -> dict | None:
+    trial = graphs.trial if isinstance(graphs, SegmentedDecode) else None
+    return None if trial is None else trial.as_dict()
 
 
 def _graph_mode(graphs: object) -> str:

@@ -22,6 +22,7 @@ from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.experts.offload import OffloadExperts
 from ferryman.experts.placement import make_backend, offload_backend
+from ferryman.experts.split_trial import link_reads_trial
 from ferryman.kvcache.shared_region import SharedRegion
 from ferryman.kvcache.state_checkpoints import CheckpointStore
 from ferryman.kvcache.state_pool import conv_state_shape, ssm_state_shape
@@ -57,6 +58,7 @@ class ModelRunner:
         num_state_checkpoints: int = 0,
         region: SharedRegion | None = None,
         decode_misses: str = "copy",
+        link_trial: bool = False,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -65,7 +67,8 @@ class ModelRunner:
         # offload_backend's (strategy, calibration, decode_prefetch)
         # region: KV blocks and expert slots in one buffer (kvcache/shared_region.py), the experts'
         # slots are its pages, the first plan.expert_slots of them active at first
-        self.region, self.decode_misses = region, decode_misses
+        # link_trial: link reads are auto's choice, kept only where decode steps show them faster
+        self.region, self.decode_misses, self.link_trial = region, decode_misses, link_trial
         shared = {} if region is None or plan is None else \
             dict(rows=region.slot_rows(), active=list(range(plan.expert_slots)))
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
@@ -122,11 +125,26 @@ class ModelRunner:
             return DecodeGraphs(self.model, graph_bs, max_blocks, max_len, self.device)
         try:
             return SegmentedDecode(self.model, min(max_num_seqs, SEGMENT_MAX_BS), max_blocks, max_len, self.device,
-                                   capture=True, link=self.decode_misses == "link")
+                                   capture=True, link=self.decode_misses == "link",
+                                   trial=link_reads_trial() if self.link_trial else None)
         except RuntimeError as e:  # a capture failure costs speed, not correctness: decode eagerly
             log.warning("per-layer CUDA graphs could not be captured (%s); offloaded decode runs eagerly", e)
             torch.cuda.synchronize(self.device)
             return None
+
+    def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
+        """An engine step of `batch` sequences took `seconds`: auto's trials (the hybrid split's,
+        link reads') time it."""
+        self.experts.note_step(seconds, batch, decode_only)
+        if isinstance(self.graphs, SegmentedDecode):
+            self.graphs.note_step(seconds, batch, decode_only)
+
+    def restart_trials(self) -> None:
+        """Forget the trials' samples so far (the warm-up's steps pay compiles); verdicts stay."""
+        hybrid = getattr(self.experts, "hybrid", None)
+        for trial in (getattr(hybrid, "trial", None), getattr(self.graphs, "trial", None)):
+            if trial is not None:
+                trial.restart()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:

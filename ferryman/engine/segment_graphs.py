@@ -32,7 +32,10 @@ DECODE_MAX_PAIRS, and at most planner.LINK_MAX_SHARE of a layer's experts) runs 
 every segment, then layer i's MoE mapping its expert ids through the link table (uncached experts
 are read over the link by the kernel itself), the shared experts' add, the final segment. Padding
 rows take row 0's experts (`valid`), so they read nothing more. No host step between layers; the
-cache's bookkeeping runs once per step (`settle`).
+cache's bookkeeping runs once per step (`settle`). When auto chose link reads, they stand on trial
+(`trial`, experts/split_trial.link_reads_trial): link-sized steps alternate in windows between link steps
+and the copy path (both captured at those sizes), timed by the engine (`note_step`); a verdict
+against link reads turns them off for good.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from ferryman.engine.cuda_graph import StaticDecodeInputs, buckets
 from ferryman.engine.inputs import StepInputs
 from ferryman.experts.link_table import LinkTable
 from ferryman.experts.offload import OffloadExperts
+from ferryman.experts.split_trial import SplitTrial
 from ferryman.layers import backend
 from ferryman.layers.fused_moe import DECODE_MAX_PAIRS, fused_moe
 from ferryman.layers.moe_common import triton_reads
@@ -60,7 +64,8 @@ Key = tuple[str, int]  # ("seg", layer) | ("moe", layer) | ("final", num_layers)
 
 class SegmentedDecode:
     def __init__(self, model: MoETransformer, max_bs: int, max_blocks: int, max_seq_len: int,
-                 device: torch.device, capture: bool, link: bool = False) -> None:
+                 device: torch.device, capture: bool, link: bool = False,
+                 trial: SplitTrial | None = None) -> None:
         self.model, self.device, self.capture = model, torch.device(device), capture
         self.static = StaticDecodeInputs(max_bs, max_blocks, max_seq_len, self.device, model)
         dtype = model.embed_tokens.weight.dtype
@@ -76,9 +81,11 @@ class SegmentedDecode:
         self.captured = {i: self._graph_backend(i) for i in self.moe}
         self.sizes = buckets(max_bs)
         self.link = self._link_table(max_bs) if link else None
+        self.trial = trial if self.link is not None else None  # link reads on trial (auto's choice)
+        self.timed = False  # the last step ran link-sized while on trial: its time is a sample
         self.valid = torch.zeros(max_bs, dtype=torch.bool, device=self.device)  # [max_bs] rows < B (link steps)
         self.graphs: dict[int, dict[Key, torch.cuda.CUDAGraph]] = {}  # bs -> a graph per segment / MoE
-        self.logits: dict[int, torch.Tensor] = {}  # bs -> the final segment's output [bs, V]
+        self.logits: dict[int, dict[Key, torch.Tensor]] = {}  # bs -> the final / step graph's logits [bs, V]
         self.pool = None
         if capture:
             for bs in reversed(self.sizes):
@@ -172,9 +179,11 @@ class SegmentedDecode:
 
     def _functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
         """What is captured at batch bs: the whole link step, or the segments (_segment_functions)."""
-        if self._link_graph(bs):
-            return {("step", len(self.model.layers)): partial(self._link_step, bs)}
-        return self._segment_functions(bs)
+        if not self._link_graph(bs):
+            return self._segment_functions(bs)
+        fns: dict[Key, Callable[[], torch.Tensor | None]] = {("step", len(self.model.layers)):
+                                                               partial(self._link_step, bs)}
+        return fns if self.trial is None else fns | self._segment_functions(bs)
 
     def _segment_functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
         """In replay order: segment i, then layer i's MoE graph when it has one; the final segment."""
@@ -199,7 +208,7 @@ class SegmentedDecode:
             for f in fns.values():
                 f()
         torch.cuda.synchronize(self.device)
-        graphs = {}
+        graphs, logits = {}, {}
         for key, f in fns.items():
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
@@ -207,8 +216,9 @@ class SegmentedDecode:
             if self.pool is None:
                 self.pool = graph.pool()
             graphs[key] = graph
-        assert out is not None  # the final segment returns the logits
-        self.logits[bs] = out
+            if out is not None:  # the final segment and the link step return the logits
+                logits[key] = out
+        self.logits[bs] = logits
         self.graphs[bs] = graphs
 
     def release_moe(self) -> None:
@@ -228,8 +238,11 @@ class SegmentedDecode:
         """logits [B, V] fp32 of a decode-only step."""
         B, bs = self.static.fill(inputs, self.sizes)
         n = len(self.model.layers)
+        self.timed = False
         if self.link is not None:
-            if self._link_graph(bs) and all(self.moe[i].trace is None for i in self.moe):
+            link_sized = self._link_graph(bs) and all(self.moe[i].trace is None for i in self.moe)
+            self.timed = link_sized and self.trial is not None
+            if link_sized and (self.trial is None or self.trial.on):
                 self.valid.fill_(False)
                 self.valid[:B] = True
                 self.link.publish()
@@ -252,6 +265,23 @@ class SegmentedDecode:
                 self.x[:B].add_(self.shared[:B])
         logits = self._run(("final", n), bs, fns)
         return logits[:B]
+
+    def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
+        """An engine step of `batch` sequences took `seconds`: a sample of the link trial when it ran
+        link-sized (a link step or the copy path, as the trial's window said). A verdict against link
+        reads turns them off: every later step takes the copy path."""
+        timed, self.timed = self.timed, False
+        if not timed or self.trial is None or self.link is None:
+            return
+        verdict = self.trial.note(seconds, batch, decode_only)
+        if verdict is None:
+            return
+        log.info("decode_misses auto: %s", self.trial.reason)
+        if not verdict:
+            self.link.settle()
+            self.link = None
+            for graphs in self.graphs.values():
+                graphs.pop(("step", len(self.model.layers)), None)
 
     def _moe_step(self, i: int, B: int, bs: int, fns: dict[Key, Callable[[], torch.Tensor | None]] | None) -> bool:
         """Layer i's MoE through its graph; False when this step needs the eager path."""
@@ -284,4 +314,4 @@ class SegmentedDecode:
             out = fns[key]()
             return out if out is not None else self.x
         self.graphs[bs][key].replay()
-        return self.logits[bs]
+        return self.logits[bs].get(key, self.x)
