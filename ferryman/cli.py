@@ -88,8 +88,8 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
     g.add_argument("--decode-misses", default="auto", choices=DECODE_MISSES,
                    help="offloaded decode steps copy uncached experts into slots layer by layer (copy), or run as "
                         "one CUDA graph whose kernel reads them from pinned host memory (link); auto: link where "
-                        "the experts' format reads well over the link and the strategy is auto or offload "
-                        "(default: %(default)s)")
+                        "the experts' format reads well over the link and the strategy is auto or offload, kept only "
+                        "while decode steps show it faster than copies (default: %(default)s)")
 
 
 def _engine_flags(p: argparse.ArgumentParser, max_num_seqs: int | None = None) -> None:

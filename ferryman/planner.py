@@ -277,7 +277,10 @@ class MemoryPlan:
 # Link wins where the kernel reads host memory about as fast as a copy (ExpertFormat.link_reads): on
 # the H200 machine 1.45x copy's decode at one sequence in bf16, 1.6x in fp8, 2.4x in int4 and Q4_K_M;
 # MXFP4, read at half the copy rate, decoded at 0.64x (docs/benchmarks.md). Link steps need every MoE
-# layer on the GPU path: no hybrid split, no CPU layers, the Triton decode kernel.
+# layer on the GPU path: no hybrid split, no CPU layers, the Triton decode kernel. Link steps admit
+# misses selectively, so where routing is wide the hit rate falls (gpt-oss-120b int4: 0.24 against
+# 0.54, 13.9 against 23.0 tok/s): auto's link reads stand on trial against copies while serving
+# (experts/split_trial.link_reads_trial).
 LINK_STRATEGIES = ("auto", "offload")
 # link steps run while a step's (token, k) pairs number at most this share of a layer's experts
 LINK_MAX_SHARE = 0.5
