@@ -22,6 +22,9 @@
 #                MAIN_CPU (default 3), alternated (decode_host: where the host time of slow runs goes)
 #   prof16k      a 16k-token prompt of gpt-oss-20b at 8 GiB under the profiler: the compute stream's gaps, then
 #                the host's Python functions by own time (profile_prefill.py --gaps --python)
+#   profdecode   one sequence's decode steps under the profiler (benchmarks/profile_decode.py --gaps): qwen3-30b-a3b
+#                int4 at 8 GiB (link steps: what holds them at 0.2 of the link limit, issue 21) and gpt-oss-20b
+#                at 8 GiB (the copy path: the host's share of a step, issue 22); ~3 min
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
 #   quant        the FP8 / NVFP4 kernel GPU tests, then qwen3-30b-a3b at 8 GiB with dummy experts in bf16, fp8
 #                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
@@ -361,6 +364,10 @@ for s in ${@:-tests}; do
                  done; done ;;
     prof16k)     stage prof16k 200 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
                    --gpu-memory 8GiB --max-model-len 32832 --lengths 16384 --gaps --python ;;
+    profdecode)  stage profdecode_qwen 120 python3 benchmarks/profile_decode.py --model qwen3-30b-a3b --load-format dummy \
+                   --gpu-memory 8GiB --quantization int4 --gaps
+                 stage profdecode_oss 120 python3 benchmarks/profile_decode.py --model gpt-oss-20b --load-format dummy \
+                   --gpu-memory 8GiB --gaps ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
                  for q in ${QUANTS:-none fp8 nvfp4}; do
