@@ -10,7 +10,9 @@ reports every run and the best. Stall: one user decodes `--stall-output` tokens;
 a `--stall-prompt`-token prompt arrives; the user's longest gap between two tokens, against its
 median gap, is what the prefill costs it. The server's /v1/stats `prefill_jobs` (steps that ran
 job layers beside decodes, and the longest of them) are read after. Expert bytes moved per
-prompt come from /v1/stats too (`link_bytes`).
+prompt come from /v1/stats too (`link_bytes`). Each length also records the host's speed before its
+runs (`probe_us`, benchmarks/host_usage.py: a fixed Python workload on the client, the same machine as
+the server), since the layer-major prefill is partly bound by the host's work.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import replace
 
 import urllib.request
 
+from host_usage import probe_us
 from ferryman.server.bench import STATS_LAG_S, BenchConfig, RequestResult, first_model, link_bytes, run_request
 
 
@@ -39,7 +42,7 @@ def prompt_of(cfg: BenchConfig, n: int, rng: random.Random) -> list[int]:
 
 
 def ttft(cfg: BenchConfig, model: str, length: int, runs: int, rng: random.Random) -> dict:
-    times, moved = [], []
+    times, moved, probe = [], [], probe_us()
     for _ in range(runs):
         before = link_bytes(cfg)
         res = run_request(replace(cfg, output_tokens=2), model, prompt_of(cfg, length, rng))
@@ -50,7 +53,8 @@ def ttft(cfg: BenchConfig, model: str, length: int, runs: int, rng: random.Rando
         after = link_bytes(cfg)
         if before is not None and after is not None:
             moved.append(round((after - before) / 2**30, 3))
-    return {"prompt_tokens": length, "ttft_s": min(times), "ttft_runs_s": times, "link_gib_runs": moved}
+    return {"prompt_tokens": length, "ttft_s": min(times), "ttft_runs_s": times, "link_gib_runs": moved,
+            "probe_us": probe}
 
 
 def stall(cfg: BenchConfig, model: str, prompt: int, output: int, rng: random.Random) -> dict:

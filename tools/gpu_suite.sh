@@ -255,13 +255,15 @@ runs = {}
 for path in sys.argv[1:]:
     name = path.rsplit("/", 1)[-1][:-5]
     try:
-        runs[name] = {lv["prompt_tokens"]: lv.get("ttft_s") for lv in json.load(open(path))["levels"]}
+        runs[name] = {lv["prompt_tokens"]: (lv.get("ttft_s"), lv.get("probe_us"))
+                      for lv in json.load(open(path))["levels"]}
     except (OSError, ValueError, KeyError):
         runs[name] = {}
 lengths = sorted({n for r in runs.values() for n in r})
-print("prompt  " + " ".join(f"{k:>20s}" for k in runs))
+cell = lambda t, p: "-" if t is None else f"{t:.3f}" + ("" if p is None else f" ({p:.0f} us)")  # probe_us
+print("prompt  " + " ".join(f"{k:>20s}" for k in runs) + "   (host probe_us: lower is faster)")
 for n in lengths:
-    print(f"{n:6d}  " + " ".join(f"{'-' if r.get(n) is None else format(r[n], '.3f'):>20s}" for r in runs.values()))
+    print(f"{n:6d}  " + " ".join(f"{cell(*r.get(n, (None, None))):>20s}" for r in runs.values()))
 EOF
 }
 
