@@ -27,7 +27,7 @@ from ferryman.plan_report import describe_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fewer_layers import fewer_layers  # noqa: E402
-from profile_prefill import stream_gaps  # noqa: E402
+from profile_prefill import add_model_args, stream_gaps  # noqa: E402
 
 
 def decode(llm: LLM, prompt: list[int], tokens: int) -> tuple[int, float]:
@@ -49,13 +49,8 @@ def decode(llm: LLM, prompt: list[int], tokens: int) -> tuple[int, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="preset or folder (default: the demo model)")
-    ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--quantization", default="none")
+    add_model_args(ap)
     ap.add_argument("--decode-misses", default="auto", choices=["auto", "copy", "link"])
-    ap.add_argument("--device", default="auto")
     ap.add_argument("--settle", type=int, default=160, help="decode steps before the profile (default: 160)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled (default: 32)")
     ap.add_argument("--gaps", action="store_true")

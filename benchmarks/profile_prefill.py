@@ -76,14 +76,19 @@ def stream_gaps(trace: Path, top: int = 12) -> None:
         print(f"  {us / 1e3:7.1f} ms  after {a}  before {b}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The model and engine flags the profiling scripts share."""
     ap.add_argument("--model", default=None, help="preset or folder (default: the demo model)")
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     ap.add_argument("--gpu-memory", default=None)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--device", default="auto")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + --turn + 16")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     ap.add_argument("--lengths", default="1024", help="prompt lengths, comma-separated")
