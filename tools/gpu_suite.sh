@@ -25,6 +25,9 @@
 #   profdecode   one sequence's decode steps under the profiler (benchmarks/profile_decode.py --gaps): qwen3-30b-a3b
 #                int4 at 8 GiB (link steps: what holds them at 0.2 of the link limit, issue 21) and gpt-oss-20b
 #                at 8 GiB (the copy path: the host's share of a step, issue 22); ~3 min
+#   tail20       gpt-oss-20b at 8 GiB in process: TTFT of 4,096 and 4,170-token prompts, each twice
+#                (profile_prefill.py): what a 74-token last chunk costs a layer-major prompt (its own MoE
+#                call per layer, its experts dequantised again); ~1 min
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
 #   quant        the FP8 / NVFP4 kernel GPU tests, then qwen3-30b-a3b at 8 GiB with dummy experts in bf16, fp8
 #                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
@@ -370,6 +373,8 @@ for s in ${@:-tests}; do
                    --gpu-memory 8GiB --quantization int4 --gaps
                  stage profdecode_oss 120 python3 benchmarks/profile_decode.py --model gpt-oss-20b --load-format dummy \
                    --gpu-memory 8GiB --gaps ;;
+    tail20)      stage tail20 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
+                   --gpu-memory 8GiB --lengths 4096,4170,4096,4170 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
                  for q in ${QUANTS:-none fp8 nvfp4}; do
