@@ -70,8 +70,10 @@ def _fp8_kv_hint(plan: MemoryPlan) -> str | None:
 
 def _misses_mode(plan: MemoryPlan) -> str:
     if plan.decode_misses == "link":
+        trial = ("; auto's choice, on trial: copies take over where decode steps run faster with them"
+                 if plan.request.decode_misses == "auto" else "")
         return (f"read over the link by the decode kernel, whole steps in one CUDA graph, up to "
-                f"{_link_seqs(plan)} sequences (copied into slots beyond)")
+                f"{_link_seqs(plan)} sequences (copied into slots beyond)" + trial)
     blockers = link_blockers(plan.request, plan.cpu_layers)
     why = ("" if plan.request.decode_misses == "copy" else f"; link steps need {' and '.join(blockers)}"
            if blockers else "; the experts' format reads slowly over the link")

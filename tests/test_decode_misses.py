@@ -85,6 +85,8 @@ def test_report_and_prediction_follow_the_choice() -> None:
     link, copy = _plan(cfg), _plan(cfg, decode_misses="copy")
     assert "read over the link by the decode kernel" in describe_plan(link)
     assert "up to 8 sequences" in describe_plan(link)
+    assert "auto's choice, on trial" in describe_plan(link)
+    assert "on trial" not in describe_plan(_plan(cfg, decode_misses="link"))  # asked for: kept
     assert "copied into slots layer by layer; under auto the CPU may take some" in describe_plan(copy)
     offload = describe_plan(_plan(cfg, decode_misses="copy", strategy="offload"))
     assert "copied into slots layer by layer\n" in offload + "\n"  # no split: nothing more to say
