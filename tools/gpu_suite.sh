@@ -129,7 +129,9 @@
 #                both; with both stages it takes about 9 minutes: COMPARE=offload20, then
 #                COMPARE=serve16 in a second call, if the budget runs out. COMPARE=longprompt20: TTFT at
 #                4,170 / 16k / 32k through default servers of both trees, alternated twice (~3-9 min);
-#                COMPARE=prefill20: the same lengths in process (profile_prefill.py), alternated twice (~2 min)
+#                COMPARE=prefill20: the same lengths in process (profile_prefill.py), alternated twice (~2 min);
+#                COMPARE=int4qwen: qwen3-30b-a3b int4 at 8 GiB, one sequence's decode (link steps), alternated
+#                twice (~4 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LINKARGS=${LINKARGS---moe-strategy offload}  # link steps need every MoE layer on the GPU path
@@ -343,7 +345,16 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
                  done; done
                  grep -h "TTFT" "$OUT"/prefill20_*.log | tee "$OUT/${s}_compare.txt"
                  continue ;;
-      *) echo "compare: no stage $s (offload20, serve16, longprompt20, prefill20)"; exit 2 ;;
+      int4qwen)  # qwen3-30b-a3b int4 at 8 GiB, one sequence's decode (link steps under auto), alternated twice
+                 for r in 1 2; do
+                   offload "int4qwen_new$r" qwen3-30b-a3b:8GiB:int4 100 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
+                     --prefill-prompt 0
+                   offload "int4qwen_old$r" qwen3-30b-a3b:8GiB:int4 100 "$old" --decode-tokens 128 --ttft-prompt 0 \
+                     --prefill-prompt 0
+                   table "$OUT/int4qwen_new$r.json" "$OUT/int4qwen_old$r.json" | tee -a "$OUT/${s}_compare.txt"
+                 done
+                 continue ;;
+      *) echo "compare: no stage $s (offload20, serve16, longprompt20, prefill20, int4qwen)"; exit 2 ;;
     esac
     table "$OUT/${s}_new.json" "$OUT/${s}_old.json" | tee "$OUT/${s}_compare.txt"
   done
