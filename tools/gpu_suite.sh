@@ -25,6 +25,9 @@
 #   profdecode   one sequence's decode steps under the profiler (benchmarks/profile_decode.py --gaps): qwen3-30b-a3b
 #                int4 at 8 GiB (link steps: what holds them at 0.2 of the link limit, issue 21) and gpt-oss-20b
 #                at 8 GiB (the copy path: the host's share of a step, issue 22); ~3 min
+#   decodehost   the expert bookkeeping of one offloaded decode layer on this machine's host, the routing read's
+#                sync included (bench_decode_host.py --device cuda): gpt-oss-20b and qwen3-30b-a3b int4, beside
+#                the host's speed probe (the dev VM's figures: docs/benchmarks.md); ~1 min
 #   tail20       gpt-oss-20b at 8 GiB in process: TTFT of 4,096 and 4,170-token prompts, each twice
 #                (profile_prefill.py): what a 74-token last chunk costs a layer-major prompt (its own MoE
 #                call per layer, its experts dequantised again); ~1 min
@@ -384,6 +387,11 @@ for s in ${@:-tests}; do
                    --gpu-memory 8GiB --quantization int4 --gaps
                  stage profdecode_oss 120 python3 benchmarks/profile_decode.py --model gpt-oss-20b --load-format dummy \
                    --gpu-memory 8GiB --gaps ;;
+    decodehost)  stage decodehost_oss 60 python3 benchmarks/bench_decode_host.py --model gpt-oss-20b --quantization none \
+                   --device cuda --calls 2000
+                 stage decodehost_qwen 60 python3 benchmarks/bench_decode_host.py --device cuda --calls 2000
+                 stage decodehost_probe 20 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
+from host_usage import probe_us; print('probe_us', [probe_us() for _ in range(5)])" ;;
     tail20)      stage tail20 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
                    --gpu-memory 8GiB --lengths 4096,4170,4096,4170 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
