@@ -76,9 +76,29 @@ def describe_split(s: dict[str, Any]) -> str:
     if not s.get("shared"):
         return (f"no shared region (every expert resident): KV and experts are fixed; "
                 f"preemptions {s.get('num_preemptions', 0)}")
+    return "\n".join(f"{k:>12}: {v}" for k, v in [*_split_rows(s), ("miss path", describe_miss_path(s))])
+
+
+def describe_miss_path(s: dict[str, Any]) -> str:
+    """How decode steps reach uncached experts: link reads (auto's on trial, or kept after it), or
+    copies layer by layer (after a trial against link reads, or chosen)."""
+    trial = s.get("link_trial") or {}
+    mode = s.get("miss_path")
+    if mode == "link":
+        how = "read over the link by the decode kernel, whole steps in one CUDA graph"
+        if trial.get("verdict") is None and trial:
+            return f"{how} (auto's choice on trial against copies: {trial.get('steps', 0)} steps so far)"
+        return how + (f" ({trial['reason']})" if trial.get("reason") else "")
+    if mode in ("layer", "off"):
+        how = "copied into slots layer by layer" + (" (decode without CUDA graphs)" if mode == "off" else "")
+        return how + (f" (auto: {trial['reason']})" if trial.get("reason") else "")
+    return "none: every expert resident" if mode == "none" else str(mode)
+
+
+def _split_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     page, q, bs = s["page_bytes"], s["blocks_per_page"], s["block_size"]
     kv_tokens = s["kv_pages"] * q * bs
-    rows = [
+    return [
         ("region", f"{s['pages']} pages of {page / MiB:.1f} MiB ({s['region_bytes'] / 2**30:.2f} GiB); "
                    f"a page = 1 expert slot or {q} KV blocks of {bs} tokens"),
         ("kv cache", f"{s['kv_pages']} pages = {kv_tokens} tokens; blocks {s['kv_blocks_used']} in use, "
@@ -91,4 +111,3 @@ def describe_split(s: dict[str, Any]) -> str:
         ("link", f"{s['link_gbps']:.1f} GB/s while copying"),
         ("preemptions", str(s["num_preemptions"])),
     ]
-    return "\n".join(f"{k:>12}: {v}" for k, v in rows)

@@ -42,6 +42,8 @@ def test_ctl_shows_and_sets_the_split(offloaded, capsys: pytest.CaptureFixture[s
     assert main(["ctl", "--url", url, "--api-key", KEY]) == 0
     out = capsys.readouterr().out
     assert "kv cache:" in out and "experts: 12 slots" in out and "preemptions: 0" in out
+    # a CPU server decodes without CUDA graphs: copies, whatever the plan's miss path
+    assert "miss path: copied into slots layer by layer (decode without CUDA graphs)" in out
     assert main(["ctl", "set", "--url", url, "--api-key", KEY, "--max-expert-slots", "8", "--json"]) == 0
     split = json.loads(capsys.readouterr().out)
     assert split["expert_pages"] == 8 and split["max_expert_slots"] == 8 and split["moves_to_kv"] >= 4
@@ -124,3 +126,18 @@ def test_split_flags_build_the_engine_config() -> None:
     assert (ecfg.min_expert_slots, ecfg.kv_reserve_tokens) == (8, 512)
     with pytest.raises(Exception, match="min_expert_slots must be >= 1"):
         engine_config(build_parser().parse_args(["serve", "m", "--min-expert-slots", "0"]))
+
+
+def test_the_miss_path_is_described_in_every_state() -> None:
+    """`ferryman ctl`'s miss-path row: auto's link reads on trial, kept, or fallen back to copies."""
+    from ferryman.cli_ctl import describe_miss_path
+
+    on_trial = {"miss_path": "link", "link_trial": {"steps": 40, "verdict": None, "reason": ""}}
+    assert "on trial against copies: 40 steps so far" in describe_miss_path(on_trial)
+    kept = {"miss_path": "link", "link_trial": {"steps": 128, "verdict": True, "reason": "kept after a trial: x"}}
+    assert describe_miss_path(kept).endswith("(kept after a trial: x)")
+    fell = {"miss_path": "layer", "link_trial": {"steps": 128, "verdict": False,
+                                                 "reason": "fell back to copies after a trial: y"}}
+    assert describe_miss_path(fell) == "copied into slots layer by layer (auto: fell back to copies after a trial: y)"
+    assert describe_miss_path({"miss_path": "link", "link_trial": None}).startswith("read over the link")
+    assert describe_miss_path({"miss_path": "none", "link_trial": None}) == "none: every expert resident"

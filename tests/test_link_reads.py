@@ -144,6 +144,8 @@ def test_link_reads_on_trial_alternate_with_copies_until_a_verdict(qwen3: tuple[
     layers = len(seg.moe)
     assert link_steps[0] == (8 if keep else 3) and copy_steps[0] == (3 if keep else 8) * layers
     assert (seg.link is not None) is keep
+    split = offload.engine.memory_split()  # what `ferryman ctl` shows
+    assert split["miss_path"] == ("link" if keep else "layer") and split["link_trial"]["verdict"] is keep
     st = offload.stats()
     assert st["link_trial"]["verdict"] is keep
     assert ("kept" if keep else "fell back to copies") in st["link_trial"]["reason"]

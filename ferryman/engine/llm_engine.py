@@ -156,11 +156,14 @@ class LLMEngine:
 
     def memory_split(self) -> dict:
         """The shared region's split (KV pages vs expert slots, in use / free, bounds, moves) with the
-        expert cache's hit rate, the link's GB/s and the preemptions; {"shared": False} without one."""
+        expert cache's hit rate, the link's GB/s and the preemptions ({"shared": False} without one),
+        and how decode steps reach uncached experts now (`miss_path`, `link_trial`)."""
+        path = {"miss_path": "none" if self.plan.strategy == "resident" else _graph_mode(self.runner.graphs),
+                "link_trial": _link_trial(self.runner.graphs)}
         if self.split is None:
-            return {"shared": False, "num_preemptions": self.scheduler.num_preemptions}
-        return split_report(self.split, self.plan.pages.page_bytes, self.ecfg.block_size,
-                            self.expert_stats(block=False), self.scheduler.num_preemptions)
+            return {"shared": False, "num_preemptions": self.scheduler.num_preemptions, **path}
+        return {**split_report(self.split, self.plan.pages.page_bytes, self.ecfg.block_size,
+                               self.expert_stats(block=False), self.scheduler.num_preemptions), **path}
 
     def set_memory_bounds(self, min_expert_slots: int | None = None, max_expert_slots: int | None = None,
                           kv_reserve_tokens: int | None = None) -> dict:
