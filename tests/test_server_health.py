@@ -45,6 +45,7 @@ def test_metrics_and_stats(server: LiveServer) -> None:
     assert m["ferryman_inter_token_latency_seconds_count"] == 8  # 4 gaps per 5-token request
     assert m["ferryman_request_queue_seconds_count"] == 2
     assert m["ferryman_cached_prompt_tokens_total"] >= 0 and m["ferryman_engine_alive"] == 1
+    assert m["ferryman_decode_link_reads"] == 0  # a CPU server: no CUDA graph, no link step
     for name in ("ferryman_num_requests_waiting", "ferryman_kv_cache_usage_ratio", "ferryman_expert_hits_total",
                  "ferryman_expert_misses_total", "ferryman_expert_bytes_fetched_total",
                  "ferryman_memory_bytes{kind=kv_cache}", "ferryman_memory_bytes{kind=weights}"):

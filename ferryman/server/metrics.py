@@ -43,6 +43,8 @@ class EngineCollector(Collector):
             "ferryman_prefix_cache_hit_rate": ("prompt tokens served by the prefix cache / looked up",
                                                s.get("prefix_hit_rate", 0.0)),
             "ferryman_engine_alive": ("1 while the engine loop runs", 1.0 if self.loop.alive else 0.0),
+            "ferryman_decode_link_reads": ("1 while decode steps read uncached experts over the link (0: copies "
+                                           "or nothing to miss)", 1.0 if s.get("cuda_graph_mode") == "link" else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=float(value))
