@@ -86,7 +86,7 @@ def describe_miss_path(s: dict[str, Any]) -> str:
     mode = s.get("miss_path")
     if mode == "link":
         how = "read over the link by the decode kernel, whole steps in one CUDA graph"
-        if trial.get("verdict") is None and trial:
+        if trial and trial.get("verdict") is None:
             return f"{how} (auto's choice on trial against copies: {trial.get('steps', 0)} steps so far)"
         return how + (f" ({trial['reason']})" if trial.get("reason") else "")
     if mode in ("layer", "off"):

@@ -160,7 +160,7 @@ def test_only_autos_link_reads_stand_on_trial_and_warm_up_restarts_its_samples(q
     kw = dict(device="cpu", dtype="float32", moe_strategy="offload", expert_cache="25%", enforce_eager=True)
     auto, forced = LLM(str(folder), **kw), LLM(str(folder), decode_misses="link", **kw)
     assert auto.engine.plan.decode_misses == forced.engine.plan.decode_misses == "link"
-    assert auto.engine.runner.link_trial and not forced.engine.runner.link_trial
+    assert auto.engine.runner.link_on_trial and not forced.engine.runner.link_on_trial
     runner = auto.engine.runner
     runner.graphs = seg = SegmentedDecode(runner.model, 4, 64, auto.engine.max_model_len, runner.device,
                                           capture=False, link=True, trial=link_reads_trial())

@@ -86,6 +86,13 @@ def test_engine_steps_feed_the_trial_and_tokens_stay_resident(tmp_path: Path) ->
     assert greedy_ids(llm, prompts, 24) == want
     assert split.trial.steps >= 16 and split.trial.verdict is not None
     assert llm.stats()["experts"]["split_trial"]["steps"] == split.trial.steps
+    assert llm.stats()["experts"]["split_trial"]["reason"] == split.trial.reason
+    # a trial still running (the split on again): the warm-up's reset restarts it
+    split.decision, split.trial = dataclasses.replace(split.decision, enabled=True), SplitTrial(window=4, min_steps=99)
+    greedy_ids(llm, prompts[:1], 6)
+    assert split.trial.steps == 5
+    llm.engine.reset_after_warm_up()
+    assert split.trial.steps == 0 and split.trial.times == {}
 
 
 def test_the_first_steps_of_each_window_are_counted_but_not_timed() -> None:

@@ -16,7 +16,6 @@ from ferryman.engine.model_runner import ModelRunner
 from ferryman.engine.outputs import RequestMetrics, RequestOutput, StepDelta
 from ferryman.engine.sched_types import ScheduledSeq, SchedulerConfig, SchedulerOutput
 from ferryman.engine.scheduler import Scheduler
-from ferryman.engine.segment_graphs import SegmentedDecode
 from ferryman.engine.sequence import Sequence
 from ferryman.engine.split_wiring import make_split, set_split_bounds, shared_region, split_report
 from ferryman.errors import ConfigError, PromptTooLongError
@@ -108,7 +107,7 @@ class LLMEngine:
                                   kv_dtype=kv, num_window_blocks=num_window_blocks,
                                   num_state_slots=num_state_slots, num_state_checkpoints=num_checkpoints,
                                   region=region, decode_misses=self.plan.decode_misses,
-                                  link_trial=self.plan.request.decode_misses == "auto")
+                                  link_on_trial=self.plan.request.decode_misses == "auto")
         # the boundary that moves with the load (engine/memory_split.py)
         self.split = make_split(self.plan, ecfg, self.cfg, region, self.scheduler.pool,
                                 lambda: self.runner.experts.cache)
@@ -158,8 +157,8 @@ class LLMEngine:
         """The shared region's split (KV pages vs expert slots, in use / free, bounds, moves) with the
         expert cache's hit rate, the link's GB/s and the preemptions ({"shared": False} without one),
         and how decode steps reach uncached experts now (`miss_path`, `link_trial`)."""
-        path = {"miss_path": "none" if self.plan.strategy == "resident" else _graph_mode(self.runner.graphs),
-                "link_trial": _link_trial(self.runner.graphs)}
+        path = {"miss_path": "none" if self.plan.strategy == "resident" else self.runner.graph_mode(),
+                "link_trial": self.runner.link_trial()}
         if self.split is None:
             return {"shared": False, "num_preemptions": self.scheduler.num_preemptions, **path}
         return {**split_report(self.split, self.plan.pages.page_bytes, self.ecfg.block_size,
@@ -341,9 +340,9 @@ class LLMEngine:
             "kv_cache_tokens": (self.scheduler.config.num_blocks - self.scheduler.pool.num_withdrawn)
             * self.scheduler.config.block_size,
             "cuda_graphs": self.runner.graphs is not None,
-            "cuda_graph_mode": _graph_mode(self.runner.graphs),
+            "cuda_graph_mode": self.runner.graph_mode(),
             # auto's link reads on trial against the copy path (engine/segment_graphs.py), or None
-            "link_trial": _link_trial(self.runner.graphs),
+            "link_trial": self.runner.link_trial(),
             "device": str(self.device),
             "expert_bytes": self.expert_bytes,
             "moe_strategy": self.plan.strategy,
@@ -397,17 +396,3 @@ def _metrics(seq: Sequence) -> RequestMetrics:
             m.decode_tokens_per_s = (seq.num_output_tokens - 1) / after
     return m
 
-
-def _link_trial(graphs: object) -> dict | None:
-    trial = graphs.trial if isinstance(graphs, SegmentedDecode) else None
-    return None if trial is None else trial.as_dict()
-
-
-def _graph_mode(graphs: object) -> str:
-    """'step' (whole decode steps), 'layer' (dense part of each layer, offloaded MoE eager), 'link'
-    (offloaded, small batches as whole steps reading misses over the link, larger ones by layer) or 'off'."""
-    if graphs is None:
-        return "off"
-    if isinstance(graphs, SegmentedDecode):
-        return "link" if graphs.link is not None else "layer"
-    return "step"

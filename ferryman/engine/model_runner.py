@@ -58,7 +58,7 @@ class ModelRunner:
         num_state_checkpoints: int = 0,
         region: SharedRegion | None = None,
         decode_misses: str = "copy",
-        link_trial: bool = False,
+        link_on_trial: bool = False,
     ) -> None:
         self.cfg, self.model, self.device = loaded.cfg, loaded.model, device
         self.block_size = block_size
@@ -67,8 +67,8 @@ class ModelRunner:
         # offload_backend's (strategy, calibration, decode_prefetch)
         # region: KV blocks and expert slots in one buffer (kvcache/shared_region.py), the experts'
         # slots are its pages, the first plan.expert_slots of them active at first
-        # link_trial: link reads are auto's choice, kept only where decode steps show them faster
-        self.region, self.decode_misses, self.link_trial = region, decode_misses, link_trial
+        # link_on_trial: link reads are auto's choice, kept only where decode steps show them faster
+        self.region, self.decode_misses, self.link_on_trial = region, decode_misses, link_on_trial
         shared = {} if region is None or plan is None else \
             dict(rows=region.slot_rows(), active=list(range(plan.expert_slots)))
         self.experts = make_backend(loaded.store, self.model, device, plan, expert_activation(self.cfg),
@@ -126,7 +126,7 @@ class ModelRunner:
         try:
             return SegmentedDecode(self.model, min(max_num_seqs, SEGMENT_MAX_BS), max_blocks, max_len, self.device,
                                    capture=True, link=self.decode_misses == "link",
-                                   trial=link_reads_trial() if self.link_trial else None)
+                                   trial=link_reads_trial() if self.link_on_trial else None)
         except RuntimeError as e:  # a capture failure costs speed, not correctness: decode eagerly
             log.warning("per-layer CUDA graphs could not be captured (%s); offloaded decode runs eagerly", e)
             torch.cuda.synchronize(self.device)
@@ -141,10 +141,24 @@ class ModelRunner:
 
     def restart_trials(self) -> None:
         """Forget the trials' samples so far (the warm-up's steps pay compiles); verdicts stay."""
-        hybrid = getattr(self.experts, "hybrid", None)
-        for trial in (getattr(hybrid, "trial", None), getattr(self.graphs, "trial", None)):
-            if trial is not None:
-                trial.restart()
+        self.experts.restart_trials()
+        if isinstance(self.graphs, SegmentedDecode):
+            self.graphs.restart_trial()
+
+    def graph_mode(self) -> str:
+        """'step' (whole decode steps), 'layer' (dense part of each layer, offloaded MoE eager), 'link'
+        (offloaded, small batches as whole steps reading misses over the link, larger ones by layer) or
+        'off'."""
+        if self.graphs is None:
+            return "off"
+        if isinstance(self.graphs, SegmentedDecode):
+            return "link" if self.graphs.link is not None else "layer"
+        return "step"
+
+    def link_trial(self) -> dict | None:
+        """auto's link reads on trial against the copy path (steps, verdict, reason), or None."""
+        trial = self.graphs.trial if isinstance(self.graphs, SegmentedDecode) else None
+        return None if trial is None else trial.as_dict()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> SamplerOutput:

@@ -266,6 +266,11 @@ class SegmentedDecode:
         logits = self._run(("final", n), bs, fns)
         return logits[:B]
 
+    def restart_trial(self) -> None:
+        """Forget the link trial's samples (a warm-up's steps pay compiles); a verdict stays."""
+        if self.trial is not None:
+            self.trial.restart()
+
     def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
         """An engine step of `batch` sequences took `seconds`: a sample of the link trial when it ran
         link-sized (a link step or the copy path, as the trial's window said). A verdict against link

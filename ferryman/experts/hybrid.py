@@ -266,7 +266,7 @@ class HybridSplit:
 
     def stats(self) -> dict:
         c = self.counters
-        trial = None if self.trial is None else {"steps": self.trial.steps, "verdict": self.trial.verdict}
+        trial = None if self.trial is None else self.trial.as_dict()
         return {"hybrid": self.decision.as_dict(), "split_steps": c.steps, "split_trial": trial,
                 "cpu_experts_per_s_observed": self.cpu_rate if self.observed else None,
                 "split_fetch_ratio": c.fetched / (c.fetched + c.cpu) if c.fetched + c.cpu else None}

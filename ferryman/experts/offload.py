@@ -98,6 +98,11 @@ class OffloadExperts:
         if self.hybrid is not None:
             self.hybrid.note_step(seconds, batch, decode_only)
 
+    def restart_trials(self) -> None:
+        """Forget the split trial's samples (a warm-up's steps pay compiles); a verdict stays."""
+        if self.hybrid is not None and self.hybrid.trial is not None:
+            self.hybrid.trial.restart()
+
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_ids (expert ids), topk_w: [T, K]
         streaming = topk_ids.numel() >= self.num_experts  # a chunk touching about every expert

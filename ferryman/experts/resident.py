@@ -22,6 +22,9 @@ class ResidentExperts:
     def note_step(self, seconds: float, batch: int, decode_only: bool) -> None:
         """Nothing is timed: there is no split to try."""
 
+    def restart_trials(self) -> None:
+        """No trial runs here."""
+
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor
     ) -> torch.Tensor:
