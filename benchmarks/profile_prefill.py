@@ -91,6 +91,7 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + --turn + 16")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the prefill chunk; default: the engine's")
     ap.add_argument("--lengths", default="1024", help="prompt lengths, comma-separated")
     ap.add_argument("--turn", type=int, default=0, help="new tokens of a second turn on the last prompt")
     ap.add_argument("--profile", action="store_true")
@@ -101,7 +102,8 @@ def main() -> None:
     longest = max(lengths) + 2 * a.turn + 16
     source = fewer_layers(a.model, a.layers) if a.layers else a.model
     llm = LLM(source, load_format=a.load_format, gpu_memory=a.gpu_memory, quantization=a.quantization,
-              device=a.device, max_model_len=a.max_model_len or longest, max_num_seqs=a.max_num_seqs)
+              device=a.device, max_model_len=a.max_model_len or longest, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens)
     print(describe_plan(llm.engine.plan))
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.cfg.vocab_size

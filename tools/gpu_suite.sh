@@ -29,8 +29,9 @@
 #                sync included (bench_decode_host.py --device cuda): gpt-oss-20b and qwen3-30b-a3b int4, beside
 #                the host's speed probe (the dev VM's figures: docs/benchmarks.md); ~1 min
 #   tail20       gpt-oss-20b at 8 GiB in process: TTFT of 4,096 and 4,170-token prompts, each twice
-#                (profile_prefill.py): what a 74-token last chunk costs a layer-major prompt (its own MoE
-#                call per layer, its experts dequantised again); ~1 min
+#                (profile_prefill.py), the last under the profiler (--gaps): what a 74-token last chunk
+#                costs a layer-major prompt; then the same with 4,352-token chunks (4,170 tokens in one
+#                chunk); ~2 min
 #   offloadqwen  qwen3-30b-a3b at 8 GiB, the same figures
 #   quant        the FP8 / NVFP4 kernel GPU tests, then qwen3-30b-a3b at 8 GiB with dummy experts in bf16, fp8
 #                and nvfp4 (QUANTS, default "none fp8 nvfp4"): decode at 1 user, TTFT of a 4k prompt, the link
@@ -393,7 +394,9 @@ for s in ${@:-tests}; do
                  stage decodehost_probe 20 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
 from host_usage import probe_us; print('probe_us', [probe_us() for _ in range(5)])" ;;
     tail20)      stage tail20 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
-                   --gpu-memory 8GiB --lengths 4096,4170,4096,4170 ;;
+                   --gpu-memory 8GiB --lengths 4096,4170,4096,4170 --gaps
+                 stage tail20_one 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
+                   --gpu-memory 8GiB --lengths 4170,4096,4170 --max-num-batched-tokens 4352 ;;
     offloadqwen) offload offloadqwen qwen3-30b-a3b:8GiB 170 ;;
     quant)       stage quant_tests 90 "${PYTEST[@]}" tests/test_fp8_nvfp4.py tests/test_quant_checkpoints.py
                  for q in ${QUANTS:-none fp8 nvfp4}; do
