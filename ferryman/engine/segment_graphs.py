@@ -29,8 +29,9 @@ Buffers (fixed addresses, `[max_bs, ...]`) and their invariants:
 
 Link reads (`link=True`, experts/link_table.py): a batch the decode kernel takes (bs x K pairs within
 DECODE_MAX_PAIRS, and at most planner.LINK_MAX_SHARE of a layer's experts) runs as one graph, ("step", n):
-every segment, then layer i's MoE mapping its expert ids through the link table (uncached experts
-are read over the link by the kernel itself), the shared experts' add, the final segment. Padding
+each layer's attention, its MoE mapping its expert ids through the link table (uncached experts
+are read over the link by the kernel itself) and the shared experts' add, on the step's own tensors
+(none of the segments' staging copies), then the final norm and lm_head. Padding
 rows take row 0's experts (`valid`), so they read nothing more. No host step between layers; the
 cache's bookkeeping runs once per step (`settle`). When auto chose link reads, they stand on trial
 (`trial`, experts/split_trial.link_reads_trial): link-sized steps alternate in windows between link steps
@@ -92,15 +93,20 @@ class SegmentedDecode:
                 self._capture(bs)
 
     # ---- segments --------------------------------------------------------------------------
-    def _segment(self, i: int, bs: int) -> None:
+    def _attend(self, i: int, bs: int, x: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention block on the static rows: (MLP input, residual) [bs, H] each; x, res:
+        the previous layer's (unused at layer 0, which starts from the tokens' embeddings)."""
         st, layer = self.static, self.model.layers[i]
         positions, meta = st.positions[:bs], st.meta(bs)
         if i == 0:
             emb = st.token_embeds(bs)
-            h, res = layer.attend(positions, self.model.embed_tokens(st.input_ids[:bs]) if emb is None else emb,
-                                  None, meta)
-        else:
-            h, res = layer.attend(positions, self.x[:bs], self.res[:bs], meta)
+            return layer.attend(positions, self.model.embed_tokens(st.input_ids[:bs]) if emb is None else emb,
+                                None, meta)
+        return layer.attend(positions, x, res, meta)
+
+    def _segment(self, i: int, bs: int) -> None:
+        layer = self.model.layers[i]
+        h, res = self._attend(i, bs, self.x[:bs], self.res[:bs])
         self.res[:bs].copy_(res)
         block = self.moe.get(i)
         if block is None:
@@ -128,27 +134,32 @@ class SegmentedDecode:
         experts = self.moe[i].experts
         return experts if isinstance(experts, OffloadExperts) else None
 
-    def _moe_link(self, i: int, bs: int) -> None:
-        """Layer i's experts on the static rows, uncached ones read over the link (link steps)."""
-        experts, link = self.moe[i].experts, self.link
-        assert isinstance(experts, OffloadExperts) and link is not None and self.ids is not None
-        assert self.w is not None  # written by the segment, with ids
-        ids = torch.where(self.valid[:bs, None], self.ids[:bs], self.ids[:1])  # [bs, K], the router's int64
+    def _link_layer(self, i: int, bs: int, x: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i of a link step on the step's own tensors, uncached experts read over the link: (its
+        output, the residual) [bs, H]. No host step runs inside a link step, so nothing is staged in
+        the static buffers the copy path's segments hand over."""
+        h, res = self._attend(i, bs, x, res)
+        block = self.moe.get(i)
+        if block is None:
+            return self.model.layers[i].mlp(h), res
+        experts, link = block.experts, self.link
+        assert isinstance(experts, OffloadExperts) and link is not None  # _link_table
+        ids, w = block.select(h)  # [bs, K]
+        ids = torch.where(self.valid[:bs, None], ids, ids[:1])  # padding rows: row 0's experts
         m = link.row(i)
         link.log[m, :bs].copy_(ids)  # as int32
         slots = link.table[m][ids]  # [bs, K] int32: slot, or -1 - e
-        self.x[:bs].copy_(fused_moe(experts.cache.format_of(i), experts.cache.banks_of(i), self.h[:bs], slots,
-                                    self.w[:bs], experts.act, host=link.banks[i]))
+        out = fused_moe(experts.cache.format_of(i), experts.cache.banks_of(i), h, slots, w, experts.act,
+                        host=link.banks[i])
+        shared = block.shared(h)
+        return (out if shared is None else out + shared), res  # routed + shared, the reference's order
 
     def _link_step(self, bs: int) -> torch.Tensor:
         """A whole decode step with link reads: logits [bs, V]."""
-        for i, layer in enumerate(self.model.layers):
-            self._segment(i, bs)
-            if i in self.moe:
-                self._moe_link(i, bs)
-                if self.moe[i].shared_experts is not None:
-                    self.x[:bs].add_(self.shared[:bs])
-        return self._final(bs)
+        x, res = self.x[:bs], self.res[:bs]  # unread: layer 0 starts from the embeddings
+        for i in range(len(self.model.layers)):
+            x, res = self._link_layer(i, bs, x, res)
+        return self._final(bs, x, res)
 
     def _link_table(self, max_bs: int) -> LinkTable | None:
         """The link table of the one offloaded backend every MoE layer uses, when link steps can
@@ -173,8 +184,10 @@ class SegmentedDecode:
         """Batch bs runs as a link step (planner.link_step_fits)."""
         return self.link is not None and link_step_fits(self.model.cfg, bs)
 
-    def _final(self, bs: int) -> torch.Tensor:
-        hidden = self.model.norm.add_forward(self.x[:bs], self.res[:bs])[0]  # [bs, H]
+    def _final(self, bs: int, x: torch.Tensor | None = None, res: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and lm_head on the last layer's output (default: the static rows')."""
+        x, res = (self.x[:bs], self.res[:bs]) if x is None or res is None else (x, res)
+        hidden = self.model.norm.add_forward(x, res)[0]  # [bs, H]
         return self.model.compute_logits(hidden)  # [bs, V] fp32
 
     def _functions(self, bs: int) -> dict[Key, Callable[[], torch.Tensor | None]]:
