@@ -93,21 +93,23 @@ class SegmentedDecode:
                 self._capture(bs)
 
     # ---- segments --------------------------------------------------------------------------
-    def _attend(self, i: int, bs: int, x: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's attention block on the static rows: (MLP input, residual) [bs, H] each; x, res:
-        the previous layer's (unused at layer 0, which starts from the tokens' embeddings)."""
+    def _attend(self, i: int, bs: int, x: torch.Tensor, res: torch.Tensor,
+                into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's attention block on the static rows: (MLP input, residual) [bs, H] each, written
+        into `into` if given; x, res: the previous layer's (unused at layer 0, which starts from the
+        tokens' embeddings)."""
         st, layer = self.static, self.model.layers[i]
         positions, meta = st.positions[:bs], st.meta(bs)
         if i == 0:
             emb = st.token_embeds(bs)
             return layer.attend(positions, self.model.embed_tokens(st.input_ids[:bs]) if emb is None else emb,
-                                None, meta)
-        return layer.attend(positions, x, res, meta)
+                                None, meta, into)
+        return layer.attend(positions, x, res, meta, into)
 
     def _segment(self, i: int, bs: int) -> None:
         layer = self.model.layers[i]
-        h, res = self._attend(i, bs, self.x[:bs], self.res[:bs])
-        self.res[:bs].copy_(res)
+        # the MLP input and the residual straight into their buffers (res: its own rows, read first)
+        h, _ = self._attend(i, bs, self.x[:bs], self.res[:bs], into=(self.h[:bs], self.res[:bs]))
         block = self.moe.get(i)
         if block is None:
             self.x[:bs].copy_(layer.mlp(h))
@@ -119,7 +121,6 @@ class SegmentedDecode:
         if self.ids is None or self.w is None:
             self.ids = torch.zeros((self.x.shape[0], ids.shape[1]), dtype=ids.dtype, device=self.device)
             self.w = torch.zeros((self.x.shape[0], w.shape[1]), dtype=w.dtype, device=self.device)
-        self.h[:bs].copy_(h)
         self.ids[:bs].copy_(ids)
         self.w[:bs].copy_(w)
 
