@@ -12,7 +12,8 @@ Invariants:
 - each token sums its K expert outputs in ascending slot order in x.dtype, starting from zero, as
   the reference's index_add_ sequence does; only the GEMMs (bmm against mm) and, on CUDA with
   Triton, the bias and activation (one fused kernel in fp32, rounded once: `bias_act`) may round
-  differently.
+  differently. On CUDA with Triton the weighting and the sums are one kernel (`rank_sum`), with the
+  torch ops' roundings in their order.
 Memory: `group` experts' w13 dequantised at once (2 I H values each, freed before w2 is made), as
 the planner counts it (planner.activation_bytes). The group is sized in bytes (`prefill_group`):
 small experts go many to a launch, since a layer of hundreds of few-token experts (qwen3-next's
@@ -65,14 +66,18 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     slots, order, counts = group_on_host(ids.reshape(-1), num_slots)
     layout = padded_layout(slots, counts, group)
     pair = order[layout.rows]  # [R] pair id (t*K + k) of each padded row
-    dest = np.where(layout.valid, summing_rows(order, K)[layout.rows], P)  # [R] output row; padding: spare row P
+    rank = summing_rows(order, K)[layout.rows]  # [R] output row t*K + r of each padded row (valid ones)
+    fused = backend.moe_fused_act(x)  # the weights and the sums in one kernel (moe_act_triton.rank_sum)
+    # fused: [P] the padded row of each output row; else [R] each padded row's output row (padding: spare row P)
+    tail = rank_sources(rank, layout.valid, P) if fused else np.where(layout.valid, rank, P)
     U, R = len(layout.slots), len(pair)
-    flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate((layout.slots, pair // K, pair, dest))))
+    flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate((layout.slots, pair // K, pair, tail))))
     if inputs_issued is not None:
         inputs_issued()
-    used, tok, pair_d, dest_d = flat[:U], flat[U : U + R], flat[U + R : U + 2 * R], flat[U + 2 * R :]
+    used, tok, pair_d, tail_d = flat[:U], flat[U : U + R], flat[U + R : U + 2 * R], flat[U + 2 * R :]
     xs = x[tok]  # [R, H], all groups' inputs in one gather
-    w = topk_w.reshape(-1)[pair_d]  # [R]; a padding row's weight is its pair's, its output goes to row P
+    # [R]; a padding row's weight is its pair's, its output goes to row P
+    w = None if fused else topk_w.reshape(-1)[pair_d]
     y = torch.empty((R, hidden), dtype=x.dtype, device=x.device)  # [R, H]
     bias = None  # the used slots' biases [U, 2I] and [U, H] in the compute dtype
     if form.has_bias(banks):
@@ -82,11 +87,24 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
         y_g = y[rows].view(g, m, hidden)
         _group_forward(form, banks, used[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
                        None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
-        y_g.mul_(w[rows].view(g, m, 1))  # the weight product in the promoted dtype, one rounding to x.dtype
+        if w is not None:
+            y_g.mul_(w[rows].view(g, m, 1))  # the weight product in the promoted dtype, one rounding to x.dtype
     del xs  # [R, H], and y below once placed: the peak stays at the groups' loop
-    ranked = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, dest_d, y)[:P]
+    if fused:
+        from ferryman.layers.moe_act_triton import rank_sum
+
+        return rank_sum(y, topk_w, pair_d, tail_d, K)  # bit for bit the three steps below
+    ranked = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, tail_d, y)[:P]
     del y
     return sum_ranked(ranked.view(T, K, hidden))
+
+
+def rank_sources(rank: np.ndarray, valid: np.ndarray, pairs: int) -> np.ndarray:
+    """[R] output row of each padded row (the valid ones') -> [pairs]: the padded row of each output
+    row (valid rows and output rows correspond one to one)."""
+    src = np.empty(pairs, dtype=np.int64)
+    src[rank[valid]] = np.flatnonzero(valid)
+    return src
 
 
 def summing_rows(order: np.ndarray, k: int) -> np.ndarray:

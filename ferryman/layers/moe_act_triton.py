@@ -1,5 +1,6 @@
-"""The MoE activation and the gate/up row map in Triton, shared by the decode and grouped kernels, and
-`bias_act`: the batched prefill path's bias and activation in one kernel."""
+"""The MoE activation and the gate/up row map in Triton, shared by the decode and grouped kernels;
+`bias_act`: the batched prefill path's bias and activation in one kernel; `rank_sum`: its weighting
+and per-token sums in one kernel."""
 
 from __future__ import annotations
 
@@ -66,3 +67,40 @@ def bias_act(gate_up: torch.Tensor, bias: torch.Tensor | None, kind: str, alpha:
     _bias_act_kernel[(G * M, triton.cdiv(inter, BN))](gate_up, b, h, float(alpha), float(limit), M, I=inter,
                                                       ACT=ACT_KINDS[kind], HAS_BIAS=bias is not None, BN=BN)
     return h
+
+
+@triton.jit
+def _rank_sum_kernel(y_ptr, w_ptr, pair_ptr, src_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
+    # program (token t, column tile): out[t] = its K terms in rank order, term r = y[s] x w[pair[s]] for
+    # s = src[t K + r], each term and each partial sum rounded to out's dtype (torch's mul_, then adds)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    m = cols < H
+    s = tl.load(src_ptr + t * K)
+    w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
+    acc = (tl.load(y_ptr + s * H + cols, mask=m, other=0.0).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    for r in tl.static_range(1, K):
+        s = tl.load(src_ptr + t * K + r)
+        w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
+        v = (tl.load(y_ptr + s * H + cols, mask=m, other=0.0).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        acc = (acc.to(tl.float32) + v.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + cols, acc, mask=m)
+
+
+def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: torch.Tensor, k: int) -> torch.Tensor:
+    """The batched prefill path's weighting and per-token sums in one kernel: y [R, H] (padded rows'
+    outputs), topk_w [T, K], pair [R] (the pair t*K + k of each padded row), src [T*K] (the padded row
+    of token t's r-th term at t*K + r, terms in ascending slot order) -> [T, H] in y's dtype. The same
+    roundings, in the same order, as `y[rows] *= w` then index_copy_ and `batched_moe.sum_ranked`:
+    bit for bit their result."""
+    R, H = y.shape
+    if src.numel() % k or topk_w.numel() != src.numel() or pair.numel() != R or not y.is_contiguous():
+        raise ValueError(f"rank_sum: y {tuple(y.shape)} (contiguous {y.is_contiguous()}), topk_w "
+                         f"{tuple(topk_w.shape)}, pair {tuple(pair.shape)}, src {tuple(src.shape)}, k {k}")
+    T = src.numel() // k
+    out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    BH = min(1024, triton.next_power_of_2(H))
+    _rank_sum_kernel[(T, triton.cdiv(H, BH))](y, topk_w.contiguous(), pair, src, out, H, K=k, BH=BH)
+    return out
