@@ -71,10 +71,13 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     # fused: [P] the padded row of each output row; else [R] each padded row's output row (padding: spare row P)
     tail = rank_sources(rank, layout.valid, P) if fused else np.where(layout.valid, rank, P)
     U, R = len(layout.slots), len(pair)
-    flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate((layout.slots, pair // K, pair, tail))))
+    # fused with biases: each padded row's expert (index into the used slots) for the w2 bias too
+    experts = row_experts(layout.groups) if fused and form.has_bias(banks) else np.zeros(0, np.int64)
+    arrays = (layout.slots, pair // K, pair, experts, tail)
+    flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate(arrays)))
     if inputs_issued is not None:
         inputs_issued()
-    used, tok, pair_d, tail_d = flat[:U], flat[U : U + R], flat[U + R : U + 2 * R], flat[U + 2 * R :]
+    used, tok, pair_d, experts_d, tail_d = torch.split(flat, [len(a) for a in arrays])
     xs = x[tok]  # [R, H], all groups' inputs in one gather
     # [R]; a padding row's weight is its pair's, its output goes to row P
     w = None if fused else topk_w.reshape(-1)[pair_d]
@@ -85,18 +88,26 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     for g0, g, m, r0 in layout.groups:
         rows = slice(r0, r0 + g * m)
         y_g = y[rows].view(g, m, hidden)
+        b2 = None if bias is None or fused else bias[1][g0 : g0 + g]  # fused: rank_sum adds it
         _group_forward(form, banks, used[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
-                       None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g]), out=y_g)
+                       None if bias is None else (bias[0][g0 : g0 + g], b2), out=y_g)
         if w is not None:
             y_g.mul_(w[rows].view(g, m, 1))  # the weight product in the promoted dtype, one rounding to x.dtype
     del xs  # [R, H], and y below once placed: the peak stays at the groups' loop
     if fused:
         from ferryman.layers.moe_act_triton import rank_sum
 
-        return rank_sum(y, topk_w, pair_d, tail_d, K)  # bit for bit the three steps below
+        # bit for bit the w2 bias add, the weighting and the three steps below
+        return rank_sum(y, topk_w, pair_d, tail_d, K, None if bias is None else (bias[1], experts_d))
     ranked = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, tail_d, y)[:P]
     del y
     return sum_ranked(ranked.view(T, K, hidden))
+
+
+def row_experts(groups: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """[R] each padded row's expert, as an index into the layout's used slots."""
+    parts = [np.repeat(np.arange(g0, g0 + g, dtype=np.int64), m) for g0, g, m, _ in groups]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def rank_sources(rank: np.ndarray, valid: np.ndarray, pairs: int) -> np.ndarray:
@@ -197,9 +208,10 @@ def padded_layout(slots: list[int], counts: list[int], group: int) -> PaddedLayo
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,
-                   bias: tuple[torch.Tensor, torch.Tensor] | None, out: torch.Tensor) -> None:
+                   bias: tuple[torch.Tensor, torch.Tensor | None] | None, out: torch.Tensor) -> None:
     """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> out [G, m, H] in xs.dtype.
-    bias: their (w13 [G, 2I], w2 [G, H]) biases in xs.dtype, added after each product (HF: x @ W + b)."""
+    bias: their (w13 [G, 2I], w2 [G, H] or None: the caller adds it) biases in xs.dtype, added after
+    each product (HF: x @ W + b)."""
     w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
     gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
     del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
@@ -214,5 +226,5 @@ def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torc
     del gate_up
     w2 = form.dequant(banks, "w2", sel, xs.dtype)  # [G, H, I], transient
     torch.bmm(h, w2.transpose(1, 2), out=out)  # [G, m, H]
-    if bias is not None:
+    if bias is not None and bias[1] is not None:
         out += bias[1][:, None, :]

@@ -70,37 +70,52 @@ def bias_act(gate_up: torch.Tensor, bias: torch.Tensor | None, kind: str, alpha:
 
 
 @triton.jit
-def _rank_sum_kernel(y_ptr, w_ptr, pair_ptr, src_ptr, out_ptr, H, K: tl.constexpr, BH: tl.constexpr):
-    # program (token t, column tile): out[t] = its K terms in rank order, term r = y[s] x w[pair[s]] for
-    # s = src[t K + r], each term and each partial sum rounded to out's dtype (torch's mul_, then adds)
+def _rank_term(y_ptr, w_ptr, pair_ptr, b_ptr, e_ptr, s, H, cols, m, HAS_BIAS: tl.constexpr):
+    # padded row s's term: (y[s] (+ its expert's w2 bias, rounded)) x its pair's weight, rounded
+    y = tl.load(y_ptr + s * H + cols, mask=m, other=0.0)
+    v = y.to(tl.float32)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + tl.load(e_ptr + s) * H + cols, mask=m, other=0.0)
+        v = (v + b.to(tl.float32)).to(y.dtype).to(tl.float32)
+    w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
+    return (v * w).to(y.dtype)
+
+
+@triton.jit
+def _rank_sum_kernel(y_ptr, w_ptr, pair_ptr, src_ptr, b_ptr, e_ptr, out_ptr, H, K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BH: tl.constexpr):
+    # program (token t, column tile): out[t] = its K terms in rank order, term r from padded row
+    # src[t K + r], each partial sum rounded to out's dtype (torch's adds, in sum_ranked's order)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     m = cols < H
-    s = tl.load(src_ptr + t * K)
-    w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
-    acc = (tl.load(y_ptr + s * H + cols, mask=m, other=0.0).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+    acc = _rank_term(y_ptr, w_ptr, pair_ptr, b_ptr, e_ptr, tl.load(src_ptr + t * K), H, cols, m, HAS_BIAS)
     for r in tl.static_range(1, K):
-        s = tl.load(src_ptr + t * K + r)
-        w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
-        v = (tl.load(y_ptr + s * H + cols, mask=m, other=0.0).to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        v = _rank_term(y_ptr, w_ptr, pair_ptr, b_ptr, e_ptr, tl.load(src_ptr + t * K + r), H, cols, m, HAS_BIAS)
         acc = (acc.to(tl.float32) + v.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * H + cols, acc, mask=m)
 
 
-def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: torch.Tensor, k: int) -> torch.Tensor:
-    """The batched prefill path's weighting and per-token sums in one kernel: y [R, H] (padded rows'
-    outputs), topk_w [T, K], pair [R] (the pair t*K + k of each padded row), src [T*K] (the padded row
-    of token t's r-th term at t*K + r, terms in ascending slot order) -> [T, H] in y's dtype. The same
-    roundings, in the same order, as `y[rows] *= w` then index_copy_ and `batched_moe.sum_ranked`:
-    bit for bit their result."""
+def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: torch.Tensor, k: int,
+             bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The batched prefill path's w2 bias, weighting and per-token sums in one kernel: y [R, H] (padded
+    rows' outputs), topk_w [T, K], pair [R] (the pair t*K + k of each padded row), src [T*K] (the
+    padded row of token t's r-th term at t*K + r, terms in ascending slot order), bias: (the used
+    experts' w2 biases [U, H] in y's dtype, each padded row's expert [R]) or None -> [T, H] in y's
+    dtype. The same roundings, in the same order, as `y[rows] += bias; y[rows] *= w`, then index_copy_
+    and `batched_moe.sum_ranked`: bit for bit their result."""
     R, H = y.shape
-    if src.numel() % k or topk_w.numel() != src.numel() or pair.numel() != R or not y.is_contiguous():
+    if src.numel() % k or topk_w.numel() != src.numel() or pair.numel() != R or not y.is_contiguous() or \
+            (bias is not None and (bias[0].shape[1:] != (H,) or bias[1].numel() != R)):
         raise ValueError(f"rank_sum: y {tuple(y.shape)} (contiguous {y.is_contiguous()}), topk_w "
-                         f"{tuple(topk_w.shape)}, pair {tuple(pair.shape)}, src {tuple(src.shape)}, k {k}")
+                         f"{tuple(topk_w.shape)}, pair {tuple(pair.shape)}, src {tuple(src.shape)}, k {k}, "
+                         f"bias {None if bias is None else (tuple(bias[0].shape), tuple(bias[1].shape))}")
     T = src.numel() // k
     out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     if T == 0:
         return out
     BH = min(1024, triton.next_power_of_2(H))
-    _rank_sum_kernel[(T, triton.cdiv(H, BH))](y, topk_w.contiguous(), pair, src, out, H, K=k, BH=BH)
+    b, e = (y, pair) if bias is None else (bias[0].contiguous(), bias[1])
+    _rank_sum_kernel[(T, triton.cdiv(H, BH))](y, topk_w.contiguous(), pair, src, b, e, out, H, K=k,
+                                               HAS_BIAS=bias is not None, BH=BH)
     return out
