@@ -24,6 +24,21 @@ for kind, bias, inter in (("silu", False, 24), ("swiglu_oai", True, 40), ("silu"
     # against bf16 op-by-op (the CPU path): within bf16 rounding
     plain = apply_activation(gu + (b[:, None, :] if bias else 0), act)
     torch.testing.assert_close(got.float(), plain.float(), rtol=2e-2, atol=2e-2)
+# a bank of biases read at the group's rows (fp32 here: rounded to gate_up's dtype first), as the
+# same biases gathered and rounded: bit for bit (fp16: the interpreter truncates fp32 to bf16, where
+# torch and CUDA round to nearest even)
+gu = (torch.randn(3, 5, 48, generator=g) * 4).to(torch.float16)
+bank = torch.randn(7, 48, generator=g)
+rows = torch.tensor([5, 0, 3])
+act = MoEActivation("swiglu_oai")
+got = bias_act(gu, bank, "swiglu_oai", act.alpha, act.limit, rows)
+assert torch.equal(got, bias_act(gu, bank[rows].to(torch.float16), "swiglu_oai", act.alpha, act.limit))
+try:
+    bias_act(gu, bank, "swiglu_oai", act.alpha, act.limit, rows[:2])
+except ValueError as e:
+    assert "rows (2,)" in str(e), e
+else:
+    raise AssertionError("rows of the wrong length accepted")
 try:
     bias_act(torch.zeros(2, 3, 5), None, "silu", 1.0, 7.0)
 except ValueError as e:

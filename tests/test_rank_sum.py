@@ -43,13 +43,14 @@ for dtype, with_bias, (T, K, E, H) in cases:
     P, R = T * K, len(pair)
     y = (torch.randn(R, H, generator=g) * 5).to(dtype)
     experts = torch.from_numpy(row_experts(layout.groups))  # [R] index into the used slots
-    b2 = (torch.randn(len(layout.slots), H, generator=g) * 3).to(dtype)
+    # a bank of biases: in y's dtype, or fp32 (every other case: rounded to y's dtype first)
+    b2 = (torch.randn(len(layout.slots), H, generator=g) * 3).to(dtype if T % 2 else torch.float32)
     bias = (b2, experts) if with_bias else None
     # the torch ops: y += its expert's bias, y *= w (promoted, one rounding), index_copy_ to the
     # ranked rows, sum_ranked
     ref = y.clone()
     if with_bias:
-        ref += b2[experts]
+        ref += b2[experts].to(dtype)
     ref.mul_(w.reshape(-1)[torch.from_numpy(pair)][:, None])
     dest = torch.from_numpy(np.where(layout.valid, rank, P))
     ranked = torch.empty((P + 1, H), dtype=dtype).index_copy_(0, dest, ref)[:P]
@@ -59,7 +60,7 @@ for dtype, with_bias, (T, K, E, H) in cases:
     if d.type == "cuda":  # the torch ops on the device too: their CUDA kernels round as the kernel does
         ref = y.to(d)
         if with_bias:
-            ref += b2.to(d)[experts.to(d)]
+            ref += b2.to(d)[experts.to(d)].to(dtype)
         ref = ref.mul_(w.to(d).reshape(-1)[torch.from_numpy(pair).to(d)][:, None])
         ranked = torch.empty((P + 1, H), dtype=dtype, device=d).index_copy_(0, dest.to(d), ref)[:P]
         want = sum_ranked(ranked.view(T, K, H)).cpu()

@@ -71,26 +71,29 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
     # fused: [P] the padded row of each output row; else [R] each padded row's output row (padding: spare row P)
     tail = rank_sources(rank, layout.valid, P) if fused else np.where(layout.valid, rank, P)
     U, R = len(layout.slots), len(pair)
-    # fused with biases: each padded row's expert (index into the used slots) for the w2 bias too
-    experts = row_experts(layout.groups) if fused and form.has_bias(banks) else np.zeros(0, np.int64)
-    arrays = (layout.slots, pair // K, pair, experts, tail)
+    # fused with biases: each padded row's slot (its w2 bias row in the bank)
+    biased = form.has_bias(banks)
+    row_slots = layout.slots[row_experts(layout.groups)] if fused and biased else np.zeros(0, np.int64)
+    arrays = (layout.slots, pair // K, pair, row_slots, tail)
     flat = (upload or to_device(x.device))(torch.from_numpy(np.concatenate(arrays)))
     if inputs_issued is not None:
         inputs_issued()
-    used, tok, pair_d, experts_d, tail_d = torch.split(flat, [len(a) for a in arrays])
+    used, tok, pair_d, row_slots_d, tail_d = torch.split(flat, [len(a) for a in arrays])
     xs = x[tok]  # [R, H], all groups' inputs in one gather
     # [R]; a padding row's weight is its pair's, its output goes to row P
     w = None if fused else topk_w.reshape(-1)[pair_d]
     y = torch.empty((R, hidden), dtype=x.dtype, device=x.device)  # [R, H]
-    bias = None  # the used slots' biases [U, 2I] and [U, H] in the compute dtype
-    if form.has_bias(banks):
+    bias = None  # the used slots' biases [U, 2I] and [U, H] in the compute dtype (fused: read in the banks)
+    if biased and not fused:
         bias = banks["w13_bias"][used].to(x.dtype), banks["w2_bias"][used].to(x.dtype)
     for g0, g, m, r0 in layout.groups:
         rows = slice(r0, r0 + g * m)
         y_g = y[rows].view(g, m, hidden)
-        b2 = None if bias is None or fused else bias[1][g0 : g0 + g]  # fused: rank_sum adds it
-        _group_forward(form, banks, used[g0 : g0 + g], xs[rows].view(g, m, hidden), act,
-                       None if bias is None else (bias[0][g0 : g0 + g], b2), out=y_g)
+        # fused: w13's bias read by bias_act from the bank, w2's added by rank_sum
+        b = (banks["w13_bias"], None) if fused and biased else \
+            None if bias is None else (bias[0][g0 : g0 + g], bias[1][g0 : g0 + g])
+        _group_forward(form, banks, used[g0 : g0 + g], xs[rows].view(g, m, hidden), act, b, out=y_g,
+                       bank_bias=fused)
         if w is not None:
             y_g.mul_(w[rows].view(g, m, 1))  # the weight product in the promoted dtype, one rounding to x.dtype
     del xs  # [R, H], and y below once placed: the peak stays at the groups' loop
@@ -98,7 +101,7 @@ def fused_moe_batched(form: ExpertFormat, banks: Banks, x: torch.Tensor, topk_id
         from ferryman.layers.moe_act_triton import rank_sum
 
         # bit for bit the w2 bias add, the weighting and the three steps below
-        return rank_sum(y, topk_w, pair_d, tail_d, K, None if bias is None else (bias[1], experts_d))
+        return rank_sum(y, topk_w, pair_d, tail_d, K, (banks["w2_bias"], row_slots_d) if biased else None)
     ranked = torch.empty((P + 1, hidden), dtype=x.dtype, device=x.device).index_copy_(0, tail_d, y)[:P]
     del y
     return sum_ranked(ranked.view(T, K, hidden))
@@ -208,17 +211,21 @@ def padded_layout(slots: list[int], counts: list[int], group: int) -> PaddedLayo
 
 
 def _group_forward(form: ExpertFormat, banks: Banks, sel: torch.Tensor, xs: torch.Tensor, act: MoEActivation,
-                   bias: tuple[torch.Tensor, torch.Tensor | None] | None, out: torch.Tensor) -> None:
+                   bias: tuple[torch.Tensor, torch.Tensor | None] | None, out: torch.Tensor,
+                   bank_bias: bool = False) -> None:
     """Experts `sel` [G] (slot ids) on their padded rows xs [G, m, H] -> out [G, m, H] in xs.dtype.
     bias: their (w13 [G, 2I], w2 [G, H] or None: the caller adds it) biases in xs.dtype, added after
-    each product (HF: x @ W + b)."""
+    each product (HF: x @ W + b); bank_bias (the fused activation only): w13's is the bank [S, 2I]
+    itself, read at rows `sel`."""
     w13 = form.dequant(banks, "w13", sel, xs.dtype)  # [G, 2I, H], transient
     gate_up = torch.bmm(xs, w13.transpose(1, 2))  # [G, m, 2I]
     del w13  # freed before w2 is made: the planner counts 2 I H per expert of the group
     if backend.moe_fused_act(xs):
         from ferryman.layers.moe_act_triton import bias_act
 
-        h = bias_act(gate_up, None if bias is None else bias[0], act.kind, act.alpha, act.limit)  # [G, m, I]
+        b13 = None if bias is None else bias[0]
+        rows = sel if bank_bias and b13 is not None else None  # the bank's rows of the group's experts
+        h = bias_act(gate_up, b13, act.kind, act.alpha, act.limit, rows)  # [G, m, I]
     else:
         if bias is not None:
             gate_up += bias[0][:, None, :]

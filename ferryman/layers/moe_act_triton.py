@@ -32,10 +32,11 @@ def gate_up_rows(n, I: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _bias_act_kernel(gu_ptr, b_ptr, h_ptr, alpha, limit, M, I: tl.constexpr, ACT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+def _bias_act_kernel(gu_ptr, b_ptr, rows_ptr, h_ptr, alpha, limit, M, I: tl.constexpr, ACT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_ROWS: tl.constexpr, BN: tl.constexpr):
     # program (row r of G*M rows, column tile): h[r, n] = act(gate + b_gate, up + b_up) in fp32,
-    # rounded once; the row's expert (for its bias) is r // M
+    # rounded once; the row's expert is e = r // M, its bias row e (or rows[e] of a bank), rounded to
+    # gate_up's dtype first (the torch path's `.to(x.dtype)`)
     r = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     nm = n < I
@@ -44,28 +45,37 @@ def _bias_act_kernel(gu_ptr, b_ptr, h_ptr, alpha, limit, M, I: tl.constexpr, ACT
     up = tl.load(gu_ptr + r * 2 * I + ui, mask=nm, other=0.0).to(tl.float32)
     if HAS_BIAS:
         e = r // M
-        gate += tl.load(b_ptr + e * 2 * I + gi, mask=nm, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + e * 2 * I + ui, mask=nm, other=0.0).to(tl.float32)
+        if HAS_ROWS:
+            e = tl.load(rows_ptr + e).to(tl.int64)
+        dt = gu_ptr.dtype.element_ty
+        gate += tl.load(b_ptr + e * 2 * I + gi, mask=nm, other=0.0).to(dt).to(tl.float32)
+        up += tl.load(b_ptr + e * 2 * I + ui, mask=nm, other=0.0).to(dt).to(tl.float32)
     h = moe_act(gate, up, alpha, limit, ACT)
     tl.store(h_ptr + r * I + n, h.to(h_ptr.dtype.element_ty), mask=nm)
 
 
-def bias_act(gate_up: torch.Tensor, bias: torch.Tensor | None, kind: str, alpha: float, limit: float) -> torch.Tensor:
+def bias_act(gate_up: torch.Tensor, bias: torch.Tensor | None, kind: str, alpha: float, limit: float,
+             rows: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [G, M, 2I] (contiguous), bias [G, 2I] or None -> act(gate_up + bias) [G, M, I] in
     gate_up's dtype, one launch: the batched prefill path's bias and activation (torch: 4-8 kernels
-    of full-size temporaries)."""
+    of full-size temporaries). rows [G]: bias is a bank [S, 2I] and expert g's row is rows[g] (no
+    gather of the group's biases)."""
     G, M, two_i = gate_up.shape
-    if two_i % 2 or not gate_up.is_contiguous() or (bias is not None and tuple(bias.shape) != (G, two_i)):
+    want = (G, two_i) if rows is None else (two_i,)
+    if two_i % 2 or not gate_up.is_contiguous() or (bias is not None and tuple(bias.shape)[-len(want):] != want) \
+            or (rows is not None and rows.numel() != G):
         raise ValueError(f"bias_act: gate_up {tuple(gate_up.shape)} (contiguous {gate_up.is_contiguous()}), "
-                         f"bias {None if bias is None else tuple(bias.shape)}")
+                         f"bias {None if bias is None else tuple(bias.shape)}, "
+                         f"rows {None if rows is None else tuple(rows.shape)}")
     inter = two_i // 2
     h = torch.empty((G, M, inter), dtype=gate_up.dtype, device=gate_up.device)
     if h.numel() == 0:
         return h
     BN = min(1024, triton.next_power_of_2(inter))
     b = gate_up if bias is None else bias.contiguous()
-    _bias_act_kernel[(G * M, triton.cdiv(inter, BN))](gate_up, b, h, float(alpha), float(limit), M, I=inter,
-                                                      ACT=ACT_KINDS[kind], HAS_BIAS=bias is not None, BN=BN)
+    _bias_act_kernel[(G * M, triton.cdiv(inter, BN))](gate_up, b, b if rows is None else rows, h, float(alpha),
+                                                      float(limit), M, I=inter, ACT=ACT_KINDS[kind],
+                                                      HAS_BIAS=bias is not None, HAS_ROWS=rows is not None, BN=BN)
     return h
 
 
@@ -74,9 +84,9 @@ def _rank_term(y_ptr, w_ptr, pair_ptr, b_ptr, e_ptr, s, H, cols, m, HAS_BIAS: tl
     # padded row s's term: (y[s] (+ its expert's w2 bias, rounded)) x its pair's weight, rounded
     y = tl.load(y_ptr + s * H + cols, mask=m, other=0.0)
     v = y.to(tl.float32)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + tl.load(e_ptr + s) * H + cols, mask=m, other=0.0)
-        v = (v + b.to(tl.float32)).to(y.dtype).to(tl.float32)
+    if HAS_BIAS:  # rounded to y's dtype first (the torch path's `.to(x.dtype)`), then added and rounded
+        b = tl.load(b_ptr + tl.load(e_ptr + s).to(tl.int64) * H + cols, mask=m, other=0.0)
+        v = (v + b.to(y.dtype).to(tl.float32)).to(y.dtype).to(tl.float32)
     w = tl.load(w_ptr + tl.load(pair_ptr + s)).to(tl.float32)
     return (v * w).to(y.dtype)
 
@@ -100,9 +110,8 @@ def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: tor
              bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The batched prefill path's w2 bias, weighting and per-token sums in one kernel: y [R, H] (padded
     rows' outputs), topk_w [T, K], pair [R] (the pair t*K + k of each padded row), src [T*K] (the
-    padded row of token t's r-th term at t*K + r, terms in ascending slot order), bias: (the used
-    experts' w2 biases [U, H] in y's dtype, each padded row's expert [R]) or None -> [T, H] in y's
-    dtype. The same roundings, in the same order, as `y[rows] += bias; y[rows] *= w`, then index_copy_
+    padded row of token t's r-th term at t*K + r, terms in ascending slot order), bias: (w2 biases
+    [S, H], each padded row's row of them [R]) or None -> [T, H] in y's dtype. The same roundings, in the same order, as `y[rows] += bias; y[rows] *= w`, then index_copy_
     and `batched_moe.sum_ranked`: bit for bit their result."""
     R, H = y.shape
     if src.numel() % k or topk_w.numel() != src.numel() or pair.numel() != R or not y.is_contiguous() or \
