@@ -111,8 +111,9 @@ def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: tor
     """The batched prefill path's w2 bias, weighting and per-token sums in one kernel: y [R, H] (padded
     rows' outputs), topk_w [T, K], pair [R] (the pair t*K + k of each padded row), src [T*K] (the
     padded row of token t's r-th term at t*K + r, terms in ascending slot order), bias: (w2 biases
-    [S, H], each padded row's row of them [R]) or None -> [T, H] in y's dtype. The same roundings, in the same order, as `y[rows] += bias; y[rows] *= w`, then index_copy_
-    and `batched_moe.sum_ranked`: bit for bit their result."""
+    [S, H], each padded row's row of them [R]) or None -> [T, H] in y's dtype. The same roundings,
+    in the same order, as `y[rows] += bias; y[rows] *= w`, then index_copy_ and
+    `batched_moe.sum_ranked`: bit for bit their result."""
     R, H = y.shape
     if src.numel() % k or topk_w.numel() != src.numel() or pair.numel() != R or not y.is_contiguous() or \
             (bias is not None and (bias[0].shape[1:] != (H,) or bias[1].numel() != R)):
