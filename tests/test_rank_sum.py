@@ -99,3 +99,37 @@ def test_rank_sources_inverts_the_output_rows_of_the_valid_rows() -> None:
     rank = np.array([2, 0, 0, 1, 3])  # padded rows 0..4; row 2 is padding (its rank is unused)
     valid = np.array([True, True, False, True, True])
     assert rank_sources(rank, valid, 4).tolist() == [1, 3, 0, 4]
+
+
+FUSED_PATH = r"""
+import torch
+from ferryman.layers import backend
+from ferryman.layers.batched_moe import fused_moe_batched
+from ferryman.layers.moe_common import MoEActivation
+from ferryman.quant import get_format
+
+g = torch.Generator().manual_seed(3)
+for fmt, kind, dtype in (("mxfp4", "swiglu_oai", torch.float16), ("dense", "silu", torch.float32),
+                         ("dense", "swiglu_oai", torch.float16)):
+    form = get_format(fmt)
+    banks = form.random_banks(10, 64, 32, kind == "swiglu_oai", dtype, g)  # biases with swiglu_oai
+    x = torch.randn(23, 64, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(10, generator=g)[:4] for _ in range(23)])
+    w = torch.rand(23, 4, generator=g)
+    act = MoEActivation(kind)
+    backend.moe_fused_act = lambda x: False
+    want = fused_moe_batched(form, banks, x, ids, w, act, group=3)
+    backend.moe_fused_act = lambda x: True  # bias_act and rank_sum, under the interpreter, on the same layout
+    got = fused_moe_batched(form, banks, x, ids, w, act, group=3)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # bias_act rounds act(gate + bias) once where the torch path rounds each op: within fp16's steps
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+print("ok")
+"""
+
+
+def test_the_fused_batched_path_equals_the_torch_path() -> None:
+    """fused_moe_batched with the fused kernels (bias_act at the bank's rows, rank_sum with the w2 bias
+    and each output row's padded row) against its torch path, on the same layouts: the plumbing."""
+    assert run_interpreted(FUSED_PATH).strip().endswith("ok")
