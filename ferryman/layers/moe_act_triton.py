@@ -125,7 +125,8 @@ def rank_sum(y: torch.Tensor, topk_w: torch.Tensor, pair: torch.Tensor, src: tor
     if T == 0:
         return out
     BH = min(1024, triton.next_power_of_2(H))
+    # no fused multiply-adds: in fp32 a term's product and the running sum would round once, not twice
     b, e = (y, pair) if bias is None else (bias[0].contiguous(), bias[1])
     _rank_sum_kernel[(T, triton.cdiv(H, BH))](y, topk_w.contiguous(), pair, src, b, e, out, H, K=k,
-                                               HAS_BIAS=bias is not None, BH=BH)
+                                               HAS_BIAS=bias is not None, BH=BH, enable_fp_fusion=False)
     return out
