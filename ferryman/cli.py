@@ -58,7 +58,8 @@ def _plan_flags(g: argparse._ArgumentGroup, max_num_seqs: int | None = None) -> 
                         "sequences decoded together (default: 32, or under --gpu-memory the largest of "
                         "32/16/8/4/2/1 whose KV floor leaves the experts half the free budget)")
     g.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens per step, the prefill chunk (default: 2048, or 4096 when experts are offloaded)")
+                   help="tokens per step, the prefill chunk; a prompt's last piece may take 1/32 more, so that no "
+                        "step computes a tail of a few tokens (default: 2048, or 4096 when experts are offloaded)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: the model's dtype, or fp8 (e4m3: half the bytes, so more context or "
                         "more expert slots in the same budget; CUDA needs compute capability >= 8.9). "

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferryman.config import GiB, MiB, ModelConfig
+from ferryman.config import GiB, MiB, ModelConfig, piece_tokens, prefill_tail, step_tokens
 from ferryman.kvcache.window_pool import num_window_layers
 from ferryman.planner import MemoryPlan, link_blockers, link_step_fits, non_expert_params
 
@@ -186,7 +186,7 @@ class StepCosts:
         self.row, self.flops = plan.slot_bytes, rates.matmul_flops or FLOPS
         self.most = plan.expert_slots if r.expert_cache is not None else r.total_experts
         self.least = min(self.most, plan.expert_slots, r.min_expert_slots or max(r.slot_floor, 2 * cfg.num_experts))
-        self.reserve_blocks = -(-(r.max_num_batched_tokens or 0) // r.block_size)
+        self.reserve_blocks = -(-step_tokens(r.max_num_batched_tokens or 0) // r.block_size)
         windows = [cfg.window_of(i) for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
         self.full_layers = sum(w is None for w in windows)
         self.window_layers = [w for w in windows if w is not None]
@@ -242,7 +242,10 @@ class StepCosts:
         attn_s = 4.0 * attn * cfg.num_heads * cfg.head_dim / self.flops
         other_s = self.dense_flops * tokens / self.flops + attn_s  # every layer's, together
         chunk = chunk or tokens
-        moe = tokens // chunk * self.moe_s(chunk) + (self.moe_s(tokens % chunk) if tokens % chunk else 0.0)
+        full, rest = divmod(tokens, chunk)
+        if full and rest and rest <= prefill_tail(chunk):  # the last chunk takes the tail (config.piece_tokens)
+            full, rest = full - 1, chunk + rest
+        moe = full * self.moe_s(chunk) + (self.moe_s(rest) if rest else 0.0)
         return self.moe_layers * (self.misses_s(tokens, hit) + moe + LAYER_S) + other_s
 
 
@@ -289,18 +292,18 @@ class _Engine:
         """(scheduled (request, tokens), job layers) of the next step."""
         P, budget, scheduled = self.P, self.C, []
         for req in self.running:  # decodes and prefill chunks of running sequences first
-            if budget == 0:
+            if budget <= 0:
                 break
-            scheduled.append((req, 1 if req.computed >= P else min(P - req.computed, budget)))
+            scheduled.append((req, 1 if req.computed >= P else piece_tokens(P - req.computed, budget, self.C)))
             budget -= scheduled[-1][1]
-        if self.job is None and self.J and self.waiting and P > self.C:  # the head and those behind it
+        if self.job is None and self.J and self.waiting and P > step_tokens(self.C):  # the head and those behind it
             members = []
             while self.waiting and len(self.running) + len(members) < self.S and (len(members) + 1) * P <= self.J:
                 members.append(self.waiting.popleft())
             self.job = _Job(members, max(1, self.L * self.C // max(1, len(members) * P))) if members else None
         while self.job is None and self.waiting and budget > 0 and len(self.running) < self.S:  # FCFS
             self.running.append(self.waiting.popleft())
-            scheduled.append((self.running[-1], min(P, budget)))
+            scheduled.append((self.running[-1], piece_tokens(P, budget, self.C)))
             budget -= scheduled[-1][1]
         if self.job is None:
             return scheduled, 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig, parse_strategy
+from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig, parse_strategy, step_tokens
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
@@ -184,7 +184,7 @@ class PlanRequest:
         if window is None:
             return 0
         chunk = self.max_num_batched_tokens or DEFAULT_CHUNK
-        return window_pool_blocks(window, self.block_size, self.max_num_seqs, chunk)
+        return window_pool_blocks(window, self.block_size, self.max_num_seqs, step_tokens(chunk))
 
     @property
     def window_kv_bytes(self) -> int:

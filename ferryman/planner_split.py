@@ -5,7 +5,7 @@ planner_search.py makes those choices by splitting again; planner.py holds the s
 
 from __future__ import annotations
 
-from ferryman.config import GiB, MiB, parse_strategy
+from ferryman.config import GiB, MiB, parse_strategy, step_tokens
 from ferryman.errors import ConfigError
 from ferryman.kvcache.shared_region import PageGeometry
 from ferryman.planner import (
@@ -28,7 +28,7 @@ def split_budget(req: PlanRequest, job_tokens: int = 0) -> MemoryPlan:
     parse_strategy(req.strategy)  # ConfigError naming the choices
     cfg, total = req.cfg, req.total_experts
     weights = non_expert_bytes(cfg, req.dtype)
-    act = activation_bytes(cfg, req.dtype, req.max_num_batched_tokens, req.max_num_seqs, req.kernels)
+    act = activation_bytes(cfg, req.dtype, step_tokens(req.max_num_batched_tokens), req.max_num_seqs, req.kernels)
     act += prefill_job_bytes(cfg, req.dtype, job_tokens)
     per_slot = slot_bytes(cfg, req.dtype) if total else 0
     if req.budget is None:

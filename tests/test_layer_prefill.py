@@ -264,6 +264,37 @@ def test_the_scheduler_runs_a_job_beside_decodes() -> None:
     assert out.job_layers == 4 and out.job_finished[0].seq is alone and not out.scheduled
 
 
+def test_a_job_takes_a_short_tail_in_its_last_chunk(tiny_folder) -> None:  # noqa: ANN001
+    """chunk // 32 = 1 token past a chunk joins the chunk before it (config.piece_tokens), in both modes:
+    the packing, then the same greedy tokens from a 65-token and a 97-token prompt (chunks 32 + 33 and
+    32 + 32 + 33; gpt-oss's window ring sized for 33-token pieces)."""
+    from ferryman.engine.prefill_job import pack_chunks
+    from ferryman.engine.sched_types import JobPiece
+    from ferryman.engine.sequence import Sequence
+
+    params = SamplingParams(max_tokens=1)
+    a, b = Sequence(list(range(5, 35)), params), Sequence(list(range(5, 40)), params)
+    chunks = pack_chunks([JobPiece(a, 0, 30), JobPiece(b, 0, 35)], CHUNK)
+    assert [[(p.seq, p.start_pos, p.num_tokens) for p in c] for c in chunks] == [[(a, 0, 30), (b, 0, 2)], [(b, 2, 33)]]
+    model = tiny_folder("gpt_oss")
+    short, long = _prompts(5, (6,)), _prompts(6, (2 * CHUNK + 1, 3 * CHUNK + 1))
+    want, _ = _run_interleaved(_engine(model, "chunk"), short, long, 8)
+    eng = _engine(model, "layer")
+    started = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():  # noqa: ANN202
+        out = schedule()
+        if out.job_started is not None:
+            started.append([sum(p.num_tokens for p in c) for c in out.job_started.chunks])
+        return out
+
+    eng.scheduler.schedule = recorded
+    got, _ = _run_interleaved(eng, short, long, 8)
+    assert got == want
+    assert started == [[CHUNK, CHUNK + 1, CHUNK, CHUNK, CHUNK + 1]], started
+
+
 @pytest.mark.parametrize("slots_pct", ["15%", "30%"])
 def test_a_chunk_beyond_the_free_slots_falls_back_to_chunk_by_chunk(uniform_model: str, slots_pct: str) -> None:
     """forward_chunks plans each chunk as its routing lands, the earlier chunks' experts held pinned:

@@ -98,17 +98,18 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     cfg = req.cfg
     assert plan.strategy == "offload"
     # 18 full-attention layers hold the context; the 18 sliding ones (window 128) a pool of
-    # 1 null + (8 + 2) + 9 retained + 4096 / 16 blocks of 16 tokens (kvcache/window_pool.py)
+    # 1 null + (8 + 2) + 9 retained + (4096 + 128) / 16 blocks of 16 tokens (kvcache/window_pool.py; a
+    # step's chunk and the tail a prompt's last piece may take, config.step_tokens)
     # KV and expert slots share one region of pages (a slot = 23 KV blocks): KV starts at its floor,
     # one sequence of max_model_len in whole pages
     kv_pages = plan.pages.pages_for_tokens(32768, 16)
     assert plan.pages.blocks_per_page == 23 and plan.pages.page_bytes >= plan.slot_bytes
-    assert plan.kv_tokens == kv_pages * 23 * 16 >= 32768 and plan.request.window_blocks == 276
-    assert plan.kv_bytes == kv_pages * plan.pages.page_bytes + 276 * 16 * 18 * 2048
+    assert plan.kv_tokens == kv_pages * 23 * 16 >= 32768 and plan.request.window_blocks == 284
+    assert plan.kv_bytes == kv_pages * plan.pages.page_bytes + 284 * 16 * 18 * 2048
     assert plan.request.max_num_batched_tokens == 4096  # offloaded: the longer default step
     # + the hidden states of a layer-major prefill of up to max_model_len tokens (planner_search.prefill_plan)
     assert plan.prefill_job_tokens == 32768
-    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096, 1) + \
+    assert plan.activation_bytes == activation_bytes(cfg, torch.bfloat16, 4096 + 128, 1) + \
         prefill_job_bytes(cfg, torch.bfloat16, 32768)
     assert plan.total_bytes <= req.budget < plan.total_bytes + plan.pages.page_bytes
     assert 0.10 < plan.expert_slots / req.total_experts < 0.20
@@ -190,11 +191,11 @@ def test_refusals_say_how_much_is_missing() -> None:
     assert plan_memory(_req("gpt-oss-120b", "16GiB", max_num_seqs=32)).strategy == "offload"
     req = _req("gpt-oss-120b", "3GiB", max_num_seqs=32)
     per_token = kv_bytes_per_token(req.cfg, torch.bfloat16, 18)  # the 18 full-attention layers
-    window_pool = (1 + 32 * 19 + 2048 // 16) * 16 * per_token
+    window_pool = (1 + 32 * 19 + (2048 + 64) // 16) * 16 * per_token  # steps of a chunk and its tail
     geo = PageGeometry.of(16 * per_token, slot_bytes(req.cfg, torch.bfloat16))
     floor_pages = geo.pages_for_tokens(32768, 16) + 4  # + top_k slots
     need = (non_expert_bytes(req.cfg, torch.bfloat16) - host_embedding_bytes(req.cfg, torch.bfloat16)
-            + window_pool + activation_bytes(req.cfg, torch.bfloat16, 2048, 32) + floor_pages * geo.page_bytes)
+            + window_pool + activation_bytes(req.cfg, torch.bfloat16, 2048 + 64, 32) + floor_pages * geo.page_bytes)
     with pytest.raises(ConfigError, match=rf"one sequence of 32768 tokens.*4 expert slots.*missing "
                                           rf"{(need - 3 * GiB) / GiB:.2f} GiB.*max_model_len \(32768\)"):
         plan_memory(req)

@@ -8,6 +8,7 @@ output is a function of the tokens read back, so a recomputed sequence yields th
 
 import pytest
 
+from ferryman.config import step_tokens
 from ferryman.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import Sequence, SequenceStatus
 from ferryman.sampling_params import SamplingParams
@@ -80,6 +81,38 @@ def test_chunked_prefill_mixes_with_decodes():
         [(a.seq_id, 6, 1, True), (b.seq_id, 30, 10, True)],
     ]
     assert b.num_output_tokens == 1 and a.num_output_tokens == 4
+    run_to_end(sched, runner)
+
+
+def test_a_prompt_a_few_tokens_past_a_chunk_takes_one_step():
+    """A prompt's last piece takes up to chunk // 32 tokens past what the step has left
+    (config.piece_tokens): with 64-token chunks, 66 tokens alone run in one step; beside a decode
+    (63 left) 67 tokens run as 63 + 4, and 64 beside two decodes (62 left) in one step. No step
+    computes more than step_tokens(64) = 66 tokens."""
+    cfg = make_config(max_num_batched_tokens=64, max_model_len=128, num_blocks=128)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    a, b, c = make_seq(66, max_tokens=20), make_seq(67, max_tokens=20, start=300), make_seq(64, start=600)
+    plans = []
+
+    def step() -> None:
+        out = sched.schedule()
+        assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled) <= step_tokens(64) == 66
+        plans.append(plan(out))
+        sched.update(out, runner.step(out))
+
+    sched.add(a)
+    step()
+    sched.add(b)
+    step()
+    step()
+    sched.add(c)
+    step()
+    assert plans == [
+        [(a.seq_id, 0, 66, True)],
+        [(a.seq_id, 66, 1, True), (b.seq_id, 0, 63, False)],
+        [(a.seq_id, 67, 1, True), (b.seq_id, 63, 4, True)],
+        [(a.seq_id, 68, 1, True), (b.seq_id, 67, 1, True), (c.seq_id, 0, 64, True)],
+    ]
     run_to_end(sched, runner)
 
 

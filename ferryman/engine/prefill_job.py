@@ -1,9 +1,10 @@
 """The scheduler's side of layer-major prefill: which prompts form a job, its chunks, its blocks.
 
-A job takes prompts longer than one step (and the prompts waiting behind them, up to the plan's
-`prefill_job_tokens`) out of the waiting queue at once. The runner (engine/layer_prefill.py) then
-computes them layer by layer: layer l in every chunk, in chunk order, before layer l + 1, so an
-offloaded expert crosses the link once per job and layer instead of once per chunk.
+A job takes prompts longer than one step (a chunk and its tail, config.step_tokens; and the prompts
+waiting behind them, up to the plan's `prefill_job_tokens`) out of the waiting queue at once. The
+runner (engine/layer_prefill.py) then computes them layer by layer: layer l in every chunk, in chunk
+order, before layer l + 1, so an offloaded expert crosses the link once per job and layer instead of
+once per chunk.
 
 Invariants:
 - a job's sequences hold KV blocks for every token they compute from admission on (main pool),
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from ferryman.config import piece_tokens, step_tokens
 from ferryman.engine.sched_types import JobPiece, PrefillJob, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.block_pool import BlockPool, cdiv
@@ -37,16 +39,17 @@ def ring_blocks(window: int, chunk: int, block_size: int) -> int:
 
 
 def pack_chunks(members: list[JobPiece], chunk: int) -> list[list[JobPiece]]:
-    """Cut the members' tokens into steps of at most `chunk` tokens, in order (chunk-major's packing)."""
+    """Cut the members' tokens into steps of `chunk` tokens, in order, a member's last piece taking
+    up to `prefill_tail(chunk)` more (chunk-major's packing, config.piece_tokens)."""
     chunks: list[list[JobPiece]] = [[]]
     room = chunk
     for m in members:
         pos = m.start_pos
         while pos < m.end:
-            if room == 0:
+            if room <= 0:
                 chunks.append([])
                 room = chunk
-            n = min(room, m.end - pos)
+            n = piece_tokens(m.end - pos, room, chunk)
             chunks[-1].append(JobPiece(m.seq, pos, n))
             pos += n
             room -= n
@@ -79,7 +82,7 @@ class JobScheduling:
         if not cfg.prefill_job_tokens or not self.waiting or self.state_pool is not None:
             return
         head = self.waiting[0]
-        if head.num_tokens - len(self._match(head)[0]) * cfg.block_size <= cfg.max_num_batched_tokens:
+        if head.num_tokens - len(self._match(head)[0]) * cfg.block_size <= step_tokens(cfg.max_num_batched_tokens):
             return
         members: list[JobPiece] = []
         rings: dict[int, tuple[int, int]] = {}
@@ -110,7 +113,7 @@ class JobScheduling:
         grants = [(self.pool, num_tokens, prefixes[0])]
         ring = 0
         if self.window_pool is not None:
-            ring = min(ring_blocks(self.window_pool.window, cfg.max_num_batched_tokens, cfg.block_size),
+            ring = min(ring_blocks(self.window_pool.window, step_tokens(cfg.max_num_batched_tokens), cfg.block_size),
                        cdiv(num_tokens, cfg.block_size))
             grants.append((self.window_pool, min(num_tokens, ring * cfg.block_size), prefixes[1]))
         short = self.pool.shortfall(seq, num_tokens, prefixes[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferryman.config import step_tokens
 from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.window_pool import window_pool_need
 
@@ -17,7 +18,8 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     num_blocks: int  # KV blocks in the pool
     max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 2048  # tokens computed in one step (prefill chunks + decodes)
+    # tokens computed in one step (prefill chunks + decodes), a prompt's last piece up to config.prefill_tail more
+    max_num_batched_tokens: int = 2048
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     window: int | None = None  # sliding window of the layers with a pool of their own (None: no such pool)
@@ -40,10 +42,11 @@ class SchedulerConfig:
             raise ValueError(f"KV pool holds {capacity} tokens ({self.num_blocks} blocks of "
                              f"{self.block_size}) < max_model_len={self.max_model_len}")
         if self.window is not None:  # a step must always find its window blocks
-            need = window_pool_need(self.window, self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+            steps = step_tokens(self.max_num_batched_tokens)
+            need = window_pool_need(self.window, self.block_size, self.max_num_seqs, steps)
             if self.num_window_blocks < need:
                 raise ValueError(f"the window pool has {self.num_window_blocks} blocks; window {self.window}, "
-                                 f"{self.max_num_seqs} sequences and {self.max_num_batched_tokens}-token steps "
+                                 f"{self.max_num_seqs} sequences and {steps}-token steps "
                                  f"need {need}")
 
 
@@ -69,7 +72,7 @@ class SchedulerOutput:
     # Sequences computed this step in the order their tokens are packed: running ones first,
     # then newly admitted ones. Prefill chunks and decodes are mixed.
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    # Sum of num_tokens over `scheduled` (<= max_num_batched_tokens).
+    # Sum of num_tokens over `scheduled` (<= config.step_tokens(max_num_batched_tokens)).
     num_batched_tokens: int = 0
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)

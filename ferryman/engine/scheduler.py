@@ -3,7 +3,8 @@
 Each step the scheduler decides which sequences run and how many of their tokens are computed;
 `SchedulerOutput` is the only thing the model runner sees. Policy:
   1. running sequences first, oldest admission first: a decode takes 1 token, a sequence still in
-     prefill takes its next chunk (as much as the token budget leaves);
+     prefill takes its next chunk (as much as the token budget leaves; its last piece may run past
+     the budget by `config.prefill_tail` tokens, so no step computes a tail of a few tokens alone);
   2. when a running sequence needs a block and the pool is empty, the most recently admitted
      running sequence is preempted (blocks freed, back to the front of the waiting queue, its
      tokens recomputed when readmitted); a sequence with nobody behind it preempts itself;
@@ -21,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from ferryman.config import piece_tokens
 from ferryman.engine.prefill_job import JobScheduling
 from ferryman.engine.sched_types import PrefillJob, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -109,7 +111,7 @@ class Scheduler(JobScheduling):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
-            num_tokens = min(seq.num_tokens - start, budget)
+            num_tokens = piece_tokens(seq.num_tokens - start, budget, self.config.max_num_batched_tokens)
             if not self._allocate_or_preempt(seq, num_tokens, out):
                 break  # seq preempted itself: everything behind it is gone too
             out.scheduled.append(self._scheduled(seq, num_tokens))
@@ -168,7 +170,7 @@ class Scheduler(JobScheduling):
             seq = self.waiting[0]
             prefixes = self._match(seq)
             start = len(prefixes[0]) * self.config.block_size
-            num_tokens = min(seq.num_tokens - start, budget)
+            num_tokens = piece_tokens(seq.num_tokens - start, budget, self.config.max_num_batched_tokens)
             if not self.allocate_blocks(seq, num_tokens, prefixes):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()

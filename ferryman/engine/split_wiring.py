@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from ferryman.config import EngineConfig, ModelConfig
+from ferryman.config import EngineConfig, ModelConfig, step_tokens
 from ferryman.engine.memory_split import MemorySplit, SlotLender, SplitBounds
 from ferryman.errors import ConfigError
 from ferryman.kvcache.block_pool import BlockPool
@@ -34,7 +34,7 @@ def split_bounds(plan: MemoryPlan, ecfg: EngineConfig, cfg: ModelConfig) -> Spli
     reserve, least = ecfg.kv_reserve_tokens, ecfg.min_expert_slots
     if least is None:  # two layers' experts: the layer computing and the next one streaming in
         least = max(r.slot_floor, 2 * cfg.num_experts)
-    reserve_tokens = ecfg.max_num_batched_tokens if reserve is None else reserve
+    reserve_tokens = step_tokens(ecfg.max_num_batched_tokens) if reserve is None else reserve
     return SplitBounds(min(least, plan.expert_slots, most), most, -(-reserve_tokens // ecfg.block_size))
 
 

@@ -47,18 +47,18 @@ def num_window_layers(cfg: ModelConfig) -> int:
     return sum(cfg.window_of(i) is not None for i in range(cfg.num_layers))
 
 
-def window_pool_need(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def window_pool_need(window: int, block_size: int, max_num_seqs: int, step_tokens: int) -> int:
     """Blocks that let every step allocate: between steps each running sequence holds at most
     cdiv(W, S) + 1 blocks, a step adds at most cdiv(n, S) per scheduled sequence (n its tokens,
-    summing to at most max_num_batched_tokens, so at most cdiv(sum, S) + 1 each), plus NULL_BLOCK."""
-    return 1 + max_num_seqs * (cdiv(window, block_size) + 2) + cdiv(max_num_batched_tokens, block_size)
+    summing to at most step_tokens, so at most cdiv(sum, S) + 1 each), plus NULL_BLOCK."""
+    return 1 + max_num_seqs * (cdiv(window, block_size) + 2) + cdiv(step_tokens, block_size)
 
 
-def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, step_tokens: int) -> int:
     """The planned size: `window_pool_need`, and one more window per sequence, which keeps finished
     conversations' last windows for the prefix cache a while."""
     retain = max_num_seqs * (cdiv(window, block_size) + 1)
-    return window_pool_need(window, block_size, max_num_seqs, max_num_batched_tokens) + retain
+    return window_pool_need(window, block_size, max_num_seqs, step_tokens) + retain
 
 
 def ring_table(table: list[int], window: int, block_size: int, first: int, ring: int, start: int,
