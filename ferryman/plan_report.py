@@ -37,7 +37,8 @@ def describe_plan(plan: MemoryPlan) -> str:
         ("kv cache", f"{g(plan.kv_bytes)}  {kv}; {r.max_num_seqs} seqs x {r.max_model_len} context"),
         *([("state", f"{g(plan.state_bytes)}  linear-attention state, {r.max_num_seqs} slots; prefix-cache "
                      f"checkpoints {plan.checkpoint_host_bytes / GiB:.2f} GiB in host RAM")] if plan.state_bytes else []),
-        ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens"
+        ("activations", f"{g(plan.activation_bytes)}  prefill chunk of {r.max_num_batched_tokens} tokens "
+                        f"(a prompt's last piece up to {prefill_tail(r.max_num_batched_tokens or 0)} more)"
                         + (f"; layer-major prefill of up to {plan.prefill_job_tokens} tokens"
                            if plan.prefill_job_tokens else "; chunk-major prefill")),
         ("experts", f"{g(plan.expert_cache_bytes)}  {plan.expert_slots} of {r.total_experts} "
