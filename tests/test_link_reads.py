@@ -64,6 +64,38 @@ def test_link_steps_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     assert offload.engine.runner.experts.cache.table.num_pinned == 0
 
 
+def test_settle_counts_each_layers_hits_misses_and_link_reads(qwen3: tuple[str, Path]) -> None:
+    """A logged step of two rows: per layer, its distinct cached experts count as hits, the others as
+    misses, and every (row, k) pair whose expert was uncached as one link read of its bytes."""
+    _, folder = qwen3
+    _, offload = _offload_with_link(folder, 4)
+    greedy_ids(offload, PROMPTS[:1], 4)
+    seg = offload.engine.runner.graphs
+    assert isinstance(seg, SegmentedDecode) and seg.link is not None
+    link, cache = seg.link, offload.engine.runner.experts.cache
+    link.settle()  # the last decode step's bookkeeping first
+    c = cache.counters
+    L, k, e = len(link.layers), link.log.shape[2], cache.num_experts
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.stack([torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(2)]) for _ in range(L)])
+    rows[0, 1] = rows[0, 0]  # a layer whose two rows share their experts
+    link.log[:, :2] = rows.to(torch.int32)  # [L, 2, K]
+    want = {}
+    for m, layer in enumerate(link.layers):
+        used = set(rows[m].reshape(-1).tolist())
+        cached = {x for x in used if cache.contains(layer, x)}
+        reads = sum(1 for x in rows[m].reshape(-1).tolist() if x not in cached)
+        want[layer] = (len(cached), len(used) - len(cached), reads)
+    before = ({la: c.hits.get(la, 0) for la in link.layers}, {la: c.misses.get(la, 0) for la in link.layers},
+              c.link_reads, c.link_read_bytes)
+    link.logged(2)
+    link.settle()
+    got = {la: (c.hits.get(la, 0) - before[0][la], c.misses.get(la, 0) - before[1][la]) for la in link.layers}
+    assert got == {la: w[:2] for la, w in want.items()}
+    assert c.link_reads - before[2] == sum(w[2] for w in want.values()) > 0
+    assert c.link_read_bytes - before[3] == sum(w[2] * link.expert_bytes[la] for la, w in want.items())
+
+
 def test_settle_caches_a_steps_misses_and_publish_names_only_cached_slots(qwen3: tuple[str, Path]) -> None:
     """After a step, its misses are offered to the cache (the policy picks victims), and the next published
     table maps every expert to its slot, or to -1 - e when it has none."""
