@@ -135,7 +135,8 @@
 #                4,170 / 16k / 32k through default servers of both trees, alternated twice (~3-9 min);
 #                COMPARE=prefill20: the same lengths in process (profile_prefill.py), alternated twice (~2 min);
 #                COMPARE=int4qwen: qwen3-30b-a3b int4 at 8 GiB, one sequence's decode (link steps), alternated
-#                twice (~4 min)
+#                twice (~4 min); COMPARE=decode20: gpt-oss-20b at 8 GiB, one sequence's decode only (the copy
+#                path), alternated three times (~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LINKARGS=${LINKARGS---moe-strategy offload}  # link steps need every MoE layer on the GPU path
@@ -349,6 +350,16 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
                  done; done
                  grep -h "TTFT" "$OUT"/prefill20_*.log | tee "$OUT/${s}_compare.txt"
                  continue ;;
+      decode20)  # gpt-oss-20b at 8 GiB, one sequence's decode only (the copy path), the trees alternated three
+                 # times: the host's speed moves these runs by up to 1.3x (each JSON's decode_host.probe_us)
+                 for r in 1 2 3; do
+                   offload "decode20_new$r" gpt-oss-20b:8GiB 100 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
+                     --prefill-prompt 0
+                   offload "decode20_old$r" gpt-oss-20b:8GiB 100 "$old" --decode-tokens 128 --ttft-prompt 0 \
+                     --prefill-prompt 0
+                   table "$OUT/decode20_new$r.json" "$OUT/decode20_old$r.json" | tee -a "$OUT/${s}_compare.txt"
+                 done
+                 continue ;;
       int4qwen)  # qwen3-30b-a3b int4 at 8 GiB, one sequence's decode (link steps under auto), alternated twice
                  for r in 1 2; do
                    offload "int4qwen_new$r" qwen3-30b-a3b:8GiB:int4 100 "$ROOT" --decode-tokens 128 --ttft-prompt 0 \
@@ -358,7 +369,7 @@ compare() {  # each stage of $COMPARE on this tree, then on $OLD
                    table "$OUT/int4qwen_new$r.json" "$OUT/int4qwen_old$r.json" | tee -a "$OUT/${s}_compare.txt"
                  done
                  continue ;;
-      *) echo "compare: no stage $s (offload20, serve16, longprompt20, prefill20, int4qwen)"; exit 2 ;;
+      *) echo "compare: no stage $s (offload20, decode20, serve16, longprompt20, prefill20, int4qwen)"; exit 2 ;;
     esac
     table "$OUT/${s}_new.json" "$OUT/${s}_old.json" | tee "$OUT/${s}_compare.txt"
   done
