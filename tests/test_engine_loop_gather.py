@@ -54,3 +54,26 @@ def test_requests_arriving_together_share_the_first_step(tmp_path: Path, monkeyp
         loop.shutdown()
     assert all(len(o) == 3 for o in outs)
     assert sizes[0] == 4, sizes
+
+
+def test_the_server_loads_on_a_thread_that_ends() -> None:
+    """on_a_passing_thread: fn runs on another thread, which has ended when its result (or its
+    exception, re-raised here) comes back, so no OpenMP team stays behind for it (engine_loop.py)."""
+    import threading
+
+    from ferryman.server.engine_loop import on_a_passing_thread
+
+    seen: list[threading.Thread] = []
+
+    def load() -> int:
+        seen.append(threading.current_thread())
+        return 7
+
+    assert on_a_passing_thread(load) == 7
+    assert seen[0] is not threading.main_thread() and not seen[0].is_alive()
+
+    def fail() -> int:
+        raise ValueError("bad checkpoint")
+
+    with pytest.raises(ValueError, match="bad checkpoint"):
+        on_a_passing_thread(fail)

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ferryman.server.admin_api import router as admin_router
 from ferryman.server.anthropic_api import router as anthropic_router
-from ferryman.server.engine_loop import EngineLoop
+from ferryman.server.engine_loop import EngineLoop, on_a_passing_thread
 from ferryman.server.errors import APIError, error_response, validation_error
 from ferryman.server.metrics import ServerMetrics
 from ferryman.server.openai_api import router as openai_router
@@ -236,13 +236,17 @@ def serve(engine_kwargs: dict[str, Any], model: str | None, cfg: ServerConfig, h
     from ferryman.engine.llm_engine import LLMEngine
     from ferryman.llm import default_model
 
-    engine = LLMEngine(EngineConfig(model=model or default_model(), **engine_kwargs))
-    if cfg.warm_up and engine.device.type == "cuda":  # on a CPU nothing compiles at first use
-        from ferryman.engine.warm_up import warm_up
+    def load() -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=model or default_model(), **engine_kwargs))
+        if cfg.warm_up and engine.device.type == "cuda":  # on a CPU nothing compiles at first use
+            from ferryman.engine.warm_up import warm_up
 
-        report = warm_up(engine)
-        log.info("warmed up in %.1f s (%d steps of %d to %d sequences, the slowest %.2f s)", report.seconds,
-                 report.steps, min(report.batch_sizes), max(report.batch_sizes), report.slowest_s)
+            report = warm_up(engine)
+            log.info("warmed up in %.1f s (%d steps of %d to %d sequences, the slowest %.2f s)", report.seconds,
+                     report.steps, min(report.batch_sizes), max(report.batch_sizes), report.slowest_s)
+        return engine
+
+    engine = on_a_passing_thread(load)
     loop = EngineLoop(engine, max_pending=cfg.max_pending, step_timeout_s=cfg.step_timeout_s)
     app = build_app(loop, cfg)
     loop.start()

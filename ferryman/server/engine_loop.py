@@ -24,7 +24,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ferryman.engine.llm_engine import LLMEngine
 from ferryman.engine.outputs import RequestOutput, StepDelta
@@ -32,6 +32,32 @@ from ferryman.errors import EngineDeadError, FerrymanError
 from ferryman.sampling_params import SamplingParams
 
 log = logging.getLogger("ferryman.server")
+T = TypeVar("T")
+
+
+def on_a_passing_thread(fn: Callable[[], T]) -> T:
+    """fn()'s result (or its exception), computed on a thread that ends with it.
+
+    The engine loads and warms up here, not on the main thread: an OpenMP runtime (torch's CPU ops,
+    the CPU expert kernel) keeps a team of threads for every thread that ran a parallel region until
+    that thread ends, and once its teams hold more threads than the machine has cores, every region
+    and barrier sleeps instead of spinning. With a team left on the main thread, the engine thread's
+    CPU decode ran 2.2x slower (docs/benchmarks.md); this thread's team ends with it."""
+    out: list[T] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            err.append(e)
+
+    thread = threading.Thread(target=run, name="ferryman-load", daemon=True)  # Ctrl-C still ends the process
+    thread.start()
+    thread.join()
+    if err:
+        raise err[0]
+    return out[0]
 
 _IDLE_WAIT_S = 0.05  # how long an idle engine thread blocks on the command queue
 _WATCHDOG_PERIOD_S = 0.2
