@@ -28,6 +28,9 @@
 #   decodehost   the expert bookkeeping of one offloaded decode layer on this machine's host, the routing read's
 #                sync included (bench_decode_host.py --device cuda): gpt-oss-20b and qwen3-30b-a3b int4, beside
 #                the host's speed probe (the dev VM's figures: docs/benchmarks.md); ~1 min
+#   threadteams  one layer of CPU experts on the main thread and on a second one (bench_thread_teams.py):
+#                gpt-oss-20b's MXFP4 layer and the demo model's; whether OpenMP's thread teams slow the hybrid
+#                split's worker thread on this machine's cores; ~2 min
 #   tail20       gpt-oss-20b at 8 GiB in process: TTFT of 4,096 and 4,170-token prompts, each twice
 #                (profile_prefill.py), the last under the profiler (--gaps): what a 74-token last chunk
 #                costs a layer-major prompt; then the same with 4,352-token chunks (4,170 tokens in one
@@ -404,6 +407,9 @@ for s in ${@:-tests}; do
                  stage decodehost_qwen 60 python3 benchmarks/bench_decode_host.py --device cuda --calls 2000
                  stage decodehost_probe 20 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); \
 from host_usage import probe_us; print('probe_us', [probe_us() for _ in range(5)])" ;;
+    threadteams) stage threadteams_oss 120 python3 benchmarks/bench_thread_teams.py --model gpt-oss-20b --load-format dummy \
+                   --layers 2 --calls 200
+                 stage threadteams_demo 60 python3 benchmarks/bench_thread_teams.py ;;
     tail20)      stage tail20 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
                    --gpu-memory 8GiB --lengths 4096,4170,4096,4170 --gaps
                  stage tail20_one 100 python3 benchmarks/profile_prefill.py --model gpt-oss-20b --load-format dummy \
