@@ -268,31 +268,6 @@ PREFILL_MODES = ("auto", "layer", "chunk")
 # strategy (planner.plan_decode_misses; the A/B: benchmarks/bench_offload.py --decode-misses)
 DECODE_MISSES = ("auto", "copy", "link")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-# A prompt's last piece may run past the step's chunk (max_num_batched_tokens) by chunk // PREFILL_TAIL_DIV
-# tokens: a prompt a few tokens longer than a chunk takes one step, not a second one for its tail (the
-# second step's fixed costs, per layer, came to 50-85 ms for the 74 tokens past 4,096 of a gpt-oss-20b
-# prompt on the H200 machine: docs/benchmarks.md)
-PREFILL_TAIL_DIV = 32
-
-
-def prefill_tail(chunk: int) -> int:
-    """Tokens a prompt's last piece may take beyond a chunk of `chunk` tokens."""
-    return chunk // PREFILL_TAIL_DIV
-
-
-def step_tokens(chunk: int) -> int:
-    """The most tokens one step computes with chunks of `chunk` tokens: what the memory plan counts."""
-    return chunk + prefill_tail(chunk)
-
-
-def piece_tokens(remaining: int, budget: int, chunk: int) -> int:
-    """Tokens of a prompt with `remaining` to compute that a step takes when `budget` tokens of its
-    chunk are left: all of them if they fit in the budget and the tail, else at most the budget."""
-    if budget <= 0:
-        return 0
-    return remaining if remaining <= budget + prefill_tail(chunk) else budget
-
-
 DEFAULT_CONTEXT_CAP = 32768  # max_model_len when unset: the model's context, at most this; the KV floor per sequence
 
 

@@ -8,9 +8,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferryman.config import GiB, MiB, ModelConfig, piece_tokens, prefill_tail, step_tokens
+from ferryman.config import GiB, MiB, ModelConfig
 from ferryman.kvcache.window_pool import num_window_layers
 from ferryman.planner import MemoryPlan, link_blockers, link_step_fits, non_expert_params
+from ferryman.prefill_steps import piece_tokens, pieces_of, prefill_tail, step_tokens
 
 
 def describe_plan(plan: MemoryPlan) -> str:
@@ -243,9 +244,7 @@ class StepCosts:
         attn_s = 4.0 * attn * cfg.num_heads * cfg.head_dim / self.flops
         other_s = self.dense_flops * tokens / self.flops + attn_s  # every layer's, together
         chunk = chunk or tokens
-        full, rest = divmod(tokens, chunk)
-        if full and rest and rest <= prefill_tail(chunk):  # the last chunk takes the tail (config.piece_tokens)
-            full, rest = full - 1, chunk + rest
+        full, rest = pieces_of(tokens, chunk)  # the last chunk takes a short tail
         moe = full * self.moe_s(chunk) + (self.moe_s(rest) if rest else 0.0)
         return self.moe_layers * (self.misses_s(tokens, hit) + moe + LAYER_S) + other_s
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig, parse_strategy, step_tokens
+from ferryman.config import DEFAULT_CONTEXT_CAP, MiB, ModelConfig, parse_strategy
 from ferryman.errors import ConfigError
 from ferryman.quant.layout import ExpertLayout
 from ferryman.kvcache.state_checkpoints import CHECKPOINTS_PER_SEQ
@@ -34,6 +34,7 @@ from ferryman.kvcache.shared_region import PageGeometry
 from ferryman.kvcache.state_pool import state_bytes_per_seq
 from ferryman.kvcache.window_pool import num_window_layers, window_pool_blocks, window_split
 from ferryman.layers import batched_moe, fused_moe
+from ferryman.prefill_steps import step_tokens
 from ferryman.quant.base import get_format
 
 # allocator slack, cuBLAS workspace, CUDA graph pools: the activation estimate's only margin

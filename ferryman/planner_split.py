@@ -5,9 +5,10 @@ planner_search.py makes those choices by splitting again; planner.py holds the s
 
 from __future__ import annotations
 
-from ferryman.config import GiB, MiB, parse_strategy, step_tokens
+from ferryman.config import GiB, MiB, parse_strategy
 from ferryman.errors import ConfigError
 from ferryman.kvcache.shared_region import PageGeometry
+from ferryman.prefill_steps import step_tokens
 from ferryman.planner import (
     MemoryPlan,
     PlanRequest,

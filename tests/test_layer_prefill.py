@@ -265,7 +265,7 @@ def test_the_scheduler_runs_a_job_beside_decodes() -> None:
 
 
 def test_a_job_takes_a_short_tail_in_its_last_chunk(tiny_folder) -> None:  # noqa: ANN001
-    """chunk // 32 = 1 token past a chunk joins the chunk before it (config.piece_tokens), in both modes:
+    """chunk // 32 = 1 token past a chunk joins the chunk before it (prefill_steps.piece_tokens), in both modes:
     the packing, then the same greedy tokens from a 65-token and a 97-token prompt (chunks 32 + 33 and
     32 + 32 + 33; gpt-oss's window ring sized for 33-token pieces)."""
     from ferryman.engine.prefill_job import pack_chunks

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcache",),
     ("layers",),
     ("quant",),
-    ("config", "sampling_params", "tokenizer"),
+    ("config", "sampling_params", "tokenizer", "prefill_steps"),
     ("units",),
     ("envs",),
     ("errors",),

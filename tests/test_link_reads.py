@@ -14,6 +14,8 @@ import torch
 
 from ferryman import LLM
 from ferryman.engine.segment_graphs import SegmentedDecode
+from ferryman.experts.gpu_cache import ExpertCache
+from ferryman.experts.link_table import LinkTable
 from ferryman.experts.split_trial import SplitTrial, link_reads_trial
 from ferryman.models.registry import model_config
 from tiny_models import build_tiny, count_calls, greedy_ids
@@ -64,15 +66,19 @@ def test_link_steps_on_cpu_equal_resident(tiny: tuple[str, Path]) -> None:
     assert offload.engine.runner.experts.cache.table.num_pinned == 0
 
 
-def test_settle_counts_each_layers_hits_misses_and_link_reads(qwen3: tuple[str, Path]) -> None:
-    """A logged step of two rows: per layer, its distinct cached experts count as hits, the others as
-    misses, and every (row, k) pair whose expert was uncached as one link read of its bytes."""
-    _, folder = qwen3
+def _link_after_decode(folder: Path) -> tuple[LinkTable, ExpertCache]:
+    """The link table and cache of an offloaded LLM (25% cache) that decoded a few link steps."""
     _, offload = _offload_with_link(folder, 4)
     greedy_ids(offload, PROMPTS[:1], 4)
     seg = offload.engine.runner.graphs
     assert isinstance(seg, SegmentedDecode) and seg.link is not None
-    link, cache = seg.link, offload.engine.runner.experts.cache
+    return seg.link, offload.engine.runner.experts.cache
+
+
+def test_settle_counts_each_layers_hits_misses_and_link_reads(qwen3: tuple[str, Path]) -> None:
+    """A logged step of two rows: per layer, its distinct cached experts count as hits, the others as
+    misses, and every (row, k) pair whose expert was uncached as one link read of its bytes."""
+    link, cache = _link_after_decode(qwen3[1])
     link.settle()  # the last decode step's bookkeeping first
     c = cache.counters
     L, k, e = len(link.layers), link.log.shape[2], cache.num_experts
@@ -99,12 +105,7 @@ def test_settle_counts_each_layers_hits_misses_and_link_reads(qwen3: tuple[str, 
 def test_settle_caches_a_steps_misses_and_publish_names_only_cached_slots(qwen3: tuple[str, Path]) -> None:
     """After a step, its misses are offered to the cache (the policy picks victims), and the next published
     table maps every expert to its slot, or to -1 - e when it has none."""
-    _, folder = qwen3
-    _, offload = _offload_with_link(folder, 4)
-    greedy_ids(offload, PROMPTS[:1], 4)
-    seg = offload.engine.runner.graphs
-    assert isinstance(seg, SegmentedDecode) and seg.link is not None
-    link, cache = seg.link, offload.engine.runner.experts.cache
+    link, cache = _link_after_decode(qwen3[1])
     link.log[:, :1] = torch.arange(link.log.shape[2], dtype=torch.int32)  # one row: experts 0..K-1 everywhere
     link.logged(1)
     link.settle()

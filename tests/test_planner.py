@@ -99,7 +99,7 @@ def test_offload_plan_gives_experts_the_rest() -> None:
     assert plan.strategy == "offload"
     # 18 full-attention layers hold the context; the 18 sliding ones (window 128) a pool of
     # 1 null + (8 + 2) + 9 retained + (4096 + 128) / 16 blocks of 16 tokens (kvcache/window_pool.py; a
-    # step's chunk and the tail a prompt's last piece may take, config.step_tokens)
+    # step's chunk and the tail a prompt's last piece may take, prefill_steps.step_tokens)
     # KV and expert slots share one region of pages (a slot = 23 KV blocks): KV starts at its floor,
     # one sequence of max_model_len in whole pages
     kv_pages = plan.pages.pages_for_tokens(32768, 16)

@@ -8,9 +8,9 @@ output is a function of the tokens read back, so a recomputed sequence yields th
 
 import pytest
 
-from ferryman.config import step_tokens
 from ferryman.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import Sequence, SequenceStatus
+from ferryman.prefill_steps import piece_tokens, pieces_of, step_tokens
 from ferryman.sampling_params import SamplingParams
 
 EOS = 2
@@ -86,7 +86,7 @@ def test_chunked_prefill_mixes_with_decodes():
 
 def test_a_prompt_a_few_tokens_past_a_chunk_takes_one_step():
     """A prompt's last piece takes up to chunk // 32 tokens past what the step has left
-    (config.piece_tokens): with 64-token chunks, 66 tokens alone run in one step; beside a decode
+    (prefill_steps.piece_tokens): with 64-token chunks, 66 tokens alone run in one step; beside a decode
     (63 left) 67 tokens run as 63 + 4, and 64 beside two decodes (62 left) in one step. No step
     computes more than step_tokens(64) = 66 tokens."""
     cfg = make_config(max_num_batched_tokens=64, max_model_len=128, num_blocks=128)
@@ -114,6 +114,18 @@ def test_a_prompt_a_few_tokens_past_a_chunk_takes_one_step():
         [(a.seq_id, 68, 1, True), (b.seq_id, 67, 1, True), (c.seq_id, 0, 64, True)],
     ]
     run_to_end(sched, runner)
+
+
+def test_pieces_of_a_prompt_are_what_piece_tokens_cuts():
+    """`pieces_of` (ferryman plan's model of a prompt's chunks) agrees with cutting by `piece_tokens`."""
+    for chunk in (16, 64, 4096):
+        for tokens in (1, chunk - 1, chunk, chunk + 1, chunk + chunk // 32, chunk + chunk // 32 + 1, 3 * chunk + 2):
+            cut, left = [], tokens
+            while left:
+                cut.append(piece_tokens(left, chunk, chunk))
+                left -= cut[-1]
+            full, rest = pieces_of(tokens, chunk)
+            assert cut == [chunk] * full + ([rest] if rest else []), (chunk, tokens, cut)
 
 
 def test_preemption_recomputes_and_finishes_with_the_same_tokens():

@@ -1,6 +1,6 @@
 """The scheduler's side of layer-major prefill: which prompts form a job, its chunks, its blocks.
 
-A job takes prompts longer than one step (a chunk and its tail, config.step_tokens; and the prompts
+A job takes prompts longer than one step (a chunk and its tail, prefill_steps.step_tokens; and the prompts
 waiting behind them, up to the plan's `prefill_job_tokens`) out of the waiting queue at once. The
 runner (engine/layer_prefill.py) then computes them layer by layer: layer l in every chunk, in chunk
 order, before layer l + 1, so an offloaded expert crosses the link once per job and layer instead of
@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from ferryman.config import piece_tokens, step_tokens
 from ferryman.engine.sched_types import JobPiece, PrefillJob, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.block_pool import BlockPool, cdiv
 from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool
+from ferryman.prefill_steps import piece_tokens, step_tokens
 
 
 def ring_blocks(window: int, chunk: int, block_size: int) -> int:
@@ -40,7 +40,7 @@ def ring_blocks(window: int, chunk: int, block_size: int) -> int:
 
 def pack_chunks(members: list[JobPiece], chunk: int) -> list[list[JobPiece]]:
     """Cut the members' tokens into steps of `chunk` tokens, in order, a member's last piece taking
-    up to `prefill_tail(chunk)` more (chunk-major's packing, config.piece_tokens)."""
+    up to `prefill_tail(chunk)` more (chunk-major's packing, prefill_steps.piece_tokens)."""
     chunks: list[list[JobPiece]] = [[]]
     room = chunk
     for m in members:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferryman.config import step_tokens
+from ferryman.prefill_steps import step_tokens
 from ferryman.engine.sequence import Sequence
 from ferryman.kvcache.window_pool import window_pool_need
 
@@ -18,7 +18,7 @@ class SchedulerConfig:
     max_model_len: int  # prompt + output tokens of one sequence
     num_blocks: int  # KV blocks in the pool
     max_num_seqs: int = 64  # sequences running at once
-    # tokens computed in one step (prefill chunks + decodes), a prompt's last piece up to config.prefill_tail more
+    # tokens computed in one step (prefill chunks + decodes); a last piece may take prefill_steps.prefill_tail more
     max_num_batched_tokens: int = 2048
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
@@ -72,7 +72,7 @@ class SchedulerOutput:
     # Sequences computed this step in the order their tokens are packed: running ones first,
     # then newly admitted ones. Prefill chunks and decodes are mixed.
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    # Sum of num_tokens over `scheduled` (<= config.step_tokens(max_num_batched_tokens)).
+    # Sum of num_tokens over `scheduled` (<= prefill_steps.step_tokens(max_num_batched_tokens)).
     num_batched_tokens: int = 0
     # Sequences preempted while building this step (their KV is gone; they will be recomputed).
     preempted: list[Sequence] = field(default_factory=list)

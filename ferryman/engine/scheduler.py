@@ -4,7 +4,7 @@ Each step the scheduler decides which sequences run and how many of their tokens
 `SchedulerOutput` is the only thing the model runner sees. Policy:
   1. running sequences first, oldest admission first: a decode takes 1 token, a sequence still in
      prefill takes its next chunk (as much as the token budget leaves; its last piece may run past
-     the budget by `config.prefill_tail` tokens, so no step computes a tail of a few tokens alone);
+     the budget by `prefill_steps.prefill_tail` tokens, so no step computes a tail of a few tokens alone);
   2. when a running sequence needs a block and the pool is empty, the most recently admitted
      running sequence is preempted (blocks freed, back to the front of the waiting queue, its
      tokens recomputed when readmitted); a sequence with nobody behind it preempts itself;
@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from ferryman.config import piece_tokens
 from ferryman.engine.prefill_job import JobScheduling
 from ferryman.engine.sched_types import PrefillJob, ScheduledSeq, SchedulerConfig, SchedulerOutput
 from ferryman.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -30,6 +29,7 @@ from ferryman.kvcache.block_pool import BlockPool
 from ferryman.kvcache.state_checkpoints import CheckpointIndex, checkpoint_positions
 from ferryman.kvcache.state_pool import StatePool
 from ferryman.kvcache.window_pool import WindowBlockPool
+from ferryman.prefill_steps import piece_tokens
 
 
 class Scheduler(JobScheduling):

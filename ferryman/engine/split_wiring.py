@@ -9,11 +9,12 @@ from collections.abc import Callable
 
 import torch
 
-from ferryman.config import EngineConfig, ModelConfig, step_tokens
+from ferryman.config import EngineConfig, ModelConfig
 from ferryman.engine.memory_split import MemorySplit, SlotLender, SplitBounds
 from ferryman.errors import ConfigError
 from ferryman.kvcache.block_pool import BlockPool
 from ferryman.kvcache.shared_region import SharedRegion
+from ferryman.prefill_steps import step_tokens
 from ferryman.planner import MemoryPlan
 
 

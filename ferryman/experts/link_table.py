@@ -120,9 +120,10 @@ class LinkTable:
             if bounds[m] == bounds[m + 1]:
                 continue
             layer = self.layers[m]
-            misses = (missed[bounds[m] : bounds[m + 1]] - m * e).tolist()
+            mine = missed[bounds[m] : bounds[m + 1]] - m * e  # the layer's missed experts, ascending
+            misses = mine.tolist()
             # [B, K] against a few misses: (token, k) pairs that read an expert over the link
-            reads = int((ids[m][..., None] == np.asarray(misses)).any(-1).sum())
+            reads = int((ids[m][..., None] == mine).any(-1).sum())
             c.link_reads += reads
             c.link_read_bytes += reads * self.expert_bytes[layer]
             # used, not guessed: copied only where the policy admits them over a victim (a copy costs

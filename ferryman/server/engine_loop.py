@@ -52,7 +52,8 @@ def on_a_passing_thread(fn: Callable[[], T]) -> T:
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             err.append(e)
 
-    thread = threading.Thread(target=run, name="ferryman-load", daemon=True)  # Ctrl-C still ends the process
+    # daemon: Ctrl-C ends the process at once (an executor's worker would hold the exit until the load ends)
+    thread = threading.Thread(target=run, name="ferryman-load", daemon=True)
     thread.start()
     thread.join()
     if err:
